@@ -1,0 +1,215 @@
+/**
+ * `ferry.toml`: parsing and validation of an app's configuration file.
+ *
+ * Shared by the CLI (which refuses an invalid file before uploading) and the server (which checks the
+ * copy inside every uploaded archive). Errors name the key and what is wrong with it.
+ */
+
+import { parse as parseToml } from 'smol-toml';
+import { type Static, Type } from 'typebox';
+import { Value } from 'typebox/value';
+
+/** The longest `response_grace_period` allowed: 12 hours (spec section 8). */
+export const MAX_GRACE_PERIOD_SECONDS = 43_200;
+
+const AppName = Type.String({ pattern: '^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$' });
+const EnvName = '^[A-Za-z_][A-Za-z0-9_]*$';
+
+const AppSection = Type.Object(
+  {
+    name: AppName,
+    runtime: Type.Optional(Type.Union([Type.Literal('cortex'), Type.Literal('custom')])),
+    entry: Type.Optional(
+      Type.Union([Type.Literal('main.ts'), Type.Literal('main.js'), Type.Literal('main.mjs'), Type.Literal('main.py')]),
+    ),
+    include: Type.Optional(Type.Array(Type.String({ minLength: 1 }))),
+    exclude: Type.Optional(Type.Array(Type.String({ minLength: 1 }))),
+    disable_auth: Type.Optional(Type.Boolean()),
+  },
+  { additionalProperties: false },
+);
+
+const CustomSection = Type.Object(
+  {
+    entrypoint: Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { minItems: 1 })]),
+    port: Type.Optional(Type.Integer({ minimum: 1, maximum: 65535 })),
+    healthcheck_endpoint: Type.Optional(Type.String()),
+    readycheck_endpoint: Type.Optional(Type.String()),
+  },
+  { additionalProperties: false },
+);
+
+const ScalingSection = Type.Object(
+  {
+    min_replicas: Type.Optional(Type.Integer({ minimum: 0, maximum: 100 })),
+    max_replicas: Type.Optional(Type.Integer({ minimum: 1, maximum: 100 })),
+    replica_concurrency: Type.Optional(Type.Integer({ minimum: 1, maximum: 1000 })),
+    cooldown: Type.Optional(Type.Integer({ minimum: 0, maximum: 86_400 })),
+    response_grace_period: Type.Optional(Type.Integer({ minimum: 1, maximum: MAX_GRACE_PERIOD_SECONDS })),
+  },
+  { additionalProperties: false },
+);
+
+const ResourcesSection = Type.Object(
+  {
+    cpu: Type.Optional(Type.Number({ exclusiveMinimum: 0, maximum: 64 })),
+    memory: Type.Optional(Type.Integer({ minimum: 32, maximum: 262_144 })),
+  },
+  { additionalProperties: false },
+);
+
+const RawConfig = Type.Object(
+  {
+    app: AppSection,
+    runtime: Type.Optional(Type.Object({ custom: Type.Optional(CustomSection) }, { additionalProperties: false })),
+    scaling: Type.Optional(ScalingSection),
+    resources: Type.Optional(ResourcesSection),
+    env: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String(), { additionalProperties: false })),
+  },
+  { additionalProperties: false },
+);
+type RawConfig = Static<typeof RawConfig>;
+
+/** A validated `ferry.toml` with every default filled in. */
+export interface AppConfig {
+  app: {
+    name: string;
+    runtime: 'cortex' | 'custom';
+    /** Only for the cortex runtime; `undefined` means "the one of main.ts, main.js, main.mjs, main.py that exists". */
+    entry: string | undefined;
+    include: string[];
+    exclude: string[];
+    disable_auth: boolean;
+  };
+  runtime: {
+    custom?: { entrypoint: string | string[]; port: number; healthcheck_endpoint: string; readycheck_endpoint: string };
+  };
+  scaling: {
+    min_replicas: number;
+    max_replicas: number;
+    replica_concurrency: number;
+    cooldown: number;
+    response_grace_period: number;
+  };
+  resources: { cpu: number; memory: number };
+  env: Record<string, string>;
+}
+
+export const DEFAULT_INCLUDE = ['**/*'];
+// Without a slash a pattern names a file or folder at any depth, so nested __pycache__ folders stay home too.
+export const DEFAULT_EXCLUDE = ['.*', 'node_modules', '__pycache__'];
+
+/** Thrown for an unreadable or invalid `ferry.toml`; `key` is the dotted path of the offending key. */
+export class AppConfigError extends Error {
+  readonly key: string | undefined;
+  constructor(message: string, key?: string) {
+    super(message);
+    this.name = 'AppConfigError';
+    this.key = key;
+  }
+}
+
+function keyOf(path: string): string {
+  // TypeBox paths look like "/scaling/max_replicas" or "/env/1"; ferry.toml users think in dotted keys.
+  return path.replace(/^\//, '').replaceAll('/', '.') || '(top level)';
+}
+
+/**
+ * Parses and validates the text of a `ferry.toml`.
+ *
+ * @example
+ *   const config = parseAppConfig('[app]\nname = "hello"\n');
+ *   config.scaling.response_grace_period; // 900
+ */
+export function parseAppConfig(text: string): AppConfig {
+  let data: unknown;
+  try {
+    data = parseToml(text);
+  } catch (err) {
+    const message = err instanceof Error ? err.message.split('\n')[0] : String(err);
+    throw new AppConfigError(`ferry.toml is not valid TOML: ${message}`);
+  }
+  const errors = Value.Errors(RawConfig, data);
+  if (errors.length > 0) throw new AppConfigError(...explain(errors));
+  return withDefaults(data as RawConfig);
+}
+
+type ValidationError = ReturnType<typeof Value.Errors>[number];
+
+/** Picks the most useful error and words it in terms of ferry.toml keys. */
+function explain(errors: ValidationError[]): [string, string] {
+  // "schema is false" is how an unknown key shows up; the additionalProperties error beside it says which.
+  const useful = errors.filter((e) => e.keyword !== 'boolean');
+  const first = useful[0] ?? errors[0]!;
+  const base = keyOf(first.instancePath);
+  const params = first.params as Record<string, unknown>;
+  let key = base;
+  let what: string;
+  if (first.keyword === 'required') {
+    const missing = (params.requiredProperties as string[] | undefined)?.[0] ?? '?';
+    key = base === '(top level)' ? missing : `${base}.${missing}`;
+    what = first.instancePath === '' ? 'section is required' : 'is required';
+  } else if (first.keyword === 'additionalProperties') {
+    const extra = (params.additionalProperties as string[] | undefined)?.[0] ?? '?';
+    key = base === '(top level)' ? extra : `${base}.${extra}`;
+    what = base === 'env' ? 'is not a valid environment variable name' : 'is not a known key';
+  } else if (first.keyword === 'pattern' && key === 'app.name') {
+    what = 'must use only a-z, 0-9 and "-", start and end with a letter or digit, and be at most 63 characters';
+  } else {
+    what = first.message;
+  }
+  return [`ferry.toml: ${key}: ${what}`, key];
+}
+
+function withDefaults(raw: RawConfig): AppConfig {
+  const runtime = raw.app.runtime ?? 'cortex';
+  if (runtime === 'custom' && !raw.runtime?.custom) {
+    throw new AppConfigError('ferry.toml: runtime.custom: is required when app.runtime is "custom"', 'runtime.custom');
+  }
+  if (runtime === 'cortex' && raw.runtime?.custom) {
+    throw new AppConfigError(
+      'ferry.toml: runtime.custom: is only allowed when app.runtime is "custom"',
+      'runtime.custom',
+    );
+  }
+  if (runtime === 'custom' && raw.app.entry !== undefined) {
+    throw new AppConfigError('ferry.toml: app.entry: is only used by the cortex runtime', 'app.entry');
+  }
+  const scaling = {
+    min_replicas: raw.scaling?.min_replicas ?? 0,
+    max_replicas: raw.scaling?.max_replicas ?? 2,
+    replica_concurrency: raw.scaling?.replica_concurrency ?? 1,
+    cooldown: raw.scaling?.cooldown ?? 60,
+    response_grace_period: raw.scaling?.response_grace_period ?? 900,
+  };
+  if (scaling.min_replicas > scaling.max_replicas) {
+    throw new AppConfigError(
+      `ferry.toml: scaling.min_replicas: ${scaling.min_replicas} is more than scaling.max_replicas (${scaling.max_replicas})`,
+      'scaling.min_replicas',
+    );
+  }
+  const custom = raw.runtime?.custom;
+  return {
+    app: {
+      name: raw.app.name,
+      runtime,
+      entry: raw.app.entry,
+      include: raw.app.include ?? DEFAULT_INCLUDE,
+      exclude: raw.app.exclude ?? DEFAULT_EXCLUDE,
+      disable_auth: raw.app.disable_auth ?? false,
+    },
+    runtime: custom
+      ? {
+          custom: {
+            entrypoint: custom.entrypoint,
+            port: custom.port ?? 8080,
+            healthcheck_endpoint: custom.healthcheck_endpoint ?? '',
+            readycheck_endpoint: custom.readycheck_endpoint ?? '',
+          },
+        }
+      : {},
+    scaling,
+    resources: { cpu: raw.resources?.cpu ?? 1, memory: raw.resources?.memory ?? 1024 },
+    env: raw.env ?? {},
+  };
+}

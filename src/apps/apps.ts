@@ -1,0 +1,70 @@
+/**
+ * Apps as the API shows them: the app, its active build and a state derived from its builds.
+ */
+import { FerryError } from '../errors.js';
+import type { Store } from '../store/index.js';
+import type { App } from '../store/schema.js';
+
+export type AppState = 'active' | 'building' | 'failed' | 'pending' | 'cancelled';
+
+export interface AppView {
+  id: string;
+  name: string;
+  project_id: string;
+  state: AppState;
+  active_build_id: string | null;
+  latest_build_id: string | null;
+  latest_build_state: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+async function latestBuild(store: Store, app: App): Promise<{ id: string; state: string } | undefined> {
+  return store
+    .selectFrom('builds')
+    .select(['id', 'state'])
+    .where('project_id', '=', app.project_id)
+    .where('app_id', '=', app.id)
+    .orderBy('id', 'desc')
+    .limit(1)
+    .executeTakeFirst();
+}
+
+function view(app: App, latest: { id: string; state: string } | undefined): AppView {
+  let state: AppState;
+  if (latest && (latest.state === 'pending' || latest.state === 'building')) state = 'building';
+  else if (app.active_build_id) state = 'active';
+  else state = (latest?.state as AppState | undefined) === 'cancelled' ? 'cancelled' : latest ? 'failed' : 'pending';
+  return {
+    id: app.id,
+    name: app.name,
+    project_id: app.project_id,
+    state,
+    active_build_id: app.active_build_id,
+    latest_build_id: latest?.id ?? null,
+    latest_build_state: latest?.state ?? null,
+    created_at: app.created_at,
+    updated_at: app.updated_at,
+  };
+}
+
+export async function listApps(store: Store, projectId: string): Promise<AppView[]> {
+  const apps = await store.selectFrom('apps').selectAll().where('project_id', '=', projectId).orderBy('name').execute();
+  return Promise.all(apps.map(async (app) => view(app, await latestBuild(store, app))));
+}
+
+export async function findApp(store: Store, projectId: string, appId: string): Promise<App> {
+  const app = await store
+    .selectFrom('apps')
+    .selectAll()
+    .where('project_id', '=', projectId)
+    .where('id', '=', appId)
+    .executeTakeFirst();
+  if (!app) throw new FerryError('FERRY_APP_NOT_FOUND', `No app "${appId}" in this project`);
+  return app;
+}
+
+export async function getApp(store: Store, projectId: string, appId: string): Promise<AppView> {
+  const app = await findApp(store, projectId, appId);
+  return view(app, await latestBuild(store, app));
+}

@@ -1,0 +1,70 @@
+/**
+ * Service-account tokens: JWTs (HS256) signed with the key in `<data-dir>/keys/jwt.key`.
+ *
+ * Claims: `sub` service account id, `prj` project id, `scp` scopes, `jti` token id, `iat`, `exp`, `iss`.
+ * Only the `jti` and a SHA-256 of the token are stored, so a leaked database does not leak tokens.
+ */
+import { createHash } from 'node:crypto';
+import { errors as joseErrors, jwtVerify, SignJWT } from 'jose';
+import { FerryError } from '../errors.js';
+
+export type Scope = 'manage' | 'run';
+export const ALL_SCOPES: readonly Scope[] = ['manage', 'run'];
+const ISSUER = 'ferry';
+
+export interface TokenClaims {
+  serviceAccountId: string;
+  projectId: string;
+  scopes: Scope[];
+  tokenId: string;
+  expiresAt: Date;
+}
+
+/** Signs a token for a service account. */
+export async function signToken(key: Uint8Array, claims: TokenClaims): Promise<string> {
+  return new SignJWT({ prj: claims.projectId, scp: claims.scopes })
+    .setProtectedHeader({ alg: 'HS256', typ: 'JWT' })
+    .setIssuer(ISSUER)
+    .setSubject(claims.serviceAccountId)
+    .setJti(claims.tokenId)
+    .setIssuedAt()
+    .setExpirationTime(Math.floor(claims.expiresAt.getTime() / 1000))
+    .sign(key);
+}
+
+/**
+ * Checks a token's signature, issuer and expiry and returns its claims.
+ * Throws FERRY_TOKEN_EXPIRED or FERRY_TOKEN_INVALID; revocation is checked by the caller against the store.
+ */
+export async function verifyToken(key: Uint8Array, token: string): Promise<TokenClaims> {
+  let payload: Awaited<ReturnType<typeof jwtVerify>>['payload'];
+  try {
+    ({ payload } = await jwtVerify(token, key, { issuer: ISSUER, algorithms: ['HS256'] }));
+  } catch (err) {
+    if (err instanceof joseErrors.JWTExpired) throw new FerryError('FERRY_TOKEN_EXPIRED');
+    throw new FerryError('FERRY_TOKEN_INVALID');
+  }
+  const { sub, prj, scp, jti, exp } = payload;
+  if (
+    typeof sub !== 'string' ||
+    typeof prj !== 'string' ||
+    typeof jti !== 'string' ||
+    typeof exp !== 'number' ||
+    !Array.isArray(scp) ||
+    !scp.every((s) => s === 'manage' || s === 'run')
+  ) {
+    throw new FerryError('FERRY_TOKEN_INVALID');
+  }
+  return {
+    serviceAccountId: sub,
+    projectId: prj,
+    scopes: scp as Scope[],
+    tokenId: jti,
+    expiresAt: new Date(exp * 1000),
+  };
+}
+
+/** The stored fingerprint of a token. */
+export function hashToken(token: string): string {
+  return createHash('sha256').update(token).digest('hex');
+}

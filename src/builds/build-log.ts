@@ -1,0 +1,97 @@
+/**
+ * Build logs: lines appended in order to the store, readable from any sequence number, and followable
+ * while the build runs. Followers poll the store (so a follower on another gateway works the same) and are
+ * woken early by an in-process signal when a line is written here.
+ */
+import { EventEmitter } from 'node:events';
+import type { Store } from '../store/index.js';
+
+export interface LogLine {
+  seq: number;
+  at: string;
+  line: string;
+}
+
+export interface BuildLog {
+  /** Appends a line; writes are ordered per build. Long lines are cut at 8 KiB. */
+  append(buildId: string, line: string): void;
+  /** Resolves when every line appended so far for the build is in the store. */
+  flush(buildId: string): Promise<void>;
+  read(buildId: string, afterSeq: number, limit?: number): Promise<LogLine[]>;
+  /** Waits until a line is appended for the build here, or `ms` passes. */
+  waitForLines(buildId: string, ms: number, signal?: AbortSignal): Promise<void>;
+}
+
+const MAX_LINE = 8192;
+
+export function createBuildLog(deps: { store: Store }): BuildLog {
+  const { store } = deps;
+  const wake = new EventEmitter();
+  wake.setMaxListeners(0);
+  const pending = new Map<string, { seq: number; chain: Promise<void> }>();
+
+  async function nextSeq(buildId: string): Promise<number> {
+    const row = await store
+      .selectFrom('build_log_lines')
+      .select((eb) => eb.fn.max('seq').as('max'))
+      .where('build_id', '=', buildId)
+      .executeTakeFirst();
+    return Number(row?.max ?? 0);
+  }
+
+  return {
+    append(buildId, text) {
+      const line = text.length > MAX_LINE ? `${text.slice(0, MAX_LINE)}… (line cut)` : text;
+      let state = pending.get(buildId);
+      if (!state) {
+        state = { seq: -1, chain: Promise.resolve() };
+        pending.set(buildId, state);
+      }
+      const s = state;
+      s.chain = s.chain
+        .then(async () => {
+          // A rebuilt build (after a restart) continues its log rather than clashing with old lines.
+          if (s.seq < 0) s.seq = await nextSeq(buildId);
+          s.seq += 1;
+          await store
+            .insertInto('build_log_lines')
+            .values({ build_id: buildId, seq: s.seq, at: new Date().toISOString(), line })
+            .execute();
+          wake.emit(buildId);
+        })
+        .catch(() => {
+          // A log line that cannot be written must not fail the build; the store error surfaces elsewhere.
+        });
+    },
+    async flush(buildId) {
+      const state = pending.get(buildId);
+      if (!state) return;
+      const chain = state.chain;
+      await chain;
+      if (state.chain === chain) pending.delete(buildId); // nothing appended meanwhile: forget the counter
+    },
+    async read(buildId, afterSeq, limit = 10_000) {
+      return store
+        .selectFrom('build_log_lines')
+        .select(['seq', 'at', 'line'])
+        .where('build_id', '=', buildId)
+        .where('seq', '>', afterSeq)
+        .orderBy('seq')
+        .limit(limit)
+        .execute();
+    },
+    waitForLines(buildId, ms, signal) {
+      return new Promise((resolve) => {
+        const done = () => {
+          clearTimeout(timer);
+          wake.off(buildId, done);
+          signal?.removeEventListener('abort', done);
+          resolve();
+        };
+        const timer = setTimeout(done, ms);
+        wake.on(buildId, done);
+        signal?.addEventListener('abort', done, { once: true });
+      });
+    },
+  };
+}

@@ -1,0 +1,40 @@
+/**
+ * The per-runtime builder interface: what turns an extracted app folder into something replicas load.
+ * One implementation per runtime (`node.ts` now; Python and custom builders implement the same shape).
+ */
+import type { AppConfig } from '../../apps/app-config.js';
+
+export interface BuildContext {
+  buildId: string;
+  /** The extracted archive. The builder may write into it (for example `node_modules`). */
+  sourceDir: string;
+  /** An empty folder for what the builder produces (for example the bundle). */
+  outputDir: string;
+  /** A folder shared by all builds on this server, for package-manager caches. */
+  cacheDir: string;
+  config: AppConfig;
+  /** Appends one line to the build's log (no trailing newline needed). */
+  log: (line: string) => void;
+  /** Aborted when the build is cancelled or the server stops; the builder must stop its child processes. */
+  signal: AbortSignal;
+}
+
+export interface BuildResult {
+  /** The runtime that will run this build: `node`, `python` or `custom`. */
+  runtime: 'node' | 'python' | 'custom';
+  /** What a replica loads, relative to the build folder (the parent of sourceDir and outputDir). */
+  entry: string;
+}
+
+export interface Builder {
+  readonly name: 'node' | 'python' | 'custom';
+  build(ctx: BuildContext): Promise<BuildResult>;
+}
+
+/** Thrown by a builder for a failure that is the app's fault (bad syntax, failed install); the message goes to the build log. */
+export class BuildFailedError extends Error {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = 'BuildFailedError';
+  }
+}

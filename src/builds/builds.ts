@@ -1,0 +1,72 @@
+/**
+ * Builds as the API shows them, and their lookups.
+ */
+import { FerryError } from '../errors.js';
+import type { Store } from '../store/index.js';
+import type { Build } from '../store/schema.js';
+
+export interface BuildView {
+  id: string;
+  project_id: string;
+  app_id: string;
+  state: Build['state'];
+  runtime: string | null;
+  archive_bytes: number;
+  file_count: number;
+  error: string | null;
+  created_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  duration_ms: number | null;
+  /** Only on `GET .../builds/{build_id}`: the `ferry.toml` the build was made with. */
+  config_toml?: string;
+}
+
+export function viewBuild(build: Build, withConfig = false): BuildView {
+  const duration =
+    build.started_at && build.finished_at ? Date.parse(build.finished_at) - Date.parse(build.started_at) : null;
+  return {
+    id: build.id,
+    project_id: build.project_id,
+    app_id: build.app_id,
+    state: build.state,
+    runtime: build.runtime,
+    archive_bytes: Number(build.archive_bytes),
+    file_count: build.file_count,
+    error: build.error,
+    created_at: build.created_at,
+    started_at: build.started_at,
+    finished_at: build.finished_at,
+    duration_ms: duration,
+    ...(withConfig ? { config_toml: build.config_toml } : {}),
+  };
+}
+
+export async function findBuild(store: Store, projectId: string, appId: string, buildId: string): Promise<Build> {
+  const build = await store
+    .selectFrom('builds')
+    .selectAll()
+    .where('project_id', '=', projectId)
+    .where('app_id', '=', appId)
+    .where('id', '=', buildId)
+    .executeTakeFirst();
+  if (!build) throw new FerryError('FERRY_BUILD_NOT_FOUND', `No build ${buildId} of app "${appId}"`);
+  return build;
+}
+
+export async function listBuilds(
+  store: Store,
+  projectId: string,
+  appId: string,
+  options: { limit: number; before?: string | undefined },
+): Promise<Build[]> {
+  let query = store
+    .selectFrom('builds')
+    .selectAll()
+    .where('project_id', '=', projectId)
+    .where('app_id', '=', appId)
+    .orderBy('id', 'desc')
+    .limit(options.limit);
+  if (options.before) query = query.where('id', '<', options.before);
+  return query.execute();
+}

@@ -1,0 +1,221 @@
+/**
+ * The build pipeline: runs builds off the request path, one at a time per app, in upload order.
+ *
+ * A build goes `pending → building → ready | failed | cancelled`. When a build becomes ready it becomes
+ * the app's active build unless a newer one already is; a failed build leaves the active build alone.
+ * Builds interrupted by a stop or crash are run again when the server starts (`recover`).
+ */
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import type { Logger } from 'pino';
+import type { AppConfig } from '../apps/app-config.js';
+import { FerryError } from '../errors.js';
+import { nowIso } from '../ids.js';
+import type { Store } from '../store/index.js';
+import type { Build, BuildState } from '../store/schema.js';
+import type { BuildLog } from './build-log.js';
+import { selectBuilder } from './builders/index.js';
+import { type Builder, BuildFailedError } from './builders/types.js';
+
+export interface BuildPipelineDeps {
+  store: Store;
+  buildLog: BuildLog;
+  /** `<data-dir>/builds`: each build gets `<buildsDir>/<build_id>/{source,out}`. */
+  buildsDir: string;
+  cacheDir: string;
+  builders: { node: Builder; python?: Builder; custom?: Builder };
+  logger: Logger;
+  /** Told about every build that reaches a final state (metrics, replica pools). */
+  onFinished?: (build: Build) => void;
+}
+
+export interface BuildPipeline {
+  enqueue(build: Build): void;
+  /** Cancels a pending or running build; answers FERRY_BUILD_NOT_CANCELLABLE when it has finished. */
+  cancel(projectId: string, appId: string, buildId: string): Promise<Build>;
+  /** Queues again every build left pending or building by an earlier process. */
+  recover(): Promise<number>;
+  /** Stops running builds without marking them (they are redone at the next start) and waits for the queues. */
+  close(): Promise<void>;
+}
+
+export const FINAL_BUILD_STATES: readonly BuildState[] = ['ready', 'failed', 'cancelled'];
+
+export function buildFolder(buildsDir: string, buildId: string): { root: string; source: string; out: string } {
+  const root = path.join(buildsDir, buildId);
+  return { root, source: path.join(root, 'source'), out: path.join(root, 'out') };
+}
+
+export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
+  const { store, buildLog, logger } = deps;
+  const queues = new Map<string, Promise<void>>();
+  const running = new Map<string, AbortController>();
+  let closing = false;
+
+  async function setState(id: string, values: Partial<Build>): Promise<void> {
+    await store.updateTable('builds').set(values).where('id', '=', id).execute();
+  }
+
+  async function runOne(build: Build): Promise<void> {
+    const current = await store.selectFrom('builds').select('state').where('id', '=', build.id).executeTakeFirst();
+    if (current?.state !== 'pending' || closing) return;
+    const controller = new AbortController();
+    running.set(build.id, controller);
+    const started = Date.now();
+    const log = (line: string) => buildLog.append(build.id, line);
+    const folder = buildFolder(deps.buildsDir, build.id);
+    let finalState: BuildState;
+    let error: string | null = null;
+    let result: { runtime: string; entry: string } | undefined;
+    try {
+      await setState(build.id, { state: 'building', started_at: nowIso() });
+      log(`Building ${build.app_id} (build ${build.id})`);
+      await fs.rm(folder.out, { recursive: true, force: true });
+      await fs.mkdir(folder.out, { recursive: true });
+      const config = JSON.parse(build.config_json) as AppConfig;
+      const builder = selectBuilder(config, folder.source, deps.builders);
+      log(`Runtime: ${config.app.runtime} (${builder.name} builder)`);
+      result = await builder.build({
+        buildId: build.id,
+        sourceDir: folder.source,
+        outputDir: folder.out,
+        cacheDir: deps.cacheDir,
+        config,
+        log,
+        signal: controller.signal,
+      });
+      finalState = 'ready';
+      log(`Build ready in ${((Date.now() - started) / 1000).toFixed(1)} s`);
+    } catch (err) {
+      if (controller.signal.aborted) {
+        if (closing) {
+          // Not the app's fault and not the user's choice: leave it for recover() at the next start.
+          log('Build interrupted by a server stop; it will run again at the next start');
+          await setState(build.id, { state: 'pending', started_at: null });
+          await buildLog.flush(build.id);
+          return;
+        }
+        finalState = 'cancelled';
+        error = 'cancelled';
+        log('Build cancelled');
+      } else if (err instanceof BuildFailedError) {
+        finalState = 'failed';
+        error = err.message;
+        log(`Build failed: ${err.message}`);
+      } else {
+        finalState = 'failed';
+        error = 'internal error while building';
+        logger.error({ err, buildId: build.id }, 'build crashed');
+        log('Build failed: internal error while building (see the server log)');
+      }
+    } finally {
+      running.delete(build.id);
+    }
+    await buildLog.flush(build.id);
+    await store.transaction().execute(async (trx) => {
+      await trx
+        .updateTable('builds')
+        .set({
+          state: finalState,
+          error,
+          finished_at: nowIso(),
+          runtime: result?.runtime ?? null,
+          entry: result?.entry ?? null,
+        })
+        .where('id', '=', build.id)
+        .execute();
+      if (finalState === 'ready') {
+        // Build ids are time-ordered: never let an older build replace a newer active one.
+        const app = await trx
+          .selectFrom('apps')
+          .select('active_build_id')
+          .where('project_id', '=', build.project_id)
+          .where('id', '=', build.app_id)
+          .executeTakeFirst();
+        if (!app?.active_build_id || app.active_build_id < build.id) {
+          await trx
+            .updateTable('apps')
+            .set({ active_build_id: build.id, updated_at: nowIso() })
+            .where('project_id', '=', build.project_id)
+            .where('id', '=', build.app_id)
+            .execute();
+        }
+      }
+    });
+    if (finalState !== 'ready') await fs.rm(folder.out, { recursive: true, force: true }).catch(() => {});
+    logger.info(
+      { buildId: build.id, app: build.app_id, state: finalState, ms: Date.now() - started },
+      'build finished',
+    );
+    const finished = await store.selectFrom('builds').selectAll().where('id', '=', build.id).executeTakeFirst();
+    if (finished) deps.onFinished?.(finished);
+  }
+
+  function enqueue(build: Build): void {
+    const key = `${build.project_id}/${build.app_id}`;
+    const previous = queues.get(key) ?? Promise.resolve();
+    const next = previous
+      .then(() => runOne(build))
+      .catch((err: unknown) => logger.error({ err, buildId: build.id }, 'build pipeline error'));
+    queues.set(key, next);
+    void next.then(() => {
+      if (queues.get(key) === next) queues.delete(key);
+    });
+  }
+
+  return {
+    enqueue,
+    async cancel(projectId, appId, buildId) {
+      const build = await store
+        .selectFrom('builds')
+        .selectAll()
+        .where('project_id', '=', projectId)
+        .where('app_id', '=', appId)
+        .where('id', '=', buildId)
+        .executeTakeFirst();
+      if (!build) throw new FerryError('FERRY_BUILD_NOT_FOUND');
+      if (FINAL_BUILD_STATES.includes(build.state)) {
+        throw new FerryError('FERRY_BUILD_NOT_CANCELLABLE', `The build has already finished (${build.state})`);
+      }
+      const controller = running.get(buildId);
+      if (controller) {
+        controller.abort(new Error('cancelled'));
+        // runOne records the final state; wait for it so the answer shows it.
+        await queues.get(`${projectId}/${appId}`);
+      } else {
+        const at = nowIso();
+        const changed = await store
+          .updateTable('builds')
+          .set({ state: 'cancelled', error: 'cancelled', finished_at: at })
+          .where('id', '=', buildId)
+          .where('state', '=', 'pending')
+          .executeTakeFirst();
+        if (Number(changed.numUpdatedRows) > 0) buildLog.append(buildId, 'Build cancelled before it started');
+        await buildLog.flush(buildId);
+      }
+      const after = await store.selectFrom('builds').selectAll().where('id', '=', buildId).executeTakeFirstOrThrow();
+      return after;
+    },
+    async recover() {
+      const left = await store
+        .selectFrom('builds')
+        .selectAll()
+        .where('state', 'in', ['pending', 'building'])
+        .orderBy('id')
+        .execute();
+      for (const build of left) {
+        if (build.state === 'building') {
+          await setState(build.id, { state: 'pending', started_at: null });
+          buildLog.append(build.id, 'The server stopped during this build; building again');
+        }
+        enqueue({ ...build, state: 'pending' });
+      }
+      return left.length;
+    },
+    async close() {
+      closing = true;
+      for (const controller of running.values()) controller.abort(new Error('server stopping'));
+      await Promise.allSettled([...queues.values()]);
+    },
+  };
+}

@@ -1,0 +1,31 @@
+/**
+ * Follows a build's log over server-sent events and prints each line as it arrives. Shared by
+ * `ferry deploy` and `ferry builds logs --follow`.
+ */
+import { createParser } from 'eventsource-parser';
+import type { ApiClient } from './client.js';
+
+/** Prints the build's log lines until the build ends; resolves with its final state. */
+export async function followBuildLog(
+  client: ApiClient,
+  appId: string,
+  buildId: string,
+  print: (line: string) => void,
+): Promise<string> {
+  const path = `/v2/projects/${client.project}/apps/${appId}/builds/${buildId}/logs`;
+  const body = await client.stream(path, { accept: 'text/event-stream' });
+  let state = 'unknown';
+  const parser = createParser({
+    onEvent(event) {
+      if (event.event === 'end') {
+        state = (JSON.parse(event.data) as { state: string }).state;
+        return;
+      }
+      const { line } = JSON.parse(event.data) as { line: string };
+      print(line);
+    },
+  });
+  const decoder = new TextDecoder();
+  for await (const chunk of body) parser.feed(decoder.decode(chunk as Buffer, { stream: true }));
+  return state;
+}

@@ -1,0 +1,103 @@
+/**
+ * The `ferry` command line. One function per command lives beside this file; this file only declares
+ * the commands and turns a `CliError` into one readable line and an exit code.
+ */
+import { Command, Option } from 'commander';
+import { bootstrapCommand } from './admin.js';
+import { CliError } from './client.js';
+import { deployCommand } from './deploy.js';
+import {
+  appsListCommand,
+  buildsCancelCommand,
+  buildsFilesCommand,
+  buildsListCommand,
+  buildsLogsCommand,
+  loginCommand,
+  tokensCreateCommand,
+  tokensListCommand,
+  tokensRevokeCommand,
+} from './resources.js';
+import { serveCommand } from './serve.js';
+
+const program = new Command('ferry')
+  .description('Ferry: self-hosted function hosting')
+  .version('0.1.0')
+  .showHelpAfterError()
+  .configureOutput({ outputError: (text, write) => write(text) });
+
+program
+  .command('serve')
+  .description('run the Ferry server (embedded default: SQLite and local disk, no other server needed)')
+  .addOption(new Option('--host <host>', 'address to listen on (env FERRY_HOST, default 127.0.0.1)'))
+  .addOption(new Option('--port <port>', 'port to listen on (env FERRY_PORT, default 8000)'))
+  .addOption(new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)'))
+  .action(serveCommand);
+
+const admin = program.command('admin').description('offline administration on a data directory');
+admin
+  .command('bootstrap')
+  .description('create the project (if missing) and a new owner token; works without a running server')
+  .option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)')
+  .option('--project-name <name>', 'project name', 'default')
+  .option('--expires-in-days <days>', 'token lifetime in days (default 365)')
+  .option('--json', 'print {"project_id", "token"} only')
+  .action(bootstrapCommand);
+
+program
+  .command('login')
+  .description('store the server URL and a token in your config file (mode 0600)')
+  .option('--url <url>', 'server URL (default http://127.0.0.1:8000)')
+  .option('--token <token>', 'service account token')
+  .option('--project <project_id>', 'project id (default: the token’s project)')
+  .action(loginCommand);
+
+program
+  .command('deploy [dir]')
+  .description('pack, upload and build the app in DIR (default: the current folder)')
+  .option('--json', 'print only {"project_id","app_id","app_name","build_id","status","run_url"} on stdout')
+  .action(deployCommand);
+
+const apps = program.command('apps').description('apps of the project');
+apps.command('list').option('--json', 'print JSON').action(appsListCommand);
+
+const builds = program.command('builds').description('builds of an app');
+builds
+  .command('list <app>')
+  .option('--limit <n>', 'how many (default 50)')
+  .option('--json', 'print JSON')
+  .action(buildsListCommand);
+builds
+  .command('logs <build_id>')
+  .option('--app <app>', "the build's app (found automatically when omitted)")
+  .option('-f, --follow', 'follow the log live until the build ends')
+  .action(buildsLogsCommand);
+builds
+  .command('files <build_id>')
+  .description('list the files of the build’s uploaded archive')
+  .option('--app <app>', "the build's app (found automatically when omitted)")
+  .option('--json', 'print the zip-contents response as JSON')
+  .action(buildsFilesCommand);
+builds.command('cancel <build_id>').option('--app <app>', "the build's app").action(buildsCancelCommand);
+
+const tokens = program.command('tokens').description('service accounts and their tokens');
+tokens
+  .command('create <name>')
+  .option('--expires <date>', 'expiry date, e.g. 2027-01-31 (default: 30 days)')
+  .addOption(new Option('--scope <scope...>', 'scopes (default: manage run)').choices(['manage', 'run']))
+  .option('--json', 'print JSON')
+  .action(tokensCreateCommand);
+tokens.command('list').option('--json', 'print JSON').action(tokensListCommand);
+tokens.command('revoke <service_account_id>').action(tokensRevokeCommand);
+
+try {
+  await program.parseAsync(process.argv);
+} catch (err) {
+  if (err instanceof CliError) {
+    process.stderr.write(`ferry: ${err.message}\n`);
+    process.exit(err.exitCode);
+  }
+  const message = err instanceof Error ? err.message : String(err);
+  process.stderr.write(`ferry: unexpected error: ${message}\n`);
+  if (process.env.FERRY_DEBUG) console.error(err);
+  process.exit(1);
+}

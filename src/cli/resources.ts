@@ -1,0 +1,164 @@
+/**
+ * The CLI's resource commands: `ferry login`, `ferry apps list`, `ferry builds list|logs|files`,
+ * `ferry tokens create|list|revoke`. Each prints a table (or JSON with --json).
+ */
+
+import { followBuildLog } from './build-log-follow.js';
+import { CliError, createClient, printJson, printTable } from './client.js';
+import { projectOfToken, resolveCliSettings, writeConfigFile } from './config-file.js';
+
+interface Json {
+  json?: boolean;
+}
+
+export async function loginCommand(options: { url?: string; token?: string; project?: string }): Promise<void> {
+  const current = resolveCliSettings();
+  const token = options.token ?? process.env.FERRY_TOKEN;
+  if (!token) throw new CliError('Pass --token <token> (from `ferry admin bootstrap` or the API keys page).', 2);
+  const url = (options.url ?? current.url ?? 'http://127.0.0.1:8000').replace(/\/+$/, '');
+  const project = options.project ?? projectOfToken(token);
+  if (!project) throw new CliError('The token names no project; pass --project <project_id>.', 2);
+  // Check the token against the server before storing it.
+  process.env.FERRY_URL = url;
+  process.env.FERRY_TOKEN = token;
+  process.env.FERRY_PROJECT = project;
+  const client = createClient();
+  const info = await client.call<{ id: string; name: string }>('GET', `/v2/projects/${project}`);
+  const file = writeConfigFile({ url, token, project });
+  process.stdout.write(`Logged in to ${url} as project ${info.name} (${info.id}); saved to ${file}\n`);
+}
+
+export async function appsListCommand(options: Json): Promise<void> {
+  const client = createClient();
+  const { apps } = await client.call<{ apps: Array<Record<string, string | null>> }>(
+    'GET',
+    `/v2/projects/${client.project}/apps`,
+  );
+  if (options.json) return printJson(apps);
+  printTable(
+    apps.map((a) => ({ ...a, run_url: `${client.url}/v4/${client.project}/${a.name}/run` })),
+    ['id', 'state', 'active_build_id', 'updated_at', 'run_url'],
+  );
+}
+
+export async function buildsListCommand(app: string, options: Json & { limit?: string }): Promise<void> {
+  const client = createClient();
+  const limit = options.limit ? `?limit=${encodeURIComponent(options.limit)}` : '';
+  const { builds } = await client.call<{ builds: Array<Record<string, string | number | null>> }>(
+    'GET',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/builds${limit}`,
+  );
+  if (options.json) return printJson(builds);
+  printTable(
+    builds.map((b) => ({
+      ...b,
+      duration: b.duration_ms === null ? null : `${(Number(b.duration_ms) / 1000).toFixed(1)}s`,
+    })),
+    ['id', 'state', 'created_at', 'duration', 'file_count', 'error'],
+  );
+}
+
+/** Finds the app of a build id by asking each app; lets `ferry builds files <build_id>` work without --app. */
+async function appOfBuild(client: ReturnType<typeof createClient>, buildId: string, app?: string): Promise<string> {
+  if (app) return app;
+  const { apps } = await client.call<{ apps: Array<{ id: string }> }>('GET', `/v2/projects/${client.project}/apps`);
+  for (const a of apps) {
+    try {
+      await client.call('GET', `/v2/projects/${client.project}/apps/${a.id}/builds/${buildId}`);
+      return a.id;
+    } catch {
+      // not this app's
+    }
+  }
+  throw new CliError(`No build ${buildId} in project ${client.project}`);
+}
+
+export async function buildsLogsCommand(buildId: string, options: { app?: string; follow?: boolean }): Promise<void> {
+  const client = createClient();
+  const app = await appOfBuild(client, buildId, options.app);
+  if (options.follow) {
+    const state = await followBuildLog(client, app, buildId, (line) => process.stdout.write(`${line}\n`));
+    process.stdout.write(`(build ${state})\n`);
+    return;
+  }
+  const { lines, state } = await client.call<{ lines: Array<{ line: string }>; state: string }>(
+    'GET',
+    `/v2/projects/${client.project}/apps/${app}/builds/${buildId}/logs`,
+  );
+  for (const l of lines) process.stdout.write(`${l.line}\n`);
+  process.stdout.write(`(build ${state})\n`);
+}
+
+export async function buildsFilesCommand(buildId: string, options: Json & { app?: string }): Promise<void> {
+  const client = createClient();
+  const app = await appOfBuild(client, buildId, options.app);
+  const listing = await client.call<{
+    count: number;
+    total_size: number;
+    files: Array<{ path: string; size: number }>;
+  }>('GET', `/v2/projects/${client.project}/apps/${app}/builds/${buildId}/zip-contents`);
+  if (options.json) return printJson(listing);
+  printTable(listing.files, ['path', 'size']);
+  process.stdout.write(`${listing.count} files, ${listing.total_size} bytes\n`);
+}
+
+export async function buildsCancelCommand(buildId: string, options: { app?: string }): Promise<void> {
+  const client = createClient();
+  const app = await appOfBuild(client, buildId, options.app);
+  const build = await client.call<{ state: string }>(
+    'POST',
+    `/v2/projects/${client.project}/apps/${app}/builds/${buildId}/cancel`,
+  );
+  process.stdout.write(`Build ${buildId}: ${build.state}\n`);
+}
+
+export async function tokensCreateCommand(
+  name: string,
+  options: Json & { expires?: string; scope?: string[] },
+): Promise<void> {
+  const client = createClient();
+  const created = await client.call<Record<string, unknown> & { token: string }>(
+    'POST',
+    `/v2/projects/${client.project}/service-accounts`,
+    {
+      body: {
+        name,
+        ...(options.expires ? { expires_at: options.expires } : {}),
+        ...(options.scope ? { scopes: options.scope } : {}),
+      },
+    },
+  );
+  if (options.json) return printJson(created);
+  process.stdout.write(
+    `Created service account ${String(created.name)} (${String(created.id)}), scopes ${(created.scopes as string[]).join(', ')}, expires ${String(created.expires_at)}\n\nToken (shown once):\n${created.token}\n`,
+  );
+}
+
+export async function tokensListCommand(options: Json): Promise<void> {
+  const client = createClient();
+  const { service_accounts } = await client.call<{ service_accounts: Array<Record<string, unknown>> }>(
+    'GET',
+    `/v2/projects/${client.project}/service-accounts`,
+  );
+  if (options.json) return printJson(service_accounts);
+  printTable(
+    service_accounts.map((s) => ({
+      id: String(s.id),
+      name: String(s.name),
+      scopes: (s.scopes as string[]).join(','),
+      expires_at: String(s.expires_at),
+      status: s.revoked_at ? 'revoked' : s.expired ? 'expired' : 'active',
+      last_used_at: (s.last_used_at as string | null) ?? null,
+    })),
+    ['id', 'name', 'scopes', 'status', 'expires_at', 'last_used_at'],
+  );
+}
+
+export async function tokensRevokeCommand(id: string): Promise<void> {
+  const client = createClient();
+  const sa = await client.call<{ id: string; revoked_at: string }>(
+    'DELETE',
+    `/v2/projects/${client.project}/service-accounts/${id}`,
+  );
+  process.stdout.write(`Revoked ${sa.id} at ${sa.revoked_at}\n`);
+}

@@ -1,0 +1,78 @@
+/**
+ * `ferry serve`: runs everything in one process on the embedded default.
+ *
+ * Signals are handled here and only here: the first SIGTERM or SIGINT stops taking requests, lets
+ * requests in flight finish, stops builds (they run again at the next start) and closes the store;
+ * a second signal exits at once.
+ */
+import { resolveServerConfig } from '../config.js';
+import { DataDirLockedError, lockDataDir, prepareDataDir } from '../data-dir.js';
+import { buildServer } from '../http/server.js';
+import { createLogger } from '../logger.js';
+import { createServices } from '../services.js';
+import { CliError } from './client.js';
+
+export interface ServeOptions {
+  host?: string;
+  port?: string;
+  dataDir?: string;
+}
+
+export async function serveCommand(options: ServeOptions): Promise<void> {
+  let config: ReturnType<typeof resolveServerConfig>;
+  try {
+    config = resolveServerConfig(options);
+  } catch (err) {
+    throw new CliError((err as Error).message, 2);
+  }
+  const logger = createLogger({ level: config.logLevel });
+  const dataDir = prepareDataDir(config.dataDir);
+  let unlock: () => void;
+  try {
+    unlock = lockDataDir(dataDir);
+  } catch (err) {
+    if (err instanceof DataDirLockedError) throw new CliError(err.message, 1);
+    throw err;
+  }
+
+  const services = await createServices(config, logger);
+  const app = await buildServer(services);
+  const recovered = await services.pipeline.recover();
+  if (recovered > 0) logger.info({ builds: recovered }, 'resuming builds left unfinished by the last run');
+
+  let address: string;
+  try {
+    address = await app.listen({ host: config.host, port: config.port });
+  } catch (err) {
+    await services.close();
+    unlock();
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === 'EADDRINUSE')
+      throw new CliError(`Port ${config.port} on ${config.host} is already in use. Pass --port or set FERRY_PORT.`);
+    throw err;
+  }
+  logger.info({ address, dataDir: dataDir.root }, `Ferry is listening on ${address} (data in ${dataDir.root})`);
+
+  let stopping = false;
+  const stop = async (signal: string) => {
+    if (stopping) {
+      logger.warn(`${signal} again: exiting now`);
+      process.exit(1);
+    }
+    stopping = true;
+    logger.info(`${signal}: shutting down (requests in flight finish first)`);
+    try {
+      await app.close();
+      await services.close();
+    } catch (err) {
+      logger.error({ err }, 'error during shutdown');
+    } finally {
+      unlock();
+    }
+    logger.info('stopped');
+    logger.flush();
+    process.exit(0);
+  };
+  process.on('SIGTERM', () => void stop('SIGTERM'));
+  process.on('SIGINT', () => void stop('SIGINT'));
+}

@@ -1,0 +1,69 @@
+/**
+ * Server settings: command-line flags, then environment variables, then defaults.
+ * Every setting is documented in docs/operations.md.
+ */
+import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
+
+export interface ServerConfig {
+  host: string;
+  port: number;
+  dataDir: string;
+  /** Largest accepted archive upload, bytes. */
+  maxUploadBytes: number;
+  /** Largest accepted JSON body (management API and run endpoint), bytes. */
+  maxBodyBytes: number;
+  zipLimits: ZipLimits;
+  /** Log level for pino. */
+  logLevel: string;
+}
+
+export const DEFAULTS = {
+  host: '127.0.0.1',
+  port: 8000,
+  dataDir: './.ferry',
+  maxUploadBytes: 256 * 1024 * 1024,
+  maxBodyBytes: 10 * 1024 * 1024,
+  logLevel: 'info',
+} as const;
+
+function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
+  if (value === undefined || value === '') return undefined;
+  const n = Number(value);
+  if (!Number.isInteger(n) || n < min || n > max)
+    throw new Error(`${name} must be a whole number from ${min} to ${max}, not "${value}"`);
+  return n;
+}
+
+export interface ConfigFlags {
+  host?: string | undefined;
+  port?: string | number | undefined;
+  dataDir?: string | undefined;
+}
+
+/** Resolves the server's settings; throws an Error with a readable message for a bad value. */
+export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.ProcessEnv = process.env): ServerConfig {
+  const port = intFrom(
+    flags.port === undefined ? env.FERRY_PORT : String(flags.port),
+    'port (--port / FERRY_PORT)',
+    0,
+    65535,
+  );
+  return {
+    host: flags.host ?? env.FERRY_HOST ?? DEFAULTS.host,
+    port: port ?? DEFAULTS.port,
+    dataDir: flags.dataDir ?? env.FERRY_DATA_DIR ?? DEFAULTS.dataDir,
+    maxUploadBytes:
+      intFrom(env.FERRY_MAX_UPLOAD_BYTES, 'FERRY_MAX_UPLOAD_BYTES', 1024, 16 * 1024 ** 3) ?? DEFAULTS.maxUploadBytes,
+    maxBodyBytes: intFrom(env.FERRY_MAX_BODY_BYTES, 'FERRY_MAX_BODY_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.maxBodyBytes,
+    zipLimits: {
+      ...DEFAULT_ZIP_LIMITS,
+      maxEntries:
+        intFrom(env.FERRY_ZIP_MAX_ENTRIES, 'FERRY_ZIP_MAX_ENTRIES', 1, 1_000_000) ?? DEFAULT_ZIP_LIMITS.maxEntries,
+      maxUncompressedBytes:
+        intFrom(env.FERRY_ZIP_MAX_BYTES, 'FERRY_ZIP_MAX_BYTES', 1024, 64 * 1024 ** 3) ??
+        DEFAULT_ZIP_LIMITS.maxUncompressedBytes,
+      maxRatio: intFrom(env.FERRY_ZIP_MAX_RATIO, 'FERRY_ZIP_MAX_RATIO', 2, 100_000) ?? DEFAULT_ZIP_LIMITS.maxRatio,
+    },
+    logLevel: env.FERRY_LOG_LEVEL ?? DEFAULTS.logLevel,
+  };
+}

@@ -1,0 +1,93 @@
+/**
+ * Every error Ferry answers, in one place.
+ *
+ * Each entry has a stable code (never renamed once released), the HTTP status it answers with, and a
+ * default message. `docs/errors.md` documents each code; `test/errors-doc.test.ts` fails when the two drift.
+ * Error bodies are `{"error": {"code", "message"}}` (run errors add `run_id`); they never carry a stack
+ * trace or echo a secret.
+ */
+
+export const ERRORS = {
+  // Requests in general
+  FERRY_ROUTE_NOT_FOUND: { status: 404, message: 'No such route' },
+  FERRY_METHOD_NOT_ALLOWED: { status: 405, message: 'Method not allowed on this route' },
+  FERRY_VALIDATION: { status: 400, message: 'The request is not valid' },
+  FERRY_INVALID_JSON: { status: 400, message: 'The request body is not valid JSON' },
+  FERRY_BODY_NOT_OBJECT: { status: 400, message: 'The request body must be a JSON object' },
+  FERRY_UNSUPPORTED_MEDIA_TYPE: { status: 415, message: 'Unsupported Content-Type' },
+  FERRY_BODY_TOO_LARGE: { status: 413, message: 'The request body is too large' },
+  FERRY_INTERNAL: { status: 500, message: 'Internal error' },
+
+  // Authentication and authorization
+  FERRY_UNAUTHENTICATED: { status: 401, message: 'A bearer token is required' },
+  FERRY_TOKEN_INVALID: { status: 401, message: 'The token is not valid' },
+  FERRY_TOKEN_EXPIRED: { status: 401, message: 'The token has expired' },
+  FERRY_TOKEN_REVOKED: { status: 401, message: 'The token has been revoked' },
+  FERRY_FORBIDDEN_PROJECT: { status: 403, message: 'The token does not give access to this project' },
+  FERRY_MISSING_SCOPE: { status: 403, message: 'The token lacks the scope this request needs' },
+
+  // Resources
+  FERRY_PROJECT_NOT_FOUND: { status: 404, message: 'No such project' },
+  FERRY_APP_NOT_FOUND: { status: 404, message: 'No such app' },
+  FERRY_BUILD_NOT_FOUND: { status: 404, message: 'No such build' },
+  FERRY_SERVICE_ACCOUNT_NOT_FOUND: { status: 404, message: 'No such service account' },
+  FERRY_BUILD_NOT_CANCELLABLE: { status: 409, message: 'The build has already finished' },
+
+  // App configuration (ferry.toml)
+  FERRY_CONFIG_MISSING: { status: 400, message: 'The archive has no ferry.toml at its root' },
+  FERRY_CONFIG_INVALID: { status: 400, message: 'ferry.toml is not valid' },
+  FERRY_APP_NAME_MISMATCH: { status: 400, message: 'The app name in ferry.toml does not match the app in the path' },
+
+  // Uploaded archives
+  FERRY_ZIP_CORRUPT: { status: 400, message: 'The archive is not a readable ZIP file' },
+  FERRY_ZIP_EMPTY: { status: 400, message: 'The archive has no files' },
+  FERRY_ZIP_ABSOLUTE_PATH: { status: 400, message: 'An archive entry has an absolute path' },
+  FERRY_ZIP_PATH_TRAVERSAL: { status: 400, message: 'An archive entry path leaves the archive folder' },
+  FERRY_ZIP_SYMLINK: { status: 400, message: 'An archive entry is a symbolic link' },
+  FERRY_ZIP_SPECIAL_FILE: { status: 400, message: 'An archive entry is a device, FIFO or socket' },
+  FERRY_ZIP_DUPLICATE_ENTRY: { status: 400, message: 'Two archive entries have the same path' },
+  FERRY_ZIP_TOO_MANY_ENTRIES: { status: 400, message: 'The archive has too many entries' },
+  FERRY_ZIP_TOO_LARGE: { status: 400, message: 'The archive expands to more than the allowed size' },
+  FERRY_ZIP_RATIO: { status: 400, message: 'An archive entry has a compression ratio that suggests a ZIP bomb' },
+  FERRY_ZIP_ENCRYPTED: { status: 400, message: 'Encrypted archive entries are not supported' },
+
+  // Runs
+  FERRY_FUNCTION_NOT_FOUND: { status: 404, message: 'The app has no such public function' },
+  FERRY_NO_READY_BUILD: { status: 503, message: 'The app has no ready build yet' },
+  FERRY_RUNS_NOT_AVAILABLE: { status: 503, message: 'This server cannot execute runs yet' },
+} as const satisfies Record<string, { status: number; message: string }>;
+
+export type ErrorCode = keyof typeof ERRORS;
+
+/** The error type every part of Ferry throws for a known failure; the HTTP layer turns it into a response. */
+export class FerryError extends Error {
+  readonly code: ErrorCode;
+  readonly status: number;
+  /** Extra headers for the response, such as `Retry-After`. */
+  readonly headers: Record<string, string>;
+
+  constructor(code: ErrorCode, message?: string, options?: { cause?: unknown; headers?: Record<string, string> }) {
+    super(message ?? ERRORS[code].message, options?.cause === undefined ? undefined : { cause: options.cause });
+    this.name = 'FerryError';
+    this.code = code;
+    this.status = ERRORS[code].status;
+    this.headers = options?.headers ?? {};
+  }
+
+  /** The public body; never includes the stack or the cause. */
+  toJSON(): { error: { code: ErrorCode; message: string } } {
+    return { error: { code: this.code, message: this.message } };
+  }
+}
+
+/** Turns anything thrown (user code can throw strings, objects, null) into an Error, keeping it as `cause`. */
+export function toError(value: unknown): Error {
+  if (value instanceof Error) return value;
+  let text: string;
+  try {
+    text = typeof value === 'string' ? value : JSON.stringify(value);
+  } catch {
+    text = String(value);
+  }
+  return new Error(text ?? String(value), { cause: value });
+}

@@ -1,0 +1,205 @@
+/**
+ * `/v2/projects/{project_id}/apps/{app_id}/builds`: deploy (upload a ZIP), list, get, log, cancel, and the
+ * archive listing of spec section 4.1 (`.../builds/{build_id}/zip-contents`).
+ */
+import type { Readable } from 'node:stream';
+import { Type } from 'typebox';
+import { findApp } from '../../apps/apps.js';
+import { findBuild, listBuilds, viewBuild } from '../../builds/builds.js';
+import { FINAL_BUILD_STATES } from '../../builds/pipeline.js';
+import { receiveBuild } from '../../builds/upload.js';
+import { listZip } from '../../builds/zip-archive.js';
+import { FerryError } from '../../errors.js';
+import type { Services } from '../../services.js';
+import { requireScope } from '../auth.js';
+import { AppParams, Build, BuildParams, errors, ZipContents } from '../schemas.js';
+import type { TypedServer } from '../server.js';
+import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
+
+const LogLine = Type.Object({ seq: Type.Integer(), at: Type.String(), line: Type.String() });
+
+export function registerBuildRoutes(app: TypedServer, services: Services): void {
+  const manage = requireScope(services, 'manage');
+  const { store } = services;
+
+  app.post(
+    '/v2/projects/:project_id/apps/:app_id/builds',
+    {
+      onRequest: manage,
+      bodyLimit: services.config.maxUploadBytes,
+      schema: {
+        summary: 'Deploy: upload a ZIP of the app folder as a new build',
+        description:
+          'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code.',
+        params: AppParams,
+        response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415) },
+      },
+    },
+    async (request, reply) => {
+      const declared = Number(request.headers['content-length'] ?? Number.NaN);
+      if (declared > services.config.maxUploadBytes) {
+        throw new FerryError(
+          'FERRY_BODY_TOO_LARGE',
+          `The archive is larger than the limit of ${services.config.maxUploadBytes} bytes`,
+        );
+      }
+      const body = request.body as Readable | undefined;
+      if (!body || typeof (body as Readable).pipe !== 'function') {
+        throw new FerryError('FERRY_UNSUPPORTED_MEDIA_TYPE', 'Send the archive with Content-Type: application/zip');
+      }
+      const build = await receiveBuild(
+        {
+          store,
+          artifacts: services.artifacts,
+          tmpDir: services.dataDir.tmp,
+          buildsDir: services.dataDir.builds,
+          maxUploadBytes: services.config.maxUploadBytes,
+          zipLimits: services.config.zipLimits,
+        },
+        request.params.project_id,
+        request.params.app_id,
+        body,
+      );
+      services.pipeline.enqueue(build);
+      request.log.info({ buildId: build.id, app: build.app_id, bytes: build.archive_bytes }, 'build received');
+      return reply.code(201).send(viewBuild(build));
+    },
+  );
+
+  app.get(
+    '/v2/projects/:project_id/apps/:app_id/builds',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'List builds, newest first',
+        params: AppParams,
+        querystring: Type.Object({
+          limit: Type.Optional(Type.Integer({ minimum: 1, maximum: 200, default: 50 })),
+          before: Type.Optional(Type.String({ description: 'Only builds older than this build id (paging)' })),
+        }),
+        response: {
+          200: Type.Object({ builds: Type.Array(Build), next_before: Type.Union([Type.String(), Type.Null()]) }),
+          ...errors(400, 401, 403, 404),
+        },
+      },
+    },
+    async (request) => {
+      await findApp(store, request.params.project_id, request.params.app_id);
+      const limit = request.query.limit ?? 50;
+      const builds = await listBuilds(store, request.params.project_id, request.params.app_id, {
+        limit,
+        before: request.query.before,
+      });
+      return {
+        builds: builds.map((b) => viewBuild(b)),
+        next_before: builds.length === limit ? (builds.at(-1)?.id ?? null) : null,
+      };
+    },
+  );
+
+  app.get(
+    '/v2/projects/:project_id/apps/:app_id/builds/:build_id',
+    {
+      onRequest: manage,
+      schema: { summary: 'Get a build', params: BuildParams, response: { 200: Build, ...errors(401, 403, 404) } },
+    },
+    async (request) => {
+      const { project_id, app_id, build_id } = request.params;
+      return viewBuild(await findBuild(store, project_id, app_id, build_id), true);
+    },
+  );
+
+  app.post(
+    '/v2/projects/:project_id/apps/:app_id/builds/:build_id/cancel',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Cancel a pending or running build',
+        params: BuildParams,
+        response: { 200: Build, ...errors(401, 403, 404, 409) },
+      },
+    },
+    async (request) => {
+      const { project_id, app_id, build_id } = request.params;
+      return viewBuild(await services.pipeline.cancel(project_id, app_id, build_id));
+    },
+  );
+
+  app.get(
+    '/v2/projects/:project_id/apps/:app_id/builds/:build_id/logs',
+    {
+      onRequest: manage,
+      schema: {
+        summary: "A build's log",
+        description:
+          'JSON by default. With `Accept: text/event-stream` (or `?follow=true`) the log is streamed as server-sent events: each line as `data: {"seq","at","line"}`, live while the build runs, then one `event: end` whose data is `{"state"}`.',
+        params: BuildParams,
+        querystring: Type.Object({
+          after: Type.Optional(Type.Integer({ minimum: 0, default: 0, description: 'Only lines after this seq' })),
+          follow: Type.Optional(Type.Boolean()),
+        }),
+        response: {
+          200: Type.Object({ build_id: Type.String(), state: Type.String(), lines: Type.Array(LogLine) }),
+          ...errors(400, 401, 403, 404),
+        },
+      },
+    },
+    async (request, reply) => {
+      const { project_id, app_id, build_id } = request.params;
+      const build = await findBuild(store, project_id, app_id, build_id);
+      const after = request.query.after ?? 0;
+      if (!(request.query.follow || wantsEventStream(request.headers.accept))) {
+        const lines = await services.buildLog.read(build_id, after);
+        return { build_id, state: build.state, lines };
+      }
+      reply.hijack();
+      const res = reply.raw;
+      startEventStream(res);
+      const gone = new AbortController();
+      res.on('close', () => gone.abort());
+      let seq = after;
+      try {
+        while (!gone.signal.aborted) {
+          // Read the state before the lines: a build that is final now has all its lines written.
+          const state = (await store.selectFrom('builds').select('state').where('id', '=', build_id).executeTakeFirst())
+            ?.state;
+          const lines = await services.buildLog.read(build_id, seq);
+          for (const line of lines) {
+            res.write(formatEvent(JSON.stringify(line), undefined, line.seq));
+            seq = line.seq;
+          }
+          if (!state || FINAL_BUILD_STATES.includes(state)) {
+            res.write(formatEvent(JSON.stringify({ state: state ?? 'unknown' }), 'end'));
+            break;
+          }
+          await services.buildLog.waitForLines(build_id, 500, gone.signal);
+        }
+      } catch (err) {
+        request.log.warn({ err, buildId: build_id }, 'build log stream failed');
+      } finally {
+        res.end();
+      }
+    },
+  );
+
+  app.get(
+    '/v2/projects/:project_id/apps/:app_id/builds/:build_id/zip-contents',
+    {
+      onRequest: manage,
+      schema: {
+        summary: "List the files in the build's uploaded ZIP archive",
+        description: 'Every file of the archive as uploaded, in archive order; directory entries are not listed.',
+        params: BuildParams,
+        response: { 200: ZipContents, ...errors(401, 403, 404) },
+      },
+    },
+    async (request) => {
+      const { project_id, app_id, build_id } = request.params;
+      await findBuild(store, project_id, app_id, build_id);
+      const file = await services.artifacts.localPath(build_id);
+      if (!file) throw new FerryError('FERRY_BUILD_NOT_FOUND', `The archive of build ${build_id} is no longer stored`);
+      const files = await listZip(file);
+      return { build_id, count: files.length, total_size: files.reduce((n, f) => n + f.size, 0), files };
+    },
+  );
+}

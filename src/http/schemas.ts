@@ -1,0 +1,101 @@
+/**
+ * Shared route schemas. Each route declares its schemas once: Fastify validates requests with them and
+ * @fastify/swagger writes the OpenAPI document from them.
+ */
+import { Type } from 'typebox';
+
+export const ErrorBody = Type.Object(
+  {
+    run_id: Type.Optional(Type.String()),
+    error: Type.Object({ code: Type.String(), message: Type.String() }),
+  },
+  { description: 'Every error answered by Ferry; the codes are listed in docs/errors.md' },
+);
+
+export const ProjectId = Type.String({ pattern: '^p-[0-9a-f]{8}$', description: 'Project id, like p-7f3a9c21' });
+export const AppId = Type.String({
+  pattern: '^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$',
+  description: "The app's id, which is its name from ferry.toml",
+});
+export const BuildId = Type.String({ pattern: '^[0-9a-f-]{36}$', description: 'Build id (a UUIDv7)' });
+
+export const ProjectParams = Type.Object({ project_id: ProjectId });
+export const AppParams = Type.Object({ project_id: ProjectId, app_id: AppId });
+export const BuildParams = Type.Object({ project_id: ProjectId, app_id: AppId, build_id: BuildId });
+
+const Nullable = <T extends Parameters<typeof Type.Union>[0][number]>(t: T) => Type.Union([t, Type.Null()]);
+
+export const Build = Type.Object({
+  id: Type.String(),
+  project_id: Type.String(),
+  app_id: Type.String(),
+  state: Type.Union([
+    Type.Literal('pending'),
+    Type.Literal('building'),
+    Type.Literal('ready'),
+    Type.Literal('failed'),
+    Type.Literal('cancelled'),
+  ]),
+  runtime: Nullable(Type.String()),
+  archive_bytes: Type.Integer(),
+  file_count: Type.Integer(),
+  error: Nullable(Type.String()),
+  created_at: Type.String({ format: 'date-time' }),
+  started_at: Nullable(Type.String({ format: 'date-time' })),
+  finished_at: Nullable(Type.String({ format: 'date-time' })),
+  duration_ms: Nullable(Type.Integer()),
+  config_toml: Type.Optional(
+    Type.String({ description: 'The ferry.toml the build was made with (single build only)' }),
+  ),
+});
+
+export const App = Type.Object({
+  id: Type.String(),
+  name: Type.String(),
+  project_id: Type.String(),
+  state: Type.Union([
+    Type.Literal('active'),
+    Type.Literal('building'),
+    Type.Literal('failed'),
+    Type.Literal('pending'),
+    Type.Literal('cancelled'),
+  ]),
+  active_build_id: Nullable(Type.String()),
+  latest_build_id: Nullable(Type.String()),
+  latest_build_state: Nullable(Type.String()),
+  created_at: Type.String({ format: 'date-time' }),
+  updated_at: Type.String({ format: 'date-time' }),
+});
+
+export const ServiceAccount = Type.Object({
+  id: Type.String(),
+  project_id: Type.String(),
+  name: Type.String(),
+  scopes: Type.Array(Type.Union([Type.Literal('manage'), Type.Literal('run')])),
+  created_at: Type.String({ format: 'date-time' }),
+  expires_at: Type.String({ format: 'date-time' }),
+  revoked_at: Nullable(Type.String({ format: 'date-time' })),
+  last_used_at: Nullable(Type.String({ format: 'date-time' })),
+  expired: Type.Boolean(),
+});
+
+export const ZipContents = Type.Object({
+  build_id: Type.String(),
+  count: Type.Integer({ description: 'Number of files (directory entries are not listed)' }),
+  total_size: Type.Integer({ description: 'Sum of the uncompressed sizes, bytes' }),
+  files: Type.Array(
+    Type.Object({
+      path: Type.String({ description: 'Path inside the archive, forward slashes' }),
+      size: Type.Integer({ description: 'Uncompressed size, bytes' }),
+      compressed_size: Type.Integer(),
+      crc32: Type.String({ description: 'CRC-32, 8 lowercase hex digits' }),
+      modified: Type.String({ format: 'date-time' }),
+    }),
+    { description: 'Every file of the uploaded archive, in archive order' },
+  ),
+});
+
+/** The error responses a route can give, as OpenAPI response entries. */
+export function errors(...statuses: number[]): Record<number, typeof ErrorBody> {
+  return Object.fromEntries(statuses.map((s) => [s, ErrorBody]));
+}

@@ -1,0 +1,85 @@
+/**
+ * The HTTP server: one Fastify instance and one port for the management API (`/v2`), the run endpoint
+ * (`/v4`), `/healthz` and `/metrics`. `buildServer` does not listen, so tests can inject requests or
+ * listen on port 0 themselves.
+ */
+import swagger from '@fastify/swagger';
+import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
+import Fastify from 'fastify';
+import { FerryError } from '../errors.js';
+import type { Services } from '../services.js';
+import { errorHandler } from './errors.js';
+import { registerAppRoutes } from './routes/apps.js';
+import { registerBuildRoutes } from './routes/builds.js';
+import { registerRunRoutes } from './routes/run.js';
+import { registerServiceAccountRoutes } from './routes/service-accounts.js';
+import { registerSystemRoutes } from './routes/system.js';
+
+export type FerryServer = TypedServer;
+export type TypedServer = ReturnType<typeof createFastify>;
+
+function createFastify(services: Services) {
+  return Fastify({
+    loggerInstance: services.logger,
+    disableRequestLogging: true,
+    bodyLimit: services.config.maxBodyBytes,
+    // Ids of requests are Ferry's own (run ids on /v4); Fastify's counter is only for its log lines.
+    requestIdLogLabel: 'req',
+    ajv: { customOptions: { removeAdditional: false, coerceTypes: 'array', allErrors: false } },
+    return503OnClosing: true,
+    forceCloseConnections: 'idle',
+  }).withTypeProvider<TypeBoxTypeProvider>();
+}
+
+export async function buildServer(services: Services): Promise<FerryServer> {
+  const app = createFastify(services);
+
+  await app.register(swagger, {
+    openapi: {
+      openapi: '3.1.0',
+      info: {
+        title: 'Ferry management API',
+        version: '1.0.0',
+        description:
+          'Projects, service accounts, apps and builds of a Ferry server. Run endpoints (/v4) are described in docs/api.md.',
+      },
+      components: {
+        securitySchemes: { bearer: { type: 'http', scheme: 'bearer', bearerFormat: 'JWT' } },
+      },
+      security: [{ bearer: [] }],
+    },
+    transform({ schema, url }) {
+      // Only the management API belongs in the document.
+      const hide = !url.startsWith('/v2/') || url === '/v2/openapi.json';
+      return { schema: hide ? { ...schema, hide: true } : schema, url };
+    },
+  });
+
+  app.setErrorHandler(errorHandler);
+  app.setNotFoundHandler((request, reply) => {
+    errorHandler(
+      new FerryError('FERRY_ROUTE_NOT_FOUND', `No route ${request.method} ${request.url.split('?')[0]}`),
+      request,
+      reply,
+    );
+  });
+
+  // Deploys send the archive as the raw body; the handler streams it to disk itself.
+  app.addContentTypeParser(['application/zip', 'application/x-zip-compressed'], (_request, payload, done) =>
+    done(null, payload),
+  );
+
+  const { httpRequests, httpDuration } = services.metrics;
+  app.addHook('onResponse', async (request, reply) => {
+    const route = request.routeOptions.url ?? 'unmatched';
+    httpRequests.inc({ method: request.method, route, status: String(reply.statusCode) });
+    httpDuration.observe({ method: request.method, route }, reply.elapsedTime / 1000);
+  });
+
+  registerSystemRoutes(app, services);
+  registerServiceAccountRoutes(app, services);
+  registerAppRoutes(app, services);
+  registerBuildRoutes(app, services);
+  registerRunRoutes(app, services);
+  return app;
+}

@@ -1,0 +1,43 @@
+/**
+ * Identifiers. Projects and service accounts get short prefixed ids people can read out loud
+ * (`p-7f3a9c21`); builds and runs get UUIDv7 (RFC 9562): standard, unique across machines, and sorted
+ * by creation time, so "newest first" is an index scan on the id. A run id is also its `X-Request-Id`.
+ */
+import { randomBytes } from 'node:crypto';
+
+export function newProjectId(): string {
+  return `p-${randomBytes(4).toString('hex')}`;
+}
+
+export function newServiceAccountId(): string {
+  return `sa-${randomBytes(6).toString('hex')}`;
+}
+
+let lastMs = 0;
+let seq = 0;
+
+/** A UUIDv7: 48-bit Unix milliseconds, then a 12-bit counter (monotonic within one process) and random bits. */
+export function uuidv7(now: number = Date.now()): string {
+  if (now <= lastMs) {
+    seq = (seq + 1) & 0xfff;
+    if (seq === 0) lastMs += 1; // counter wrapped: borrow the next millisecond to stay monotonic
+    now = lastMs;
+  } else {
+    lastMs = now;
+    seq = randomBytes(2).readUInt16BE(0) & 0x3ff; // random start leaves room to count up
+  }
+  const bytes = randomBytes(16);
+  bytes.writeUIntBE(now, 0, 6);
+  bytes[6] = 0x70 | (seq >> 8);
+  bytes[7] = seq & 0xff;
+  bytes[8] = 0x80 | ((bytes[8] ?? 0) & 0x3f);
+  const hex = bytes.toString('hex');
+  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
+}
+
+export const UUID_PATTERN = '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$';
+
+/** The current time as Ferry stores it: ISO-8601 UTC with milliseconds. */
+export function nowIso(clock: () => number = Date.now): string {
+  return new Date(clock()).toISOString();
+}

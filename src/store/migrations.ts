@@ -1,0 +1,157 @@
+/**
+ * Schema migrations, in code, applied in order by Kysely's Migrator at start.
+ *
+ * Written with Kysely's schema builder and portable types only, so the same migrations create the
+ * PostgreSQL schema when Ferry is scaled out. Never edit a released migration: add a new one.
+ */
+import type { Kysely, Migration, MigrationProvider } from 'kysely';
+
+const migrations: Record<string, Migration> = {
+  '0001_initial': {
+    async up(db: Kysely<unknown>) {
+      await db.schema
+        .createTable('projects')
+        .addColumn('id', 'text', (c) => c.primaryKey())
+        .addColumn('name', 'text', (c) => c.notNull().unique())
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .execute();
+
+      await db.schema
+        .createTable('service_accounts')
+        .addColumn('id', 'text', (c) => c.primaryKey())
+        .addColumn('project_id', 'text', (c) => c.notNull().references('projects.id'))
+        .addColumn('name', 'text', (c) => c.notNull())
+        .addColumn('scopes', 'text', (c) => c.notNull())
+        .addColumn('token_id', 'text', (c) => c.notNull().unique())
+        .addColumn('token_hash', 'text', (c) => c.notNull())
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('expires_at', 'text', (c) => c.notNull())
+        .addColumn('revoked_at', 'text')
+        .addColumn('last_used_at', 'text')
+        .execute();
+      await db.schema.createIndex('service_accounts_project').on('service_accounts').column('project_id').execute();
+
+      await db.schema
+        .createTable('apps')
+        .addColumn('project_id', 'text', (c) => c.notNull().references('projects.id'))
+        .addColumn('id', 'text', (c) => c.notNull())
+        .addColumn('name', 'text', (c) => c.notNull())
+        .addColumn('active_build_id', 'text')
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('updated_at', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('apps_pk', ['project_id', 'id'])
+        .execute();
+
+      await db.schema
+        .createTable('builds')
+        .addColumn('id', 'text', (c) => c.primaryKey())
+        .addColumn('project_id', 'text', (c) => c.notNull())
+        .addColumn('app_id', 'text', (c) => c.notNull())
+        .addColumn('state', 'text', (c) => c.notNull())
+        .addColumn('config_toml', 'text', (c) => c.notNull())
+        .addColumn('config_json', 'text', (c) => c.notNull())
+        .addColumn('runtime', 'text')
+        .addColumn('entry', 'text')
+        .addColumn('archive_bytes', 'bigint', (c) => c.notNull())
+        .addColumn('file_count', 'integer', (c) => c.notNull())
+        .addColumn('error', 'text')
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('started_at', 'text')
+        .addColumn('finished_at', 'text')
+        .execute();
+      await db.schema.createIndex('builds_app').on('builds').columns(['project_id', 'app_id', 'created_at']).execute();
+      await db.schema.createIndex('builds_state').on('builds').column('state').execute();
+
+      await db.schema
+        .createTable('build_log_lines')
+        .addColumn('build_id', 'text', (c) => c.notNull())
+        .addColumn('seq', 'integer', (c) => c.notNull())
+        .addColumn('at', 'text', (c) => c.notNull())
+        .addColumn('line', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('build_log_lines_pk', ['build_id', 'seq'])
+        .execute();
+
+      await db.schema
+        .createTable('runs')
+        .addColumn('id', 'text', (c) => c.primaryKey())
+        .addColumn('project_id', 'text', (c) => c.notNull())
+        .addColumn('app_id', 'text', (c) => c.notNull())
+        .addColumn('build_id', 'text')
+        .addColumn('function_name', 'text', (c) => c.notNull())
+        .addColumn('mode', 'text', (c) => c.notNull())
+        .addColumn('state', 'text', (c) => c.notNull())
+        .addColumn('status_code', 'integer')
+        .addColumn('input', 'text')
+        .addColumn('result', 'text')
+        .addColumn('error_code', 'text')
+        .addColumn('error_message', 'text')
+        .addColumn('reason', 'text')
+        .addColumn('cold_start', 'integer', (c) => c.notNull().defaultTo(0))
+        .addColumn('webhook_endpoint', 'text')
+        .addColumn('webhook_secret', 'text')
+        .addColumn('idempotency_key', 'text')
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('started_at', 'text')
+        .addColumn('finished_at', 'text')
+        .addColumn('run_time_ms', 'integer')
+        .execute();
+      await db.schema.createIndex('runs_app').on('runs').columns(['project_id', 'app_id', 'id']).execute();
+      await db.schema.createIndex('runs_state').on('runs').columns(['state', 'mode']).execute();
+
+      await db.schema
+        .createTable('run_log_lines')
+        .addColumn('run_id', 'text', (c) => c.notNull())
+        .addColumn('seq', 'integer', (c) => c.notNull())
+        .addColumn('at', 'text', (c) => c.notNull())
+        .addColumn('stream', 'text', (c) => c.notNull())
+        .addColumn('line', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('run_log_lines_pk', ['run_id', 'seq'])
+        .execute();
+
+      await db.schema
+        .createTable('webhook_deliveries')
+        .addColumn('run_id', 'text', (c) => c.primaryKey())
+        .addColumn('url', 'text', (c) => c.notNull())
+        .addColumn('payload', 'text', (c) => c.notNull())
+        .addColumn('state', 'text', (c) => c.notNull())
+        .addColumn('attempts', 'integer', (c) => c.notNull().defaultTo(0))
+        .addColumn('next_attempt_at', 'text')
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('updated_at', 'text', (c) => c.notNull())
+        .execute();
+      await db.schema
+        .createIndex('webhook_deliveries_due')
+        .on('webhook_deliveries')
+        .columns(['state', 'next_attempt_at'])
+        .execute();
+
+      await db.schema
+        .createTable('webhook_attempts')
+        .addColumn('run_id', 'text', (c) => c.notNull())
+        .addColumn('attempt', 'integer', (c) => c.notNull())
+        .addColumn('at', 'text', (c) => c.notNull())
+        .addColumn('status_code', 'integer')
+        .addColumn('error', 'text')
+        .addColumn('duration_ms', 'integer', (c) => c.notNull())
+        .addPrimaryKeyConstraint('webhook_attempts_pk', ['run_id', 'attempt'])
+        .execute();
+
+      await db.schema
+        .createTable('secrets')
+        .addColumn('project_id', 'text', (c) => c.notNull())
+        .addColumn('name', 'text', (c) => c.notNull())
+        .addColumn('value', 'text', (c) => c.notNull())
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('updated_at', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('secrets_pk', ['project_id', 'name'])
+        .execute();
+    },
+  },
+};
+
+/** Hands Kysely's Migrator the migrations above. */
+export const migrationProvider: MigrationProvider = {
+  async getMigrations() {
+    return migrations;
+  },
+};

@@ -1,0 +1,155 @@
+/**
+ * The tables of Ferry's store, as Kysely types.
+ *
+ * Portable on purpose: timestamps are ISO-8601 UTC text (they sort as text), booleans are 0/1 integers,
+ * JSON is text. The same queries run on SQLite (embedded default) and PostgreSQL (scaled out).
+ */
+import type { Generated, Insertable, Selectable, Updateable } from 'kysely';
+
+export interface ProjectsTable {
+  id: string;
+  name: string;
+  created_at: string;
+}
+
+export interface ServiceAccountsTable {
+  id: string;
+  project_id: string;
+  name: string;
+  /** Space-separated scopes: `manage`, `run`. */
+  scopes: string;
+  /** The token's `jti`; the token itself is never stored. */
+  token_id: string;
+  /** SHA-256 of the token, hex. */
+  token_hash: string;
+  created_at: string;
+  expires_at: string;
+  revoked_at: string | null;
+  last_used_at: string | null;
+}
+
+export type BuildState = 'pending' | 'building' | 'ready' | 'failed' | 'cancelled';
+
+export interface AppsTable {
+  /** The app's id is its name (unique inside a project). */
+  id: string;
+  project_id: string;
+  name: string;
+  active_build_id: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface BuildsTable {
+  id: string;
+  project_id: string;
+  app_id: string;
+  state: BuildState;
+  /** The `ferry.toml` text the build was made with. */
+  config_toml: string;
+  /** The validated config, JSON. */
+  config_json: string;
+  runtime: string | null;
+  /** What a replica loads, relative to the build folder. */
+  entry: string | null;
+  archive_bytes: number;
+  file_count: number;
+  error: string | null;
+  created_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+}
+
+export interface BuildLogLinesTable {
+  build_id: string;
+  seq: number;
+  at: string;
+  line: string;
+}
+
+export type RunMode = 'sync' | 'async' | 'stream';
+export type RunState = 'queued' | 'running' | 'success' | 'failure' | 'timeout' | 'cancelled';
+
+export interface RunsTable {
+  id: string;
+  project_id: string;
+  app_id: string;
+  build_id: string | null;
+  function_name: string;
+  mode: RunMode;
+  state: RunState;
+  status_code: number | null;
+  input: string | null;
+  result: string | null;
+  error_code: string | null;
+  error_message: string | null;
+  reason: string | null;
+  cold_start: number;
+  webhook_endpoint: string | null;
+  webhook_secret: string | null;
+  idempotency_key: string | null;
+  created_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  run_time_ms: number | null;
+}
+
+export interface RunLogLinesTable {
+  run_id: string;
+  seq: number;
+  at: string;
+  stream: string;
+  line: string;
+}
+
+export interface WebhookDeliveriesTable {
+  run_id: string;
+  url: string;
+  payload: string;
+  state: string;
+  attempts: number;
+  next_attempt_at: string | null;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface WebhookAttemptsTable {
+  run_id: string;
+  attempt: number;
+  at: string;
+  status_code: number | null;
+  error: string | null;
+  duration_ms: number;
+}
+
+export interface SecretsTable {
+  project_id: string;
+  name: string;
+  /** AES-256-GCM ciphertext, base64 (iv.tag.data). */
+  value: string;
+  created_at: string;
+  updated_at: string;
+}
+
+export interface Database {
+  projects: ProjectsTable;
+  service_accounts: ServiceAccountsTable;
+  apps: AppsTable;
+  builds: BuildsTable;
+  build_log_lines: BuildLogLinesTable;
+  runs: RunsTable;
+  run_log_lines: RunLogLinesTable;
+  webhook_deliveries: WebhookDeliveriesTable;
+  webhook_attempts: WebhookAttemptsTable;
+  secrets: SecretsTable;
+}
+
+export type Project = Selectable<ProjectsTable>;
+export type ServiceAccount = Selectable<ServiceAccountsTable>;
+export type App = Selectable<AppsTable>;
+export type Build = Selectable<BuildsTable>;
+export type NewBuild = Insertable<BuildsTable>;
+export type BuildUpdate = Updateable<BuildsTable>;
+export type Run = Selectable<RunsTable>;
+// Generated is re-exported for tables that later gain database-made columns.
+export type { Generated };

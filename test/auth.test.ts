@@ -1,0 +1,187 @@
+/**
+ * The auth matrix (spec section 5, invariant 3) on a management route and on zip-contents: no token,
+ * malformed, bad signature, expired, revoked, other project, missing scope.
+ */
+import assert from 'node:assert/strict';
+import { randomBytes, randomUUID } from 'node:crypto';
+import { after, before, describe, it } from 'node:test';
+import { signToken } from '../src/auth/tokens.js';
+import { helloApp } from './helpers/app-zip.js';
+import { http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+
+describe('authentication', () => {
+  let server: TestServer;
+  let projectId: string;
+  let token: string;
+  let other: { projectId: string; token: string };
+  let buildId: string;
+
+  before(async () => {
+    server = await startServer();
+    ({ projectId, token } = await server.bootstrap('main'));
+    other = await server.bootstrap('other');
+    const upload = await http(`${server.url}/v2/projects/${projectId}/apps/hello/builds`, {
+      method: 'POST',
+      token,
+      body: await helloApp(),
+      headers: { 'content-type': 'application/zip' },
+    });
+    assert.equal(upload.status, 201, upload.text);
+    buildId = upload.json.id;
+  });
+  after(() => server.close());
+
+  const routes = () => [
+    { name: 'apps list', path: `/v2/projects/${projectId}/apps` },
+    { name: 'zip-contents', path: `/v2/projects/${projectId}/apps/hello/builds/${buildId}/zip-contents` },
+  ];
+
+  async function expectError(path: string, authorization: string | undefined, status: number, code: string) {
+    const res = await http(`${server.url}${path}`, authorization === undefined ? {} : { headers: { authorization } });
+    assert.equal(res.status, status, `${path}: ${res.text}`);
+    assert.equal(res.json.error.code, code);
+    assert.equal(typeof res.json.error.message, 'string');
+    assert.doesNotMatch(res.text, /at .*\.js:\d+/, 'no stack traces in error bodies');
+  }
+
+  it('accepts a valid token', async () => {
+    for (const route of routes()) {
+      const res = await http(`${server.url}${route.path}`, { token });
+      assert.equal(res.status, 200, `${route.name}: ${res.text}`);
+    }
+  });
+
+  it('refuses a request without a token (401)', async () => {
+    for (const route of routes()) await expectError(route.path, undefined, 401, 'FERRY_UNAUTHENTICATED');
+  });
+
+  it('refuses a malformed Authorization header or token (401)', async () => {
+    for (const route of routes()) {
+      await expectError(route.path, 'Basic abc', 401, 'FERRY_TOKEN_INVALID');
+      await expectError(route.path, 'Bearer not-a-jwt', 401, 'FERRY_TOKEN_INVALID');
+      await expectError(route.path, `Bearer ${token.slice(0, -4)}`, 401, 'FERRY_TOKEN_INVALID');
+    }
+  });
+
+  it('refuses a token signed with another key (401)', async () => {
+    const forged = await signToken(randomBytes(32), {
+      serviceAccountId: 'sa-000000000000',
+      projectId,
+      scopes: ['manage', 'run'],
+      tokenId: randomUUID(),
+      expiresAt: new Date(Date.now() + 3600_000),
+    });
+    for (const route of routes()) await expectError(route.path, `Bearer ${forged}`, 401, 'FERRY_TOKEN_INVALID');
+  });
+
+  it('refuses a token whose claims were edited (401)', async () => {
+    const [h, p, s] = token.split('.');
+    const claims = JSON.parse(Buffer.from(p!, 'base64url').toString());
+    claims.scp = ['manage', 'run'];
+    claims.prj = other.projectId;
+    const edited = `${h}.${Buffer.from(JSON.stringify(claims)).toString('base64url')}.${s}`;
+    for (const route of routes()) await expectError(route.path, `Bearer ${edited}`, 401, 'FERRY_TOKEN_INVALID');
+  });
+
+  it('refuses an expired token (401)', async () => {
+    const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+      method: 'POST',
+      token,
+      body: { name: 'short', expires_at: new Date(Date.now() + 1500).toISOString() },
+    });
+    assert.equal(created.status, 201, created.text);
+    const res = await http(`${server.url}${routes()[0]!.path}`, { token: created.json.token });
+    assert.equal(res.status, 200);
+    await new Promise((r) => setTimeout(r, 2100));
+    for (const route of routes())
+      await expectError(route.path, `Bearer ${created.json.token}`, 401, 'FERRY_TOKEN_EXPIRED');
+  });
+
+  it('refuses a revoked token at once (401)', async () => {
+    const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+      method: 'POST',
+      token,
+      body: { name: 'to-revoke' },
+    });
+    const revoked = await http(`${server.url}/v2/projects/${projectId}/service-accounts/${created.json.id}`, {
+      method: 'DELETE',
+      token,
+    });
+    assert.equal(revoked.status, 200);
+    assert.ok(revoked.json.revoked_at);
+    for (const route of routes())
+      await expectError(route.path, `Bearer ${created.json.token}`, 401, 'FERRY_TOKEN_REVOKED');
+  });
+
+  it('refuses a token of another project (403), and an unknown project (404)', async () => {
+    for (const route of routes())
+      await expectError(route.path, `Bearer ${other.token}`, 403, 'FERRY_FORBIDDEN_PROJECT');
+    await expectError('/v2/projects/p-00000000/apps', `Bearer ${token}`, 404, 'FERRY_PROJECT_NOT_FOUND');
+  });
+
+  it('refuses a run-only token on the management API (403)', async () => {
+    const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+      method: 'POST',
+      token,
+      body: { name: 'runner', scopes: ['run'] },
+    });
+    assert.deepEqual(created.json.scopes, ['run']);
+    for (const route of routes())
+      await expectError(route.path, `Bearer ${created.json.token}`, 403, 'FERRY_MISSING_SCOPE');
+  });
+
+  it('answers 404 for an unknown app or build, and for a build of another app', async () => {
+    await expectError(
+      `/v2/projects/${projectId}/apps/nope/builds/${buildId}/zip-contents`,
+      `Bearer ${token}`,
+      404,
+      'FERRY_BUILD_NOT_FOUND',
+    );
+    await expectError(
+      `/v2/projects/${projectId}/apps/hello/builds/${randomUUID()}/zip-contents`,
+      `Bearer ${token}`,
+      404,
+      'FERRY_BUILD_NOT_FOUND',
+    );
+    const second = await http(`${server.url}/v2/projects/${projectId}/apps/second/builds`, {
+      method: 'POST',
+      token,
+      body: await helloApp('second'),
+      headers: { 'content-type': 'application/zip' },
+    });
+    assert.equal(second.status, 201);
+    await expectError(
+      `/v2/projects/${projectId}/apps/hello/builds/${second.json.id}/zip-contents`,
+      `Bearer ${token}`,
+      404,
+      'FERRY_BUILD_NOT_FOUND',
+    );
+    await expectError(`/v2/projects/${projectId}/apps/nope`, `Bearer ${token}`, 404, 'FERRY_APP_NOT_FOUND');
+    await waitFor(async () => {
+      const b = await http(`${server.url}/v2/projects/${projectId}/apps/second/builds/${second.json.id}`, { token });
+      return b.json.state !== 'pending' && b.json.state !== 'building';
+    });
+  });
+
+  it('refuses a run call without a token, with a manage-only token, and for another project', async () => {
+    const manageOnly = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+      method: 'POST',
+      token,
+      body: { name: 'manager', scopes: ['manage'] },
+    });
+    const run = (auth?: string, project = projectId) =>
+      http(`${server.url}/v4/${project}/hello/run`, {
+        method: 'POST',
+        body: {},
+        headers: auth ? { authorization: auth } : {},
+      });
+    let res = await run();
+    assert.equal(res.status, 401);
+    assert.match(res.headers.get('x-request-id') ?? '', /^[0-9a-f-]{36}$/);
+    res = await run(`Bearer ${manageOnly.json.token}`);
+    assert.equal(res.status, 403);
+    assert.equal(res.json.error.code, 'FERRY_MISSING_SCOPE');
+    res = await run(`Bearer ${other.token}`);
+    assert.equal(res.status, 403);
+  });
+});

@@ -1,0 +1,438 @@
+/**
+ * The Node builder against real esbuild and real npm, in temporary folders (fixtures are copied, never
+ * built in place). npm never reaches the network: dependencies are vendored `file:` packages, or a local
+ * server that never answers when a test needs npm to hang.
+ */
+import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import fs from 'node:fs/promises';
+import http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { pathToFileURL } from 'node:url';
+import { parseAppConfig } from '../src/apps/app-config.js';
+import { selectBuilder } from '../src/builds/builders/index.js';
+import { createNodeBuilder } from '../src/builds/builders/node.js';
+import { type Builder, BuildFailedError, type BuildResult } from '../src/builds/builders/types.js';
+import { REPO_ROOT } from './helpers/ferry.js';
+
+// Fixtures stay in the source tree (tests run compiled from dist/test).
+const FIXTURES = `${path.join(REPO_ROOT, 'test', 'fixtures')}${path.sep}`;
+const TIMEOUT = 60_000;
+
+let tmpRoot: string;
+let cacheDir: string;
+let counter = 0;
+
+before(async () => {
+  tmpRoot = await fs.mkdtemp(path.join(os.tmpdir(), 'ferry-builder-node-'));
+  cacheDir = path.join(tmpRoot, 'cache');
+});
+
+after(async () => {
+  await fs.rm(tmpRoot, { recursive: true, force: true });
+});
+
+interface Workspace {
+  sourceDir: string;
+  outputDir: string;
+}
+
+/** A fresh `<build>/{source,out}` pair; `source` starts as a copy of the fixture, plus any extra files. */
+async function workspace(fixture: string | null, files: Record<string, string> = {}): Promise<Workspace> {
+  counter += 1;
+  const root = path.join(tmpRoot, `build-${counter}`);
+  const sourceDir = path.join(root, 'source');
+  const outputDir = path.join(root, 'out');
+  await fs.mkdir(outputDir, { recursive: true });
+  if (fixture) await fs.cp(path.join(FIXTURES, fixture), sourceDir, { recursive: true });
+  else await fs.mkdir(sourceDir, { recursive: true });
+  for (const [name, text] of Object.entries(files)) {
+    await fs.mkdir(path.dirname(path.join(sourceDir, name)), { recursive: true });
+    await fs.writeFile(path.join(sourceDir, name), text);
+  }
+  return { sourceDir, outputDir };
+}
+
+interface Outcome {
+  result?: BuildResult;
+  error?: unknown;
+  lines: string[];
+  ms: number;
+}
+
+async function runBuild(
+  ws: Workspace,
+  opts: { builder?: Builder; signal?: AbortSignal; onLog?: (line: string) => void } = {},
+): Promise<Outcome> {
+  const config = parseAppConfig(await fs.readFile(path.join(ws.sourceDir, 'ferry.toml'), 'utf8'));
+  const lines: string[] = [];
+  const builder = opts.builder ?? createNodeBuilder();
+  const started = Date.now();
+  try {
+    const result = await builder.build({
+      buildId: 'b_test',
+      sourceDir: ws.sourceDir,
+      outputDir: ws.outputDir,
+      cacheDir,
+      config,
+      log: (line) => {
+        lines.push(line);
+        opts.onLog?.(line);
+      },
+      signal: opts.signal ?? new AbortController().signal,
+    });
+    return { result, lines, ms: Date.now() - started };
+  } catch (error) {
+    return { error, lines, ms: Date.now() - started };
+  }
+}
+
+function assertReady(outcome: Outcome): BuildResult {
+  if (outcome.error) {
+    assert.fail(`build failed: ${String(outcome.error)}\n${outcome.lines.join('\n')}`);
+  }
+  return outcome.result!;
+}
+
+function assertFailed(outcome: Outcome, message: RegExp): BuildFailedError {
+  assert.ok(outcome.error, `expected the build to fail; log:\n${outcome.lines.join('\n')}`);
+  assert.ok(outcome.error instanceof BuildFailedError, `expected BuildFailedError, got ${String(outcome.error)}`);
+  assert.match(outcome.error.message, message);
+  return outcome.error;
+}
+
+async function importBundle(ws: Workspace): Promise<Record<string, unknown>> {
+  return (await import(pathToFileURL(path.join(ws.outputDir, 'main.mjs')).href)) as Record<string, unknown>;
+}
+
+/** Linux: true for a live process (a zombie counts as gone, since only its exit status is left). */
+function isAlive(pid: number): boolean {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
+  } catch {
+    try {
+      process.kill(pid, 0);
+      return true;
+    } catch {
+      return false;
+    }
+  }
+}
+
+/** Live processes whose working folder is inside `dir` (what npm and its children would have). */
+async function processesIn(dir: string): Promise<number[]> {
+  const real = await fs.realpath(dir);
+  const found: number[] = [];
+  for (const entry of await fs.readdir('/proc').catch(() => [] as string[])) {
+    if (!/^\d+$/.test(entry) || Number(entry) === process.pid) continue;
+    const cwd = await fs.readlink(`/proc/${entry}/cwd`).catch(() => null);
+    if (cwd && (cwd === real || cwd.startsWith(`${real}/`)) && isAlive(Number(entry))) found.push(Number(entry));
+  }
+  return found;
+}
+
+describe('node builder: bundling', () => {
+  it('bundles a TypeScript app with a local import into an importable main.mjs', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-ts');
+    const outcome = await runBuild(ws);
+    const result = assertReady(outcome);
+
+    assert.deepEqual(result, { runtime: 'node', entry: 'out/main.mjs' });
+    assert.ok(outcome.lines.includes('Entry: main.ts'), outcome.lines.join('\n'));
+    assert.ok(
+      outcome.lines.some((l) => /^Bundle: main\.mjs, [\d.]+ (B|KiB|MiB)$/.test(l)),
+      outcome.lines.join('\n'),
+    );
+    assert.ok(!outcome.lines.some((l) => l.startsWith('Running npm')), 'no package.json, so no npm');
+    await fs.access(path.join(ws.outputDir, 'main.mjs.map'));
+    assert.match(await fs.readFile(path.join(ws.outputDir, 'main.mjs'), 'utf8'), /sourceMappingURL=main\.mjs\.map/);
+
+    const mod = await importBundle(ws);
+    assert.equal(typeof mod.run, 'function');
+    const run = mod.run as (input: { name: string }) => unknown;
+    // `dir` comes from the app's own `const __dirname = ...`, which must survive next to the banner.
+    assert.deepEqual(run({ name: 'x' }), { message: 'Hello, X!', dir: ws.outputDir });
+  });
+
+  it('fails on a syntax error and logs the file and line', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-broken"\n',
+      'main.ts': "import { helper } from './helper.js';\nexport const run = () => helper();\n",
+      'helper.ts': 'export function helper() {\n  return 1 +;\n}\n',
+    });
+    const outcome = await runBuild(ws);
+    const error = assertFailed(outcome, /^Bundling failed: helper\.ts:2:\d+: /);
+    assert.match(error.message, /Unexpected ";"/);
+    assert.ok(
+      outcome.lines.some((l) => /^helper\.ts:2:\d+: Unexpected ";"$/.test(l)),
+      outcome.lines.join('\n'),
+    );
+  });
+
+  it('fails on an unresolvable import and logs it', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-unresolved"\n',
+      'main.mjs': "import x from 'not-installed';\nexport const run = () => x;\n",
+    });
+    const outcome = await runBuild(ws);
+    assertFailed(outcome, /^Bundling failed: main\.mjs:1:\d+: Could not resolve "not-installed"/);
+    assert.ok(outcome.lines.includes('Entry: main.mjs'));
+  });
+
+  it('fails clearly when there is no entry file', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-empty"\n',
+      'index.ts': 'export const run = () => 1;\n',
+    });
+    const outcome = await runBuild(ws);
+    assertFailed(outcome, /^No entry file: expected main\.ts, main\.js or main\.mjs at the archive root$/);
+    assert.deepEqual(await fs.readdir(ws.outputDir), []);
+  });
+
+  it('uses app.entry from ferry.toml, and fails when that file is missing', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-pick"\nentry = "main.mjs"\n',
+      'main.ts': 'export const run = () => "ts";\n',
+      'main.mjs': 'export const run = () => "mjs";\n',
+    });
+    const outcome = await runBuild(ws);
+    assertReady(outcome);
+    assert.ok(outcome.lines.includes('Entry: main.mjs'));
+    assert.equal(((await importBundle(ws)).run as () => string)(), 'mjs');
+
+    const missing = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-pick"\nentry = "main.js"\n',
+      'main.ts': 'export const run = () => "ts";\n',
+    });
+    assertFailed(await runBuild(missing), /main\.js/);
+  });
+});
+
+describe('node builder: dependencies', () => {
+  it('runs npm ci with a lock file and bundles the installed dependency', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-local-dep');
+    const outcome = await runBuild(ws);
+    assertReady(outcome);
+    assert.ok(
+      outcome.lines.includes('Running npm ci --omit=dev --ignore-scripts --no-audit --no-fund'),
+      outcome.lines.join('\n'),
+    );
+    assert.ok(outcome.lines.some((l) => /Install scripts are not run/.test(l)));
+    assert.ok(outcome.lines.includes('Entry: main.js'));
+    await fs.access(path.join(ws.sourceDir, 'node_modules', 'left'));
+    await fs.access(path.join(cacheDir, 'npm'));
+
+    // The bundle must stand alone: remove the sources and node_modules before loading it.
+    await fs.rm(ws.sourceDir, { recursive: true });
+    const run = (await importBundle(ws)).run as (input: { text: string }) => unknown;
+    // `depDir` is the CommonJS package's __dirname, provided by the banner (the bundle's folder).
+    assert.deepEqual(run({ text: 'ab' }), { padded: '....ab', depDir: 'out' });
+  });
+
+  it('runs npm install without a lock file', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-local-dep');
+    await fs.rm(path.join(ws.sourceDir, 'package-lock.json'));
+    const outcome = await runBuild(ws);
+    assertReady(outcome);
+    assert.ok(
+      outcome.lines.includes('Running npm install --omit=dev --ignore-scripts --no-audit --no-fund --no-package-lock'),
+      outcome.lines.join('\n'),
+    );
+    await assert.rejects(fs.access(path.join(ws.sourceDir, 'package-lock.json')), 'no lock file is written');
+    const run = (await importBundle(ws)).run as (input: { text: string }) => unknown;
+    assert.deepEqual(run({ text: 'abc' }), { padded: '...abc', depDir: 'out' });
+  });
+
+  it("fails when npm fails, with npm's output in the log", { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-bad-dep');
+    const outcome = await runBuild(ws);
+    assertFailed(outcome, /^npm install failed \(exit code [1-9]\d*\)$/);
+    assert.ok(
+      outcome.lines.some((l) => l.startsWith('npm error') && l.includes('does-not-exist.tgz')),
+      outcome.lines.join('\n'),
+    );
+    assert.ok(!outcome.lines.some((l) => l.startsWith('Bundling')), 'no bundling after a failed install');
+    assert.deepEqual(await fs.readdir(ws.outputDir), []);
+  });
+
+  it("gives npm a minimal environment, never the server's", { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-ts', { 'package.json': '{"name":"x","version":"1.0.0"}\n' });
+    const fakeNpm = path.join(path.dirname(ws.sourceDir), 'fake-npm.sh');
+    await fs.writeFile(fakeNpm, '#!/bin/sh\necho "args: $*"\nenv\n', { mode: 0o755 });
+    process.env.FERRY_TEST_SECRET = 'top-secret-value';
+    try {
+      const outcome = await runBuild(ws, { builder: createNodeBuilder({ npmCommand: fakeNpm }) });
+      assertReady(outcome);
+      const log = outcome.lines.join('\n');
+      assert.ok(!log.includes('top-secret-value'), log);
+      assert.ok(outcome.lines.includes(`HOME=${path.join(cacheDir, 'home')}`), log);
+      assert.ok(outcome.lines.includes(`npm_config_cache=${path.join(cacheDir, 'npm')}`), log);
+      assert.ok(outcome.lines.includes('npm_config_update_notifier=false'), log);
+      assert.ok(outcome.lines.includes('npm_config_loglevel=warn'), log);
+      assert.ok(outcome.lines.includes(`PATH=${process.env.PATH}`), log);
+      // No dependencies: no note about skipped install scripts.
+      assert.ok(!log.includes('Install scripts are not run'), log);
+    } finally {
+      delete process.env.FERRY_TEST_SECRET;
+    }
+  });
+});
+
+describe('node builder: cancellation', () => {
+  it('kills a real npm that is waiting on the registry, promptly and completely', { timeout: TIMEOUT }, async () => {
+    const controller = new AbortController();
+    const reason = new Error('cancelled');
+    let abortedAt = 0;
+    // A registry that accepts the request and never answers: npm is surely mid-install when we abort.
+    const registry = http.createServer(() => {
+      if (abortedAt === 0) {
+        abortedAt = Date.now();
+        controller.abort(reason);
+      }
+    });
+    await new Promise<void>((resolve) => registry.listen(0, '127.0.0.1', resolve));
+    const port = (registry.address() as AddressInfo).port;
+    try {
+      const ws = await workspace('node-ts', {
+        'package.json': '{"name":"x","version":"1.0.0","dependencies":{"left-pad":"1.3.0"}}\n',
+        '.npmrc': `registry=http://127.0.0.1:${port}/\nfetch-retries=0\n`,
+      });
+      const outcome = await runBuild(ws, { signal: controller.signal });
+      assert.ok(abortedAt > 0, `npm never asked the registry; log:\n${outcome.lines.join('\n')}`);
+      assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
+      const afterAbort = Date.now() - abortedAt;
+      assert.ok(afterAbort < 4_000, `took ${afterAbort} ms after the abort`);
+      assert.deepEqual(await processesIn(ws.sourceDir), [], 'no npm process left behind');
+      assert.deepEqual(await fs.readdir(ws.outputDir), []);
+    } finally {
+      registry.closeAllConnections();
+      await new Promise<void>((resolve) => registry.close(() => resolve()));
+    }
+  });
+
+  it("kills npm's whole process group", { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-ts', { 'package.json': '{"name":"x","version":"1.0.0"}\n' });
+    const fakeNpm = path.join(path.dirname(ws.sourceDir), 'fake-npm.sh');
+    // A child of npm (like git or node-gyp) that would outlive npm if only npm were killed.
+    await fs.writeFile(fakeNpm, '#!/bin/sh\nsleep 60 &\necho "pids $$ $!"\nwait\n', { mode: 0o755 });
+    const controller = new AbortController();
+    let pids: number[] = [];
+    const outcome = await runBuild(ws, {
+      builder: createNodeBuilder({ npmCommand: fakeNpm }),
+      signal: controller.signal,
+      onLog: (line) => {
+        const match = /^pids (\d+) (\d+)$/.exec(line);
+        if (match) {
+          pids = [Number(match[1]), Number(match[2])];
+          controller.abort();
+        }
+      },
+    });
+    assert.equal(pids.length, 2, outcome.lines.join('\n'));
+    assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
+    assert.ok(!(outcome.error instanceof BuildFailedError));
+    assert.ok(outcome.ms < 4_000, `took ${outcome.ms} ms`);
+    for (const pid of pids) assert.equal(isAlive(pid), false, `process ${pid} is still running`);
+  });
+
+  it('stops during bundling', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-local-dep');
+    const controller = new AbortController();
+    const reason = new Error('server stopping');
+    const outcome = await runBuild(ws, {
+      signal: controller.signal,
+      onLog: (line) => {
+        if (line.startsWith('Bundling ')) controller.abort(reason);
+      },
+    });
+    assert.ok(
+      outcome.lines.some((l) => l.startsWith('Bundling ')),
+      outcome.lines.join('\n'),
+    );
+    assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
+    assert.ok(!outcome.lines.some((l) => l.startsWith('Bundle: ')), 'the bundle step did not finish');
+  });
+
+  it('cancels esbuild in the middle of a slow bundle', { timeout: TIMEOUT }, async () => {
+    // Big enough that esbuild needs about a second, so the abort lands while rebuild() is running.
+    const lines = Array.from({ length: 200_000 }, (_, i) => `export const v${i} = ${i} * 2 + Math.random();`);
+    const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "node-big"\n', 'main.js': lines.join('\n') });
+    const controller = new AbortController();
+    const reason = new Error('cancelled');
+    let abortedAt = 0;
+    const outcome = await runBuild(ws, {
+      signal: controller.signal,
+      onLog: (line) => {
+        if (!line.startsWith('Bundling ')) return;
+        setTimeout(() => {
+          abortedAt = Date.now();
+          controller.abort(reason);
+        }, 100);
+      },
+    });
+    assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
+    const afterAbort = Date.now() - abortedAt;
+    assert.ok(afterAbort < 4_000, `took ${afterAbort} ms after the abort`);
+    // esbuild writes nothing for a cancelled build; a finished-then-discarded one would leave main.mjs.
+    assert.deepEqual(await fs.readdir(ws.outputDir), []);
+  });
+
+  it('does nothing when already cancelled', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace('node-local-dep');
+    const outcome = await runBuild(ws, { signal: AbortSignal.abort() });
+    assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
+    assert.deepEqual(outcome.lines, []);
+    await assert.rejects(fs.access(path.join(ws.sourceDir, 'node_modules')));
+  });
+});
+
+describe('selectBuilder', () => {
+  const node: Builder = { name: 'node', build: async () => ({ runtime: 'node', entry: 'out/main.mjs' }) };
+  const python: Builder = { name: 'python', build: async () => ({ runtime: 'python', entry: 'out/main.py' }) };
+  const custom: Builder = { name: 'custom', build: async () => ({ runtime: 'custom', entry: 'source' }) };
+
+  async function dirWith(...names: string[]): Promise<string> {
+    const ws = await workspace(null, Object.fromEntries(names.map((n) => [n, ''])));
+    return ws.sourceDir;
+  }
+
+  it('picks node for Node entries and when nothing is there yet', async () => {
+    const config = parseAppConfig('[app]\nname = "a"\n');
+    assert.equal(selectBuilder(config, await dirWith('main.ts'), { node, python }), node);
+    assert.equal(selectBuilder(config, await dirWith('main.js', 'main.py'), { node, python }), node);
+    assert.equal(selectBuilder(config, await dirWith('README.md'), { node, python }), node);
+  });
+
+  it('picks python for main.py, named or found', async () => {
+    const found = parseAppConfig('[app]\nname = "a"\n');
+    assert.equal(selectBuilder(found, await dirWith('main.py'), { node, python }), python);
+    const named = parseAppConfig('[app]\nname = "a"\nentry = "main.py"\n');
+    assert.equal(selectBuilder(named, await dirWith('main.ts', 'main.py'), { node, python }), python);
+    const nodeNamed = parseAppConfig('[app]\nname = "a"\nentry = "main.ts"\n');
+    assert.equal(selectBuilder(nodeNamed, await dirWith('main.py'), { node, python }), node);
+  });
+
+  it('picks custom for the custom runtime', async () => {
+    const config = parseAppConfig('[app]\nname = "a"\nruntime = "custom"\n[runtime.custom]\nentrypoint = "./server"\n');
+    assert.equal(selectBuilder(config, await dirWith('main.ts'), { node, custom }), custom);
+  });
+
+  it('fails clearly when the needed builder is not on this server', async () => {
+    const py = parseAppConfig('[app]\nname = "a"\n');
+    const pyDir = await dirWith('main.py');
+    assert.throws(
+      () => selectBuilder(py, pyDir, { node }),
+      (err: unknown) => {
+        assert.ok(err instanceof BuildFailedError);
+        assert.match(err.message, /Python runtime is not available/);
+        return true;
+      },
+    );
+    const cu = parseAppConfig('[app]\nname = "a"\nruntime = "custom"\n[runtime.custom]\nentrypoint = "./server"\n');
+    assert.throws(() => selectBuilder(cu, pyDir, { node, python }), /custom runtime is not available/);
+  });
+});

@@ -1,0 +1,179 @@
+/**
+ * Test helpers: a Ferry server in this process on a real socket (port 0), a real `ferry serve` child
+ * process, the CLI as a child process, and a small HTTP helper. Every server gets its own temp data dir.
+ */
+import { type ChildProcess, spawn } from 'node:child_process';
+import fs from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { bootstrapProject } from '../../src/auth/service-accounts.js';
+import { resolveServerConfig, type ServerConfig } from '../../src/config.js';
+import { buildServer, type FerryServer } from '../../src/http/server.js';
+import { createLogger } from '../../src/logger.js';
+import { createServices, type Services } from '../../src/services.js';
+
+/** The repository root (tests run from dist/test, two levels below). */
+export const REPO_ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..', '..', '..');
+export const FERRY_BIN = path.join(REPO_ROOT, 'bin', 'ferry.js');
+
+export async function tempDir(prefix = 'ferry-test-'): Promise<string> {
+  return fs.mkdtemp(path.join(os.tmpdir(), prefix));
+}
+
+export interface TestServer {
+  url: string;
+  services: Services;
+  app: FerryServer;
+  dataDir: string;
+  bootstrap(projectName?: string): Promise<{ projectId: string; token: string }>;
+  close(): Promise<void>;
+}
+
+/** Starts Ferry in this process on 127.0.0.1 with a fresh data dir (or the given one). */
+export async function startServer(
+  overrides: Partial<ServerConfig> & { env?: NodeJS.ProcessEnv } = {},
+): Promise<TestServer> {
+  const dataDir = overrides.dataDir ?? (await tempDir());
+  const config = { ...resolveServerConfig({ dataDir, port: 0 }, overrides.env ?? {}), ...overrides, dataDir };
+  const logger = createLogger({ level: process.env.FERRY_TEST_LOG ?? 'silent', pretty: false });
+  const services = await createServices(config, logger);
+  const app = await buildServer(services);
+  await services.pipeline.recover();
+  const url = await app.listen({ host: '127.0.0.1', port: 0 });
+  return {
+    url,
+    services,
+    app,
+    dataDir,
+    async bootstrap(projectName = 'default') {
+      const { project, token } = await bootstrapProject(services.store, services.jwtKey, { projectName });
+      return { projectId: project.id, token };
+    },
+    async close() {
+      await app.close();
+      await services.close();
+    },
+  };
+}
+
+export interface Response {
+  status: number;
+  headers: Headers;
+  text: string;
+  // biome-ignore lint/suspicious/noExplicitAny: tests read response bodies of many shapes
+  json: any;
+}
+
+/** One HTTP request; `body` objects are sent as JSON, Buffers as they are. */
+export async function http(
+  url: string,
+  options: { method?: string; token?: string; body?: unknown; headers?: Record<string, string> } = {},
+): Promise<Response> {
+  const headers: Record<string, string> = { ...options.headers };
+  if (options.token) headers.authorization = `Bearer ${options.token}`;
+  let body: Buffer | string | undefined;
+  if (Buffer.isBuffer(options.body)) body = options.body;
+  else if (options.body !== undefined) {
+    body = JSON.stringify(options.body);
+    headers['content-type'] ??= 'application/json';
+  }
+  const res = await fetch(url, { method: options.method ?? 'GET', headers, body, signal: AbortSignal.timeout(30_000) });
+  const text = await res.text();
+  let json: unknown;
+  try {
+    json = JSON.parse(text);
+  } catch {
+    json = undefined;
+  }
+  return { status: res.status, headers: res.headers, text, json };
+}
+
+export interface CliResult {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+}
+
+/** Runs the `ferry` command as a child process, with only the given environment (plus PATH and HOME). */
+export function runCli(args: string[], env: NodeJS.ProcessEnv = {}, timeoutMs = 120_000): Promise<CliResult> {
+  return new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, [FERRY_BIN, ...args], {
+      env: { PATH: process.env.PATH, HOME: process.env.HOME, ...env },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    let stdout = '';
+    let stderr = '';
+    child.stdout.on('data', (d: Buffer) => (stdout += d));
+    child.stderr.on('data', (d: Buffer) => (stderr += d));
+    const timer = setTimeout(() => {
+      child.kill('SIGKILL');
+      reject(new Error(`ferry ${args.join(' ')} timed out\n${stdout}\n${stderr}`));
+    }, timeoutMs);
+    child.on('error', reject);
+    child.on('close', (code) => {
+      clearTimeout(timer);
+      resolve({ code, stdout, stderr });
+    });
+  });
+}
+
+export interface ServeProcess {
+  url: string;
+  child: ChildProcess;
+  output(): string;
+  /** Sends the signal and waits for the process to exit; resolves with its exit code. */
+  stop(signal?: NodeJS.Signals): Promise<number | null>;
+}
+
+/** Starts a real `ferry serve` child process on a free port and waits until it listens. */
+export async function spawnServe(dataDir: string, env: NodeJS.ProcessEnv = {}): Promise<ServeProcess> {
+  const child = spawn(process.execPath, [FERRY_BIN, 'serve', '--port', '0', '--data-dir', dataDir], {
+    env: { PATH: process.env.PATH, HOME: process.env.HOME, FERRY_LOG_FORMAT: 'json', ...env },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let out = '';
+  const exited = new Promise<number | null>((resolve) => child.on('exit', (code) => resolve(code)));
+  const url = await new Promise<string>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`ferry serve did not start:\n${out}`)), 30_000);
+    const onData = (d: Buffer) => {
+      out += d;
+      const match = /"address":"(http:\/\/[^"]+)"/.exec(out);
+      if (match?.[1]) {
+        clearTimeout(timer);
+        resolve(match[1]);
+      }
+    };
+    child.stdout?.on('data', onData);
+    child.stderr?.on('data', (d: Buffer) => (out += d));
+    void exited.then((code) => {
+      clearTimeout(timer);
+      reject(new Error(`ferry serve exited with ${code}:\n${out}`));
+    });
+  });
+  return {
+    url,
+    child,
+    output: () => out,
+    async stop(signal = 'SIGTERM') {
+      if (child.exitCode !== null) return child.exitCode;
+      child.kill(signal);
+      return exited;
+    },
+  };
+}
+
+/** Polls `check` until it returns a truthy value or `ms` passes. */
+export async function waitFor<T>(
+  check: () => Promise<T | undefined | false>,
+  ms = 60_000,
+  what = 'condition',
+): Promise<T> {
+  const end = Date.now() + ms;
+  for (;;) {
+    const value = await check();
+    if (value) return value;
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
