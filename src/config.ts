@@ -15,6 +15,10 @@ export interface ServerConfig {
   zipLimits: ZipLimits;
   /** Log level for pino. */
   logLevel: string;
+  /** Runs that may wait per app when every replica slot is taken (503 past it). */
+  maxQueuePerApp: number;
+  /** How long a replica may take to start accepting on its socket. */
+  replicaStartTimeoutMs: number;
 }
 
 export const DEFAULTS = {
@@ -24,6 +28,8 @@ export const DEFAULTS = {
   maxUploadBytes: 256 * 1024 * 1024,
   maxBodyBytes: 10 * 1024 * 1024,
   logLevel: 'info',
+  maxQueuePerApp: 100,
+  replicaStartTimeoutMs: 30_000,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -65,5 +71,10 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
       maxRatio: intFrom(env.FERRY_ZIP_MAX_RATIO, 'FERRY_ZIP_MAX_RATIO', 2, 100_000) ?? DEFAULT_ZIP_LIMITS.maxRatio,
     },
     logLevel: env.FERRY_LOG_LEVEL ?? DEFAULTS.logLevel,
+    maxQueuePerApp:
+      intFrom(env.FERRY_MAX_QUEUE_PER_APP, 'FERRY_MAX_QUEUE_PER_APP', 0, 1_000_000) ?? DEFAULTS.maxQueuePerApp,
+    replicaStartTimeoutMs:
+      intFrom(env.FERRY_REPLICA_START_TIMEOUT_MS, 'FERRY_REPLICA_START_TIMEOUT_MS', 100, 600_000) ??
+      DEFAULTS.replicaStartTimeoutMs,
   };
 }

@@ -54,7 +54,21 @@ export const ERRORS = {
   // Runs
   FERRY_FUNCTION_NOT_FOUND: { status: 404, message: 'The app has no such public function' },
   FERRY_NO_READY_BUILD: { status: 503, message: 'The app has no ready build yet' },
-  FERRY_RUNS_NOT_AVAILABLE: { status: 503, message: 'This server cannot execute runs yet' },
+  FERRY_QUEUE_FULL: { status: 503, message: 'The app is at capacity and its queue is full; retry later' },
+  FERRY_FUNCTION_ERROR: { status: 500, message: 'The function raised an error' },
+  FERRY_ARGUMENT_ERROR: { status: 400, message: 'The function was called with arguments it does not take' },
+  FERRY_RESULT_NOT_SERIALIZABLE: { status: 500, message: 'The function returned a value that is not JSON' },
+  FERRY_RUN_TIMEOUT: { status: 504, message: 'The run took longer than the app’s response_grace_period' },
+  FERRY_REPLICA_DIED: { status: 502, message: 'The replica running the function stopped during the run' },
+  FERRY_OUT_OF_MEMORY: {
+    status: 502,
+    message: 'The function used more memory than the app’s [resources].memory limit',
+  },
+  FERRY_REPLICA_START_FAILED: { status: 502, message: 'The app’s replica could not start' },
+  FERRY_RUN_NOT_FOUND: { status: 404, message: 'No such run' },
+
+  // Secrets
+  FERRY_SECRET_NOT_FOUND: { status: 404, message: 'No such secret' },
 } as const satisfies Record<string, { status: number; message: string }>;
 
 export type ErrorCode = keyof typeof ERRORS;
@@ -65,18 +79,25 @@ export class FerryError extends Error {
   readonly status: number;
   /** Extra headers for the response, such as `Retry-After`. */
   readonly headers: Record<string, string>;
+  /** Extra public members of the error object, such as the `type` of a function's exception. */
+  readonly details: Record<string, string>;
 
-  constructor(code: ErrorCode, message?: string, options?: { cause?: unknown; headers?: Record<string, string> }) {
+  constructor(
+    code: ErrorCode,
+    message?: string,
+    options?: { cause?: unknown; headers?: Record<string, string>; details?: Record<string, string> },
+  ) {
     super(message ?? ERRORS[code].message, options?.cause === undefined ? undefined : { cause: options.cause });
     this.name = 'FerryError';
     this.code = code;
     this.status = ERRORS[code].status;
     this.headers = options?.headers ?? {};
+    this.details = options?.details ?? {};
   }
 
   /** The public body; never includes the stack or the cause. */
-  toJSON(): { error: { code: ErrorCode; message: string } } {
-    return { error: { code: this.code, message: this.message } };
+  toJSON(): { error: { code: ErrorCode; message: string } & Record<string, string> } {
+    return { error: { code: this.code, message: this.message, ...this.details } };
   }
 }
 

@@ -2,7 +2,7 @@
  * Prometheus metrics, served at `/metrics`. One registry per server so tests can run several servers in
  * one process. Later parts (runs, replicas, webhooks) add their metrics to the same registry.
  */
-import { Counter, collectDefaultMetrics, Histogram, Registry } from 'prom-client';
+import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from 'prom-client';
 
 export interface Metrics {
   registry: Registry;
@@ -10,6 +10,13 @@ export interface Metrics {
   httpDuration: Histogram<'method' | 'route'>;
   builds: Counter<'state'>;
   buildDuration: Histogram<'state'>;
+  runs: Counter<'project' | 'app' | 'state' | 'status'>;
+  runDuration: Histogram<'project' | 'app'>;
+  coldStarts: Counter<'project' | 'app'>;
+  coldStartDuration: Histogram<'project' | 'app'>;
+  replicas: Gauge<'project' | 'app' | 'state'>;
+  queueDepth: Gauge<'project' | 'app'>;
+  runsInFlight: Gauge<'project' | 'app'>;
 }
 
 export function createMetrics(): Metrics {
@@ -41,6 +48,50 @@ export function createMetrics(): Metrics {
       help: 'Time from a build starting to its final state',
       labelNames: ['state'],
       buckets: [0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600],
+      registers: [registry],
+    }),
+    runs: new Counter({
+      name: 'ferry_runs_total',
+      help: 'Runs that ended, by app, final state and HTTP status',
+      labelNames: ['project', 'app', 'state', 'status'],
+      registers: [registry],
+    }),
+    runDuration: new Histogram({
+      name: 'ferry_run_duration_seconds',
+      help: 'Time from a run being accepted to its end (queueing and cold start included)',
+      labelNames: ['project', 'app'],
+      buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900],
+      registers: [registry],
+    }),
+    coldStarts: new Counter({
+      name: 'ferry_cold_starts_total',
+      help: 'Replicas started',
+      labelNames: ['project', 'app'],
+      registers: [registry],
+    }),
+    coldStartDuration: new Histogram({
+      name: 'ferry_cold_start_duration_seconds',
+      help: 'Time from starting a replica to its socket accepting',
+      labelNames: ['project', 'app'],
+      buckets: [0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10],
+      registers: [registry],
+    }),
+    replicas: new Gauge({
+      name: 'ferry_replicas',
+      help: 'Replicas by state (starting, ready)',
+      labelNames: ['project', 'app', 'state'],
+      registers: [registry],
+    }),
+    queueDepth: new Gauge({
+      name: 'ferry_queue_depth',
+      help: 'Runs waiting for a replica slot',
+      labelNames: ['project', 'app'],
+      registers: [registry],
+    }),
+    runsInFlight: new Gauge({
+      name: 'ferry_runs_in_flight',
+      help: 'Runs executing in replicas',
+      labelNames: ['project', 'app'],
       registers: [registry],
     }),
   };

@@ -3,6 +3,7 @@
  * store, build log and pipeline. `ferry serve` and the tests both start from here, so they run the same
  * objects; each part still takes its dependencies explicitly and can be built alone.
  */
+import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
@@ -13,6 +14,11 @@ import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import type { ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareDataDir } from './data-dir.js';
 import { createMetrics, type Metrics } from './metrics.js';
+import { createLauncher } from './replicas/launcher.js';
+import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
+import { createInvoker, type Invoker } from './runs/invoke.js';
+import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
+import { secretEnvironment } from './secrets/secrets.js';
 import { openSqliteStore, type Store } from './store/index.js';
 
 export interface Services {
@@ -27,6 +33,13 @@ export interface Services {
   pipeline: BuildPipeline;
   metrics: Metrics;
   logger: Logger;
+  recorder: RunRecorder;
+  replicas: ReplicaManager;
+  invoker: Invoker;
+  /** Brings the gauges (replicas, queue depth) up to date; called before /metrics is rendered. */
+  refreshGauges(): void;
+  /** Ends runs an earlier process left queued or running (they cannot finish now). */
+  recoverRuns(): Promise<number>;
   close(): Promise<void>;
 }
 
@@ -37,6 +50,41 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const secretsKey = loadOrCreateKey(path.join(dataDir.keys, 'secrets.key'));
   const metrics = createMetrics();
   const buildLog = createBuildLog({ store });
+  const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
+  const runDir = path.join(dataDir.root, 'run');
+  await fs.rm(runDir, { recursive: true, force: true });
+  await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
+  const replicas = createReplicaManager({
+    store,
+    logger: logger.child({ component: 'replicas' }),
+    maxQueue: config.maxQueuePerApp,
+    startTimeoutMs: config.replicaStartTimeoutMs,
+    launch: createLauncher({
+      store,
+      buildsDir: dataDir.builds,
+      runDir,
+      secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
+    }),
+    onColdStart(build, ms) {
+      const labels = { project: build.projectId, app: build.appId };
+      metrics.coldStarts.inc(labels);
+      metrics.coldStartDuration.observe(labels, ms / 1000);
+    },
+    onReplicaOutput(build, replicaId, stream, line) {
+      replicaLogger.info({ project: build.projectId, app: build.appId, replica: replicaId, stream }, line);
+    },
+  });
+  const replicaLogger = logger.child({ component: 'replica-output' });
+  const invoker = createInvoker({
+    replicas,
+    recorder,
+    logger: logger.child({ component: 'runs' }),
+    onFinished(build, state, statusCode, seconds) {
+      const labels = { project: build.projectId, app: build.appId };
+      metrics.runs.inc({ ...labels, state, status: String(statusCode) });
+      metrics.runDuration.observe(labels, seconds);
+    },
+  });
   const pipeline = createBuildPipeline({
     store,
     buildLog,
@@ -49,6 +97,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       if (build.started_at && build.finished_at) {
         const seconds = (Date.parse(build.finished_at) - Date.parse(build.started_at)) / 1000;
         metrics.buildDuration.observe({ state: build.state }, seconds);
+      }
+      if (build.state === 'ready') {
+        void replicas.activate(build.project_id, build.app_id).catch((err: unknown) => {
+          logger.error({ err, buildId: build.id }, 'switching replicas to the new build failed');
+        });
       }
     },
   });
@@ -64,8 +117,41 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     pipeline,
     metrics,
     logger,
+    recorder,
+    replicas,
+    invoker,
+    refreshGauges() {
+      metrics.replicas.reset();
+      metrics.queueDepth.reset();
+      metrics.runsInFlight.reset();
+      for (const pool of replicas.pools()) {
+        const labels = { project: pool.build.projectId, app: pool.build.appId };
+        const { starting, ready, inflight, queued } = pool.stats;
+        metrics.replicas.inc({ ...labels, state: 'starting' }, starting);
+        metrics.replicas.inc({ ...labels, state: 'ready' }, ready);
+        metrics.queueDepth.inc(labels, queued);
+        metrics.runsInFlight.inc(labels, inflight);
+      }
+    },
+    async recoverRuns() {
+      const result = await store
+        .updateTable('runs')
+        .set({
+          state: 'failure',
+          reason: 'interrupted',
+          error_code: 'FERRY_REPLICA_DIED',
+          error_message: 'The server stopped while the run was in progress',
+          finished_at: new Date().toISOString(),
+        })
+        .where('state', 'in', ['queued', 'running'])
+        .where('mode', '!=', 'async')
+        .executeTakeFirst();
+      return Number(result.numUpdatedRows);
+    },
     async close() {
       await pipeline.close();
+      await replicas.close();
+      await recorder.close();
       await store.destroy();
     },
   };

@@ -141,7 +141,8 @@ describe('node builder: bundling', () => {
     const outcome = await runBuild(ws);
     const result = assertReady(outcome);
 
-    assert.deepEqual(result, { runtime: 'node', entry: 'out/main.mjs' });
+    // functions: the public exports found by esbuild without running the module (private _names left out).
+    assert.deepEqual(result, { runtime: 'node', entry: 'out/main.mjs', functions: ['run'] });
     assert.ok(outcome.lines.includes('Entry: main.ts'), outcome.lines.join('\n'));
     assert.ok(
       outcome.lines.some((l) => /^Bundle: main\.mjs, [\d.]+ (B|KiB|MiB)$/.test(l)),

@@ -66,7 +66,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     const folder = buildFolder(deps.buildsDir, build.id);
     let finalState: BuildState;
     let error: string | null = null;
-    let result: { runtime: string; entry: string } | undefined;
+    let result: { runtime: string; entry: string; functions?: string[] | undefined } | undefined;
     try {
       await setState(build.id, { state: 'building', started_at: nowIso() });
       log(`Building ${build.app_id} (build ${build.id})`);
@@ -121,6 +121,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
           finished_at: nowIso(),
           runtime: result?.runtime ?? null,
           entry: result?.entry ?? null,
+          functions: result?.functions ? JSON.stringify(result.functions) : null,
         })
         .where('id', '=', build.id)
         .execute();

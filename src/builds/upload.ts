@@ -95,6 +95,7 @@ export async function receiveBuild(
       entry: null,
       archive_bytes: bytes,
       file_count: files.length,
+      functions: null,
       error: null,
       created_at: now,
       started_at: null,

@@ -87,6 +87,10 @@ export function createClient(options: { needProject?: boolean } = {}): ApiClient
         throw describeNetworkError(url, err);
       }
       if (res.statusCode >= 400) throw await failure(res.statusCode, res.body);
+      if (res.statusCode === 204) {
+        await res.body.dump();
+        return undefined as T;
+      }
       return (await res.body.json()) as T;
     },
     async stream(path, headers = {}) {

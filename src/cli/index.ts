@@ -17,6 +17,8 @@ import {
   tokensListCommand,
   tokensRevokeCommand,
 } from './resources.js';
+import { runCommand, runsGetCommand, runsListCommand, runsLogsCommand } from './runs.js';
+import { secretsDeleteCommand, secretsListCommand, secretsSetCommand } from './secrets.js';
 import { serveCommand } from './serve.js';
 
 const program = new Command('ferry')
@@ -78,6 +80,35 @@ builds
   .option('--json', 'print the zip-contents response as JSON')
   .action(buildsFilesCommand);
 builds.command('cancel <build_id>').option('--app <app>', "the build's app").action(buildsCancelCommand);
+
+program
+  .command('run <app> [function]')
+  .description('call a function synchronously (default function: run) and print its result')
+  .option('-d, --data <json>', 'the arguments, as a JSON object', '{}')
+  .option('--json', 'print the whole response')
+  .action(runCommand);
+
+const runs = program.command('runs').description('runs of an app');
+runs
+  .command('list <app>')
+  .option('--state <state>', 'only runs in this state (queued, running, success, failure, timeout, cancelled)')
+  .option('--mode <mode>', 'only runs of this mode (sync, async, stream)')
+  .option('--limit <n>', 'how many (default 50)')
+  .option('--json', 'print JSON')
+  .action(runsListCommand);
+runs.command('get <app> <run_id>').description('a run with its input and result, as JSON').action(runsGetCommand);
+runs.command('logs <app> <run_id>').description('what the function printed during the run').action(runsLogsCommand);
+
+const secrets = program
+  .command('secrets')
+  .description('secrets of the project, given to new replicas as environment variables');
+secrets
+  .command('set <name> [value]')
+  .description('create or replace a secret; without VALUE, or with -, the value is read from stdin')
+  .option('--json', 'print the secret’s metadata as JSON')
+  .action(secretsSetCommand);
+secrets.command('list').option('--json', 'print JSON').action(secretsListCommand);
+secrets.command('delete <name>').action(secretsDeleteCommand);
 
 const tokens = program.command('tokens').description('service accounts and their tokens');
 tokens

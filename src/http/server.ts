@@ -5,13 +5,15 @@
  */
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
-import Fastify from 'fastify';
+import Fastify, { LogController } from 'fastify';
 import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
 import { errorHandler } from './errors.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
 import { registerRunRoutes } from './routes/run.js';
+import { registerRunsRoutes } from './routes/runs.js';
+import { registerSecretRoutes } from './routes/secrets.js';
 import { registerServiceAccountRoutes } from './routes/service-accounts.js';
 import { registerSystemRoutes } from './routes/system.js';
 
@@ -21,10 +23,11 @@ export type TypedServer = ReturnType<typeof createFastify>;
 function createFastify(services: Services) {
   return Fastify({
     loggerInstance: services.logger,
-    disableRequestLogging: true,
+    // Per-request lines would drown the log at run-endpoint rates; metrics count requests instead.
+    logController: new LogController({ disableRequestLogging: true, requestIdLogLabel: 'req' }),
     bodyLimit: services.config.maxBodyBytes,
-    // Ids of requests are Ferry's own (run ids on /v4); Fastify's counter is only for its log lines.
-    requestIdLogLabel: 'req',
+    // Secret names may be 128 characters; Fastify's default of 100 would answer its own 414 first.
+    maxParamLength: 256,
     ajv: { customOptions: { removeAdditional: false, coerceTypes: 'array', allErrors: false } },
     return503OnClosing: true,
     forceCloseConnections: 'idle',
@@ -80,6 +83,8 @@ export async function buildServer(services: Services): Promise<FerryServer> {
   registerServiceAccountRoutes(app, services);
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);
+  registerSecretRoutes(app, services);
+  registerRunsRoutes(app, services);
   registerRunRoutes(app, services);
   return app;
 }

@@ -147,6 +147,12 @@ const migrations: Record<string, Migration> = {
         .execute();
     },
   },
+  '0002_build_functions': {
+    async up(db: Kysely<unknown>) {
+      // JSON array of the exported names found at build time; null when the builder cannot tell.
+      await db.schema.alterTable('builds').addColumn('functions', 'text').execute();
+    },
+  },
 };
 
 /** Hands Kysely's Migrator the migrations above. */

@@ -54,6 +54,8 @@ export interface BuildsTable {
   entry: string | null;
   archive_bytes: number;
   file_count: number;
+  /** JSON array of exported names found at build time (null: unknown until a replica loads it). */
+  functions: string | null;
   error: string | null;
   created_at: string;
   started_at: string | null;

@@ -40,6 +40,8 @@ export async function startServer(
   const services = await createServices(config, logger);
   const app = await buildServer(services);
   await services.pipeline.recover();
+  await services.recoverRuns();
+  await services.replicas.warmUp();
   const url = await app.listen({ host: '127.0.0.1', port: 0 });
   return {
     url,
@@ -176,4 +178,36 @@ export async function waitFor<T>(
     if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, 100));
   }
+}
+
+/** Uploads an app (files by name) and waits for its build to end; returns the build. */
+export async function deployFiles(
+  server: { url: string },
+  auth: { projectId: string; token: string },
+  name: string,
+  files: Record<string, string>,
+  options: { expect?: 'ready' | 'failed' } = {},
+): Promise<{ id: string; state: string }> {
+  const { zipFiles } = await import('./app-zip.js');
+  const zip = await zipFiles(files);
+  const res = await http(`${server.url}/v2/projects/${auth.projectId}/apps/${name}/builds`, {
+    method: 'POST',
+    token: auth.token,
+    body: zip,
+    headers: { 'content-type': 'application/zip' },
+  });
+  if (res.status !== 201) throw new Error(`upload of ${name} failed: ${res.text}`);
+  const build = await waitFor(
+    async () => {
+      const b = await http(`${server.url}/v2/projects/${auth.projectId}/apps/${name}/builds/${res.json.id}`, {
+        token: auth.token,
+      });
+      return ['ready', 'failed', 'cancelled'].includes(b.json.state) ? b.json : undefined;
+    },
+    60_000,
+    `build of ${name}`,
+  );
+  if (build.state !== (options.expect ?? 'ready'))
+    throw new Error(`build of ${name} ended ${build.state}: ${build.error}`);
+  return build;
 }

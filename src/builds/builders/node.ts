@@ -52,8 +52,10 @@ export function createNodeBuilder(options: NodeBuilderOptions = {}): Builder {
         await installDependencies(ctx, npmCommand);
       }
       throwIfAborted(ctx.signal);
-      await bundle(ctx, entry);
-      return { runtime: 'node', entry: `${path.basename(ctx.outputDir)}/main.mjs` };
+      const exported = await bundle(ctx, entry);
+      const functions = exported.filter((name) => !name.startsWith('_') && name !== 'default');
+      ctx.log(`Public exports: ${functions.length > 0 ? functions.join(', ') : '(none)'}`);
+      return { runtime: 'node', entry: `${path.basename(ctx.outputDir)}/main.mjs`, functions };
     },
   };
 }
@@ -190,7 +192,8 @@ function runChild(
   });
 }
 
-async function bundle(ctx: BuildContext, entry: string): Promise<void> {
+/** Bundles the entry and returns the names it exports (from esbuild's metafile: no user code runs). */
+async function bundle(ctx: BuildContext, entry: string): Promise<string[]> {
   const outfile = path.join(ctx.outputDir, 'main.mjs');
   const context = await esbuild.context({
     absWorkingDir: path.resolve(ctx.sourceDir),
@@ -201,6 +204,7 @@ async function bundle(ctx: BuildContext, entry: string): Promise<void> {
     format: 'esm',
     target: 'node20',
     sourcemap: 'linked',
+    metafile: true,
     logLevel: 'silent',
     banner: { js: BANNER },
     define: { __filename: '__ferry_filename', __dirname: '__ferry_dirname' },
@@ -229,6 +233,8 @@ async function bundle(ctx: BuildContext, entry: string): Promise<void> {
     logMessages(ctx, result.warnings, 'warning');
     const { size } = await fs.stat(outfile);
     ctx.log(`Bundle: main.mjs, ${formatSize(size)}`);
+    const output = Object.entries(result.metafile?.outputs ?? {}).find(([file]) => file.endsWith('main.mjs'));
+    return [...(output?.[1].exports ?? [])].sort();
   } finally {
     ctx.signal.removeEventListener('abort', onAbort);
     await context.dispose();

@@ -24,6 +24,12 @@ export interface BuildResult {
   runtime: 'node' | 'python' | 'custom';
   /** What a replica loads, relative to the build folder (the parent of sourceDir and outputDir). */
   entry: string;
+  /**
+   * Names of the entry's exports, when the builder can tell without running user code. Public functions are
+   * the ones not starting with `_`; the run endpoint answers 404 for any other name without starting a replica.
+   * Undefined means "unknown": the replica decides.
+   */
+  functions?: string[];
 }
 
 export interface Builder {

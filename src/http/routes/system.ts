@@ -14,6 +14,7 @@ export function registerSystemRoutes(app: TypedServer, services: Services): void
   });
 
   app.get('/metrics', async (_request, reply) => {
+    services.refreshGauges();
     const text = await services.metrics.registry.metrics();
     return reply.type(services.metrics.registry.contentType).send(text);
   });

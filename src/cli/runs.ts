@@ -1,0 +1,97 @@
+/**
+ * `ferry run <app> [function] --data '{...}'` calls a function; `ferry runs list|get|logs` shows runs.
+ */
+import { request } from 'undici';
+import { CliError, createClient, printJson, printTable } from './client.js';
+
+export async function runCommand(
+  app: string,
+  fn: string | undefined,
+  options: { data?: string; json?: boolean },
+): Promise<void> {
+  const client = createClient();
+  const data = options.data ?? '{}';
+  try {
+    const parsed = JSON.parse(data) as unknown;
+    if (parsed === null || typeof parsed !== 'object' || Array.isArray(parsed)) throw new Error('not an object');
+  } catch {
+    throw new CliError(`--data must be a JSON object, like '{"name": "Ferry"}'`, 2);
+  }
+  const url = `${client.url}/v4/${client.project}/${encodeURIComponent(app)}/${encodeURIComponent(fn ?? 'run')}`;
+  let res: Awaited<ReturnType<typeof request>>;
+  try {
+    res = await request(url, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${client.token}`, 'content-type': 'application/json' },
+      body: data,
+      headersTimeout: 0,
+      bodyTimeout: 0,
+    });
+  } catch (err) {
+    throw new CliError(`Cannot reach Ferry at ${client.url}: ${(err as Error).message}`);
+  }
+  const text = await res.body.text();
+  const runId = res.headers['x-request-id'];
+  let body: { result?: unknown; run_time_ms?: number; error?: { code: string; message: string } };
+  try {
+    body = JSON.parse(text) as typeof body;
+  } catch {
+    throw new CliError(`The server answered ${res.statusCode}: ${text.slice(0, 200)}`);
+  }
+  if (options.json) {
+    printJson(body);
+    if (res.statusCode >= 400) process.exitCode = 1;
+    return;
+  }
+  if (res.statusCode >= 400) {
+    throw new CliError(
+      `run ${String(runId)} failed: ${body.error?.message ?? text} (${body.error?.code ?? res.statusCode})`,
+    );
+  }
+  process.stdout.write(`${JSON.stringify(body.result, null, 2)}\n`);
+  process.stderr.write(`run ${String(runId)} in ${body.run_time_ms} ms\n`);
+}
+
+export async function runsListCommand(
+  app: string,
+  options: { json?: boolean; limit?: string; state?: string; mode?: string },
+): Promise<void> {
+  const client = createClient();
+  const query = new URLSearchParams();
+  if (options.limit) query.set('limit', options.limit);
+  if (options.state) query.set('state', options.state);
+  if (options.mode) query.set('mode', options.mode);
+  const qs = query.size > 0 ? `?${query}` : '';
+  const { runs } = await client.call<{ runs: Array<Record<string, unknown>> }>(
+    'GET',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs${qs}`,
+  );
+  if (options.json) return printJson(runs);
+  printTable(
+    runs.map((r) => ({
+      run_id: String(r.run_id),
+      function: String(r.function),
+      mode: String(r.mode),
+      state: String(r.state),
+      status: r.status_code === null ? null : Number(r.status_code),
+      ms: r.run_time_ms === null ? null : Number(r.run_time_ms),
+      cold: r.cold_start ? 'yes' : '',
+      created_at: String(r.created_at),
+    })),
+    ['run_id', 'function', 'mode', 'state', 'status', 'ms', 'cold', 'created_at'],
+  );
+}
+
+export async function runsGetCommand(app: string, runId: string): Promise<void> {
+  const client = createClient();
+  printJson(await client.call('GET', `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${runId}`));
+}
+
+export async function runsLogsCommand(app: string, runId: string): Promise<void> {
+  const client = createClient();
+  const { lines } = await client.call<{ lines: Array<{ at: string; stream: string; line: string }> }>(
+    'GET',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${runId}/logs`,
+  );
+  for (const l of lines) process.stdout.write(`${l.at} ${l.stream.padEnd(6)} ${l.line}\n`);
+}

@@ -1,0 +1,290 @@
+/**
+ * The replicas of one build of one app, and the runs waiting for them.
+ *
+ * A run takes a slot (a replica with fewer than `replica_concurrency` runs in flight, the least busy first).
+ * When there is none, it waits in a bounded FIFO queue, and the pool starts replicas while runs wait and
+ * fewer than `max_replicas` exist. Idle replicas above `min_replicas` stop after `cooldown` seconds. A
+ * draining pool (its build was replaced) takes no new runs; its replicas stop once their runs finish.
+ */
+import type { Logger } from 'pino';
+import type { AppConfig } from '../apps/app-config.js';
+import { FerryError } from '../errors.js';
+import { describeExit, type Replica, type ReplicaExit } from './replica.js';
+
+export interface PoolBuild {
+  projectId: string;
+  appId: string;
+  buildId: string;
+  config: AppConfig;
+}
+
+export interface Slot {
+  replica: Replica;
+  /** True when no replica was ready when the run asked: it waited for one to start. */
+  coldStart: boolean;
+  /** Gives the slot back. `poisoned`: the replica must not take more runs (a timed-out run may still be running in it). */
+  release(options?: { poisoned?: boolean }): void;
+}
+
+export interface PoolDeps {
+  build: PoolBuild;
+  /** Starts a replica process for this build (not yet ready). */
+  startReplica(): Promise<Replica>;
+  maxQueue: number;
+  startTimeoutMs: number;
+  logger: Logger;
+  /** Told when replicas start, become ready and stop, for metrics. */
+  onChange?: () => void;
+  onColdStart?: (ms: number) => void;
+}
+
+interface Waiter {
+  resolve(slot: Slot): void;
+  reject(err: unknown): void;
+  coldStart: boolean;
+  signal: AbortSignal | undefined;
+  onAbort: () => void;
+}
+
+export class ReplicaPool {
+  readonly build: PoolBuild;
+  readonly replicas = new Set<Replica>();
+  private readonly waiters: Waiter[] = [];
+  private draining = false;
+  private readonly deps: PoolDeps;
+  private startFailures = 0;
+  private readonly retired = new Set<Replica>();
+
+  constructor(deps: PoolDeps) {
+    this.deps = deps;
+    this.build = deps.build;
+  }
+
+  private get scaling() {
+    return this.build.config.scaling;
+  }
+
+  get queueDepth(): number {
+    return this.waiters.length;
+  }
+
+  get isDraining(): boolean {
+    return this.draining;
+  }
+
+  /** Replicas that count toward max_replicas: starting or ready, not stopping. */
+  private live(): Replica[] {
+    return [...this.replicas].filter((r) => r.state === 'starting' || r.state === 'ready');
+  }
+
+  private free(): Replica | undefined {
+    let best: Replica | undefined;
+    for (const r of this.replicas) {
+      if (r.state !== 'ready' || this.retired.has(r) || r.inflight >= this.scaling.replica_concurrency) continue;
+      if (!best || r.inflight < best.inflight) best = r;
+    }
+    return best;
+  }
+
+  private take(replica: Replica, coldStart: boolean): Slot {
+    replica.inflight += 1;
+    replica.lastUsed = Date.now();
+    let released = false;
+    return {
+      replica,
+      coldStart,
+      release: (options) => {
+        if (released) return;
+        released = true;
+        replica.inflight -= 1;
+        replica.lastUsed = Date.now();
+        if (options?.poisoned) this.retire(replica);
+        else if (this.draining && replica.inflight === 0) void this.stopReplica(replica);
+        this.dispatch();
+      },
+    };
+  }
+
+  /** Takes a slot, waiting (and starting replicas) when none is free. */
+  acquire(signal?: AbortSignal): Promise<Slot> {
+    if (this.draining)
+      return Promise.reject(new FerryError('FERRY_NO_READY_BUILD', 'The build is being replaced; retry'));
+    const replica = this.free();
+    if (replica && this.waiters.length === 0) return Promise.resolve(this.take(replica, false));
+    // The queue bound is for runs beyond the app's capacity: runs that replicas now starting (or that may
+    // still start) will serve do not count against it, so a cold app is not refused its first burst.
+    let inflight = 0;
+    for (const r of this.replicas) if (!this.retired.has(r)) inflight += r.inflight;
+    const capacity = this.scaling.max_replicas * this.scaling.replica_concurrency;
+    if (this.waiters.length >= this.deps.maxQueue + Math.max(0, capacity - inflight)) {
+      return Promise.reject(
+        new FerryError(
+          'FERRY_QUEUE_FULL',
+          `The app is running ${this.live().length} replicas at capacity and ${this.waiters.length} runs are waiting; retry later`,
+          { headers: { 'retry-after': '1' } },
+        ),
+      );
+    }
+    return new Promise<Slot>((resolve, reject) => {
+      const coldStart = ![...this.replicas].some((r) => r.state === 'ready');
+      const waiter: Waiter = {
+        resolve,
+        reject,
+        coldStart,
+        signal,
+        onAbort: () => {
+          const i = this.waiters.indexOf(waiter);
+          if (i >= 0) this.waiters.splice(i, 1);
+          reject(signal?.reason ?? new Error('aborted'));
+        },
+      };
+      signal?.addEventListener('abort', waiter.onAbort, { once: true });
+      this.waiters.push(waiter);
+      this.scale();
+      this.dispatch();
+    });
+  }
+
+  /** Hands free slots to waiting runs, in order. */
+  private dispatch(): void {
+    while (this.waiters.length > 0) {
+      const replica = this.free();
+      if (!replica) break;
+      const waiter = this.waiters.shift()!;
+      waiter.signal?.removeEventListener('abort', waiter.onAbort);
+      waiter.resolve(this.take(replica, waiter.coldStart));
+    }
+    if (this.draining && this.waiters.length === 0) {
+      for (const r of this.replicas) if (r.inflight === 0 && r.state === 'ready') void this.stopReplica(r);
+    }
+  }
+
+  /** Starts replicas while runs wait for capacity that starting replicas will not provide. */
+  private scale(): void {
+    const starting = [...this.replicas].filter((r) => r.state === 'starting').length;
+    let capacityComing = starting * this.scaling.replica_concurrency;
+    while (this.waiters.length > capacityComing && this.live().length < this.scaling.max_replicas) {
+      void this.addReplica();
+      capacityComing += this.scaling.replica_concurrency;
+    }
+  }
+
+  /** Keeps at least min_replicas running (called at activation and after a replica exits). */
+  ensureMinimum(): void {
+    if (this.draining) return;
+    const missing = this.scaling.min_replicas - this.live().length;
+    for (let i = 0; i < missing; i++) void this.addReplica();
+  }
+
+  private async addReplica(): Promise<void> {
+    const started = Date.now();
+    let replica: Replica;
+    try {
+      replica = await this.deps.startReplica();
+    } catch (err) {
+      this.failWaiters(err);
+      return;
+    }
+    this.replicas.add(replica);
+    this.deps.onChange?.();
+    replica.once('exit', (exit) => this.onReplicaExit(replica, exit));
+    try {
+      await replica.waitReady(this.deps.startTimeoutMs);
+      this.startFailures = 0;
+      this.deps.onColdStart?.(Date.now() - started);
+      this.deps.logger.info(
+        { replica: replica.id, app: this.build.appId, build: this.build.buildId, ms: Date.now() - started },
+        'replica ready',
+      );
+      this.deps.onChange?.();
+      this.dispatch();
+    } catch (err) {
+      this.startFailures += 1;
+      this.deps.logger.warn({ replica: replica.id, app: this.build.appId, err }, 'replica failed to start');
+      // Runs waiting only on this start would wait forever: tell them why it failed.
+      const stillStarting = [...this.replicas].some((r) => r !== replica && r.state === 'starting');
+      if (!stillStarting && !this.free()) this.failWaiters(err);
+    }
+  }
+
+  private failWaiters(err: unknown): void {
+    for (const waiter of this.waiters.splice(0)) {
+      waiter.signal?.removeEventListener('abort', waiter.onAbort);
+      waiter.reject(err);
+    }
+  }
+
+  private onReplicaExit(replica: Replica, exit: ReplicaExit): void {
+    this.replicas.delete(replica);
+    this.retired.delete(replica);
+    this.deps.onChange?.();
+    if (exit.reason !== 'stopped' && exit.reason !== 'start-failed') {
+      this.deps.logger.warn(
+        { replica: replica.id, app: this.build.appId, reason: exit.reason, detail: describeExit(exit) },
+        'replica exited unexpectedly; it will be replaced',
+      );
+    }
+    if (this.draining) return;
+    // Replace it: for waiting runs, and up to min_replicas (not in a tight loop if starting keeps failing).
+    if (this.startFailures < 3) {
+      this.ensureMinimum();
+      this.scale();
+    }
+  }
+
+  /** Stops taking runs on `replica`; it stops once its runs are done. */
+  private retire(replica: Replica): void {
+    this.retired.add(replica);
+    if (replica.inflight === 0) void this.stopReplica(replica);
+    this.scale();
+  }
+
+  private async stopReplica(replica: Replica): Promise<void> {
+    if (replica.state === 'stopping' || replica.state === 'exited') return;
+    await replica.stop(this.scaling.response_grace_period * 1000);
+  }
+
+  /** Stops idle replicas above min_replicas whose cooldown has passed. */
+  reapIdle(now = Date.now()): void {
+    if (this.draining) return;
+    const cooldownMs = this.scaling.cooldown * 1000;
+    let live = this.live().length;
+    const idle = [...this.replicas]
+      .filter((r) => r.state === 'ready' && r.inflight === 0 && now - r.lastUsed >= cooldownMs)
+      .sort((a, b) => a.lastUsed - b.lastUsed);
+    for (const r of idle) {
+      if (live <= this.scaling.min_replicas) break;
+      live -= 1;
+      this.deps.logger.info({ replica: r.id, app: this.build.appId }, 'replica idle past cooldown; stopping');
+      void this.stopReplica(r);
+    }
+    for (const r of this.retired) if (r.inflight === 0) void this.stopReplica(r);
+  }
+
+  /** Takes no new runs; replicas stop when their runs (and the runs already queued here) are done. */
+  drain(): void {
+    this.draining = true;
+    this.dispatch();
+  }
+
+  /** Stops every replica (server shutdown): runs in flight get the grace period. */
+  async close(graceMs?: number): Promise<void> {
+    this.draining = true;
+    this.failWaiters(
+      new FerryError('FERRY_NO_READY_BUILD', 'The server is stopping', { headers: { 'retry-after': '5' } }),
+    );
+    await Promise.all([...this.replicas].map((r) => r.stop(graceMs ?? this.scaling.response_grace_period * 1000)));
+  }
+
+  get stats(): { starting: number; ready: number; inflight: number; queued: number } {
+    let starting = 0;
+    let ready = 0;
+    let inflight = 0;
+    for (const r of this.replicas) {
+      if (r.state === 'starting') starting++;
+      if (r.state === 'ready') ready++;
+      inflight += r.inflight;
+    }
+    return { starting, ready, inflight, queued: this.waiters.length };
+  }
+}

@@ -1,0 +1,328 @@
+/**
+ * One replica: a (sandboxed) process serving one build of one app over a Unix socket, speaking the replica
+ * protocol (docs/replica-protocol.md). This module starts it, waits until its socket accepts, calls its
+ * functions through a keep-alive undici pool, stops it gracefully, and explains why it died.
+ */
+import { type ChildProcess, spawn } from 'node:child_process';
+import { EventEmitter } from 'node:events';
+import fs from 'node:fs';
+import net from 'node:net';
+import { createInterface } from 'node:readline';
+import type { Readable } from 'node:stream';
+import { Pool } from 'undici';
+import { FerryError } from '../errors.js';
+
+/** What to spawn for a replica, as prepared by the launcher (sandbox and runtime together). */
+export interface LaunchPlan {
+  file: string;
+  args: string[];
+  env: Record<string, string>;
+  cwd?: string | undefined;
+  /** The replica's socket as the host sees it. */
+  socketPath: string;
+  sandboxed: boolean;
+  /** True when the memory limit (cgroup) recorded an OOM kill; read after the process exited. */
+  wasOomKilled(): Promise<boolean>;
+  /** Removes what the launch made (cgroup, socket folder); called once the process has exited. */
+  cleanup(): Promise<void>;
+}
+
+/** A frame of the replica protocol. */
+export type Frame =
+  | { type: 'log'; stream: 'stdout' | 'stderr'; line: string }
+  | { type: 'item'; data: unknown }
+  | { type: 'result'; data: unknown }
+  | { type: 'end' }
+  | { type: 'error'; error: { type: string; message: string; stack?: string } };
+
+export type ReplicaState = 'starting' | 'ready' | 'stopping' | 'exited';
+
+export interface ReplicaExit {
+  code: number | null;
+  signal: NodeJS.Signals | null;
+  /** Why, in terms a user understands: `oom`, `crash`, `stopped`, `start-failed`. */
+  reason: 'oom' | 'crash' | 'stopped' | 'start-failed';
+  /** The last lines the process printed outside any run (for the error message and the app log). */
+  tail: string[];
+}
+
+export interface ReplicaOptions {
+  id: string;
+  plan: LaunchPlan;
+  /** Runs one replica takes at once; also the size of the connection pool. */
+  concurrency: number;
+  /** How long the process may take to accept on its socket. */
+  startTimeoutMs: number;
+  /** Receives each line the replica prints outside a run. */
+  onOutput?: (stream: 'stdout' | 'stderr', line: string) => void;
+}
+
+const TAIL_LINES = 30;
+const HEAP_OOM = /heap out of memory|Allocation failed|MemoryError|Cannot allocate memory/i;
+
+/** A running replica. Create with {@link startReplica}. */
+export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
+  readonly id: string;
+  state: ReplicaState = 'starting';
+  inflight = 0;
+  lastUsed = Date.now();
+  readonly startedAt = Date.now();
+  readyAt = 0;
+  exitInfo: ReplicaExit | undefined;
+  readonly exited: Promise<ReplicaExit>;
+
+  private readonly child: ChildProcess;
+  private readonly plan: LaunchPlan;
+  private readonly pool: Pool;
+  private readonly tail: string[] = [];
+  private stopRequested = false;
+
+  constructor(options: ReplicaOptions) {
+    super();
+    this.id = options.id;
+    this.plan = options.plan;
+    this.child = spawn(options.plan.file, options.plan.args, {
+      env: options.plan.env,
+      cwd: options.plan.cwd,
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    for (const stream of ['stdout', 'stderr'] as const) {
+      const source = this.child[stream];
+      if (!source) continue;
+      createInterface({ input: source, crlfDelay: Number.POSITIVE_INFINITY }).on('line', (line) => {
+        this.tail.push(line);
+        if (this.tail.length > TAIL_LINES) this.tail.shift();
+        options.onOutput?.(stream, line);
+      });
+    }
+    this.pool = new Pool('http://replica', {
+      socketPath: options.plan.socketPath,
+      connections: options.concurrency,
+      pipelining: 1,
+      keepAliveTimeout: 60_000,
+      keepAliveMaxTimeout: 600_000,
+      headersTimeout: 0,
+      bodyTimeout: 0,
+    });
+    this.exited = new Promise((resolve) => {
+      this.child.once('exit', (code, signal) => {
+        void this.onExit(code, signal).then(resolve);
+      });
+      this.child.once('error', () => {
+        // spawn failure (missing binary): 'exit' may not follow; report it the same way.
+        if (this.child.exitCode === null && this.child.signalCode === null) void this.onExit(127, null).then(resolve);
+      });
+    });
+  }
+
+  get pid(): number | undefined {
+    return this.child.pid;
+  }
+
+  private async onExit(code: number | null, signal: NodeJS.Signals | null): Promise<ReplicaExit> {
+    if (this.exitInfo) return this.exitInfo;
+    const wasStarting = this.state === 'starting';
+    this.state = 'exited';
+    let reason: ReplicaExit['reason'];
+    const oom = await this.plan.wasOomKilled().catch(() => false);
+    if (oom || this.tail.some((l) => HEAP_OOM.test(l))) reason = 'oom';
+    else if (this.stopRequested) reason = 'stopped';
+    else if (wasStarting) reason = 'start-failed';
+    else reason = 'crash';
+    this.exitInfo = { code, signal, reason, tail: [...this.tail] };
+    await this.pool.destroy().catch(() => {});
+    await this.plan.cleanup().catch(() => {});
+    this.emit('exit', this.exitInfo);
+    return this.exitInfo;
+  }
+
+  /** Resolves once the replica accepts connections; rejects with FERRY_REPLICA_START_FAILED otherwise. */
+  async waitReady(timeoutMs: number): Promise<void> {
+    const deadline = Date.now() + timeoutMs;
+    let delay = 2;
+    while (this.state === 'starting') {
+      if (fs.existsSync(this.plan.socketPath) && (await canConnect(this.plan.socketPath))) {
+        this.state = 'ready';
+        this.readyAt = Date.now();
+        return;
+      }
+      if (Date.now() > deadline) {
+        await this.kill();
+        throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica did not start within ${timeoutMs} ms`);
+      }
+      await new Promise((r) => setTimeout(r, delay));
+      delay = Math.min(delay * 2, 25);
+    }
+    if (this.state !== 'ready') {
+      const exit = await this.exited;
+      throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
+    }
+  }
+
+  /**
+   * Calls a function and yields the protocol frames as they arrive. Aborting `signal` closes the request,
+   * which makes the bootstrap stop a generator. Throws FERRY_FUNCTION_NOT_FOUND for a 404.
+   */
+  async *call(fn: string, runId: string, body: Buffer | string, signal: AbortSignal): AsyncGenerator<Frame> {
+    let res: Awaited<ReturnType<Pool['request']>>;
+    try {
+      res = await this.pool.request({
+        path: `/_ferry/call/${encodeURIComponent(fn)}`,
+        method: 'POST',
+        headers: { 'content-type': 'application/json', 'x-ferry-run-id': runId },
+        body,
+        signal,
+      });
+    } catch (err) {
+      throw await this.failure(err, signal);
+    }
+    if (res.statusCode === 404) {
+      await res.body.dump();
+      throw new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`);
+    }
+    if (res.statusCode !== 200) {
+      const text = await res.body.text().catch(() => '');
+      throw new FerryError('FERRY_INTERNAL', `replica answered ${res.statusCode}: ${text.slice(0, 200)}`);
+    }
+    try {
+      for await (const frame of readFrames(res.body)) yield frame;
+    } catch (err) {
+      throw await this.failure(err, signal);
+    } finally {
+      if (!res.body.destroyed) res.body.destroy();
+    }
+  }
+
+  /** Turns a transport error into the coded error that says what happened to the replica. */
+  private async failure(err: unknown, signal: AbortSignal): Promise<unknown> {
+    if (signal.aborted) return signal.reason ?? err;
+    // The socket closes a moment before the exit status is known: wait briefly for it.
+    const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
+    if (exit?.reason === 'oom') return new FerryError('FERRY_OUT_OF_MEMORY', undefined, { cause: err });
+    if (exit) {
+      return new FerryError(
+        'FERRY_REPLICA_DIED',
+        `The replica running the function stopped during the run (${describeExit(exit)})`,
+        { cause: err },
+      );
+    }
+    return new FerryError('FERRY_REPLICA_DIED', 'The connection to the replica broke during the run', { cause: err });
+  }
+
+  /**
+   * Stops the replica: SIGTERM to the process inside the sandbox (it finishes calls in flight), then
+   * SIGKILL after `graceMs`.
+   */
+  async stop(graceMs: number): Promise<ReplicaExit> {
+    if (this.state === 'exited') return this.exited;
+    this.stopRequested = true;
+    this.state = 'stopping';
+    signalInner(this.child, this.plan.sandboxed, 'SIGTERM');
+    const timer = setTimeout(() => void this.kill(), graceMs);
+    timer.unref();
+    const exit = await this.exited;
+    clearTimeout(timer);
+    return exit;
+  }
+
+  /** SIGKILL at once (the sandbox takes its children with it). */
+  async kill(): Promise<void> {
+    this.stopRequested = true;
+    if (this.child.exitCode === null && this.child.signalCode === null) this.child.kill('SIGKILL');
+  }
+}
+
+export function describeExit(exit: ReplicaExit): string {
+  const how = exit.signal ? `killed by ${exit.signal}` : `exit code ${exit.code}`;
+  const last = exit.tail
+    .filter((l) => l.trim() !== '')
+    .slice(-3)
+    .join(' | ');
+  return last ? `${how}: ${last.slice(0, 500)}` : how;
+}
+
+function canConnect(socketPath: string): Promise<boolean> {
+  return new Promise((resolve) => {
+    const socket = net.connect(socketPath);
+    socket.once('connect', () => {
+      socket.destroy();
+      resolve(true);
+    });
+    socket.once('error', () => resolve(false));
+  });
+}
+
+/** Parses NDJSON frames from a response body as they arrive. */
+async function* readFrames(body: Readable): AsyncGenerator<Frame> {
+  let buffered = '';
+  body.setEncoding('utf8');
+  for await (const chunk of body as AsyncIterable<string>) {
+    buffered += chunk;
+    let newline = buffered.indexOf('\n');
+    while (newline >= 0) {
+      const line = buffered.slice(0, newline);
+      buffered = buffered.slice(newline + 1);
+      if (line.length > 0) yield JSON.parse(line) as Frame;
+      newline = buffered.indexOf('\n');
+    }
+  }
+  if (buffered.trim().length > 0) yield JSON.parse(buffered) as Frame;
+}
+
+/** The host pids below `pid` (children first), read from /proc. */
+function descendants(pid: number): number[] {
+  const out: number[] = [];
+  let tasks: string[];
+  try {
+    tasks = fs.readdirSync(`/proc/${pid}/task`);
+  } catch {
+    return out;
+  }
+  for (const task of tasks) {
+    let children: string;
+    try {
+      children = fs.readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8');
+    } catch {
+      continue;
+    }
+    for (const child of children.trim().split(/\s+/).filter(Boolean)) {
+      const n = Number(child);
+      out.push(n, ...descendants(n));
+    }
+  }
+  return out;
+}
+
+/**
+ * Sends a signal to what runs inside the sandbox. bubblewrap does not forward signals (SIGTERM to it kills
+ * the sandbox at once), so the host signals the processes below it directly, skipping bwrap's own.
+ */
+function signalInner(child: ChildProcess, sandboxed: boolean, signal: NodeJS.Signals): void {
+  if (child.pid === undefined) return;
+  if (!sandboxed) {
+    child.kill(signal);
+    return;
+  }
+  let sent = false;
+  for (const pid of descendants(child.pid)) {
+    let comm = '';
+    try {
+      comm = fs.readFileSync(`/proc/${pid}/comm`, 'utf8').trim();
+    } catch {
+      continue;
+    }
+    if (comm === 'bwrap') continue;
+    try {
+      process.kill(pid, signal);
+      sent = true;
+    } catch {
+      // already gone
+    }
+  }
+  if (!sent) child.kill(signal);
+}
+
+/** Starts a replica process; use `waitReady` before calling it. */
+export function startReplica(options: ReplicaOptions): Replica {
+  return new Replica(options);
+}

@@ -1,0 +1,307 @@
+/**
+ * Synchronous runs through the run endpoint against real replicas: the envelope, every error case,
+ * concurrency and queueing, scaling up and back to zero, cold starts, per-run logs under concurrency,
+ * crashes, timeouts and redeploys that drop nothing.
+ */
+import assert from 'node:assert/strict';
+import { after, before, describe, it } from 'node:test';
+import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+
+const toml = (name: string, extra = '') => `[app]\nname = "${name}"\n${extra}`;
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+describe('sync runs', () => {
+  let server: TestServer;
+  let auth: { projectId: string; token: string };
+  const run = (app: string, fn = 'run', body: unknown = {}, headers: Record<string, string> = {}, token = auth.token) =>
+    http(`${server.url}/v4/${auth.projectId}/${app}/${fn}`, { method: 'POST', token, body, headers });
+  const pool = (app: string) => server.services.replicas.pools().find((p) => p.build.appId === app && !p.isDraining);
+
+  before(async () => {
+    server = await startServer({ env: { FERRY_MAX_BODY_BYTES: String(64 * 1024), FERRY_MAX_QUEUE_PER_APP: '2' } });
+    auth = await server.bootstrap();
+    await deployFiles(server, auth, 'basic', {
+      'ferry.toml': toml('basic', '[env]\nGREETING = "Hi"\n'),
+      'main.ts': `
+let loads = 0;
+loads += 1;
+export function run({ name = 'world' }: { name?: string }) { return { message: \`\${process.env.GREETING}, \${name}!\` }; }
+export async function loaded() { return loads; }
+export function env() { return Object.keys(process.env).sort(); }
+export function nothing() { return undefined; }
+export function fail() { const e = new TypeError('bad input'); throw e; }
+export function failString() { throw 'just a string'; }
+export function big() { return 10n; }
+export function _private() { return 'hidden'; }
+export async function die() { setTimeout(() => process.exit(7), 10); await new Promise((r) => setTimeout(r, 1000)); return 'unreachable'; }
+`,
+    });
+  });
+  after(() => server.close());
+
+  it('answers 200 with exactly run_id, result and run_time_ms, and X-Request-Id = run_id', async () => {
+    const res = await run('basic', 'run', { name: 'Ferry' });
+    assert.equal(res.status, 200, res.text);
+    assert.deepEqual(Object.keys(res.json).sort(), ['result', 'run_id', 'run_time_ms']);
+    assert.deepEqual(res.json.result, { message: 'Hi, Ferry!' });
+    assert.equal(res.headers.get('x-request-id'), res.json.run_id);
+    assert.match(res.json.run_id, /^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/);
+    assert.equal(typeof res.json.run_time_ms, 'number');
+    assert.equal((await run('basic', 'nothing')).json.result, null);
+  });
+
+  it('imports the module once per replica', async () => {
+    for (let i = 0; i < 3; i++) assert.equal((await run('basic', 'loaded')).json.result, 1);
+  });
+
+  it("gives replicas the app's env and Ferry's variables, nothing of the server's", async () => {
+    process.env.FERRY_TEST_SERVER_SECRET = 'leak';
+    const keys: string[] = (await run('basic', 'env')).json.result;
+    for (const k of ['APP_NAME', 'PROJECT_ID', 'BUILD_ID', 'FERRY_PROTOCOL', 'GREETING'])
+      assert.ok(keys.includes(k), k);
+    assert.ok(!keys.includes('FERRY_TEST_SERVER_SECRET'));
+    assert.ok(!keys.includes('FERRY_DATA_DIR'));
+  });
+
+  it('answers every error with a code, the run id and X-Request-Id', async () => {
+    const cases: Array<[string, Promise<Awaited<ReturnType<typeof run>>>, number, string]> = [
+      [
+        'bad json',
+        http(`${server.url}/v4/${auth.projectId}/basic/run`, {
+          method: 'POST',
+          token: auth.token,
+          body: Buffer.from('{"a":'),
+          headers: { 'content-type': 'application/json' },
+        }),
+        400,
+        'FERRY_INVALID_JSON',
+      ],
+      ['array body', run('basic', 'run', [1, 2]), 400, 'FERRY_BODY_NOT_OBJECT'],
+      [
+        'string body',
+        http(`${server.url}/v4/${auth.projectId}/basic/run`, {
+          method: 'POST',
+          token: auth.token,
+          body: Buffer.from('"x"'),
+          headers: { 'content-type': 'application/json' },
+        }),
+        400,
+        'FERRY_BODY_NOT_OBJECT',
+      ],
+      ['too large', run('basic', 'run', { blob: 'x'.repeat(70 * 1024) }), 413, 'FERRY_BODY_TOO_LARGE'],
+      [
+        'no token',
+        http(`${server.url}/v4/${auth.projectId}/basic/run`, { method: 'POST', body: {} }),
+        401,
+        'FERRY_UNAUTHENTICATED',
+      ],
+      ['unknown app', run('nope'), 404, 'FERRY_APP_NOT_FOUND'],
+      ['unknown function', run('basic', 'missing'), 404, 'FERRY_FUNCTION_NOT_FOUND'],
+      ['private function', run('basic', '_private'), 404, 'FERRY_FUNCTION_NOT_FOUND'],
+      ['throws', run('basic', 'fail'), 500, 'FERRY_FUNCTION_ERROR'],
+      ['throws a string', run('basic', 'failString'), 500, 'FERRY_FUNCTION_ERROR'],
+      ['not JSON', run('basic', 'big'), 500, 'FERRY_RESULT_NOT_SERIALIZABLE'],
+    ];
+    for (const [name, pending, status, code] of cases) {
+      const res = await pending;
+      assert.equal(res.status, status, `${name}: ${res.text}`);
+      assert.equal(res.json.error.code, code, name);
+      assert.match(res.headers.get('x-request-id') ?? '', /^[0-9a-f-]{36}$/, name);
+      if (status !== 401) assert.equal(res.json.run_id, res.headers.get('x-request-id'), name);
+    }
+  });
+
+  it('puts the type and message of a thrown error in the body and the stack in the run logs only', async () => {
+    const res = await run('basic', 'fail');
+    assert.equal(res.json.error.type, 'TypeError');
+    assert.match(res.json.error.message, /bad input/);
+    assert.doesNotMatch(res.text, /at .*main\.mjs/);
+    const logs = await http(`${server.url}/v2/projects/${auth.projectId}/apps/basic/runs/${res.json.run_id}/logs`, {
+      token: auth.token,
+    });
+    assert.ok(
+      logs.json.lines.some((l: { line: string }) => /at /.test(l.line)),
+      'the stack is in the run logs',
+    );
+    const record = await http(`${server.url}/v2/projects/${auth.projectId}/apps/basic/runs/${res.json.run_id}`, {
+      token: auth.token,
+    });
+    assert.equal(record.json.state, 'failure');
+    assert.equal(record.json.status_code, 500);
+  });
+
+  it('answers 502 when the replica dies during the run, and the next run succeeds', async () => {
+    const res = await run('basic', 'die');
+    assert.equal(res.status, 502, res.text);
+    assert.equal(res.json.error.code, 'FERRY_REPLICA_DIED');
+    const next = await run('basic', 'run');
+    assert.equal(next.status, 200, next.text);
+  });
+
+  it('answers 503 with Retry-After for an app without a ready build', async () => {
+    await deployFiles(
+      server,
+      auth,
+      'broken',
+      { 'ferry.toml': toml('broken'), 'main.ts': 'export function run( {' },
+      { expect: 'failed' },
+    );
+    const res = await run('broken');
+    assert.equal(res.status, 503);
+    assert.equal(res.json.error.code, 'FERRY_NO_READY_BUILD');
+    assert.ok(res.headers.get('retry-after'));
+  });
+
+  it('runs an app with disable_auth without a token', async () => {
+    await deployFiles(server, auth, 'open', {
+      'ferry.toml': toml('open', 'disable_auth = true\n'),
+      'main.ts': 'export const run = () => "open";',
+    });
+    const res = await http(`${server.url}/v4/${auth.projectId}/open/run`, { method: 'POST', body: {} });
+    assert.equal(res.status, 200, res.text);
+    assert.equal(res.json.result, 'open');
+  });
+
+  describe('with a slow app (concurrency 1, at most 2 replicas, queue of 2)', () => {
+    before(async () => {
+      await deployFiles(server, auth, 'slow', {
+        'ferry.toml': toml(
+          'slow',
+          '[scaling]\nmax_replicas = 2\nreplica_concurrency = 1\ncooldown = 1\nresponse_grace_period = 2\n',
+        ),
+        'main.ts': `
+export async function run({ ms = 300, tag = '' }: { ms?: number; tag?: string }) {
+  console.log('start ' + tag);
+  await new Promise((r) => setTimeout(r, ms));
+  console.log('end ' + tag);
+  return { tag, pid: process.pid };
+}`,
+      });
+    });
+
+    it('marks the first run after scale-to-zero as a cold start, and the next one not', async () => {
+      await waitFor(async () => (pool('slow')?.stats.ready ?? 0) === 0, 10_000, 'slow to be idle');
+      const first = await run('slow', 'run', { ms: 1 });
+      const second = await run('slow', 'run', { ms: 1 });
+      const get = (id: string) =>
+        http(`${server.url}/v2/projects/${auth.projectId}/apps/slow/runs/${id}`, { token: auth.token });
+      assert.equal((await get(first.json.run_id)).json.cold_start, true);
+      assert.equal((await get(second.json.run_id)).json.cold_start, false);
+    });
+
+    it('scales to max_replicas under parallel load, queues the rest, refuses past the queue, and scales back to zero', async () => {
+      const calls = [1, 2, 3, 4].map((i) => run('slow', 'run', { ms: 800, tag: String(i) }));
+      await sleep(200);
+      const overflow = await run('slow', 'run', { ms: 1 });
+      assert.equal(overflow.status, 503, overflow.text);
+      assert.equal(overflow.json.error.code, 'FERRY_QUEUE_FULL');
+      assert.ok(overflow.headers.get('retry-after'));
+      const results = await Promise.all(calls);
+      for (const r of results) assert.equal(r.status, 200, r.text);
+      const pids = new Set(results.map((r) => r.json.result.pid));
+      assert.equal(pids.size, 2, 'two replicas served the four runs');
+      assert.equal(pool('slow')!.stats.ready, 2);
+      await waitFor(
+        async () => pool('slow')!.stats.ready + pool('slow')!.stats.starting === 0,
+        10_000,
+        'scale to zero after cooldown',
+      );
+    });
+
+    it('lets a second call wait for the busy replica (concurrency 1) and both succeed', async () => {
+      const started = Date.now();
+      const [a, b] = await Promise.all([
+        run('slow', 'run', { ms: 400, tag: 'a' }),
+        run('slow', 'run', { ms: 400, tag: 'b' }),
+      ]);
+      assert.equal(a.status, 200);
+      assert.equal(b.status, 200);
+      // Two replicas may serve them in parallel; with one busy replica the second waits. Either way none overlap on one replica.
+      const samePid = a.json.result.pid === b.json.result.pid;
+      if (samePid) assert.ok(Date.now() - started >= 800, 'the second run waited for the first');
+    });
+
+    it('answers 504 past response_grace_period and records a timeout', async () => {
+      const res = await run('slow', 'run', { ms: 5000 });
+      assert.equal(res.status, 504, res.text);
+      assert.equal(res.json.error.code, 'FERRY_RUN_TIMEOUT');
+      const record = await http(`${server.url}/v2/projects/${auth.projectId}/apps/slow/runs/${res.json.run_id}`, {
+        token: auth.token,
+      });
+      assert.equal(record.json.state, 'timeout');
+      assert.equal((await run('slow', 'run', { ms: 1 })).status, 200, 'the app still runs');
+    });
+  });
+
+  it("keeps each run's logs apart when one replica runs several at once", async () => {
+    await deployFiles(server, auth, 'chatty', {
+      'ferry.toml': toml('chatty', '[scaling]\nmax_replicas = 1\nreplica_concurrency = 4\n'),
+      'main.ts': `
+export async function run({ tag }: { tag: string }) {
+  for (let i = 0; i < 5; i++) { console.log(tag + ' line ' + i); console.error(tag + ' err ' + i); await new Promise((r) => setTimeout(r, 20)); }
+  return tag;
+}`,
+    });
+    const tags = ['alpha', 'beta', 'gamma', 'delta'];
+    const results = await Promise.all(tags.map((tag) => run('chatty', 'run', { tag })));
+    assert.equal(new Set(results.map((r) => r.json.run_id)).size, 4);
+    for (const [i, res] of results.entries()) {
+      assert.equal(res.status, 200, res.text);
+      const logs = await http(`${server.url}/v2/projects/${auth.projectId}/apps/chatty/runs/${res.json.run_id}/logs`, {
+        token: auth.token,
+      });
+      const lines = logs.json.lines
+        .filter((l: { stream: string }) => l.stream !== 'system')
+        .map((l: { line: string }) => l.line);
+      assert.equal(lines.length, 10, JSON.stringify(lines));
+      for (const line of lines) assert.ok(line.startsWith(`${tags[i]} `), `${tags[i]} got "${line}"`);
+    }
+  });
+
+  it('finishes a run in flight during a redeploy, then serves the new build', async () => {
+    await deployFiles(server, auth, 'versioned', {
+      'ferry.toml': toml('versioned', '[scaling]\nmin_replicas = 1\nmax_replicas = 1\n'),
+      'main.ts': 'export async function run({ ms = 0 }) { await new Promise((r) => setTimeout(r, ms)); return "v1"; }',
+    });
+    const inFlight = run('versioned', 'run', { ms: 1500 });
+    await sleep(200);
+    await deployFiles(server, auth, 'versioned', {
+      'ferry.toml': toml('versioned', '[scaling]\nmin_replicas = 1\nmax_replicas = 1\n'),
+      'main.ts': 'export async function run() { return "v2"; }',
+    });
+    const fresh = await run('versioned');
+    assert.equal(fresh.json.result, 'v2');
+    const old = await inFlight;
+    assert.equal(old.status, 200, old.text);
+    assert.equal(old.json.result, 'v1');
+  });
+
+  it('lists runs newest first with filters and paging', async () => {
+    const list = await http(`${server.url}/v2/projects/${auth.projectId}/apps/basic/runs?limit=3`, {
+      token: auth.token,
+    });
+    assert.equal(list.status, 200);
+    assert.equal(list.json.runs.length, 3);
+    const ids = list.json.runs.map((r: { run_id: string }) => r.run_id);
+    assert.deepEqual([...ids].sort().reverse(), ids);
+    const next = await http(
+      `${server.url}/v2/projects/${auth.projectId}/apps/basic/runs?limit=3&before=${list.json.next_before}`,
+      { token: auth.token },
+    );
+    assert.ok(next.json.runs.every((r: { run_id: string }) => r.run_id < list.json.next_before));
+    const failures = await http(`${server.url}/v2/projects/${auth.projectId}/apps/basic/runs?state=failure&mode=sync`, {
+      token: auth.token,
+    });
+    assert.ok(failures.json.runs.length > 0);
+    assert.ok(failures.json.runs.every((r: { state: string }) => r.state === 'failure'));
+  });
+
+  it('exports run, cold-start, replica and queue metrics', async () => {
+    const text = (await http(`${server.url}/metrics`)).text;
+    assert.match(text, /^ferry_runs_total\{project="p-[0-9a-f]{8}",app="basic",state="success",status="200"\} \d+/m);
+    assert.match(text, /^ferry_run_duration_seconds_bucket\{/m);
+    assert.match(text, /^ferry_cold_starts_total\{project="p-[0-9a-f]{8}",app="basic"\} \d+/m);
+    assert.match(text, /^ferry_replicas\{project="p-[0-9a-f]{8}",app="basic",state="ready"\} \d+/m);
+    assert.match(text, /^ferry_queue_depth\{/m);
+  });
+});
