@@ -16,6 +16,7 @@ import { type DataDir, loadOrCreateKey, prepareDataDir } from './data-dir.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
+import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { secretEnvironment } from './secrets/secrets.js';
@@ -33,6 +34,8 @@ export interface Services {
   pipeline: BuildPipeline;
   metrics: Metrics;
   logger: Logger;
+  /** What isolation replicas get on this machine (bubblewrap, memory cgroup). */
+  sandbox: SandboxCapabilities;
   recorder: RunRecorder;
   replicas: ReplicaManager;
   invoker: Invoker;
@@ -51,6 +54,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const metrics = createMetrics();
   const buildLog = createBuildLog({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
+  const sandbox = await detectSandbox();
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
@@ -63,6 +67,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       store,
       buildsDir: dataDir.builds,
       runDir,
+      sandbox,
       secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
     }),
     onColdStart(build, ms) {
@@ -117,6 +122,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     pipeline,
     metrics,
     logger,
+    sandbox,
     recorder,
     replicas,
     invoker,

@@ -6,6 +6,7 @@ import { Command, Option } from 'commander';
 import { bootstrapCommand } from './admin.js';
 import { CliError } from './client.js';
 import { deployCommand } from './deploy.js';
+import { doctorCommand } from './doctor.js';
 import {
   appsListCommand,
   buildsCancelCommand,
@@ -34,6 +35,12 @@ program
   .addOption(new Option('--port <port>', 'port to listen on (env FERRY_PORT, default 8000)'))
   .addOption(new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)'))
   .action(serveCommand);
+
+program
+  .command('doctor')
+  .description('check what this machine gives replicas: sandbox (bubblewrap), memory limits, runtimes')
+  .option('--json', 'print the capabilities as JSON')
+  .action(doctorCommand);
 
 const admin = program.command('admin').description('offline administration on a data directory');
 admin

@@ -11,6 +11,7 @@ import { buildServer } from '../http/server.js';
 import { createLogger } from '../logger.js';
 import { createServices } from '../services.js';
 import { CliError } from './client.js';
+import { sandboxWarnings } from './doctor.js';
 
 export interface ServeOptions {
   host?: string;
@@ -36,6 +37,7 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   }
 
   const services = await createServices(config, logger);
+  for (const warning of sandboxWarnings(services.sandbox)) logger.warn(warning);
   const app = await buildServer(services);
   const recovered = await services.pipeline.recover();
   if (recovered > 0) logger.info({ builds: recovered }, 'resuming builds left unfinished by the last run');

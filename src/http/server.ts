@@ -27,7 +27,7 @@ function createFastify(services: Services) {
     logController: new LogController({ disableRequestLogging: true, requestIdLogLabel: 'req' }),
     bodyLimit: services.config.maxBodyBytes,
     // Secret names may be 128 characters; Fastify's default of 100 would answer its own 414 first.
-    maxParamLength: 256,
+    routerOptions: { maxParamLength: 256 },
     ajv: { customOptions: { removeAdditional: false, coerceTypes: 'array', allErrors: false } },
     return503OnClosing: true,
     forceCloseConnections: 'idle',

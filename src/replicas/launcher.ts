@@ -1,7 +1,7 @@
 /**
  * Prepares the process of one replica: the runtime's command (the Node bootstrap for cortex apps), the
- * environment (the app's [env], the project's secrets, Ferry's protocol variables and nothing of the
- * server's own environment), and the sandbox around it.
+ * environment (the project's secrets, the app's [env], Ferry's protocol variables, and nothing of the
+ * server's own environment), and the sandbox around it (sandbox.ts).
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
@@ -9,7 +9,9 @@ import { fileURLToPath } from 'node:url';
 import type { Store } from '../store/index.js';
 import type { PoolBuild } from './pool.js';
 import type { LaunchPlan } from './replica.js';
+import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from './sandbox.js';
 
+/** The compiled Node bootstrap; bound read-only into every Node replica. */
 export const NODE_BOOTSTRAP = fileURLToPath(new URL('../runtimes/cortex-node/bootstrap.js', import.meta.url));
 
 export interface LauncherDeps {
@@ -17,9 +19,13 @@ export interface LauncherDeps {
   buildsDir: string;
   /** Where replica socket folders are made (short: Unix socket paths are limited to 107 bytes). */
   runDir: string;
+  sandbox: SandboxCapabilities;
   /** The project's secrets, decrypted, for the replica's environment. */
   secrets(projectId: string): Promise<Record<string, string>>;
 }
+
+/** Node's heap gets three quarters of the memory limit, so a runaway heap fails clearly before the hard limit. */
+const HEAP_SHARE = 0.75;
 
 export function createLauncher(deps: LauncherDeps) {
   return async function launch(build: PoolBuild, replicaId: string): Promise<LaunchPlan> {
@@ -28,10 +34,12 @@ export function createLauncher(deps: LauncherDeps) {
       .select(['entry', 'runtime'])
       .where('id', '=', build.buildId)
       .executeTakeFirstOrThrow();
+    if (row.runtime !== 'node') throw new Error(`runtime ${row.runtime} is not supported by this server yet`);
     const buildDir = path.join(deps.buildsDir, build.buildId);
     const socketDir = path.join(deps.runDir, replicaId);
     await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
-    const socketPath = path.join(socketDir, 'replica.sock');
+    const layout = { buildDir, socketDir, runtimeFiles: [{ host: NODE_BOOTSTRAP, sandbox: '/ferry/bootstrap.js' }] };
+    const paths = sandboxPaths(layout, deps.sandbox.bwrap !== null);
     const env: Record<string, string> = {
       ...(await deps.secrets(build.projectId)),
       ...build.config.env,
@@ -42,19 +50,28 @@ export function createLauncher(deps: LauncherDeps) {
       PROJECT_ID: build.projectId,
       BUILD_ID: build.buildId,
       FERRY_PROTOCOL: '1',
-      FERRY_SOCKET: socketPath,
-      FERRY_ENTRY: path.join(buildDir, row.entry ?? 'out/main.mjs'),
+      FERRY_SOCKET: paths.socketPath,
+      FERRY_ENTRY: `${paths.appDir}/${row.entry ?? 'out/main.mjs'}`,
     };
-    const heapMiB = Math.max(16, Math.floor(build.config.resources.memory * 0.75));
+    const memoryMiB = build.config.resources.memory;
+    const heapMiB = Math.max(16, Math.floor(memoryMiB * HEAP_SHARE));
+    const prepared = await prepareLaunch(
+      {
+        ...layout,
+        replicaId,
+        memoryMiB,
+        command: [process.execPath, `--max-old-space-size=${heapMiB}`, paths.runtimeFile(NODE_BOOTSTRAP)],
+        env,
+      },
+      deps.sandbox,
+    );
     return {
-      file: process.execPath,
-      args: [`--max-old-space-size=${heapMiB}`, NODE_BOOTSTRAP],
-      env,
-      cwd: buildDir,
-      socketPath,
-      sandboxed: false,
-      wasOomKilled: async () => false,
-      cleanup: async () => {
+      spawn: () => prepared.spawn(['ignore', 'pipe', 'pipe']),
+      socketPath: prepared.paths.hostSocketPath,
+      sandboxed: prepared.sandboxed,
+      wasOomKilled: () => prepared.wasOomKilled(),
+      async cleanup() {
+        await prepared.cleanup();
         await fs.rm(socketDir, { recursive: true, force: true });
       },
     };

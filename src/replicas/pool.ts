@@ -54,6 +54,8 @@ export class ReplicaPool {
   private readonly deps: PoolDeps;
   private startFailures = 0;
   private readonly retired = new Set<Replica>();
+  /** Replicas being prepared (sandbox, environment) but not spawned yet: they count toward max_replicas. */
+  private launching = 0;
 
   constructor(deps: PoolDeps) {
     this.deps = deps;
@@ -72,9 +74,11 @@ export class ReplicaPool {
     return this.draining;
   }
 
-  /** Replicas that count toward max_replicas: starting or ready, not stopping. */
-  private live(): Replica[] {
-    return [...this.replicas].filter((r) => r.state === 'starting' || r.state === 'ready');
+  /** How many replicas count toward max_replicas: being launched, starting or ready (not stopping). */
+  private live(): number {
+    let n = this.launching;
+    for (const r of this.replicas) if (r.state === 'starting' || r.state === 'ready') n++;
+    return n;
   }
 
   private free(): Replica | undefined {
@@ -120,7 +124,7 @@ export class ReplicaPool {
       return Promise.reject(
         new FerryError(
           'FERRY_QUEUE_FULL',
-          `The app is running ${this.live().length} replicas at capacity and ${this.waiters.length} runs are waiting; retry later`,
+          `The app is running ${this.live()} replicas at capacity and ${this.waiters.length} runs are waiting; retry later`,
           { headers: { 'retry-after': '1' } },
         ),
       );
@@ -161,9 +165,9 @@ export class ReplicaPool {
 
   /** Starts replicas while runs wait for capacity that starting replicas will not provide. */
   private scale(): void {
-    const starting = [...this.replicas].filter((r) => r.state === 'starting').length;
+    const starting = this.launching + [...this.replicas].filter((r) => r.state === 'starting').length;
     let capacityComing = starting * this.scaling.replica_concurrency;
-    while (this.waiters.length > capacityComing && this.live().length < this.scaling.max_replicas) {
+    while (this.waiters.length > capacityComing && this.live() < this.scaling.max_replicas) {
       void this.addReplica();
       capacityComing += this.scaling.replica_concurrency;
     }
@@ -172,19 +176,23 @@ export class ReplicaPool {
   /** Keeps at least min_replicas running (called at activation and after a replica exits). */
   ensureMinimum(): void {
     if (this.draining) return;
-    const missing = this.scaling.min_replicas - this.live().length;
+    const missing = this.scaling.min_replicas - this.live();
     for (let i = 0; i < missing; i++) void this.addReplica();
   }
 
   private async addReplica(): Promise<void> {
     const started = Date.now();
     let replica: Replica;
+    // Counted from now, synchronously: scale() must see this replica before its launch resolves.
+    this.launching += 1;
     try {
       replica = await this.deps.startReplica();
     } catch (err) {
+      this.launching -= 1;
       this.failWaiters(err);
       return;
     }
+    this.launching -= 1;
     this.replicas.add(replica);
     this.deps.onChange?.();
     replica.once('exit', (exit) => this.onReplicaExit(replica, exit));
@@ -248,7 +256,7 @@ export class ReplicaPool {
   reapIdle(now = Date.now()): void {
     if (this.draining) return;
     const cooldownMs = this.scaling.cooldown * 1000;
-    let live = this.live().length;
+    let live = this.live();
     const idle = [...this.replicas]
       .filter((r) => r.state === 'ready' && r.inflight === 0 && now - r.lastUsed >= cooldownMs)
       .sort((a, b) => a.lastUsed - b.lastUsed);

@@ -3,7 +3,7 @@
  * protocol (docs/replica-protocol.md). This module starts it, waits until its socket accepts, calls its
  * functions through a keep-alive undici pool, stops it gracefully, and explains why it died.
  */
-import { type ChildProcess, spawn } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
 import { EventEmitter } from 'node:events';
 import fs from 'node:fs';
 import net from 'node:net';
@@ -12,12 +12,10 @@ import type { Readable } from 'node:stream';
 import { Pool } from 'undici';
 import { FerryError } from '../errors.js';
 
-/** What to spawn for a replica, as prepared by the launcher (sandbox and runtime together). */
+/** A replica ready to be started, as prepared by the launcher (sandbox and runtime together). */
 export interface LaunchPlan {
-  file: string;
-  args: string[];
-  env: Record<string, string>;
-  cwd?: string | undefined;
+  /** Starts the process (stdout and stderr piped); `kill` signals the replica itself, not its sandbox. */
+  spawn(): { child: ChildProcess; kill(signal?: NodeJS.Signals): boolean };
   /** The replica's socket as the host sees it. */
   socketPath: string;
   sandboxed: boolean;
@@ -72,6 +70,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   readonly exited: Promise<ReplicaExit>;
 
   private readonly child: ChildProcess;
+  private readonly signal: (signal?: NodeJS.Signals) => boolean;
   private readonly plan: LaunchPlan;
   private readonly pool: Pool;
   private readonly tail: string[] = [];
@@ -81,11 +80,9 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     super();
     this.id = options.id;
     this.plan = options.plan;
-    this.child = spawn(options.plan.file, options.plan.args, {
-      env: options.plan.env,
-      cwd: options.plan.cwd,
-      stdio: ['ignore', 'pipe', 'pipe'],
-    });
+    const started = options.plan.spawn();
+    this.child = started.child;
+    this.signal = (signal) => started.kill(signal);
     for (const stream of ['stdout', 'stderr'] as const) {
       const source = this.child[stream];
       if (!source) continue;
@@ -217,7 +214,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     if (this.state === 'exited') return this.exited;
     this.stopRequested = true;
     this.state = 'stopping';
-    signalInner(this.child, this.plan.sandboxed, 'SIGTERM');
+    this.signal('SIGTERM');
     const timer = setTimeout(() => void this.kill(), graceMs);
     timer.unref();
     const exit = await this.exited;
@@ -267,59 +264,6 @@ async function* readFrames(body: Readable): AsyncGenerator<Frame> {
     }
   }
   if (buffered.trim().length > 0) yield JSON.parse(buffered) as Frame;
-}
-
-/** The host pids below `pid` (children first), read from /proc. */
-function descendants(pid: number): number[] {
-  const out: number[] = [];
-  let tasks: string[];
-  try {
-    tasks = fs.readdirSync(`/proc/${pid}/task`);
-  } catch {
-    return out;
-  }
-  for (const task of tasks) {
-    let children: string;
-    try {
-      children = fs.readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8');
-    } catch {
-      continue;
-    }
-    for (const child of children.trim().split(/\s+/).filter(Boolean)) {
-      const n = Number(child);
-      out.push(n, ...descendants(n));
-    }
-  }
-  return out;
-}
-
-/**
- * Sends a signal to what runs inside the sandbox. bubblewrap does not forward signals (SIGTERM to it kills
- * the sandbox at once), so the host signals the processes below it directly, skipping bwrap's own.
- */
-function signalInner(child: ChildProcess, sandboxed: boolean, signal: NodeJS.Signals): void {
-  if (child.pid === undefined) return;
-  if (!sandboxed) {
-    child.kill(signal);
-    return;
-  }
-  let sent = false;
-  for (const pid of descendants(child.pid)) {
-    let comm = '';
-    try {
-      comm = fs.readFileSync(`/proc/${pid}/comm`, 'utf8').trim();
-    } catch {
-      continue;
-    }
-    if (comm === 'bwrap') continue;
-    try {
-      process.kill(pid, signal);
-      sent = true;
-    } catch {
-      // already gone
-    }
-  }
-  if (!sent) child.kill(signal);
 }
 
 /** Starts a replica process; use `waitReady` before calling it. */

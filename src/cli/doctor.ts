@@ -1,0 +1,111 @@
+/**
+ * `ferry doctor`: what this machine gives replicas (sandbox, user namespaces, memory limits, runtimes)
+ * and what to install for the rest. It always exits 0: a missing sandbox is a warning, not a failure,
+ * because Ferry still runs (as plain processes) without one.
+ */
+import { execFile } from 'node:child_process';
+import { probeSandbox, type SandboxCapabilities } from '../replicas/sandbox.js';
+
+export interface DoctorOptions {
+  json?: boolean;
+}
+
+/** Prints the report; with `json`, the capabilities object only. */
+export async function doctorCommand(options: DoctorOptions): Promise<void> {
+  // Probed afresh: the doctor is run to check a fix, so a cached answer would defeat it.
+  const [caps, python] = await Promise.all([probeSandbox(), commandVersion('python3', ['--version'])]);
+  if (options.json) {
+    process.stdout.write(`${JSON.stringify(caps, null, 2)}\n`);
+    return;
+  }
+  const row = (label: string, value: string) => `  ${label.padEnd(17)}${value}`;
+  const lines = ['Ferry doctor', '', row('Node.js', `${process.version} (${process.execPath})`)];
+
+  if (caps.bwrap) {
+    lines.push(
+      row(
+        'Sandbox',
+        `bubblewrap ${caps.bwrapVersion ?? '(unknown version)'} at ${caps.bwrap}: works (replicas run isolated, as uid 65534)`,
+      ),
+    );
+  } else {
+    lines.push(row('Sandbox', 'NOT AVAILABLE: replicas run as plain processes WITHOUT isolation'));
+  }
+  lines.push(row('User namespaces', caps.userNamespaces ? 'available' : 'not available'));
+  lines.push(row('Memory limits', describeMemory(caps)));
+  lines.push(row('Python', python ?? 'python3 not found (Python apps cannot run)'));
+
+  const warnings = sandboxWarnings(caps);
+  if (warnings.length > 0) {
+    lines.push('', 'Warnings:', ...warnings.map((warning) => `  ! ${warning}`));
+  }
+  const notes = caps.reasons.filter((reason) => !warnings.some((warning) => warning.includes(reason)));
+  if (notes.length > 0) lines.push('', 'Details:', ...notes.map((note) => `  - ${note}`));
+  const fixes = suggestedFixes(caps);
+  if (fixes.length > 0) lines.push('', 'To fix:', ...fixes.map((fix) => `  ${fix}`));
+  process.stdout.write(`${lines.join('\n')}\n`);
+}
+
+/**
+ * What `ferry serve` should log at start (at warn level), one line each; empty when replicas are
+ * sandboxed and memory-limited by a cgroup.
+ */
+export function sandboxWarnings(caps: SandboxCapabilities): string[] {
+  const warnings: string[] = [];
+  if (!caps.bwrap) {
+    const why = caps.reasons.filter((reason) => /bwrap|bubblewrap|FERRY_SANDBOX|namespace/i.test(reason));
+    const fix = why.some((reason) => reason.startsWith('FERRY_SANDBOX=off'))
+      ? 'Unset FERRY_SANDBOX to sandbox them.'
+      : caps.bwrapVersion === null
+        ? 'Install bubblewrap (apt-get install bubblewrap); `ferry doctor` checks the result.'
+        : 'Run `ferry doctor` for what is missing.';
+    warnings.push(
+      `NO SANDBOX: replicas run as plain processes WITHOUT isolation${isRoot() ? ', as root,' : ''} and can read Ferry's data directory (signing keys included) and other apps' files. ${why.join('; ')}. ${fix}`,
+    );
+  }
+  if (!caps.cgroup) {
+    warnings.push(
+      caps.prlimit
+        ? 'No writable memory cgroup: replica memory is limited with RLIMIT_DATA only (allocation failures instead of OOM kills, which are not reported). Run `ferry doctor` for why.'
+        : 'Replicas run WITHOUT a memory limit: no writable memory cgroup and no prlimit (util-linux). Run `ferry doctor` for why.',
+    );
+  }
+  return warnings;
+}
+
+function describeMemory(caps: SandboxCapabilities): string {
+  if (caps.cgroup) return `cgroup v${caps.cgroup.version} at ${caps.cgroup.dir}`;
+  if (caps.prlimit) return `RLIMIT_DATA via ${caps.prlimit} (no writable memory cgroup; OOM kills are not reported)`;
+  return 'NONE: replicas can use all the memory of the machine';
+}
+
+function suggestedFixes(caps: SandboxCapabilities): string[] {
+  const fixes: string[] = [];
+  if (!caps.bwrap && caps.bwrapVersion === null)
+    fixes.push('apt-get install bubblewrap   (Fedora: dnf install bubblewrap)');
+  if (!caps.bwrap && caps.bwrapVersion !== null && !caps.userNamespaces) {
+    fixes.push(
+      'enable user namespaces: sysctl -w kernel.unprivileged_userns_clone=1 (or user.max_user_namespaces > 0)',
+    );
+  }
+  if (!caps.cgroup && !caps.prlimit) fixes.push('apt-get install util-linux   (for prlimit)');
+  if (!caps.cgroup) {
+    fixes.push(
+      'for cgroup memory limits, run Ferry where its cgroup is writable (root, or a systemd unit with Delegate=yes)',
+    );
+  }
+  return fixes;
+}
+
+function isRoot(): boolean {
+  return typeof process.getuid === 'function' && process.getuid() === 0;
+}
+
+function commandVersion(command: string, args: string[]): Promise<string | null> {
+  return new Promise((resolve) => {
+    execFile(command, args, { timeout: 5_000 }, (err, stdout, stderr) => {
+      if (err) resolve(null);
+      else resolve(`${(stdout || stderr).trim()} (${command})`);
+    });
+  });
+}
