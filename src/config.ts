@@ -19,6 +19,8 @@ export interface ServerConfig {
   maxQueuePerApp: number;
   /** How long a replica may take to start accepting on its socket. */
   replicaStartTimeoutMs: number;
+  /** Accepted async runs not yet finished, server-wide; past it `?async=true` answers 429. */
+  maxAsyncBacklog: number;
 }
 
 export const DEFAULTS = {
@@ -30,6 +32,7 @@ export const DEFAULTS = {
   logLevel: 'info',
   maxQueuePerApp: 100,
   replicaStartTimeoutMs: 30_000,
+  maxAsyncBacklog: 100_000,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -76,5 +79,7 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     replicaStartTimeoutMs:
       intFrom(env.FERRY_REPLICA_START_TIMEOUT_MS, 'FERRY_REPLICA_START_TIMEOUT_MS', 100, 600_000) ??
       DEFAULTS.replicaStartTimeoutMs,
+    maxAsyncBacklog:
+      intFrom(env.FERRY_MAX_ASYNC_BACKLOG, 'FERRY_MAX_ASYNC_BACKLOG', 0, 100_000_000) ?? DEFAULTS.maxAsyncBacklog,
   };
 }

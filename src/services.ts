@@ -17,6 +17,7 @@ import { createMetrics, type Metrics } from './metrics.js';
 import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
 import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
+import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { secretEnvironment } from './secrets/secrets.js';
@@ -41,8 +42,7 @@ export interface Services {
   invoker: Invoker;
   /** Brings the gauges (replicas, queue depth) up to date; called before /metrics is rendered. */
   refreshGauges(): void;
-  /** Ends runs an earlier process left queued or running (they cannot finish now). */
-  recoverRuns(): Promise<number>;
+  asyncWorker: AsyncWorker;
   close(): Promise<void>;
 }
 
@@ -90,6 +90,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       metrics.runDuration.observe(labels, seconds);
     },
   });
+  const asyncWorker = createAsyncWorker({ store, invoker, recorder, logger: logger.child({ component: 'async' }) });
   const pipeline = createBuildPipeline({
     store,
     buildLog,
@@ -126,6 +127,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     recorder,
     replicas,
     invoker,
+    asyncWorker,
     refreshGauges() {
       metrics.replicas.reset();
       metrics.queueDepth.reset();
@@ -139,23 +141,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         metrics.runsInFlight.inc(labels, inflight);
       }
     },
-    async recoverRuns() {
-      const result = await store
-        .updateTable('runs')
-        .set({
-          state: 'failure',
-          reason: 'interrupted',
-          error_code: 'FERRY_REPLICA_DIED',
-          error_message: 'The server stopped while the run was in progress',
-          finished_at: new Date().toISOString(),
-        })
-        .where('state', 'in', ['queued', 'running'])
-        .where('mode', '!=', 'async')
-        .executeTakeFirst();
-      return Number(result.numUpdatedRows);
-    },
     async close() {
       await pipeline.close();
+      await asyncWorker.close();
       await replicas.close();
       await recorder.close();
       await store.destroy();

@@ -41,9 +41,10 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   const app = await buildServer(services);
   const recovered = await services.pipeline.recover();
   if (recovered > 0) logger.info({ builds: recovered }, 'resuming builds left unfinished by the last run');
-  const interrupted = await services.recoverRuns();
-  if (interrupted > 0)
-    logger.warn({ runs: interrupted }, 'runs left in progress by the last run were marked failed (interrupted)');
+  const runs = await services.asyncWorker.start();
+  if (runs.interrupted > 0) {
+    logger.warn({ runs: runs.interrupted }, 'runs left in progress by the last run were marked failed (interrupted)');
+  }
   await services.replicas.warmUp();
 
   let address: string;

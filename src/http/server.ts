@@ -16,6 +16,7 @@ import { registerRunsRoutes } from './routes/runs.js';
 import { registerSecretRoutes } from './routes/secrets.js';
 import { registerServiceAccountRoutes } from './routes/service-accounts.js';
 import { registerSystemRoutes } from './routes/system.js';
+import { registerWebhookRoutes } from './routes/webhooks.js';
 
 export type FerryServer = TypedServer;
 export type TypedServer = ReturnType<typeof createFastify>;
@@ -85,6 +86,7 @@ export async function buildServer(services: Services): Promise<FerryServer> {
   registerBuildRoutes(app, services);
   registerSecretRoutes(app, services);
   registerRunsRoutes(app, services);
+  registerWebhookRoutes(app, services);
   registerRunRoutes(app, services);
   return app;
 }

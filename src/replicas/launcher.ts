@@ -38,7 +38,8 @@ export function createLauncher(deps: LauncherDeps) {
     const buildDir = path.join(deps.buildsDir, build.buildId);
     const socketDir = path.join(deps.runDir, replicaId);
     await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
-    const layout = { buildDir, socketDir, runtimeFiles: [{ host: NODE_BOOTSTRAP, sandbox: '/ferry/bootstrap.js' }] };
+    // .mjs: alone in the sandbox, with no package.json beside it, the file must say it is an ES module.
+    const layout = { buildDir, socketDir, runtimeFiles: [{ host: NODE_BOOTSTRAP, sandbox: '/ferry/bootstrap.mjs' }] };
     const paths = sandboxPaths(layout, deps.sandbox.bwrap !== null);
     const env: Record<string, string> = {
       ...(await deps.secrets(build.projectId)),

@@ -10,6 +10,7 @@ import { FerryError } from '../errors.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { RunMode, RunState } from '../store/schema.js';
+import { buildWebhookPayload } from '../webhooks/payload.js';
 import type { RunRecorder } from './recorder.js';
 
 /** Inputs over this size are not kept on the run record (the run still gets them). */
@@ -30,10 +31,18 @@ export interface InvokeRequest {
   onItem?: ((data: unknown) => void) | undefined;
   /** Set when the record already exists (async runs are inserted before they are acknowledged). */
   recorded?: boolean;
+  /** Where to forward the response payload when the run ends (written to the outbox with the final state). */
+  webhookUrl?: string | undefined;
+  /** The run's X-Webhook-Secret, already encrypted for storage (the deliverer signs with it). */
+  webhookSecret?: string | undefined;
+  /** Called once a replica slot is taken and the call begins (stream mode sends its headers then). */
+  onStarted?: (() => void) | undefined;
 }
 
 export interface InvokeResult {
   result: unknown;
+  /** The function was a generator: its items went to `onItem` (or were collected into `result`). */
+  streamed: boolean;
   runTimeMs: number;
   coldStart: boolean;
 }
@@ -77,8 +86,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           error_message: null,
           reason: null,
           cold_start: 0,
-          webhook_endpoint: null,
-          webhook_secret: null,
+          webhook_endpoint: request.webhookUrl ?? null,
+          webhook_secret: request.webhookSecret ?? null,
           idempotency_key: null,
           created_at: new Date(created).toISOString(),
           started_at: null,
@@ -119,21 +128,25 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           cold_start: coldStart ? 1 : 0,
         });
         if (coldStart) recorder.log(runId, 'system', `cold start: waited ${started - created} ms for a replica`);
+        request.onStarted?.();
 
         let result: unknown;
         const items: unknown[] = [];
         let ended = false;
+        let streamed = false;
         for await (const frame of slot.replica.call(request.fn, runId, request.body, signal)) {
           if (frame.type === 'log') recorder.log(runId, frame.stream, frame.line);
           else if (frame.type === 'item') {
             if (request.onItem) request.onItem(frame.data);
-            else items.push(frame.data);
+            // Collected for the JSON envelope, and for the webhook of a streaming call (its items as `result`).
+            if (!request.onItem || request.webhookUrl) items.push(frame.data);
           } else if (frame.type === 'result') {
             result = frame.data;
             ended = true;
           } else if (frame.type === 'end') {
-            result = request.onItem ? null : items;
+            result = request.onItem && !request.webhookUrl ? null : items;
             ended = true;
+            streamed = true;
           } else if (frame.type === 'error') {
             const { type, message, stack } = frame.error;
             if (stack) for (const line of stack.split('\n')) recorder.log(runId, 'stderr', line);
@@ -154,8 +167,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             'system',
             `result of ${Buffer.byteLength(text)} bytes not stored (limit ${MAX_STORED_RESULT_BYTES})`,
           );
-        finish('success', 200, { result: keep ? text : null, run_time_ms: runTimeMs });
-        return { result, runTimeMs, coldStart };
+        finish('success', 200, { result: keep ? text : null, run_time_ms: runTimeMs }, { result });
+        return { result, runTimeMs, coldStart, streamed };
       } catch (caught) {
         const err = caught === timeout || signal.reason === timeout ? timeout : caught;
         if (err === timeout && slot) slot.release({ poisoned: true });
@@ -164,21 +177,50 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         const state: RunState = err === timeout ? 'timeout' : clientGone ? 'cancelled' : 'failure';
         if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
         const code = ferry?.code ?? (clientGone ? null : 'FERRY_INTERNAL');
-        finish(state, ferry?.status ?? (clientGone ? 499 : 500), {
-          error_code: code,
-          error_message: ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error'),
-          reason: clientGone ? 'client_disconnected' : (ferry?.code ?? null),
-          run_time_ms: started ? Date.now() - started : null,
-        });
+        const message = ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error');
+        finish(
+          state,
+          ferry?.status ?? (clientGone ? 499 : 500),
+          {
+            error_code: code,
+            error_message: message,
+            reason: clientGone ? 'client_disconnected' : (ferry?.code ?? null),
+            run_time_ms: started ? Date.now() - started : null,
+          },
+          { error: { code: code ?? 'FERRY_CLIENT_GONE', message, type: ferry?.details.type } },
+        );
         throw ferry ?? (clientGone ? caught : new FerryError('FERRY_INTERNAL', undefined, { cause: caught }));
       } finally {
         clearTimeout(timer);
         slot?.release();
       }
 
-      function finish(state: RunState, statusCode: number, values: Parameters<RunRecorder['update']>[1]): void {
-        recorder.update(runId, { ...values, state, status_code: statusCode, finished_at: new Date().toISOString() });
-        deps.onFinished?.(build, state, statusCode, (Date.now() - created) / 1000, coldStart);
+      function finish(
+        state: RunState,
+        statusCode: number,
+        values: Parameters<RunRecorder['update']>[1],
+        outcome: { result?: unknown; error?: { code: string; message: string; type?: string | undefined } },
+      ): void {
+        const now = Date.now();
+        const outbox = request.webhookUrl
+          ? {
+              runId,
+              url: request.webhookUrl,
+              payload: buildWebhookPayload({
+                runId,
+                finishedAt: now,
+                statusCode,
+                runTimeMs: values.run_time_ms ?? null,
+                ...outcome,
+              }),
+            }
+          : undefined;
+        recorder.finish(
+          runId,
+          { ...values, state, status_code: statusCode, finished_at: new Date(now).toISOString() },
+          outbox,
+        );
+        deps.onFinished?.(build, state, statusCode, (now - created) / 1000, coldStart);
       }
     },
   };

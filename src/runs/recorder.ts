@@ -21,12 +21,26 @@ interface Pending {
   changes: RunChanges;
 }
 
+/** A webhook delivery to write in the same transaction as the run's final state (invariant 2). */
+export interface OutboxEntry {
+  runId: string;
+  url: string;
+  payload: string;
+}
+
 export interface RunRecorder {
   /** Records a new run (written at the next flush). */
   start(row: RunRow): void;
-  /** Inserts a run now and resolves when it is committed. */
+  /**
+   * Inserts a run and resolves once it is committed (async runs: nothing is acknowledged before it is
+   * durable). Concurrent calls share one transaction (group commit).
+   */
   insertNow(row: RunRow): Promise<void>;
   update(runId: string, changes: RunChanges): void;
+  /** Records the run's final state and its webhook delivery together, in one transaction. */
+  finish(runId: string, changes: RunChanges, outbox?: OutboxEntry): void;
+  /** Called after each flush that wrote outbox entries (wakes the webhook deliverer). */
+  onOutbox?: () => void;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
   /** Writes everything pending; resolves when it is committed. */
@@ -43,6 +57,9 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
   const every = deps.flushEveryMs ?? 5;
   let pending = new Map<string, Pending>();
   let logs: Array<{ run_id: string; seq: number; at: string; stream: string; line: string }> = [];
+  let outbox: OutboxEntry[] = [];
+  let durable: Array<{ row: RunRow; resolve(): void; reject(err: unknown): void }> = [];
+  let durableScheduled = false;
   const seqs = new Map<string, number>();
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
@@ -51,7 +68,7 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
     if (!timer) timer = setTimeout(() => void flush(), every);
   }
 
-  async function write(batch: Map<string, Pending>, lines: typeof logs): Promise<void> {
+  async function write(batch: Map<string, Pending>, lines: typeof logs, deliveries: OutboxEntry[]): Promise<void> {
     const inserts: RunRow[] = [];
     const updates: Array<[string, RunChanges]> = [];
     for (const [id, p] of batch) {
@@ -72,6 +89,25 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
           .values(lines.slice(i, i + INSERT_CHUNK))
           .execute();
       }
+      if (deliveries.length > 0) {
+        const now = new Date().toISOString();
+        const rows = deliveries.map((d) => ({
+          run_id: d.runId,
+          url: d.url,
+          payload: d.payload,
+          state: 'pending',
+          attempts: 0,
+          next_attempt_at: now,
+          created_at: now,
+          updated_at: now,
+        }));
+        for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
+          await trx
+            .insertInto('webhook_deliveries')
+            .values(rows.slice(i, i + INSERT_CHUNK))
+            .execute();
+        }
+      }
     });
   }
 
@@ -80,9 +116,11 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
       clearTimeout(timer);
       timer = undefined;
     }
-    if (pending.size === 0 && logs.length === 0) return writing;
+    if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return writing;
     const batch = pending;
     const lines = logs;
+    const deliveries = outbox;
+    outbox = [];
     // Runs still in progress stay tracked (as inserted) so their next changes become UPDATEs.
     pending = new Map();
     for (const [id, p] of batch) {
@@ -91,20 +129,61 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
     }
     logs = [];
     writing = writing
-      .then(() => write(batch, lines))
+      .then(() => write(batch, lines, deliveries))
+      .then(() => {
+        if (deliveries.length > 0) recorder.onOutbox?.();
+      })
       .catch((err: unknown) => logger.error({ err, runs: batch.size }, 'writing run records failed'));
     return writing;
   }
 
-  return {
+  function flushDurable(): void {
+    durableScheduled = false;
+    const group = durable;
+    durable = [];
+    writing = writing
+      .then(async () => {
+        await store.transaction().execute(async (trx) => {
+          const rows = group.map((g) => g.row);
+          for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
+            await trx
+              .insertInto('runs')
+              .values(rows.slice(i, i + INSERT_CHUNK))
+              .execute();
+          }
+        });
+        for (const g of group) g.resolve();
+      })
+      .catch((err: unknown) => {
+        for (const g of group) g.reject(err);
+      });
+  }
+
+  const recorder: RunRecorder = {
     start(row) {
       pending.set(row.id, { row, inserted: false, changes: {} });
       schedule();
     },
-    async insertNow(row) {
-      await writing;
-      await store.insertInto('runs').values(row).execute();
-      pending.set(row.id, { row, inserted: true, changes: {} });
+    insertNow(row) {
+      return new Promise<void>((resolve, reject) => {
+        durable.push({
+          row,
+          resolve: () => {
+            // Later changes to the run are UPDATEs of the committed row.
+            if (!pending.has(row.id)) pending.set(row.id, { row, inserted: true, changes: {} });
+            resolve();
+          },
+          reject,
+        });
+        if (!durableScheduled) {
+          durableScheduled = true;
+          setImmediate(flushDurable);
+        }
+      });
+    },
+    finish(runId, changes, entry) {
+      if (entry) outbox.push(entry);
+      recorder.update(runId, changes);
     },
     update(runId, changes) {
       const p = pending.get(runId);
@@ -132,6 +211,7 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
       await writing;
     },
   };
+  return recorder;
 }
 
 function isFinal(state: string): boolean {

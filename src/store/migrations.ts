@@ -153,6 +153,17 @@ const migrations: Record<string, Migration> = {
       await db.schema.alterTable('builds').addColumn('functions', 'text').execute();
     },
   },
+  '0003_idempotency': {
+    async up(db: Kysely<unknown>) {
+      // One run per Idempotency-Key per app; NULL keys do not collide (SQLite and PostgreSQL alike).
+      await db.schema
+        .createIndex('runs_idempotency')
+        .on('runs')
+        .columns(['project_id', 'app_id', 'idempotency_key'])
+        .unique()
+        .execute();
+    },
+  },
 };
 
 /** Hands Kysely's Migrator the migrations above. */

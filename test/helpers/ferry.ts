@@ -40,7 +40,7 @@ export async function startServer(
   const services = await createServices(config, logger);
   const app = await buildServer(services);
   await services.pipeline.recover();
-  await services.recoverRuns();
+  await services.asyncWorker.start();
   await services.replicas.warmUp();
   const url = await app.listen({ host: '127.0.0.1', port: 0 });
   return {

@@ -5,14 +5,17 @@
  * `run` scope unless the app's active build has `disable_auth = true`. The body is a JSON object whose
  * members are the function's arguments; it is forwarded to the replica as the caller sent it.
  */
-import type { FastifyInstance } from 'fastify';
+import { createGzip, constants as zlibConstants } from 'node:zlib';
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Type } from 'typebox';
 import type { AppConfig } from '../../apps/app-config.js';
 import { FerryError } from '../../errors.js';
 import { uuidv7 } from '../../ids.js';
 import type { PoolBuild } from '../../replicas/pool.js';
 import type { Services } from '../../services.js';
+import { encryptWebhookSecret } from '../../webhooks/secret.js';
 import type { TypedServer } from '../server.js';
+import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
 
 declare module 'fastify' {
   interface FastifyRequest {
@@ -77,6 +80,171 @@ async function resolveTarget(
   };
 }
 
+/** The `webhookEndpoint` query parameter: an absolute http(s) URL without credentials, or undefined. */
+function parseWebhookEndpoint(value: unknown): string | undefined {
+  if (value === undefined) return undefined;
+  if (typeof value !== 'string' || value === '' || value.length > 2048)
+    throw new FerryError('FERRY_WEBHOOK_URL_INVALID');
+  let url: URL;
+  try {
+    url = new URL(value);
+  } catch {
+    throw new FerryError('FERRY_WEBHOOK_URL_INVALID');
+  }
+  if ((url.protocol !== 'http:' && url.protocol !== 'https:') || url.username || url.password) {
+    throw new FerryError('FERRY_WEBHOOK_URL_INVALID');
+  }
+  return url.toString();
+}
+
+const IDEMPOTENCY_WINDOW_MS = 24 * 3600 * 1000;
+
+interface CallParts {
+  runId: string;
+  target: RunTarget;
+  fn: string;
+  body: Buffer;
+  webhookUrl: string | undefined;
+  webhookSecret: string | undefined;
+}
+
+/**
+ * `?async=true`: stores the run with its input and answers 202 {"run_id"} only once it is committed.
+ * With `Idempotency-Key`, a repeat within 24 hours answers the first call's run id and runs nothing.
+ */
+async function acceptAsync(
+  services: Services,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  call: CallParts,
+): Promise<FastifyReply> {
+  const { store } = services;
+  const key = request.headers['idempotency-key'];
+  let idempotencyKey: string | undefined;
+  if (key !== undefined) {
+    if (typeof key !== 'string' || !/^[\x21-\x7e]{1,255}$/.test(key))
+      throw new FerryError('FERRY_IDEMPOTENCY_KEY_INVALID');
+    idempotencyKey = key;
+  }
+  const { build } = call.target;
+  const replay = async (): Promise<string | undefined> => {
+    if (!idempotencyKey) return undefined;
+    const earlier = await store
+      .selectFrom('runs')
+      .select(['id', 'created_at'])
+      .where('project_id', '=', build.projectId)
+      .where('app_id', '=', build.appId)
+      .where('idempotency_key', '=', idempotencyKey)
+      .executeTakeFirst();
+    if (!earlier) return undefined;
+    if (Date.now() - Date.parse(earlier.created_at) < IDEMPOTENCY_WINDOW_MS) return earlier.id;
+    // Past the window the key is free again: the old run keeps its record but lets go of the key.
+    await store.updateTable('runs').set({ idempotency_key: null }).where('id', '=', earlier.id).execute();
+    return undefined;
+  };
+  const send = (runId: string) =>
+    reply.code(202).header('x-request-id', runId).type('application/json; charset=utf-8').send({ run_id: runId });
+
+  const earlier = await replay();
+  if (earlier) return send(earlier);
+  if (services.asyncWorker.backlog >= services.config.maxAsyncBacklog) {
+    throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
+  }
+  try {
+    await services.recorder.insertNow({
+      id: call.runId,
+      project_id: build.projectId,
+      app_id: build.appId,
+      build_id: build.buildId,
+      function_name: call.fn,
+      mode: 'async',
+      state: 'queued',
+      status_code: null,
+      input: call.body.toString('utf8'),
+      result: null,
+      error_code: null,
+      error_message: null,
+      reason: null,
+      cold_start: 0,
+      webhook_endpoint: call.webhookUrl ?? null,
+      webhook_secret: call.webhookSecret ?? null,
+      idempotency_key: idempotencyKey ?? null,
+      created_at: new Date().toISOString(),
+      started_at: null,
+      finished_at: null,
+      run_time_ms: null,
+    });
+  } catch (err) {
+    // Two calls with one key at once: the unique index lets one in; the other answers its run id.
+    const winner = await replay();
+    if (winner) return send(winner);
+    throw err;
+  }
+  services.asyncWorker.enqueue({ id: call.runId, projectId: build.projectId, appId: build.appId });
+  return send(call.runId);
+}
+
+/**
+ * `Accept: text/event-stream`: each yielded item is sent as one event the moment it is yielded (strings as
+ * they are, other values as JSON), gzip-compressed and flushed per event when the caller accepts gzip.
+ * Errors before the call starts answer a normal JSON error; after it, an `event: error` ends the stream.
+ */
+async function streamRun(
+  services: Services,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  call: Omit<Parameters<Services['invoker']['invoke']>[0], 'mode'>,
+): Promise<void> {
+  const res = reply.raw;
+  const gzip = /\bgzip\b/i.test(String(request.headers['accept-encoding'] ?? ''));
+  let out: { write(text: string): void; end(): void } | undefined;
+  const open = () => {
+    if (out) return out;
+    reply.hijack();
+    startEventStream(res, {
+      'x-request-id': call.runId,
+      'transfer-encoding': 'chunked',
+      ...(gzip ? { 'content-encoding': 'gzip', vary: 'Accept-Encoding' } : {}),
+    });
+    if (gzip) {
+      const z = createGzip();
+      z.pipe(res);
+      out = {
+        write(text) {
+          z.write(text);
+          // Z_SYNC_FLUSH per event: compressed, yet each event reaches the client as it is yielded.
+          z.flush(zlibConstants.Z_SYNC_FLUSH);
+        },
+        end: () => z.end(),
+      };
+    } else {
+      out = { write: (text) => res.write(text), end: () => res.end() };
+    }
+    return out;
+  };
+  try {
+    const outcome = await services.invoker.invoke({
+      ...call,
+      mode: 'stream',
+      onStarted: () => void open(),
+      onItem: (item) => open().write(formatEvent(typeof item === 'string' ? item : JSON.stringify(item))),
+    });
+    // A plain (non-generator) function called as a stream: its result is the one event.
+    if (!outcome.streamed) {
+      const value = outcome.result;
+      open().write(formatEvent(typeof value === 'string' ? value : JSON.stringify(value)));
+    }
+    open().end();
+  } catch (err) {
+    if (!out) throw err; // nothing sent yet: a normal JSON error response
+    const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
+    if (!res.destroyed) {
+      out.write(formatEvent(JSON.stringify({ run_id: call.runId, ...ferry.toJSON() }), 'error'));
+      out.end();
+    }
+  }
+}
+
 export function registerRunRoutes(app: TypedServer, services: Services): void {
   // Its own scope, so the raw-body JSON parser applies to the run endpoint only.
   void app.register(async function runEndpoint(scope: FastifyInstance) {
@@ -111,20 +279,30 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
           throw new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`);
         }
         const body = (request.body as RawJson | undefined)?.raw ?? Buffer.from('{}');
+        const query = request.query as Record<string, unknown>;
+        const webhookUrl = parseWebhookEndpoint(query.webhookEndpoint);
+        const rawSecret = request.headers['x-webhook-secret'];
+        const webhookSecret =
+          webhookUrl && typeof rawSecret === 'string' && rawSecret !== ''
+            ? encryptWebhookSecret(services.secretsKey, runId, rawSecret)
+            : undefined;
+
+        // Exactly "true" turns async on; any other value is as if the parameter were absent (documented).
+        if (query.async === 'true') {
+          return acceptAsync(services, request, reply, { runId, target, fn, body, webhookUrl, webhookSecret });
+        }
 
         // The caller going away ends the run (its generator is stopped, its slot freed).
         const gone = new AbortController();
         reply.raw.on('close', () => {
           if (!reply.raw.writableFinished) gone.abort(new Error('client disconnected'));
         });
-        const outcome = await services.invoker.invoke({
-          runId,
-          build: target.build,
-          fn,
-          body,
-          mode: 'sync',
-          signal: gone.signal,
-        });
+        const common = { runId, build: target.build, fn, body, signal: gone.signal, webhookUrl, webhookSecret };
+
+        if (wantsEventStream(request.headers.accept)) {
+          return streamRun(services, request, reply, common);
+        }
+        const outcome = await services.invoker.invoke({ ...common, mode: 'sync' });
         return reply
           .type('application/json; charset=utf-8')
           .send({ run_id: runId, result: outcome.result, run_time_ms: outcome.runTimeMs });

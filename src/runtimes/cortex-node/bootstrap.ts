@@ -335,6 +335,9 @@ function patchStream(stream: NodeJS.WriteStream, index: StreamIndex): (text: str
     return true;
   };
   stream.write = write as typeof stream.write;
+  // With the log pipe gone there is nowhere left to report to; unheard, the 'error' would become an uncaught
+  // exception whose report goes to the broken pipe again.
+  stream.on('error', () => {});
   return (text) => {
     original.call(stream, text);
   };

@@ -1,0 +1,200 @@
+#!/usr/bin/env node
+/**
+ * Cold-start latency of a TypeScript function: the time of one synchronous run (sent → full response)
+ * when no replica of the app is running, so Ferry has to start one; and, in the same iteration, a warm
+ * run right after it, for comparison. Prints figures; asserts nothing about timing.
+ *
+ *   npm run build && npm run bench:cold-start
+ *   BENCH_COLD_RUNS=20 npm run bench:cold-start
+ */
+import { Client } from 'undici';
+import {
+  bootstrapProject,
+  deployApp,
+  envInt,
+  fmt,
+  http,
+  loadAverage,
+  machineReport,
+  replicaGauges,
+  replicaSockets,
+  requireDist,
+  runMain,
+  sandboxReport,
+  startFerry,
+  summarize,
+  table,
+  tempDir,
+  waitFor,
+} from './lib.mjs';
+
+const RUNS = envInt('BENCH_COLD_RUNS', 20);
+const APP = 'cold';
+const TARGET_MEDIAN_COLD_MS = 150;
+
+const APP_FILES = {
+  'ferry.toml': `[app]
+name = "${APP}"
+
+[scaling]
+min_replicas = 0
+max_replicas = 1
+cooldown = 0
+response_grace_period = 30
+`,
+  'main.ts': `interface Result {
+  ok: boolean;
+}
+
+export function run(): Result {
+  return { ok: true };
+}
+`,
+};
+
+/** One run through `client` (keep-alive to Ferry); the time from sending to the full response, in ms. */
+async function timedRun(client, path, token) {
+  const start = process.hrtime.bigint();
+  const res = await client.request({
+    path,
+    method: 'POST',
+    headers: { 'content-type': 'application/json', authorization: `Bearer ${token}` },
+    body: '{}',
+  });
+  const text = await res.body.text();
+  const ms = Number(process.hrtime.bigint() - start) / 1e6;
+  let body;
+  try {
+    body = JSON.parse(text);
+  } catch {
+    body = undefined;
+  }
+  if (res.statusCode !== 200 || body?.result?.ok !== true)
+    throw new Error(`run answered ${res.statusCode}: ${text.slice(0, 300)}`);
+  return { ms, runId: body.run_id, runTimeMs: body.run_time_ms };
+}
+
+async function main() {
+  requireDist();
+  console.log('Ferry bench: cold starts of a TypeScript function\n');
+  console.log(machineReport());
+
+  const dataDir = await tempDir('ferry-bench-cold-');
+  const auth = await bootstrapProject(dataDir);
+  const ferry = await startFerry(dataDir);
+  console.log(`ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir})`);
+  await deployApp(ferry, auth, APP, APP_FILES);
+  console.log(`app "${APP}": main.ts, min_replicas = 0, max_replicas = 1, cooldown = 0 (the reaper runs every second)`);
+
+  const client = new Client(ferry.url);
+  const runPath = `/v4/${auth.projectId}/${APP}/run`;
+  const record = async (runId) => {
+    const res = await http(`${ferry.url}/v2/projects/${auth.projectId}/apps/${APP}/runs/${runId}`, {
+      token: auth.token,
+    });
+    if (res.status !== 200) throw new Error(`GET run ${runId} answered ${res.status}: ${res.text}`);
+    return res.json;
+  };
+  const sandboxSeen = new Set();
+  const noteSandbox = () => {
+    const procs = ferry.replicaProcesses();
+    if (procs.length > 0) sandboxSeen.add(procs.some((p) => p.comm === 'bwrap') ? 'bwrap' : 'plain');
+  };
+  const noReplica = async () => {
+    const gauges = await replicaGauges(ferry, APP);
+    return (
+      gauges.ready === 0 &&
+      gauges.starting === 0 &&
+      replicaSockets(dataDir).length === 0 &&
+      ferry.replicaProcesses().length === 0
+    );
+  };
+
+  // The app's first run also switches it to its build (a scaled-to-zero app does that on its first
+  // run): timed and shown, not counted.
+  const priming = await timedRun(client, runPath, auth.token);
+  noteSandbox();
+  console.log(`first run after the deploy: ${fmt(priming.ms, 1)} ms (not counted)\n`);
+
+  const cold = [];
+  const warm = [];
+  const waits = [];
+  let notCold = 0;
+  let notWarm = 0;
+  for (let i = 1; i <= RUNS; i++) {
+    const waitStart = Date.now();
+    await waitFor(noReplica, { ms: 30_000, everyMs: 20, what: 'the replica to stop (cooldown 0)' });
+    const idleWait = Date.now() - waitStart;
+    const c = await timedRun(client, runPath, auth.token);
+    const w = await timedRun(client, runPath, auth.token);
+    noteSandbox();
+    const [cRec, wRec] = await Promise.all([record(c.runId), record(w.runId)]);
+    const serverWait = Date.parse(cRec.started_at) - Date.parse(cRec.created_at);
+    let line = `  ${String(i).padStart(2)}/${RUNS}  cold ${fmt(c.ms, 1).padStart(6)} ms (waited ${serverWait} ms for the replica, run ${c.runTimeMs} ms)   warm ${fmt(w.ms, 2).padStart(6)} ms`;
+    if (cRec.cold_start === true) {
+      cold.push(c.ms);
+      waits.push(serverWait);
+    } else {
+      notCold++;
+      line += '   [first call NOT marked cold_start: left out]';
+    }
+    if (wRec.cold_start === false) warm.push(w.ms);
+    else {
+      notWarm++;
+      line += '   [second call was a cold start (the reaper stopped the replica in between): left out]';
+    }
+    console.log(`${line}   (idle wait ${idleWait} ms)`);
+  }
+  await client.close();
+
+  const metrics = await http(`${ferry.url}/metrics`);
+  const metric = (name) => {
+    const line = metrics.text.split('\n').find((l) => l.startsWith(`${name}{`) && l.includes(`app="${APP}"`));
+    return line ? Number(line.slice(line.lastIndexOf(' ') + 1)) : Number.NaN;
+  };
+  const startSum = metric('ferry_cold_start_duration_seconds_sum');
+  const startCount = metric('ferry_cold_start_duration_seconds_count');
+  const sandbox = await sandboxReport(undefined);
+
+  const cs = summarize(cold);
+  const ws = summarize(warm);
+  const wt = summarize(waits);
+  console.log(`\nResults (${RUNS} iterations; client time from sending the request to the full response)\n`);
+  console.log(
+    table([
+      ['', 'n', 'median ms', 'p90 ms', 'min ms', 'max ms'],
+      ['cold', String(cs.n), fmt(cs.median, 1), fmt(cs.p90, 1), fmt(cs.min, 1), fmt(cs.max, 1)],
+      ['warm', String(ws.n), fmt(ws.median, 2), fmt(ws.p90, 2), fmt(ws.min, 2), fmt(ws.max, 2)],
+      [
+        'cold: run record created -> started',
+        String(wt.n),
+        fmt(wt.median, 0),
+        fmt(wt.p90, 0),
+        fmt(wt.min, 0),
+        fmt(wt.max, 0),
+      ],
+    ]),
+  );
+  if (Number.isFinite(startSum) && startCount > 0)
+    console.log(
+      `\nferry_cold_start_duration_seconds (replica spawn -> socket accepts), mean of ${startCount}: ${fmt((startSum / startCount) * 1000, 1)} ms`,
+    );
+  if (notCold > 0) console.log(`${notCold} first call(s) were not cold starts and were left out.`);
+  if (notWarm > 0) console.log(`${notWarm} second call(s) were cold starts and were left out of "warm".`);
+  const met = cs.median < TARGET_MEDIAN_COLD_MS;
+  console.log(
+    `\nTarget: median cold < ${TARGET_MEDIAN_COLD_MS} ms for a TypeScript function: ${cs.n === 0 ? 'not judged (no cold run)' : met ? 'met' : 'NOT met'} (median ${fmt(cs.median, 1)} ms; cold - warm median ${fmt(cs.median - ws.median, 1)} ms)`,
+  );
+  const observed =
+    sandboxSeen.size === 0
+      ? 'unknown (no replica seen running)'
+      : sandboxSeen.has('bwrap') && sandboxSeen.size === 1
+        ? 'on (replicas ran under bwrap)'
+        : sandboxSeen.has('plain') && sandboxSeen.size === 1
+          ? 'off (replicas ran as plain node processes)'
+          : 'mixed (some replicas under bwrap, some not)';
+  console.log(`sandbox: ${observed}; ferry doctor: ${sandbox.doctor}`);
+  console.log(`load average at end: ${loadAverage()}`);
+}
+
+await runMain(main);

@@ -1,0 +1,634 @@
+/**
+ * Shared helpers of the benches (bench/run-sync.mjs, bench/cold-start.mjs): a real `ferry serve` child
+ * process on a temp data dir, bootstrap and deploy through the CLI and the HTTP API, cleanup that also
+ * runs on Ctrl-C and errors, nginx (installed with apt-get when missing), and small statistics and table
+ * helpers. Plain ESM on node:* built-ins plus yazl and undici (dependencies of Ferry itself).
+ */
+import { execFileSync, spawn, spawnSync } from 'node:child_process';
+import fs from 'node:fs';
+import fsp from 'node:fs/promises';
+import net from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { request } from 'undici';
+import yazl from 'yazl';
+
+export const REPO_ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
+export const FERRY_BIN = path.join(REPO_ROOT, 'bin', 'ferry.js');
+
+/** Integer from the environment, or the default; exits with a message for a bad value. */
+export function envInt(name, fallback, min = 1) {
+  const raw = process.env[name];
+  if (raw === undefined || raw === '') return fallback;
+  const n = Number(raw);
+  if (!Number.isInteger(n) || n < min) {
+    console.error(`${name} must be a whole number >= ${min}, not "${raw}"`);
+    process.exit(2);
+  }
+  return n;
+}
+
+/** Exits with a hint when the compiled code is missing: the benches run dist/, they build nothing. */
+export function requireDist() {
+  const entry = path.join(REPO_ROOT, 'dist', 'src', 'cli', 'index.js');
+  if (!fs.existsSync(entry)) {
+    console.error('dist/ is missing: run `npm run build` first (the benches run the compiled code).');
+    process.exit(1);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Cleanup: functions run last-registered first, once, on normal end, error, Ctrl-C or SIGTERM.
+
+const cleanups = [];
+/**
+ * Processes this bench started (directly, or replicas through Ferry), killed on a hard exit: pid → its
+ * start time in /proc (undefined for our own children, whose pid cannot be reused before we reap them).
+ */
+const ownedPids = new Map();
+let cleaningUp;
+
+export function onCleanup(fn) {
+  cleanups.push(fn);
+}
+
+export function runCleanup() {
+  cleaningUp ??= (async () => {
+    while (cleanups.length > 0) {
+      const fn = cleanups.pop();
+      try {
+        await fn();
+      } catch (err) {
+        console.error(`cleanup: ${err?.message ?? err}`);
+      }
+    }
+  })();
+  return cleaningUp;
+}
+
+/**
+ * Runs `main`, then the cleanups. Ctrl-C (SIGINT) and SIGTERM stop the bench and clean up; a second
+ * signal exits at once. Children are started in their own process group, so a Ctrl-C reaches only this
+ * process and the shutdown order stays ours.
+ */
+export async function runMain(main) {
+  let signalled = false;
+  const onSignal = (signal) => {
+    if (signalled) {
+      killOwned();
+      process.exit(130);
+    }
+    signalled = true;
+    console.error(`\n${signal}: stopping and cleaning up...`);
+    void runCleanup().finally(() => process.exit(130));
+  };
+  process.on('SIGINT', onSignal);
+  process.on('SIGTERM', onSignal);
+  process.on('exit', killOwned);
+  let code = 0;
+  try {
+    await main();
+  } catch (err) {
+    console.error(`\nbench failed: ${err?.stack ?? err}`);
+    code = 1;
+  }
+  await runCleanup();
+  process.exit(code);
+}
+
+/** Last resort (hard exit): SIGKILL what we started and is still running. */
+function killOwned() {
+  for (const [pid, start] of ownedPids) {
+    if (start !== undefined && procInfo(pid)?.start !== start) continue;
+    try {
+      process.kill(pid, 'SIGKILL');
+    } catch {
+      // already gone
+    }
+  }
+}
+
+export async function tempDir(prefix) {
+  const dir = await fsp.mkdtemp(path.join(os.tmpdir(), prefix));
+  onCleanup(() => fsp.rm(dir, { recursive: true, force: true }));
+  return dir;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Processes
+
+/** The pids below `pid` (children first), from /proc; empty when it has exited. */
+export function descendants(pid) {
+  const out = [];
+  let tasks;
+  try {
+    tasks = fs.readdirSync(`/proc/${pid}/task`);
+  } catch {
+    return out;
+  }
+  for (const task of tasks) {
+    let children = '';
+    try {
+      children = fs.readFileSync(`/proc/${pid}/task/${task}/children`, 'utf8');
+    } catch {
+      continue;
+    }
+    for (const child of children.trim().split(/\s+/).filter(Boolean)) {
+      const n = Number(child);
+      out.push(n, ...descendants(n));
+    }
+  }
+  return out;
+}
+
+function procInfo(pid) {
+  try {
+    const comm = fs.readFileSync(`/proc/${pid}/comm`, 'utf8').trim();
+    const cmdline = fs.readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').filter(Boolean);
+    // Field 22 of stat (start time): tells a reused pid from the process we saw.
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
+    const start = stat.slice(stat.lastIndexOf(')') + 2).split(' ')[19];
+    return { pid, comm, cmdline, start };
+  } catch {
+    return undefined;
+  }
+}
+
+let clockTicks;
+/** CPU time (user + system) a process has used so far, in ms; NaN when it is gone. */
+export function cpuMs(pid) {
+  clockTicks ??= Number(spawnSync('getconf', ['CLK_TCK'], { encoding: 'utf8' }).stdout.trim()) || 100;
+  try {
+    const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
+    const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+    return ((Number(fields[11]) + Number(fields[12])) * 1000) / clockTicks;
+  } catch {
+    return Number.NaN;
+  }
+}
+
+/** The load average now, as "1m 5m 15m". */
+export function loadAverage() {
+  return os
+    .loadavg()
+    .map((l) => l.toFixed(2))
+    .join(' ');
+}
+
+function sameProcessAlive(info) {
+  return procInfo(info.pid)?.start === info.start;
+}
+
+/** Resolves when the child has exited (at once when it already has). */
+function exitedPromise(child) {
+  if (child.exitCode !== null || child.signalCode !== null) return Promise.resolve();
+  return new Promise((resolve) => child.once('exit', () => resolve()));
+}
+
+async function stopChild(child, signal, graceMs) {
+  if (child.exitCode !== null || child.signalCode !== null) return;
+  child.kill(signal);
+  const timer = setTimeout(() => child.kill('SIGKILL'), graceMs);
+  await exitedPromise(child);
+  clearTimeout(timer);
+}
+
+/** Runs a command to completion; resolves with its exit code and output. */
+export function runCommand(file, args, options = {}) {
+  return new Promise((resolve, reject) => {
+    const child = spawn(file, args, { stdio: ['ignore', 'pipe', 'pipe'], ...options });
+    let stdout = '';
+    let stderr = '';
+    child.stdout.on('data', (d) => {
+      stdout += d;
+    });
+    child.stderr.on('data', (d) => {
+      stderr += d;
+    });
+    const timer = setTimeout(() => child.kill('SIGKILL'), options.timeoutMs ?? 120_000);
+    child.on('error', reject);
+    child.on('close', (code) => {
+      clearTimeout(timer);
+      resolve({ code, stdout, stderr });
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Ferry
+
+/** The environment for Ferry's processes: only what they need, plus the sandbox switch when set. */
+function ferryEnv(extra = {}) {
+  const env = { PATH: process.env.PATH, HOME: process.env.HOME, FERRY_LOG_FORMAT: 'json', ...extra };
+  if (process.env.FERRY_SANDBOX !== undefined) env.FERRY_SANDBOX = process.env.FERRY_SANDBOX;
+  return env;
+}
+
+/** `ferry admin bootstrap --json` on the data dir: the project id and an owner token (manage + run). */
+export async function bootstrapProject(dataDir) {
+  const res = await runCommand(process.execPath, [FERRY_BIN, 'admin', 'bootstrap', '--data-dir', dataDir, '--json'], {
+    env: ferryEnv(),
+  });
+  if (res.code !== 0) throw new Error(`ferry admin bootstrap failed (${res.code}):\n${res.stdout}${res.stderr}`);
+  const { project_id: projectId, token } = JSON.parse(res.stdout);
+  return { projectId, token };
+}
+
+/**
+ * Starts `ferry serve --port 0` as a child process (its own event loop, not the load generator's) and
+ * waits for its "listening" log line. Stopping it (SIGTERM) stops its replicas; any replica still running
+ * after it exited is killed by pid.
+ */
+export async function startFerry(dataDir) {
+  const child = spawn(process.execPath, [FERRY_BIN, 'serve', '--port', '0', '--data-dir', dataDir], {
+    env: ferryEnv(),
+    stdio: ['ignore', 'pipe', 'pipe'],
+    detached: true,
+  });
+  ownedPids.set(child.pid, undefined);
+  // The log pipes are always drained (a full pipe would block the server); only the tail is kept.
+  let out = '';
+  const keep = (d) => {
+    out += d;
+    if (out.length > 256 * 1024) out = out.slice(-128 * 1024);
+  };
+  child.stderr.on('data', keep);
+  let seen = [];
+  const ferry = {
+    child,
+    url: '',
+    dataDir,
+    output: () => out,
+    /** The replica processes running now (node bootstrap or its bwrap sandbox), below the server. */
+    replicaProcesses() {
+      const procs = descendants(child.pid)
+        .map(procInfo)
+        .filter((p) => p && (p.comm === 'bwrap' || p.cmdline.some((a) => a.includes('bootstrap'))));
+      for (const p of seen) if (!sameProcessAlive(p)) ownedPids.delete(p.pid);
+      seen = [...seen.filter((p) => sameProcessAlive(p) && !procs.some((q) => q.pid === p.pid)), ...procs];
+      for (const p of procs) ownedPids.set(p.pid, p.start);
+      return procs;
+    },
+    async stop() {
+      ferry.replicaProcesses();
+      await stopChild(child, 'SIGTERM', 15_000);
+      ownedPids.delete(child.pid);
+      // Ferry's replica stop ends when the outer bwrap exits; the inner one may take a moment longer.
+      const until = Date.now() + 3_000;
+      while (seen.some(sameProcessAlive) && Date.now() < until) await new Promise((r) => setTimeout(r, 50));
+      for (const p of seen) {
+        if (sameProcessAlive(p)) {
+          console.error(`killing replica process ${p.pid} left after Ferry stopped`);
+          process.kill(p.pid, 'SIGKILL');
+        }
+        ownedPids.delete(p.pid);
+      }
+    },
+  };
+  onCleanup(() => ferry.stop());
+  ferry.url = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`ferry serve did not start within 30 s:\n${out}`)), 30_000);
+    let matched = false;
+    child.stdout.on('data', (d) => {
+      keep(d);
+      const match = matched ? null : /"address":"(http:\/\/[^"]+)"/.exec(out);
+      if (match) {
+        matched = true;
+        clearTimeout(timer);
+        resolve(match[1]);
+      }
+    });
+    child.once('exit', (code) => {
+      clearTimeout(timer);
+      reject(new Error(`ferry serve exited with ${code}:\n${out}`));
+    });
+  });
+  return ferry;
+}
+
+/** One HTTP request with undici; JSON bodies for objects, Buffers as they are. */
+export async function http(url, { method = 'GET', token, body, headers = {} } = {}) {
+  const h = { ...headers };
+  if (token) h.authorization = `Bearer ${token}`;
+  let payload;
+  if (Buffer.isBuffer(body)) payload = body;
+  else if (body !== undefined) {
+    payload = JSON.stringify(body);
+    h['content-type'] ??= 'application/json';
+  }
+  const res = await request(url, { method, headers: h, body: payload, headersTimeout: 60_000, bodyTimeout: 60_000 });
+  const text = await res.body.text();
+  let json;
+  try {
+    json = JSON.parse(text);
+  } catch {
+    json = undefined;
+  }
+  return { status: res.statusCode, headers: res.headers, text, json };
+}
+
+/** Polls `check` every `everyMs` until it returns a truthy value; throws after `ms`. */
+export async function waitFor(check, { ms = 60_000, everyMs = 100, what = 'condition' } = {}) {
+  const end = Date.now() + ms;
+  for (;;) {
+    const value = await check();
+    if (value) return value;
+    if (Date.now() > end) throw new Error(`timed out after ${ms} ms waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, everyMs));
+  }
+}
+
+/** A ZIP of the given files (name → text), made with yazl the way `ferry deploy` packs apps. */
+export function zipFiles(files) {
+  return new Promise((resolve, reject) => {
+    const zip = new yazl.ZipFile();
+    for (const [name, data] of Object.entries(files)) {
+      zip.addBuffer(Buffer.from(data), name, { mtime: new Date('2026-01-01T00:00:00Z') });
+    }
+    zip.end();
+    const chunks = [];
+    zip.outputStream.on('data', (c) => chunks.push(c));
+    zip.outputStream.on('end', () => resolve(Buffer.concat(chunks)));
+    zip.outputStream.on('error', reject);
+  });
+}
+
+/** Uploads the app (POST .../apps/{name}/builds) and waits for its build to be ready. */
+export async function deployApp(ferry, auth, name, files) {
+  const zip = await zipFiles(files);
+  const base = `${ferry.url}/v2/projects/${auth.projectId}/apps/${name}`;
+  const res = await http(`${base}/builds`, {
+    method: 'POST',
+    token: auth.token,
+    body: zip,
+    headers: { 'content-type': 'application/zip' },
+  });
+  if (res.status !== 201) throw new Error(`upload of ${name} failed (${res.status}): ${res.text}`);
+  const build = await waitFor(
+    async () => {
+      const b = await http(`${base}/builds/${res.json.id}`, { token: auth.token });
+      return ['ready', 'failed', 'cancelled'].includes(b.json?.state) ? b.json : undefined;
+    },
+    { what: `the build of ${name}` },
+  );
+  if (build.state !== 'ready') {
+    const logs = await http(`${base}/builds/${build.id}/logs`, { token: auth.token });
+    const lines = (logs.json?.lines ?? []).map((l) => l.line).join('\n');
+    throw new Error(`build of ${name} ended ${build.state}: ${build.error ?? ''}\n${lines}`);
+  }
+  return build;
+}
+
+/** The replica sockets now under `<data-dir>/run` (one folder per replica). */
+export function replicaSockets(dataDir) {
+  const runDir = path.join(dataDir, 'run');
+  let entries;
+  try {
+    entries = fs.readdirSync(runDir, { recursive: true });
+  } catch {
+    return [];
+  }
+  return entries
+    .map(String)
+    .filter((e) => path.basename(e) === 'replica.sock')
+    .map((e) => path.join(runDir, e));
+}
+
+/** `ferry_replicas{...app="<app>",state="..."}` from GET /metrics: { starting, ready } (0 when absent). */
+export async function replicaGauges(ferry, app) {
+  const res = await http(`${ferry.url}/metrics`);
+  const out = { starting: 0, ready: 0 };
+  for (const line of res.text.split('\n')) {
+    if (!line.startsWith('ferry_replicas{') || !line.includes(`app="${app}"`)) continue;
+    const state = /state="([a-z]+)"/.exec(line)?.[1];
+    if (state === 'starting' || state === 'ready') out[state] += Number(line.slice(line.lastIndexOf(' ') + 1));
+  }
+  return out;
+}
+
+/**
+ * Whether replicas are sandboxed: what `ferry doctor --json` says the machine offers (when this build
+ * has the command), and what the replica processes running now show (a bwrap process above the bootstrap).
+ */
+export async function sandboxReport(ferry) {
+  let doctor;
+  const res = await runCommand(process.execPath, [FERRY_BIN, 'doctor', '--json'], {
+    env: ferryEnv(),
+    timeoutMs: 30_000,
+  });
+  if (res.code !== 0) {
+    doctor = /unknown command/i.test(res.stderr)
+      ? 'unknown (this build has no `ferry doctor` command)'
+      : `unknown (\`ferry doctor --json\` exited ${res.code}: ${res.stderr.trim().split('\n')[0] ?? ''})`;
+  } else {
+    try {
+      const caps = JSON.parse(res.stdout);
+      const memory = caps.cgroup ? `cgroup v${caps.cgroup.version}` : caps.prlimit ? 'RLIMIT_DATA' : 'none';
+      doctor = caps.bwrap
+        ? `available (bubblewrap ${caps.bwrapVersion ?? '?'}), memory limit: ${memory}`
+        : `NOT available (${caps.reasons?.join('; ') || 'no reason given'}), memory limit: ${memory}`;
+    } catch {
+      doctor = 'unknown (`ferry doctor --json` did not print JSON)';
+    }
+  }
+  let observed = 'unknown (no replica was running when checked)';
+  const procs = ferry?.replicaProcesses() ?? [];
+  if (procs.length > 0) {
+    observed = procs.some((p) => p.comm === 'bwrap')
+      ? 'on: the replica runs under bwrap'
+      : 'off: the replica is a plain node process';
+  }
+  return { doctor, observed };
+}
+
+// ---------------------------------------------------------------------------------------------------
+// nginx
+
+function onPath(command) {
+  const dirs = [...(process.env.PATH ?? '').split(':'), '/usr/sbin', '/sbin', '/usr/local/sbin'];
+  for (const dir of dirs) {
+    const file = path.join(dir, command);
+    try {
+      fs.accessSync(file, fs.constants.X_OK);
+      return file;
+    } catch {
+      // not here
+    }
+  }
+  return undefined;
+}
+
+/** The nginx binary; installs nginx-light (or nginx) with apt-get when there is none, and says so. */
+export function ensureNginx() {
+  const found = onPath('nginx');
+  if (found) return found;
+  console.log('nginx is not installed: installing it with `apt-get install -y nginx-light` (Debian)...');
+  const env = { ...process.env, DEBIAN_FRONTEND: 'noninteractive' };
+  const apt = (...args) => spawnSync('apt-get', args, { stdio: ['ignore', 'inherit', 'inherit'], env }).status === 0;
+  let ok = apt('install', '-y', '-q', 'nginx-light') || apt('install', '-y', '-q', 'nginx');
+  if (!ok) {
+    console.log('install failed: running `apt-get update` once and trying again...');
+    ok = apt('update', '-q') && (apt('install', '-y', '-q', 'nginx-light') || apt('install', '-y', '-q', 'nginx'));
+  }
+  const installed = onPath('nginx');
+  if (!ok || !installed) throw new Error('could not install nginx (apt-get failed); install it and run again');
+  console.log(`nginx installed: ${installed}`);
+  return installed;
+}
+
+export function nginxVersion(bin) {
+  try {
+    const r = spawnSync(bin, ['-v'], { encoding: 'utf8' });
+    return (r.stderr || r.stdout).trim().replace(/^nginx version: /, '');
+  } catch {
+    return 'unknown';
+  }
+}
+
+/** A free TCP port on 127.0.0.1 (bound, read and released). */
+export function freePort() {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address();
+      server.close(() => resolve(port));
+    });
+  });
+}
+
+function canConnect(port) {
+  return new Promise((resolve) => {
+    const socket = net.connect(port, '127.0.0.1');
+    socket.once('connect', () => {
+      socket.destroy();
+      resolve(true);
+    });
+    socket.once('error', () => resolve(false));
+  });
+}
+
+/**
+ * Starts nginx in the foreground (`daemon off`) with its own config, pid file, logs and temp folders in
+ * `dir`, as a keep-alive reverse proxy of the Unix socket `socketPath` on 127.0.0.1:`port`.
+ */
+export async function startNginx(bin, dir, socketPath, port) {
+  const conf = path.join(dir, 'nginx.conf');
+  const isRoot = typeof process.getuid === 'function' && process.getuid() === 0;
+  const text = `# Generated by bench/run-sync.mjs
+daemon off;
+master_process on;
+# One worker: Ferry's gateway is one Node process (one event loop), so one nginx worker is the like-for-like
+# baseline on a machine where the load generator and the replica need the other core.
+worker_processes 1;
+pid ${dir}/nginx.pid;
+error_log ${dir}/error.log warn;
+${isRoot ? "# Ferry's socket folders are 0700 root: the worker must run as root to reach the socket.\nuser root;" : ''}
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path ${dir}/client_body;
+  proxy_temp_path ${dir}/proxy;
+  fastcgi_temp_path ${dir}/fastcgi;
+  uwsgi_temp_path ${dir}/uwsgi;
+  scgi_temp_path ${dir}/scgi;
+  upstream replica {
+    server unix:${socketPath};
+    keepalive 64;
+  }
+  server {
+    listen 127.0.0.1:${port};
+    location / {
+      proxy_pass http://replica;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+`;
+  await fsp.writeFile(conf, text);
+  const test = spawnSync(bin, ['-t', '-p', dir, '-c', conf, '-e', path.join(dir, 'error.log')], { encoding: 'utf8' });
+  if (test.status !== 0) throw new Error(`nginx -t failed:\n${test.stderr}`);
+  const child = spawn(bin, ['-p', dir, '-c', conf, '-e', path.join(dir, 'error.log')], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    detached: true,
+  });
+  ownedPids.set(child.pid, undefined);
+  let err = '';
+  child.stderr.on('data', (d) => {
+    err += d;
+  });
+  const stop = async () => {
+    // SIGQUIT: graceful stop of master and worker; SIGKILL to the master after 5 s.
+    await stopChild(child, 'SIGQUIT', 5_000);
+    ownedPids.delete(child.pid);
+  };
+  onCleanup(stop);
+  await waitFor(
+    async () => {
+      if (child.exitCode !== null) throw new Error(`nginx exited with ${child.exitCode}: ${err}`);
+      return canConnect(port);
+    },
+    { ms: 10_000, everyMs: 50, what: 'nginx to listen' },
+  );
+  const workerPid = () => descendants(child.pid)[0];
+  return { child, conf, stop, workerPid };
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Figures
+
+/** The q-quantile (0..1) of sorted numbers, nearest rank. */
+export function quantile(sorted, q) {
+  if (sorted.length === 0) return Number.NaN;
+  const rank = Math.ceil(q * sorted.length);
+  return sorted[Math.min(sorted.length - 1, Math.max(0, rank - 1))];
+}
+
+export function summarize(values) {
+  const sorted = [...values].sort((a, b) => a - b);
+  return {
+    n: sorted.length,
+    median: quantile(sorted, 0.5),
+    p90: quantile(sorted, 0.9),
+    p99: quantile(sorted, 0.99),
+    min: sorted[0] ?? Number.NaN,
+    max: sorted.at(-1) ?? Number.NaN,
+  };
+}
+
+export function fmt(n, digits = 2) {
+  return Number.isFinite(n) ? n.toFixed(digits) : 'n/a';
+}
+
+/** A plain-text table: `rows` are arrays of strings; the first row is the header. */
+export function table(rows) {
+  const widths = rows[0].map((_, i) => Math.max(...rows.map((r) => String(r[i]).length)));
+  const line = (r) => r.map((c, i) => (i === 0 ? String(c).padEnd(widths[i]) : String(c).padStart(widths[i])));
+  const sep = widths.map((w) => '-'.repeat(w));
+  return [line(rows[0]).join('  '), sep.join('  '), ...rows.slice(1).map((r) => line(r).join('  '))].join('\n');
+}
+
+export function machineReport() {
+  const cpus = os.cpus();
+  let governor = '';
+  try {
+    governor = fs.readFileSync('/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor', 'utf8').trim();
+  } catch {
+    // not exposed (VMs, containers)
+  }
+  let commit = 'unknown';
+  try {
+    commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: REPO_ROOT, encoding: 'utf8' }).trim();
+    const dirty = execFileSync('git', ['status', '--porcelain', '--', 'src'], { cwd: REPO_ROOT, encoding: 'utf8' });
+    if (dirty.trim()) commit += ' (src/ has uncommitted changes)';
+  } catch {
+    // not a git checkout
+  }
+  const load = loadAverage();
+  return [
+    `machine: ${cpus.length} CPUs (${cpus[0]?.model ?? 'unknown model'}${governor ? `, governor ${governor}` : ''}), ${Math.round(os.totalmem() / 2 ** 30)} GiB RAM, ${os.type()} ${os.release()} ${os.arch()}`,
+    `node: ${process.version}; ferry: ${commit}; load average at start: ${load}`,
+  ].join('\n');
+}

@@ -1,0 +1,49 @@
+/**
+ * The body Ferry POSTs to a run's webhook: the full response payload (spec 4.5 rule 6), not only the
+ * function's result. Every member is documented in docs/webhooks.md.
+ */
+
+/** Results larger than this are left out of webhook payloads (`result` null, `result_omitted` says why). */
+export const MAX_WEBHOOK_RESULT_BYTES = 1024 * 1024;
+
+export interface WebhookPayload {
+  run_id: string;
+  /** Unix seconds when the run finished. */
+  timestamp: number;
+  /** The HTTP status the run answered (or would have answered, for async runs). */
+  status_code: number;
+  run_time_ms: number | null;
+  /** The function's result (sync and async); for a streaming call, the array of items it yielded. */
+  result?: unknown;
+  result_omitted?: string;
+  error?: { code: string; message: string; type?: string };
+}
+
+export function buildWebhookPayload(input: {
+  runId: string;
+  finishedAt: number;
+  statusCode: number;
+  runTimeMs: number | null;
+  result?: unknown;
+  error?: { code: string; message: string; type?: string | undefined } | undefined;
+}): string {
+  const payload: WebhookPayload = {
+    run_id: input.runId,
+    timestamp: Math.floor(input.finishedAt / 1000),
+    status_code: input.statusCode,
+    run_time_ms: input.runTimeMs,
+  };
+  if (input.error) {
+    payload.error = { code: input.error.code, message: input.error.message };
+    if (input.error.type) payload.error.type = input.error.type;
+  } else {
+    const text = JSON.stringify(input.result ?? null);
+    if (Buffer.byteLength(text) > MAX_WEBHOOK_RESULT_BYTES) {
+      payload.result = null;
+      payload.result_omitted = `the result is larger than ${MAX_WEBHOOK_RESULT_BYTES} bytes`;
+    } else {
+      payload.result = input.result ?? null;
+    }
+  }
+  return JSON.stringify(payload);
+}
