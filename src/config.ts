@@ -3,6 +3,17 @@
  * Every setting is documented in docs/operations.md.
  */
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
+import { parseAllowList } from './webhooks/address-guard.js';
+
+/** Validates the webhook allow-list at start, so a typo is an error now rather than refused deliveries later. */
+function checkAllowList(text: string): string {
+  try {
+    parseAllowList(text);
+  } catch (err) {
+    throw new Error(`webhook allow-list (--webhook-allow / FERRY_WEBHOOK_ALLOW): ${(err as Error).message}`);
+  }
+  return text;
+}
 
 export interface ServerConfig {
   host: string;
@@ -21,6 +32,10 @@ export interface ServerConfig {
   replicaStartTimeoutMs: number;
   /** Accepted async runs not yet finished, server-wide; past it `?async=true` answers 429. */
   maxAsyncBacklog: number;
+  /** `FERRY_WEBHOOK_ALLOW` / `--webhook-allow`: CIDRs webhooks may reach although they are internal. */
+  webhookAllow: string;
+  /** One webhook attempt's timeout. */
+  webhookTimeoutMs: number;
 }
 
 export const DEFAULTS = {
@@ -33,6 +48,7 @@ export const DEFAULTS = {
   maxQueuePerApp: 100,
   replicaStartTimeoutMs: 30_000,
   maxAsyncBacklog: 100_000,
+  webhookTimeoutMs: 10_000,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -47,6 +63,7 @@ export interface ConfigFlags {
   host?: string | undefined;
   port?: string | number | undefined;
   dataDir?: string | undefined;
+  webhookAllow?: string | undefined;
 }
 
 /** Resolves the server's settings; throws an Error with a readable message for a bad value. */
@@ -81,5 +98,8 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
       DEFAULTS.replicaStartTimeoutMs,
     maxAsyncBacklog:
       intFrom(env.FERRY_MAX_ASYNC_BACKLOG, 'FERRY_MAX_ASYNC_BACKLOG', 0, 100_000_000) ?? DEFAULTS.maxAsyncBacklog,
+    webhookAllow: checkAllowList(flags.webhookAllow ?? env.FERRY_WEBHOOK_ALLOW ?? ''),
+    webhookTimeoutMs:
+      intFrom(env.FERRY_WEBHOOK_TIMEOUT_MS, 'FERRY_WEBHOOK_TIMEOUT_MS', 100, 600_000) ?? DEFAULTS.webhookTimeoutMs,
   };
 }

@@ -70,6 +70,13 @@ export const ERRORS = {
   FERRY_WEBHOOK_URL_INVALID: { status: 400, message: 'webhookEndpoint must be an absolute http or https URL' },
   FERRY_IDEMPOTENCY_KEY_INVALID: { status: 400, message: 'Idempotency-Key must be 1 to 255 visible ASCII characters' },
 
+  // Webhooks
+  FERRY_NO_WEBHOOK: { status: 409, message: 'The run has no webhook delivery to send' },
+  FERRY_WEBHOOK_EXPIRED: {
+    status: 410,
+    message: 'The run’s webhook delivery ended more than 7 days ago and can no longer be redelivered',
+  },
+
   // Secrets
   FERRY_SECRET_NOT_FOUND: { status: 404, message: 'No such secret' },
 } as const satisfies Record<string, { status: number; message: string }>;

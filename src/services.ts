@@ -22,6 +22,7 @@ import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openSqliteStore, type Store } from './store/index.js';
+import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
 
 export interface Services {
   config: ServerConfig;
@@ -43,6 +44,13 @@ export interface Services {
   /** Brings the gauges (replicas, queue depth) up to date; called before /metrics is rendered. */
   refreshGauges(): void;
   asyncWorker: AsyncWorker;
+  /** Delivers webhook payloads from the durable outbox. */
+  webhooks: WebhookDeliverer;
+  /**
+   * What the run endpoint resolved per app (active build, config, functions), reused for a second so the
+   * hot path does not query and parse it on every call; cleared when a build of the app becomes active.
+   */
+  runTargets: Map<string, { value: unknown; until: number }>;
   close(): Promise<void>;
 }
 
@@ -90,6 +98,16 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       metrics.runDuration.observe(labels, seconds);
     },
   });
+  const runTargets = new Map<string, { value: unknown; until: number }>();
+  const webhooks = createWebhookDeliverer({
+    store,
+    logger: logger.child({ component: 'webhooks' }),
+    secretsKey,
+    allow: config.webhookAllow,
+    attemptTimeoutMs: config.webhookTimeoutMs,
+  });
+  recorder.onOutbox = () => webhooks.wake();
+  webhooks.start();
   const asyncWorker = createAsyncWorker({ store, invoker, recorder, logger: logger.child({ component: 'async' }) });
   const pipeline = createBuildPipeline({
     store,
@@ -105,6 +123,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         metrics.buildDuration.observe({ state: build.state }, seconds);
       }
       if (build.state === 'ready') {
+        runTargets.delete(`${build.project_id}/${build.app_id}`);
         void replicas.activate(build.project_id, build.app_id).catch((err: unknown) => {
           logger.error({ err, buildId: build.id }, 'switching replicas to the new build failed');
         });
@@ -128,6 +147,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     replicas,
     invoker,
     asyncWorker,
+    webhooks,
+    runTargets,
     refreshGauges() {
       metrics.replicas.reset();
       metrics.queueDepth.reset();
@@ -146,6 +167,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await asyncWorker.close();
       await replicas.close();
       await recorder.close();
+      await webhooks.close();
       await store.destroy();
     },
   };

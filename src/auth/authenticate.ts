@@ -11,7 +11,17 @@ export interface Principal extends TokenClaims {}
 export interface Authenticator {
   /** Resolves the principal for a request to `projectId` that needs `scope`, or throws a coded 401/403/404. */
   authenticate(authorization: string | undefined, projectId: string, scope: Scope): Promise<Principal>;
+  /** Forgets every cached check (called when an account is revoked, so revocation is immediate here). */
+  invalidate(): void;
 }
+
+/**
+ * A token that passed every check is trusted again, without the signature check and the store lookup,
+ * for this long. It bounds how late another server of a cluster sees a revocation; the server that
+ * revokes forgets at once.
+ */
+export const AUTH_CACHE_MS = 1000;
+const AUTH_CACHE_SIZE = 10_000;
 
 const LAST_USED_EVERY_MS = 60_000;
 
@@ -19,10 +29,28 @@ export function createAuthenticator(deps: { store: Store; key: Uint8Array }): Au
   const { store, key } = deps;
   // last_used_at is a hint for people, not an audit log: write it at most once a minute per account.
   const lastUsedWritten = new Map<string, number>();
+  const verified = new Map<string, { claims: TokenClaims; until: number }>();
+
+  function authorize(claims: TokenClaims, projectId: string, scope: Scope): Principal | undefined {
+    if (claims.projectId !== projectId) return undefined;
+    if (!claims.scopes.includes(scope)) {
+      throw new FerryError('FERRY_MISSING_SCOPE', `The token lacks the "${scope}" scope this request needs`);
+    }
+    return claims;
+  }
 
   return {
+    invalidate() {
+      verified.clear();
+    },
     async authenticate(authorization, projectId, scope) {
       const token = bearerToken(authorization);
+      const now = Date.now();
+      const cached = verified.get(token);
+      if (cached && cached.until > now && cached.claims.expiresAt.getTime() > now) {
+        const principal = authorize(cached.claims, projectId, scope);
+        if (principal) return principal;
+      }
       const claims = await verifyToken(key, token);
       const account = await store
         .selectFrom('service_accounts')
@@ -38,10 +66,9 @@ export function createAuthenticator(deps: { store: Store; key: Uint8Array }): Au
         const exists = await store.selectFrom('projects').select('id').where('id', '=', projectId).executeTakeFirst();
         throw new FerryError(exists ? 'FERRY_FORBIDDEN_PROJECT' : 'FERRY_PROJECT_NOT_FOUND');
       }
-      if (!claims.scopes.includes(scope)) {
-        throw new FerryError('FERRY_MISSING_SCOPE', `The token lacks the "${scope}" scope this request needs`);
-      }
-      const now = Date.now();
+      if (verified.size >= AUTH_CACHE_SIZE) verified.clear();
+      verified.set(token, { claims, until: now + AUTH_CACHE_MS });
+      authorize(claims, projectId, scope);
       if ((lastUsedWritten.get(account.id) ?? 0) + LAST_USED_EVERY_MS < now) {
         lastUsedWritten.set(account.id, now);
         await store

@@ -34,6 +34,12 @@ program
   .addOption(new Option('--host <host>', 'address to listen on (env FERRY_HOST, default 127.0.0.1)'))
   .addOption(new Option('--port <port>', 'port to listen on (env FERRY_PORT, default 8000)'))
   .addOption(new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)'))
+  .addOption(
+    new Option(
+      '--webhook-allow <cidrs>',
+      'comma-separated CIDRs webhooks may reach although internal, e.g. 127.0.0.0/8,::1/128 (env FERRY_WEBHOOK_ALLOW)',
+    ),
+  )
   .action(serveCommand);
 
 program

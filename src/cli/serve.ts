@@ -17,6 +17,7 @@ export interface ServeOptions {
   host?: string;
   port?: string;
   dataDir?: string;
+  webhookAllow?: string;
 }
 
 export async function serveCommand(options: ServeOptions): Promise<void> {

@@ -18,6 +18,8 @@ export const MAX_STORED_INPUT_BYTES = 64 * 1024;
 /** Results over this size are not kept on the run record (the caller still gets them). */
 export const MAX_STORED_RESULT_BYTES = 256 * 1024;
 
+const TIMED_OUT = Symbol('timed out');
+
 export interface InvokeRequest {
   runId: string;
   build: PoolBuild;
@@ -105,10 +107,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
 
       const grace = build.config.scaling.response_grace_period * 1000;
       const deadline = new AbortController();
-      const timeout = new FerryError(
-        'FERRY_RUN_TIMEOUT',
-        `The run took longer than the app's response_grace_period (${build.config.scaling.response_grace_period} s)`,
-      );
+      // A sentinel, made into the real error only when it fires: an Error per run (stack capture) is costly.
+      const timeout = TIMED_OUT;
       const timer = setTimeout(() => deadline.abort(timeout), grace);
       const signal = request.signal ? AbortSignal.any([request.signal, deadline.signal]) : deadline.signal;
 
@@ -170,11 +170,17 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         finish('success', 200, { result: keep ? text : null, run_time_ms: runTimeMs }, { result });
         return { result, runTimeMs, coldStart, streamed };
       } catch (caught) {
-        const err = caught === timeout || signal.reason === timeout ? timeout : caught;
-        if (err === timeout && slot) slot.release({ poisoned: true });
+        const timedOut = caught === timeout || signal.reason === timeout;
+        const err = timedOut
+          ? new FerryError(
+              'FERRY_RUN_TIMEOUT',
+              `The run took longer than the app's response_grace_period (${build.config.scaling.response_grace_period} s)`,
+            )
+          : caught;
+        if (timedOut && slot) slot.release({ poisoned: true });
         const ferry = err instanceof FerryError ? err : undefined;
         const clientGone = !ferry && request.signal?.aborted === true;
-        const state: RunState = err === timeout ? 'timeout' : clientGone ? 'cancelled' : 'failure';
+        const state: RunState = timedOut ? 'timeout' : clientGone ? 'cancelled' : 'failure';
         if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
         const code = ferry?.code ?? (clientGone ? null : 'FERRY_INTERNAL');
         const message = ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error');

@@ -115,7 +115,14 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         response: { 200: ServiceAccount, ...errors(401, 403, 404) },
       },
     },
-    async (request) =>
-      revokeServiceAccount(services.store, request.params.project_id, request.params.service_account_id),
+    async (request) => {
+      const account = await revokeServiceAccount(
+        services.store,
+        request.params.project_id,
+        request.params.service_account_id,
+      );
+      services.auth.invalidate();
+      return account;
+    },
   );
 }

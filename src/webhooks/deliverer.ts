@@ -1,0 +1,548 @@
+/**
+ * The webhook deliverer: drains the durable outbox (`webhook_deliveries`) by POSTing each payload to
+ * its URL, following the retry table of retry-policy.ts.
+ *
+ * Everything a delivery needs lives in the store, so deliveries survive restarts (invariant 2): the run
+ * recorder writes the outbox row in the transaction that finishes the run, and this loop only moves
+ * rows between states:
+ *
+ *   pending ──claim──▶ sending ──attempt──▶ delivered | failed | pending (retry at next_attempt_at)
+ *
+ * A row is `sending` while this process has an attempt in flight; that state is what keeps one delivery
+ * from being sent twice at once. Rows a dead process left `sending` go back to `pending` at `start()`,
+ * so such a delivery may reach its receiver twice (spec section 6 rule 9: receivers are idempotent).
+ * The attempt that was cut short is not recorded and does not count towards the 3 attempts.
+ *
+ * Throughput: due rows are claimed in batches (one transaction), sent concurrently (up to
+ * `concurrency`), and the outcomes of every attempt that finished since the last write are written in
+ * one transaction. Connections to a receiver are kept alive between deliveries.
+ *
+ * The run's signing secret (`runs.webhook_secret`, encrypted) is erased 7 days after its delivery ended;
+ * redelivery is refused from then on, so a delivery that was signed is never re-sent unsigned.
+ */
+import { performance } from 'node:perf_hooks';
+import type { Logger } from 'pino';
+import { type Dispatcher, request } from 'undici';
+import { FerryError } from '../errors.js';
+import { nowIso } from '../ids.js';
+import { findRun } from '../runs/runs.js';
+import type { Store } from '../store/index.js';
+import { type AllowList, createGuardedAgent, parseAllowList } from './address-guard.js';
+import {
+  classifyError,
+  classifyStatus,
+  findCause,
+  MAX_ATTEMPTS,
+  nextStep,
+  PermanentDeliveryError,
+  resolveRetryDelays,
+  type Verdict,
+} from './retry-policy.js';
+import { decryptWebhookSecret } from './secret.js';
+import { signWebhook } from './signature.js';
+
+export type DeliveryState = 'pending' | 'sending' | 'delivered' | 'failed';
+
+/** How long the signing secret is kept after a delivery ended, and so how long redelivery is possible. */
+export const SECRET_RETENTION_MS = 7 * 24 * 3600 * 1000;
+export const DEFAULT_ATTEMPT_TIMEOUT_MS = 10_000;
+export const DEFAULT_CONCURRENCY = 64;
+/** The most response body bytes read (and thrown away) so the connection can be reused. */
+const MAX_RESPONSE_BYTES = 64 * 1024;
+const USER_AGENT = 'Ferry-Webhooks/1';
+
+export interface WebhookDelivererOptions {
+  store: Store;
+  logger: Logger;
+  /** The key of `keys/secrets.key`; webhook secrets are encrypted under it. */
+  secretsKey: Uint8Array;
+  /** `FERRY_WEBHOOK_ALLOW`: the CIDRs a webhook may reach although they are internal. */
+  allow: string | AllowList;
+  /** `FERRY_WEBHOOK_TIMEOUT_MS`: one attempt, from connecting to the end of the response. Default 10 s. */
+  attemptTimeoutMs?: number;
+  /** Waits before attempts 2 and 3; each is clamped to 0..5,000 ms. Default [1000, 3000]. */
+  retryDelaysMs?: readonly number[];
+  /** Unix milliseconds now; tests move it. */
+  clock?: () => number;
+  /** Attempts in flight at once. Default 64. */
+  concurrency?: number;
+  /** The safety-net poll of the outbox, for rows written without `wake()`. Default 1 s. */
+  pollIntervalMs?: number;
+  /** How often the secret purge runs. Default 1 hour. */
+  purgeIntervalMs?: number;
+  /** How long `close()` lets attempts in flight finish before cutting them short. Default 1 s. */
+  closeGraceMs?: number;
+  /** For tests of the address guard: the resolver used instead of the system's. */
+  lookup?: (hostname: string) => Promise<Array<{ address: string; family: number }>>;
+}
+
+export interface WebhookDeliverer {
+  /** Puts deliveries an earlier process left `sending` back to `pending`, then starts the loop. */
+  start(): void;
+  /** New outbox rows are committed: look now rather than at the next poll. */
+  wake(): void;
+  /**
+   * Sends the run's delivery again with a fresh budget of 3 attempts, whatever its state. Throws
+   * FERRY_RUN_NOT_FOUND, FERRY_NO_WEBHOOK (no delivery to send) or FERRY_WEBHOOK_EXPIRED.
+   */
+  redeliver(projectId: string, appId: string, runId: string): Promise<void>;
+  /** Erases the signing secrets of deliveries that ended more than 7 days ago; returns how many. */
+  purgeSecrets(): Promise<number>;
+  /** Stops the loop; attempts still in flight after the grace period are cut short and left `pending`. */
+  close(): Promise<void>;
+}
+
+interface Job {
+  run_id: string;
+  url: string;
+  payload: string;
+  /** Attempts made in the current budget. */
+  attempts: number;
+  webhook_secret: string | null;
+  last_attempt: number | null;
+}
+
+interface Outcome {
+  job: Job;
+  /** The attempt's number for the run, counting across redeliveries. */
+  number: number;
+  at: string;
+  status: number | null;
+  error: string | null;
+  durationMs: number;
+  verdict: Verdict;
+  /** Cut short by close(): not recorded, the row goes back to pending. */
+  interrupted: boolean;
+}
+
+interface InFlight {
+  controller: AbortController;
+  done: Promise<void>;
+  /** redeliver() was asked while this attempt ran: start a fresh budget once it ends. */
+  reset: boolean;
+}
+
+export function createWebhookDeliverer(options: WebhookDelivererOptions): WebhookDeliverer {
+  const { store, logger, secretsKey } = options;
+  const allow = typeof options.allow === 'string' ? parseAllowList(options.allow) : options.allow;
+  const clock = options.clock ?? Date.now;
+  const timeoutMs = options.attemptTimeoutMs ?? DEFAULT_ATTEMPT_TIMEOUT_MS;
+  const delays = resolveRetryDelays(options.retryDelaysMs);
+  const concurrency = Math.max(1, options.concurrency ?? DEFAULT_CONCURRENCY);
+  const pollMs = options.pollIntervalMs ?? 1_000;
+  const purgeMs = options.purgeIntervalMs ?? 3600 * 1000;
+  const graceMs = options.closeGraceMs ?? 1_000;
+  const agent: Dispatcher = createGuardedAgent({ allow, connectTimeoutMs: timeoutMs, lookup: options.lookup });
+
+  const inFlight = new Map<string, InFlight>();
+  let outcomes: Outcome[] = [];
+  let started = false;
+  let closed = false;
+  let ticking: Promise<void> | undefined;
+  let again = false;
+  let kickScheduled = false;
+  let timer: NodeJS.Timeout | undefined;
+  let purgeTimer: NodeJS.Timeout | undefined;
+
+  function kick(): void {
+    if (!started || closed || kickScheduled) return;
+    kickScheduled = true;
+    setImmediate(() => {
+      kickScheduled = false;
+      void tick();
+    });
+  }
+
+  function arm(ms: number): void {
+    if (closed) return;
+    if (timer) clearTimeout(timer);
+    timer = setTimeout(kick, Math.max(0, ms));
+    timer.unref();
+  }
+
+  /** One pass at a time; a kick during a pass makes it go round once more. */
+  function tick(): Promise<void> {
+    if (ticking) {
+      again = true;
+      return ticking;
+    }
+    ticking = (async () => {
+      try {
+        do {
+          again = false;
+          await step();
+        } while (again && !closed);
+      } catch (err) {
+        logger.error({ err }, 'the webhook outbox could not be read or written; retrying');
+        arm(pollMs);
+      } finally {
+        ticking = undefined;
+      }
+    })();
+    return ticking;
+  }
+
+  async function step(): Promise<void> {
+    await writeOutcomes();
+    if (closed) return;
+    const free = concurrency - inFlight.size;
+    // Full: the next finished attempt kicks the loop.
+    if (free <= 0) return;
+    const jobs = await claim(free);
+    for (const job of jobs) launch(job);
+    if (jobs.length === free) {
+      again = true;
+      return;
+    }
+    const next = await store
+      .selectFrom('webhook_deliveries')
+      .select((eb) => eb.fn.min('next_attempt_at').as('next'))
+      .where('state', '=', 'pending')
+      .executeTakeFirst();
+    const due = next?.next ? Date.parse(next.next) - clock() : pollMs;
+    arm(Math.min(pollMs, due));
+  }
+
+  async function claim(limit: number): Promise<Job[]> {
+    const now = nowIso(clock);
+    return store.transaction().execute(async (trx) => {
+      const rows = await trx
+        .selectFrom('webhook_deliveries as d')
+        .leftJoin('runs as r', 'r.id', 'd.run_id')
+        .select(['d.run_id', 'd.url', 'd.payload', 'd.attempts', 'r.webhook_secret'])
+        .select((eb) =>
+          eb
+            .selectFrom('webhook_attempts as a')
+            .whereRef('a.run_id', '=', 'd.run_id')
+            .select((e) => e.fn.max('a.attempt').as('m'))
+            .as('last_attempt'),
+        )
+        .where('d.state', '=', 'pending')
+        .where('d.next_attempt_at', '<=', now)
+        .orderBy('d.next_attempt_at')
+        .limit(limit)
+        .execute();
+      const jobs = rows.filter((r) => !inFlight.has(r.run_id)) as Job[];
+      if (jobs.length > 0) {
+        await trx
+          .updateTable('webhook_deliveries')
+          .set({ state: 'sending', updated_at: now })
+          .where(
+            'run_id',
+            'in',
+            jobs.map((j) => j.run_id),
+          )
+          .where('state', '=', 'pending')
+          .execute();
+      }
+      return jobs;
+    });
+  }
+
+  function launch(job: Job): void {
+    const controller = new AbortController();
+    const entry: InFlight = { controller, reset: false, done: Promise.resolve() };
+    inFlight.set(job.run_id, entry);
+    entry.done = attempt(job, controller.signal).then(
+      (outcome) => {
+        outcomes.push(outcome);
+        kick();
+      },
+      (err: unknown) => logger.error({ err, runId: job.run_id }, 'webhook attempt crashed'),
+    );
+  }
+
+  async function attempt(job: Job, closeSignal: AbortSignal): Promise<Outcome> {
+    const number = (job.last_attempt ?? 0) + 1;
+    const startedAt = clock();
+    const t0 = performance.now();
+    const done = (fields: Pick<Outcome, 'status' | 'error' | 'verdict'>, interrupted = false): Outcome => ({
+      job,
+      number,
+      at: new Date(startedAt).toISOString(),
+      durationMs: Math.round(performance.now() - t0),
+      interrupted,
+      ...fields,
+    });
+
+    const body = Buffer.from(job.payload, 'utf8');
+    const headers: Record<string, string> = {
+      'Content-Type': 'application/json',
+      'User-Agent': USER_AGENT,
+      'X-Request-Id': job.run_id,
+    };
+    if (job.webhook_secret !== null) {
+      let secret: string;
+      try {
+        secret = decryptWebhookSecret(secretsKey, job.run_id, job.webhook_secret);
+      } catch (err) {
+        // Sending unsigned would make a verifying receiver reject it anyway, and hide the cause.
+        return done({ status: null, error: (err as Error).message, verdict: 'permanent' });
+      }
+      // Signed when this attempt is sent, over exactly the bytes sent, so every attempt is fresh.
+      const timestamp = Math.floor(clock() / 1000);
+      headers['X-Service-Webhook-Timestamp'] = String(timestamp);
+      headers['X-Service-Webhook-Signature'] = signWebhook(secret, job.run_id, timestamp, body);
+    }
+
+    let url: URL;
+    try {
+      url = new URL(job.url);
+      if (url.protocol !== 'http:' && url.protocol !== 'https:') throw new Error(`${url.protocol} is not http(s)`);
+    } catch (err) {
+      return done({
+        status: null,
+        error: `not a URL Ferry can send to: ${(err as Error).message}`,
+        verdict: 'permanent',
+      });
+    }
+
+    // One deadline for the whole attempt: resolving, connecting, sending and reading the response.
+    const deadline = AbortSignal.timeout(timeoutMs);
+    const signal = AbortSignal.any([deadline, closeSignal]);
+    try {
+      const response = await request(url, { method: 'POST', headers, body, dispatcher: agent, signal });
+      // Read (a bounded part of) the body so the connection can carry the next delivery.
+      await response.body.dump({ limit: MAX_RESPONSE_BYTES, signal }).catch(() => undefined);
+      const status = response.statusCode;
+      const note = status >= 300 && status <= 399 ? 'redirect not followed' : null;
+      return done({ status, error: note, verdict: classifyStatus(status) });
+    } catch (err) {
+      if (closeSignal.aborted && !deadline.aborted) {
+        return done({ status: null, error: 'interrupted: Ferry stopped', verdict: 'retry' }, true);
+      }
+      if (deadline.aborted) {
+        return done({ status: null, error: `timed out after ${timeoutMs} ms`, verdict: 'retry' });
+      }
+      return done({ status: null, error: describeError(err), verdict: classifyError(err) });
+    }
+  }
+
+  async function writeOutcomes(): Promise<void> {
+    if (outcomes.length === 0) return;
+    const batch = outcomes;
+    outcomes = [];
+    const now = nowIso(clock);
+    const failed: Outcome[] = [];
+    const attemptRows = batch
+      .filter((o) => !o.interrupted)
+      .map((o) => ({
+        run_id: o.job.run_id,
+        attempt: o.number,
+        at: o.at,
+        status_code: o.status,
+        error: o.error,
+        duration_ms: o.durationMs,
+      }));
+    try {
+      await store.transaction().execute(async (trx) => {
+        if (attemptRows.length > 0) await trx.insertInto('webhook_attempts').values(attemptRows).execute();
+        for (const o of batch) {
+          const reset = inFlight.get(o.job.run_id)?.reset === true;
+          let set: { state: DeliveryState; attempts: number; next_attempt_at: string | null; updated_at: string };
+          if (reset) {
+            set = { state: 'pending', attempts: 0, next_attempt_at: now, updated_at: now };
+          } else if (o.interrupted) {
+            set = { state: 'pending', attempts: o.job.attempts, next_attempt_at: now, updated_at: now };
+          } else {
+            const made = o.job.attempts + 1;
+            const next = nextStep(o.verdict, made, delays);
+            if (next.state === 'failed') failed.push(o);
+            set =
+              next.state === 'pending'
+                ? {
+                    state: 'pending',
+                    attempts: made,
+                    next_attempt_at: nowIso(() => clock() + next.delayMs),
+                    updated_at: now,
+                  }
+                : { state: next.state, attempts: made, next_attempt_at: null, updated_at: now };
+          }
+          await trx
+            .updateTable('webhook_deliveries')
+            .set(set)
+            .where('run_id', '=', o.job.run_id)
+            .where('state', '=', 'sending')
+            .execute();
+        }
+      });
+    } catch (err) {
+      // Not written (the transaction rolled back): the rows stay `sending` and in flight here, so
+      // nothing sends them again meanwhile, and the outcomes are written at the next pass.
+      outcomes = batch.concat(outcomes);
+      throw err;
+    }
+    for (const o of batch) inFlight.delete(o.job.run_id);
+    for (const o of failed) {
+      logger.warn(
+        {
+          runId: o.job.run_id,
+          target: safeOrigin(o.job.url),
+          attempts: o.job.attempts + 1,
+          status: o.status,
+          error: o.error,
+        },
+        o.verdict === 'permanent'
+          ? 'webhook delivery failed permanently'
+          : `webhook delivery failed after ${MAX_ATTEMPTS} attempts`,
+      );
+    }
+  }
+
+  async function purgeSecrets(): Promise<number> {
+    const cutoff = nowIso(() => clock() - SECRET_RETENTION_MS);
+    const ended = await store
+      .updateTable('runs')
+      .set({ webhook_secret: null })
+      .where('webhook_secret', 'is not', null)
+      .where('id', 'in', (eb) =>
+        eb
+          .selectFrom('webhook_deliveries')
+          .select('run_id')
+          .where('state', 'in', ['delivered', 'failed'])
+          .where('updated_at', '<=', cutoff),
+      )
+      .executeTakeFirst();
+    // Runs that ended without a delivery (interrupted before the outbox row was written) need no secret.
+    const orphans = await store
+      .updateTable('runs')
+      .set({ webhook_secret: null })
+      .where('webhook_secret', 'is not', null)
+      .where('finished_at', '<=', cutoff)
+      .where(({ not, exists, selectFrom }) =>
+        not(exists(selectFrom('webhook_deliveries as d').select('d.run_id').whereRef('d.run_id', '=', 'runs.id'))),
+      )
+      .executeTakeFirst();
+    return Number(ended.numUpdatedRows) + Number(orphans.numUpdatedRows);
+  }
+
+  function runPurge(): void {
+    purgeSecrets().then(
+      (n) => {
+        if (n > 0) logger.info({ runs: n }, 'erased webhook secrets of deliveries that ended over 7 days ago');
+      },
+      (err: unknown) => logger.error({ err }, 'erasing old webhook secrets failed'),
+    );
+  }
+
+  return {
+    start() {
+      if (started || closed) return;
+      started = true;
+      const now = nowIso(clock);
+      void store
+        .updateTable('webhook_deliveries')
+        .set({ state: 'pending', next_attempt_at: now, updated_at: now })
+        .where('state', '=', 'sending')
+        .executeTakeFirst()
+        .then(
+          (result) => {
+            const n = Number(result.numUpdatedRows);
+            if (n > 0)
+              logger.warn({ deliveries: n }, 'webhook deliveries cut short by the last stop will be sent again');
+          },
+          (err: unknown) => logger.error({ err }, 'resetting interrupted webhook deliveries failed'),
+        )
+        .then(() => {
+          runPurge();
+          purgeTimer = setInterval(runPurge, purgeMs);
+          purgeTimer.unref();
+          return tick();
+        });
+    },
+
+    wake: kick,
+
+    async redeliver(projectId, appId, runId) {
+      const run = await findRun(store, projectId, appId, runId);
+      const delivery = await store
+        .selectFrom('webhook_deliveries')
+        .select(['state', 'updated_at'])
+        .where('run_id', '=', runId)
+        .executeTakeFirst();
+      if (!delivery) {
+        throw new FerryError(
+          'FERRY_NO_WEBHOOK',
+          run.webhook_endpoint === null
+            ? `Run ${runId} was not called with a webhookEndpoint`
+            : `Run ${runId} has not finished yet; its webhook is sent when it does`,
+        );
+      }
+      const ended = delivery.state === 'delivered' || delivery.state === 'failed';
+      if (ended && Date.parse(delivery.updated_at) <= clock() - SECRET_RETENTION_MS) {
+        throw new FerryError(
+          'FERRY_WEBHOOK_EXPIRED',
+          `The webhook of run ${runId} ended on ${delivery.updated_at}, more than 7 days ago; it can no longer be redelivered`,
+        );
+      }
+      const mine = inFlight.get(runId);
+      if (mine) {
+        // The attempt in flight decides nothing: its outcome is recorded and a fresh budget starts.
+        mine.reset = true;
+        return;
+      }
+      const now = nowIso(clock);
+      await store
+        .updateTable('webhook_deliveries')
+        .set({ state: 'pending', attempts: 0, next_attempt_at: now, updated_at: now })
+        .where('run_id', '=', runId)
+        .execute();
+      kick();
+    },
+
+    purgeSecrets,
+
+    async close() {
+      if (closed) return;
+      closed = true;
+      if (timer) clearTimeout(timer);
+      if (purgeTimer) clearInterval(purgeTimer);
+      await ticking;
+      const all = () => Promise.all([...inFlight.values()].map((f) => f.done));
+      let graceTimer: NodeJS.Timeout | undefined;
+      await Promise.race([all(), new Promise((r) => (graceTimer = setTimeout(r, graceMs)))]);
+      clearTimeout(graceTimer);
+      for (const f of inFlight.values()) f.controller.abort();
+      await all();
+      await writeOutcomes();
+      await agent.destroy();
+    },
+  };
+}
+
+/** A short, readable cause for an attempt that got no response (it is shown to users on the run). */
+export function describeError(err: unknown): string {
+  const permanent = findCause(err, (e) => e instanceof PermanentDeliveryError) as Error | undefined;
+  if (permanent) return permanent.message;
+  const coded = findCause(err, (e) => typeof (e as { code?: unknown })?.code === 'string') as
+    | (Error & { code: string; hostname?: string })
+    | undefined;
+  const code = coded?.code;
+  switch (code) {
+    case 'ECONNREFUSED':
+      return 'connection refused (ECONNREFUSED)';
+    case 'ECONNRESET':
+      return 'connection reset (ECONNRESET)';
+    case 'ENOTFOUND':
+      return `host not found (ENOTFOUND${coded?.hostname ? ` ${coded.hostname}` : ''})`;
+    case 'EAI_AGAIN':
+      return 'DNS lookup failed (EAI_AGAIN)';
+    case 'UND_ERR_SOCKET':
+      return `connection closed before a response (${coded?.message ?? 'socket error'})`;
+    case 'UND_ERR_CONNECT_TIMEOUT':
+      return 'connect timed out';
+    case 'UND_ERR_HEADERS_TIMEOUT':
+    case 'UND_ERR_BODY_TIMEOUT':
+      return 'timed out waiting for the response';
+  }
+  const message = coded?.message ?? (err instanceof Error ? err.message : String(err));
+  return code ? `${message} (${code})` : message;
+}
+
+function safeOrigin(url: string): string {
+  try {
+    return new URL(url).origin;
+  } catch {
+    return '(invalid URL)';
+  }
+}
