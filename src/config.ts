@@ -36,6 +36,8 @@ export interface ServerConfig {
   webhookAllow: string;
   /** One webhook attempt's timeout. */
   webhookTimeoutMs: number;
+  /** Results over this size are not kept on the run record. */
+  maxStoredResultBytes: number;
 }
 
 export const DEFAULTS = {
@@ -49,6 +51,7 @@ export const DEFAULTS = {
   replicaStartTimeoutMs: 30_000,
   maxAsyncBacklog: 100_000,
   webhookTimeoutMs: 10_000,
+  maxStoredResultBytes: 256 * 1024,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -101,5 +104,8 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     webhookAllow: checkAllowList(flags.webhookAllow ?? env.FERRY_WEBHOOK_ALLOW ?? ''),
     webhookTimeoutMs:
       intFrom(env.FERRY_WEBHOOK_TIMEOUT_MS, 'FERRY_WEBHOOK_TIMEOUT_MS', 100, 600_000) ?? DEFAULTS.webhookTimeoutMs,
+    maxStoredResultBytes:
+      intFrom(env.FERRY_MAX_STORED_RESULT_BYTES, 'FERRY_MAX_STORED_RESULT_BYTES', 0, 1024 ** 3) ??
+      DEFAULTS.maxStoredResultBytes,
   };
 }

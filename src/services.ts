@@ -89,6 +89,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   const replicaLogger = logger.child({ component: 'replica-output' });
   const invoker = createInvoker({
+    maxStoredResultBytes: config.maxStoredResultBytes,
     replicas,
     recorder,
     logger: logger.child({ component: 'runs' }),

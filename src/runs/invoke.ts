@@ -15,7 +15,7 @@ import type { RunRecorder } from './recorder.js';
 
 /** Inputs over this size are not kept on the run record (the run still gets them). */
 export const MAX_STORED_INPUT_BYTES = 64 * 1024;
-/** Results over this size are not kept on the run record (the caller still gets them). */
+/** Default for results kept on the run record (FERRY_MAX_STORED_RESULT_BYTES); the caller still gets larger ones. */
 export const MAX_STORED_RESULT_BYTES = 256 * 1024;
 
 const TIMED_OUT = Symbol('timed out');
@@ -54,6 +54,8 @@ export interface Invoker {
 }
 
 export interface InvokerDeps {
+  /** Results larger than this many bytes are not stored on the run (a note in its logs says so). */
+  maxStoredResultBytes?: number;
   replicas: ReplicaManager;
   recorder: RunRecorder;
   logger: Logger;
@@ -182,7 +184,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         const clientGone = !ferry && request.signal?.aborted === true;
         const state: RunState = timedOut ? 'timeout' : clientGone ? 'cancelled' : 'failure';
         if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
-        const code = ferry?.code ?? (clientGone ? null : 'FERRY_INTERNAL');
+        const code = ferry?.code ?? (clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
         const message = ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error');
         finish(
           state,
@@ -193,7 +195,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             reason: clientGone ? 'client_disconnected' : (ferry?.code ?? null),
             run_time_ms: started ? Date.now() - started : null,
           },
-          { error: { code: code ?? 'FERRY_CLIENT_GONE', message, type: ferry?.details.type } },
+          { error: { code, message, type: ferry?.details.type } },
         );
         throw ferry ?? (clientGone ? caught : new FerryError('FERRY_INTERNAL', undefined, { cause: caught }));
       } finally {

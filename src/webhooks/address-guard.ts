@@ -75,13 +75,13 @@ export function parseAllowList(text: string | undefined): AllowList {
     const address = slash === -1 ? entry : entry.slice(0, slash);
     const version = net.isIP(address);
     if (version === 0) {
-      throw new Error(`FERRY_WEBHOOK_ALLOW: "${entry}" is not a CIDR range (like 10.0.0.0/8 or fd00::/8)`);
+      throw new Error(`"${entry}" is not a CIDR range (like 10.0.0.0/8 or fd00::/8)`);
     }
     const max = version === 4 ? 32 : 128;
     const prefixText = slash === -1 ? String(max) : entry.slice(slash + 1);
     const prefix = Number(prefixText);
     if (!/^\d{1,3}$/.test(prefixText) || prefix > max) {
-      throw new Error(`FERRY_WEBHOOK_ALLOW: "${entry}" has a bad prefix length; IPv${version} allows 0 to ${max}`);
+      throw new Error(`"${entry}" has a bad prefix length; IPv${version} allows 0 to ${max}`);
     }
     list.addSubnet(address, prefix, version === 4 ? 'ipv4' : 'ipv6');
     ranges.push(`${address}/${prefix}`);

@@ -3,6 +3,7 @@ import { Type } from 'typebox';
 import { findApp } from '../../apps/apps.js';
 import { findRun, listRuns, runLogs, viewRun } from '../../runs/runs.js';
 import type { Services } from '../../services.js';
+import { WebhookViewSchema, webhookView } from '../../webhooks/view.js';
 import { requireScope } from '../auth.js';
 import { AppId, AppParams, errors, ProjectId } from '../schemas.js';
 import type { TypedServer } from '../server.js';
@@ -34,8 +35,9 @@ const Run = Type.Object({
   run_time_ms: Nullable(Type.Integer()),
   error: Nullable(Type.Object({ code: Type.String(), message: Type.String() })),
   reason: Nullable(Type.String()),
-  input: Type.Optional(Type.Unknown({ description: 'The arguments (when at most 64 KiB)' })),
+  input: Type.Optional(Type.Unknown({ description: 'The arguments (when at most 64 KiB; async runs: always)' })),
   result: Type.Optional(Type.Unknown({ description: 'The result (when at most 256 KiB)' })),
+  webhook: Type.Optional(Type.Union([WebhookViewSchema, Type.Null()])),
 });
 
 const RunParams = Type.Object({
@@ -95,7 +97,8 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
     async (request) => {
       const { project_id, app_id, run_id } = request.params;
       await services.recorder.flush();
-      return viewRun(await findRun(store, project_id, app_id, run_id), true);
+      const run = viewRun(await findRun(store, project_id, app_id, run_id), true);
+      return { ...run, webhook: await webhookView(store, run_id) };
     },
   );
 
