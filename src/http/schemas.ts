@@ -23,7 +23,8 @@ export const ProjectParams = Type.Object({ project_id: ProjectId });
 export const AppParams = Type.Object({ project_id: ProjectId, app_id: AppId });
 export const BuildParams = Type.Object({ project_id: ProjectId, app_id: AppId, build_id: BuildId });
 
-const Nullable = <T extends Parameters<typeof Type.Union>[0][number]>(t: T) => Type.Union([t, Type.Null()]);
+/** `T | null` as a schema. */
+export const Nullable = <T extends Parameters<typeof Type.Union>[0][number]>(t: T) => Type.Union([t, Type.Null()]);
 
 export const Build = Type.Object({
   id: Type.String(),

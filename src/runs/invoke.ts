@@ -11,7 +11,7 @@ import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { RunMode, RunState } from '../store/schema.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
-import type { RunRecorder } from './recorder.js';
+import { newRunRow, type RunRecorder } from './recorder.js';
 
 /** Inputs over this size are not kept on the run record (the run still gets them). */
 export const MAX_STORED_INPUT_BYTES = 64 * 1024;
@@ -75,29 +75,18 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       const { runId, build } = request;
       const created = Date.now();
       if (!request.recorded) {
-        recorder.start({
-          id: runId,
-          project_id: build.projectId,
-          app_id: build.appId,
-          build_id: build.buildId,
-          function_name: request.fn,
-          mode: request.mode,
-          state: 'queued',
-          status_code: null,
-          input: storedInput(request.body),
-          result: null,
-          error_code: null,
-          error_message: null,
-          reason: null,
-          cold_start: 0,
-          webhook_endpoint: request.webhookUrl ?? null,
-          webhook_secret: request.webhookSecret ?? null,
-          idempotency_key: null,
-          created_at: new Date(created).toISOString(),
-          started_at: null,
-          finished_at: null,
-          run_time_ms: null,
-        });
+        recorder.start(
+          newRunRow({
+            id: runId,
+            build,
+            fn: request.fn,
+            mode: request.mode,
+            input: storedInput(request.body),
+            webhookUrl: request.webhookUrl,
+            webhookSecret: request.webhookSecret,
+            createdAt: created,
+          }),
+        );
         if (request.body.length > MAX_STORED_INPUT_BYTES) {
           recorder.log(
             runId,

@@ -12,6 +12,43 @@ import type { Store } from '../store/index.js';
 import type { RunsTable } from '../store/schema.js';
 
 export type RunRow = RunsTable;
+
+/** A new run record, state `queued`: what the caller knows at acceptance; the rest starts empty. */
+export function newRunRow(fields: {
+  id: string;
+  build: { projectId: string; appId: string; buildId: string };
+  fn: string;
+  mode: RunRow['mode'];
+  input: string | null;
+  webhookUrl?: string | undefined;
+  webhookSecret?: string | undefined;
+  idempotencyKey?: string | undefined;
+  createdAt?: number;
+}): RunRow {
+  return {
+    id: fields.id,
+    project_id: fields.build.projectId,
+    app_id: fields.build.appId,
+    build_id: fields.build.buildId,
+    function_name: fields.fn,
+    mode: fields.mode,
+    state: 'queued',
+    status_code: null,
+    input: fields.input,
+    result: null,
+    error_code: null,
+    error_message: null,
+    reason: null,
+    cold_start: 0,
+    webhook_endpoint: fields.webhookUrl ?? null,
+    webhook_secret: fields.webhookSecret ?? null,
+    idempotency_key: fields.idempotencyKey ?? null,
+    created_at: new Date(fields.createdAt ?? Date.now()).toISOString(),
+    started_at: null,
+    finished_at: null,
+    run_time_ms: null,
+  };
+}
 export type RunChanges = Partial<Omit<RunRow, 'id'>>;
 
 interface Pending {

@@ -12,6 +12,7 @@ import type { AppConfig } from '../../apps/app-config.js';
 import { FerryError } from '../../errors.js';
 import { uuidv7 } from '../../ids.js';
 import type { PoolBuild } from '../../replicas/pool.js';
+import { newRunRow } from '../../runs/recorder.js';
 import type { Services } from '../../services.js';
 import { encryptWebhookSecret } from '../../webhooks/secret.js';
 import type { TypedServer } from '../server.js';
@@ -180,29 +181,19 @@ async function acceptAsync(
     throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
   }
   try {
-    await services.recorder.insertNow({
-      id: call.runId,
-      project_id: build.projectId,
-      app_id: build.appId,
-      build_id: build.buildId,
-      function_name: call.fn,
-      mode: 'async',
-      state: 'queued',
-      status_code: null,
-      input: call.body.toString('utf8'),
-      result: null,
-      error_code: null,
-      error_message: null,
-      reason: null,
-      cold_start: 0,
-      webhook_endpoint: call.webhookUrl ?? null,
-      webhook_secret: call.webhookSecret ?? null,
-      idempotency_key: idempotencyKey ?? null,
-      created_at: new Date().toISOString(),
-      started_at: null,
-      finished_at: null,
-      run_time_ms: null,
-    });
+    await services.recorder.insertNow(
+      newRunRow({
+        id: call.runId,
+        build,
+        fn: call.fn,
+        mode: 'async',
+        // Kept whole whatever its size: the worker runs the call from it.
+        input: call.body.toString('utf8'),
+        webhookUrl: call.webhookUrl,
+        webhookSecret: call.webhookSecret,
+        idempotencyKey,
+      }),
+    );
   } catch (err) {
     // Two calls with one key at once: the unique index lets one in; the other answers its run id.
     const winner = await replay();

@@ -5,10 +5,9 @@ import { findRun, listRuns, runLogs, viewRun } from '../../runs/runs.js';
 import type { Services } from '../../services.js';
 import { WebhookViewSchema, webhookView } from '../../webhooks/view.js';
 import { requireScope } from '../auth.js';
-import { AppId, AppParams, errors, ProjectId } from '../schemas.js';
+import { AppId, AppParams, errors, Nullable, ProjectId } from '../schemas.js';
 import type { TypedServer } from '../server.js';
 
-const Nullable = <T extends Parameters<typeof Type.Union>[0][number]>(t: T) => Type.Union([t, Type.Null()]);
 const RunState = Type.Union([
   Type.Literal('queued'),
   Type.Literal('running'),
