@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# Installs the Debian packages Ferry's sandbox and tests use, when they are missing and we are root.
-# Safe to run again; does nothing when everything is there. Ferry still runs without them
-# (`ferry doctor` says what is missing).
+# Installs the Debian packages Ferry uses, when they are missing and we are root with apt-get.
+#   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox); run by `npm install`
+#   (default)   also what the tests use (Chromium for the dashboard's browser tests); run by .ci/run
+# Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
+# without these (`ferry doctor` says what is missing), and tests that need one say so.
 set -uo pipefail
 need=()
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
+if [ "${1:-}" != "--runtime" ]; then
+  [ -x /usr/bin/chromium ] || need+=(chromium)
+fi
 if [ ${#need[@]} -eq 0 ]; then
   echo "system packages: all present"
   exit 0
 fi
-if [ "$(id -u)" != 0 ]; then
-  echo "system packages missing (${need[*]}); run as root: apt-get install -y ${need[*]}" >&2
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+  echo "system packages missing: ${need[*]}. Install them (Debian/Ubuntu: sudo apt-get install -y ${need[*]}); see \`npx ferry doctor\`." >&2
   exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq >/dev/null 2>&1 || true
+echo "system packages: installing ${need[*]}"
 if ! apt-get install -y -qq "${need[@]}" >/dev/null 2>&1; then
-  echo "could not install ${need[*]}; the tests that need them will say so" >&2
+  apt-get update -qq >/dev/null 2>&1 || true
+  apt-get install -y -qq "${need[@]}" >/dev/null 2>&1 || echo "could not install ${need[*]}; see \`npx ferry doctor\`" >&2
 fi
-echo "system packages: installed ${need[*]}"
+exit 0

@@ -17,6 +17,8 @@ export interface Metrics {
   replicas: Gauge<'project' | 'app' | 'state'>;
   queueDepth: Gauge<'project' | 'app'>;
   runsInFlight: Gauge<'project' | 'app'>;
+  webhookAttempts: Counter<'outcome'>;
+  webhookDeliveries: Counter<'state'>;
 }
 
 export function createMetrics(): Metrics {
@@ -86,6 +88,18 @@ export function createMetrics(): Metrics {
       name: 'ferry_queue_depth',
       help: 'Runs waiting for a replica slot',
       labelNames: ['project', 'app'],
+      registers: [registry],
+    }),
+    webhookAttempts: new Counter({
+      name: 'ferry_webhook_attempts_total',
+      help: 'Webhook delivery attempts, by outcome (delivered, retry, permanent)',
+      labelNames: ['outcome'],
+      registers: [registry],
+    }),
+    webhookDeliveries: new Counter({
+      name: 'ferry_webhook_deliveries_total',
+      help: 'Webhook deliveries that reached a final state (delivered, failed)',
+      labelNames: ['state'],
       registers: [registry],
     }),
     runsInFlight: new Gauge({

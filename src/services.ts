@@ -106,6 +106,10 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     secretsKey,
     allow: config.webhookAllow,
     attemptTimeoutMs: config.webhookTimeoutMs,
+    onAttempt(verdict, final) {
+      metrics.webhookAttempts.inc({ outcome: verdict });
+      if (final) metrics.webhookDeliveries.inc({ state: final });
+    },
   });
   recorder.onOutbox = () => webhooks.wake();
   webhooks.start();

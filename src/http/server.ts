@@ -8,6 +8,7 @@ import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { LogController } from 'fastify';
 import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
+import { registerDashboardRoutes } from '../dashboard/routes.js';
 import { errorHandler } from './errors.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
@@ -88,5 +89,6 @@ export async function buildServer(services: Services): Promise<FerryServer> {
   registerRunsRoutes(app, services);
   registerWebhookRoutes(app, services);
   registerRunRoutes(app, services);
+  registerDashboardRoutes(app, services);
   return app;
 }

@@ -72,6 +72,8 @@ export interface WebhookDelivererOptions {
   purgeIntervalMs?: number;
   /** How long `close()` lets attempts in flight finish before cutting them short. Default 1 s. */
   closeGraceMs?: number;
+  /** Told about every recorded attempt, and the delivery's final state when it has one (metrics). */
+  onAttempt?: (verdict: Verdict, final: 'delivered' | 'failed' | undefined) => void;
   /** For tests of the address guard: the resolver used instead of the system's. */
   lookup?: (hostname: string) => Promise<Array<{ address: string; family: number }>>;
 }
@@ -348,6 +350,7 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
             const made = o.job.attempts + 1;
             const next = nextStep(o.verdict, made, delays);
             if (next.state === 'failed') failed.push(o);
+            options.onAttempt?.(o.verdict, next.state === 'pending' ? undefined : next.state);
             set =
               next.state === 'pending'
                 ? {
