@@ -6,9 +6,9 @@
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { LogController } from 'fastify';
+import { registerDashboardRoutes } from '../dashboard/routes.js';
 import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
-import { registerDashboardRoutes } from '../dashboard/routes.js';
 import { errorHandler } from './errors.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
