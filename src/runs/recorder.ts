@@ -81,13 +81,15 @@ export interface RunRecorder {
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
   /** Writes everything pending; resolves when it is committed. */
-  flush(): Promise<void>;
+  flush(force?: boolean): Promise<void>;
   close(): Promise<void>;
 }
 
 const MAX_LINE = 16_384;
 const MAX_LINES_PER_RUN = 10_000;
 const INSERT_CHUNK = 400;
+/** How long a run in progress may stay unwritten (see flush). */
+const HOLD_MS = 250;
 
 export function createRunRecorder(deps: { store: Store; logger: Logger; flushEveryMs?: number }): RunRecorder {
   const { store, logger } = deps;
@@ -102,7 +104,7 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
   let writing: Promise<void> = Promise.resolve();
 
   function schedule(): void {
-    if (!timer) timer = setTimeout(() => void flush(), every);
+    if (!timer) timer = setTimeout(() => void flush(false), every);
   }
 
   async function write(batch: Map<string, Pending>, lines: typeof logs, deliveries: OutboxEntry[]): Promise<void> {
@@ -148,22 +150,35 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
     });
   }
 
-  function flush(): Promise<void> {
+  /**
+   * Writes what is pending. The timer's flushes (`force` false) hold back runs that are not finished and
+   * not yet written while they are younger than HOLD_MS: most runs end by then, and are written once,
+   * final, instead of as an INSERT then an UPDATE. Readers (the API) flush with `force`.
+   */
+  function flush(force = true): Promise<void> {
     if (timer) {
       clearTimeout(timer);
       timer = undefined;
     }
     if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return writing;
-    const batch = pending;
+    const batch = new Map<string, Pending>();
+    const held = new Map<string, Pending>();
+    const now = Date.now();
+    for (const [id, p] of pending) {
+      const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
+      if (!force && !done && !p.inserted && now - Date.parse(p.row.created_at) < HOLD_MS) held.set(id, p);
+      else batch.set(id, p);
+    }
     const lines = logs;
     const deliveries = outbox;
     outbox = [];
     // Runs still in progress stay tracked (as inserted) so their next changes become UPDATEs.
-    pending = new Map();
+    pending = held;
     for (const [id, p] of batch) {
       const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
       if (!done) pending.set(id, { row: { ...p.row, ...p.changes }, inserted: true, changes: {} });
     }
+    if (held.size > 0) schedule();
     logs = [];
     writing = writing
       .then(() => write(batch, lines, deliveries))
