@@ -1,8 +1,9 @@
 /**
- * Shared helpers of the benches (bench/run-sync.mjs, bench/cold-start.mjs): a real `ferry serve` child
- * process on a temp data dir, bootstrap and deploy through the CLI and the HTTP API, cleanup that also
- * runs on Ctrl-C and errors, nginx (installed with apt-get when missing), and small statistics and table
- * helpers. Plain ESM on node:* built-ins plus yazl and undici (dependencies of Ferry itself).
+ * Shared helpers of the benches (bench/run-sync.mjs, cold-start.mjs, async.mjs, stream.mjs, webhooks.mjs):
+ * a real `ferry serve` child process on a temp data dir, bootstrap and deploy through the CLI and the HTTP
+ * API, cleanup that also runs on Ctrl-C and errors, nginx (installed with apt-get when missing), metrics
+ * from GET /metrics, and small statistics and table helpers. Plain ESM on node:* built-ins plus yazl and
+ * undici (dependencies of Ferry itself).
  */
 import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import fs from 'node:fs';
@@ -238,11 +239,12 @@ export async function bootstrapProject(dataDir) {
 /**
  * Starts `ferry serve --port 0` as a child process (its own event loop, not the load generator's) and
  * waits for its "listening" log line. Stopping it (SIGTERM) stops its replicas; any replica still running
- * after it exited is killed by pid.
+ * after it exited is killed by pid. `options.env`: extra environment variables for the server (server
+ * settings such as `FERRY_MAX_ASYNC_BACKLOG` or `FERRY_WEBHOOK_ALLOW`).
  */
-export async function startFerry(dataDir) {
+export async function startFerry(dataDir, options = {}) {
   const child = spawn(process.execPath, [FERRY_BIN, 'serve', '--port', '0', '--data-dir', dataDir], {
-    env: ferryEnv(),
+    env: ferryEnv(options.env),
     stdio: ['ignore', 'pipe', 'pipe'],
     detached: true,
   });
@@ -405,6 +407,30 @@ export async function replicaGauges(ferry, app) {
     if (state === 'starting' || state === 'ready') out[state] += Number(line.slice(line.lastIndexOf(' ') + 1));
   }
   return out;
+}
+
+/**
+ * Sums the samples of the Prometheus metric `name` in `text` (the body of GET /metrics) whose labels
+ * include every pair of `labels` (a sample without labels matches only an empty `labels`).
+ */
+export function metricSum(text, name, labels = {}) {
+  let sum = 0;
+  const wanted = Object.entries(labels).map(([k, v]) => `${k}="${v}"`);
+  for (const line of text.split('\n')) {
+    if (!line.startsWith(name)) continue;
+    const rest = line.slice(name.length);
+    if (rest[0] !== '{' && rest[0] !== ' ') continue; // another metric with this prefix
+    const labelText = rest[0] === '{' ? rest.slice(1, rest.indexOf('}')) : '';
+    const have = labelText ? labelText.split(/,(?=[a-zA-Z_]+=")/) : [];
+    if (!wanted.every((w) => have.includes(w))) continue;
+    sum += Number(line.slice(line.lastIndexOf(' ') + 1));
+  }
+  return sum;
+}
+
+/** GET /metrics of the server: the Prometheus text. */
+export async function fetchMetrics(ferry) {
+  return (await http(`${ferry.url}/metrics`)).text;
 }
 
 /**
