@@ -10,7 +10,7 @@ import { FerryError } from '../errors.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { RunMode, RunState } from '../store/schema.js';
-import { buildWebhookPayload } from '../webhooks/payload.js';
+import { buildWebhookPayload, MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
 
 /** Inputs over this size are not kept on the run record (the run still gets them). */
@@ -125,12 +125,23 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         const items: unknown[] = [];
         let ended = false;
         let streamed = false;
+        let itemsBytes = 0;
+        let itemsOmitted = false;
         for await (const frame of slot.replica.call(request.fn, runId, request.body, signal)) {
           if (frame.type === 'log') recorder.log(runId, frame.stream, frame.line);
           else if (frame.type === 'item') {
-            if (request.onItem) request.onItem(frame.data);
-            // Collected for the JSON envelope, and for the webhook of a streaming call (its items as `result`).
-            if (!request.onItem || request.webhookUrl) items.push(frame.data);
+            if (request.onItem) {
+              request.onItem(frame.data);
+              // Kept for the webhook of a streaming call (its items are its `result`), up to the payload limit:
+              // an endless stream must not grow the gateway's memory.
+              if (request.webhookUrl && !itemsOmitted) {
+                itemsBytes += Buffer.byteLength(JSON.stringify(frame.data) ?? 'null');
+                if (itemsBytes > MAX_WEBHOOK_RESULT_BYTES) {
+                  itemsOmitted = true;
+                  items.length = 0;
+                } else items.push(frame.data);
+              }
+            } else items.push(frame.data);
           } else if (frame.type === 'result') {
             result = frame.data;
             ended = true;
@@ -158,7 +169,12 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             'system',
             `result of ${Buffer.byteLength(text)} bytes not stored (limit ${MAX_STORED_RESULT_BYTES})`,
           );
-        finish('success', 200, { result: keep ? text : null, run_time_ms: runTimeMs }, { result });
+        finish(
+          'success',
+          200,
+          { result: keep ? text : null, run_time_ms: runTimeMs },
+          itemsOmitted ? { resultOmitted: `the items are larger than ${MAX_WEBHOOK_RESULT_BYTES} bytes` } : { result },
+        );
         return { result, runTimeMs, coldStart, streamed };
       } catch (caught) {
         const timedOut = caught === timeout || signal.reason === timeout;
@@ -196,7 +212,11 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         state: RunState,
         statusCode: number,
         values: Parameters<RunRecorder['update']>[1],
-        outcome: { result?: unknown; error?: { code: string; message: string; type?: string | undefined } },
+        outcome: {
+          result?: unknown;
+          resultOmitted?: string;
+          error?: { code: string; message: string; type?: string | undefined };
+        },
       ): void {
         const now = Date.now();
         const outbox = request.webhookUrl

@@ -25,6 +25,8 @@ export function buildWebhookPayload(input: {
   statusCode: number;
   runTimeMs: number | null;
   result?: unknown;
+  /** Set when the caller already knows the result is too large to send (a long stream). */
+  resultOmitted?: string | undefined;
   error?: { code: string; message: string; type?: string | undefined } | undefined;
 }): string {
   const payload: WebhookPayload = {
@@ -36,6 +38,9 @@ export function buildWebhookPayload(input: {
   if (input.error) {
     payload.error = { code: input.error.code, message: input.error.message };
     if (input.error.type) payload.error.type = input.error.type;
+  } else if (input.resultOmitted) {
+    payload.result = null;
+    payload.result_omitted = input.resultOmitted;
   } else {
     const text = JSON.stringify(input.result ?? null);
     if (Buffer.byteLength(text) > MAX_WEBHOOK_RESULT_BYTES) {
