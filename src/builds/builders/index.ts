@@ -6,6 +6,7 @@ import fs from 'node:fs';
 import path from 'node:path';
 import type { AppConfig } from '../../apps/app-config.js';
 import { createNodeBuilder, NODE_ENTRIES } from './node.js';
+import { createPythonBuilder } from './python.js';
 import { type Builder, BuildFailedError } from './types.js';
 
 export interface Builders {
@@ -47,5 +48,5 @@ function isFile(file: string): boolean {
 }
 
 export function createDefaultBuilders(): Builders {
-  return { node: createNodeBuilder() };
+  return { node: createNodeBuilder(), python: createPythonBuilder() };
 }

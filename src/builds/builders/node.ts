@@ -3,17 +3,14 @@
  * then bundles the entry and everything it imports into one ESM file, `<outputDir>/main.mjs`, that a
  * replica imports without needing `node_modules`.
  */
-import { spawn } from 'node:child_process';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { createInterface } from 'node:readline';
 import * as esbuild from 'esbuild';
+import { isFile, runChild, throwIfAborted } from './run-child.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
 
 /** Entry files the Node builder accepts, in the order they are looked for. */
 export const NODE_ENTRIES = ['main.ts', 'main.js', 'main.mjs'] as const;
-
-const KILL_GRACE_MS = 5_000;
 
 /**
  * The top of every bundle. CommonJS dependencies expect `require`, `__filename` and `__dirname`, which
@@ -105,7 +102,12 @@ async function installDependencies(ctx: BuildContext, npmCommand: string): Promi
   }
 
   const started = Date.now();
-  const exit = await runChild(npmCommand, args, { cwd: ctx.sourceDir, env, log: ctx.log, signal: ctx.signal });
+  const exit = await runChild(npmCommand, args, {
+    cwd: ctx.sourceDir,
+    env,
+    onLine: (_stream, line) => ctx.log(line),
+    signal: ctx.signal,
+  });
   if (exit.code !== 0) {
     const how = exit.code === null ? `was killed by ${exit.signal ?? 'a signal'}` : `failed (exit code ${exit.code})`;
     throw new BuildFailedError(`npm ${command} ${how}`);
@@ -125,71 +127,6 @@ async function readPackageJson(sourceDir: string): Promise<Record<string, unknow
     throw new BuildFailedError('package.json must contain a JSON object');
   }
   return data as Record<string, unknown>;
-}
-
-interface ChildExit {
-  code: number | null;
-  signal: NodeJS.Signals | null;
-}
-
-/**
- * Runs a command without a shell, sending its output to the build log line by line. On abort it kills the
- * whole process group (npm starts children of its own), waits for it to go, then rejects.
- */
-function runChild(
-  command: string,
-  args: string[],
-  opts: { cwd: string; env: NodeJS.ProcessEnv; log: (line: string) => void; signal: AbortSignal },
-): Promise<ChildExit> {
-  throwIfAborted(opts.signal);
-  return new Promise<ChildExit>((resolve, reject) => {
-    // detached puts the child in its own process group, so one kill reaches npm's children too.
-    const child = spawn(command, args, {
-      cwd: opts.cwd,
-      env: opts.env,
-      stdio: ['ignore', 'pipe', 'pipe'],
-      detached: process.platform !== 'win32',
-    });
-    let killTimer: NodeJS.Timeout | undefined;
-    let settled = false;
-
-    const kill = (sig: NodeJS.Signals) => {
-      if (child.pid === undefined) return;
-      try {
-        if (process.platform === 'win32') child.kill(sig);
-        else process.kill(-child.pid, sig);
-      } catch {
-        // Already gone.
-      }
-    };
-    const onAbort = () => {
-      kill('SIGTERM');
-      killTimer = setTimeout(() => kill('SIGKILL'), KILL_GRACE_MS);
-    };
-    const finish = (action: () => void) => {
-      if (settled) return;
-      settled = true;
-      opts.signal.removeEventListener('abort', onAbort);
-      if (killTimer) clearTimeout(killTimer);
-      action();
-    };
-
-    for (const stream of [child.stdout, child.stderr]) {
-      createInterface({ input: stream, crlfDelay: Number.POSITIVE_INFINITY }).on('line', (line) => opts.log(line));
-    }
-    child.on('error', (err) => {
-      // Could not start (npm missing, not executable): the server's problem, not the app's.
-      finish(() => reject(new Error(`Could not run ${command}: ${err.message}`, { cause: err })));
-    });
-    // 'close' waits for the output pipes too, so every line is logged before the result is known.
-    child.on('close', (code, signal) => {
-      finish(() => {
-        if (opts.signal.aborted) reject(abortError(opts.signal));
-        else resolve({ code, signal });
-      });
-    });
-    opts.signal.addEventListener('abort', onAbort, { once: true });
-  });
 }
 
 /** Bundles the entry and returns the names it exports (from esbuild's metafile: no user code runs). */
@@ -264,29 +201,10 @@ function formatSize(bytes: number): string {
   return `${(bytes / (1024 * 1024)).toFixed(1)} MiB`;
 }
 
-function abortError(signal: AbortSignal): Error {
-  if (signal.reason instanceof Error) return signal.reason;
-  const err = new Error('The build was cancelled', { cause: signal.reason });
-  err.name = 'AbortError';
-  return err;
-}
-
-function throwIfAborted(signal: AbortSignal): void {
-  if (signal.aborted) throw abortError(signal);
-}
-
 async function exists(file: string): Promise<boolean> {
   try {
     await fs.access(file);
     return true;
-  } catch {
-    return false;
-  }
-}
-
-async function isFile(file: string): Promise<boolean> {
-  try {
-    return (await fs.stat(file)).isFile();
   } catch {
     return false;
   }

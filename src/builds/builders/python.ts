@@ -1,0 +1,419 @@
+/**
+ * The Python builder (cortex runtime, `main.py`): checks the entry's syntax and finds its public functions
+ * without running it (Python's own compiler and `ast`, in a subprocess), then, when `requirements.txt`
+ * exists, installs the dependencies with pip into `<outputDir>/site-packages`, where the Python bootstrap
+ * (src/runtimes/cortex-python/bootstrap.py) puts them on `sys.path`.
+ *
+ * Builds use the interpreter replicas run (`findPython()`), so compiled extensions and the bytecode pip
+ * writes match it.
+ */
+import fsSync from 'node:fs';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { describeExit, isFile, runChild, throwIfAborted } from './run-child.js';
+import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
+
+export const PYTHON_ENTRY = 'main.py';
+/** The oldest Python the bootstrap runs on. */
+export const MIN_PYTHON_VERSION: readonly [number, number] = [3, 9];
+/** Where pip installs the app's dependencies, inside the build's output folder. */
+export const SITE_PACKAGES_DIR = 'site-packages';
+
+/** pip's network timeout in seconds, per attempt. */
+const PIP_TIMEOUT_SECONDS = 15;
+
+/**
+ * Server variables pip may need to reach an index: proxies, and an operator's index or certificates.
+ * Everything else in the server's environment stays out.
+ */
+const PASSED_ENV = [
+  'HTTP_PROXY',
+  'HTTPS_PROXY',
+  'NO_PROXY',
+  'http_proxy',
+  'https_proxy',
+  'no_proxy',
+  'PIP_INDEX_URL',
+  'PIP_EXTRA_INDEX_URL',
+  'PIP_TRUSTED_HOST',
+  'PIP_CERT',
+  'SSL_CERT_FILE',
+  'SSL_CERT_DIR',
+];
+
+/**
+ * Interpreters tried in order. The system's come first: a replica's sandbox shows `/usr` but not, say, a
+ * pyenv under /root, so an interpreter found on PATH is only a fallback (it works without the sandbox).
+ */
+const SYSTEM_PYTHONS = ['/usr/bin/python3', '/usr/local/bin/python3'];
+
+let pythonLookup: Promise<string | null> | undefined;
+
+/** The absolute path of the `python3` replicas and builds run, or null when there is none (looked up once). */
+export function findPython(): Promise<string | null> {
+  pythonLookup ??= lookUpPython(process.env.PATH ?? '');
+  return pythonLookup;
+}
+
+async function lookUpPython(searchPath: string): Promise<string | null> {
+  const candidates = [
+    ...SYSTEM_PYTHONS,
+    ...searchPath
+      .split(':')
+      .filter((dir) => path.isAbsolute(dir))
+      .map((dir) => path.join(dir, 'python3')),
+  ];
+  for (const candidate of candidates) {
+    try {
+      await fs.access(candidate, fsSync.constants.X_OK);
+      if ((await fs.stat(candidate)).isFile()) return candidate;
+    } catch {
+      // not here
+    }
+  }
+  return null;
+}
+
+/**
+ * Run by the build's interpreter with `-I` on `main.py`: compiles it (a syntax check that runs none of
+ * it) and lists the public functions from its syntax tree. Prints one JSON line:
+ * `{"version": [3, 11, 2], "functions": [...] | null}` or `{"version": ..., "error": {...}}`.
+ *
+ * The list must not miss a function the bootstrap will serve (the run endpoint answers 404 for names
+ * outside it), so `functions` is null, "unknown", whenever a public name might be bound to a callable
+ * of the module other than by `def`: a lambda, a value computed from the module's own functions or
+ * classes, a star import, `globals()` and the like. Listing a name the bootstrap then leaves out (a
+ * decorator that returns something else) only moves the 404 to the replica. (A template literal: keep
+ * backslashes and `${` out of the script.)
+ */
+const ANALYZE_SCRIPT = `
+import ast, json, sys
+
+def main(file):
+    out = {"version": list(sys.version_info[:3])}
+    if sys.version_info < (3, 9):
+        print(json.dumps(out))
+        return
+    with open(file, "rb") as f:
+        source = f.read()
+    try:
+        compile(source, file, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        out["error"] = {"type": type(e).__name__, "message": e.msg, "line": e.lineno, "column": e.offset,
+                        "text": (e.text or "").rstrip()}
+    except (ValueError, RecursionError, MemoryError) as e:
+        out["error"] = {"type": type(e).__name__, "message": str(e), "line": None, "column": None, "text": ""}
+    else:
+        out["functions"] = public_functions(ast.parse(source, file))
+    print(json.dumps(out))
+
+NOT_CALLABLE = (ast.Constant, ast.JoinedStr, ast.List, ast.Tuple, ast.Set, ast.Dict, ast.ListComp,
+                ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Compare)
+DYNAMIC = {"globals", "vars", "locals", "exec", "eval", "__import__"}
+
+def public_functions(tree):
+    defs, classes, bindings = [], set(), []
+    unknown = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defs.append(node.name)
+                bindings.append((node.name, None, "def"))
+            elif isinstance(node, ast.ClassDef):
+                classes.add(node.name)
+                bindings.append((node.name, None, "decorated class" if node.decorator_list else "class"))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.name == "*":
+                        unknown.append("star import")
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    bind(target, node.value, direct=isinstance(target, ast.Name))
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                if node.value is not None:
+                    bind(node.target, node.value, direct=isinstance(node, ast.AnnAssign))
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                bind(node.target, node.iter, direct=False)
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                for item in node.items:
+                    if item.optional_vars is not None:
+                        bind(item.optional_vars, item.context_expr, direct=False)
+            for field in ("body", "orelse", "finalbody"):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(getattr(node, field, None) or [])
+            for handler in getattr(node, "handlers", None) or []:
+                visit(handler.body)
+            for case in getattr(node, "cases", None) or []:
+                visit(case.body)
+                for sub in ast.walk(case.pattern):
+                    name = getattr(sub, "name", None)
+                    if isinstance(name, str):
+                        bindings.append((name, None, "unknown"))
+
+    def bind(target, value, direct):
+        for sub in ast.walk(target):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                bindings.append((sub.id, value, "assign" if direct else "unpack"))
+
+    def bind_globals(function):
+        # Assignments in a function to names it declares global bind module attributes when it runs.
+        names = set()
+        for node in ast.walk(function):
+            if isinstance(node, ast.Global):
+                names.update(node.names)
+        if not names:
+            return
+        for node in ast.walk(function):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = [(t, node.value) for t in node.targets]
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+                targets = [(node.target, node.value)]
+            elif isinstance(node, (ast.For, ast.AsyncFor)):
+                targets = [(node.target, node.iter)]
+            elif isinstance(node, (ast.With, ast.AsyncWith)):
+                targets = [(i.optional_vars, i.context_expr) for i in node.items if i.optional_vars is not None]
+            elif isinstance(node, ast.NamedExpr):
+                targets = [(node.target, node.value)]
+            for target, value in targets:
+                for sub in ast.walk(target):
+                    if isinstance(sub, ast.Name) and sub.id in names:
+                        bindings.append((sub.id, value, "unpack"))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+                if node is not function:
+                    for name in [getattr(node, "name", None)] + [a.asname or a.name for a in getattr(node, "names", [])]:
+                        if name in names:
+                            bindings.append((name, None, "unknown"))
+
+    visit(tree.body)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name):
+            bindings.append((node.target.id, node.value, "unpack"))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            bind_globals(node)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in DYNAMIC:
+            unknown.append(node.func.id)
+        elif (isinstance(node, ast.Attribute) and node.attr == "modules" and isinstance(node.value, ast.Name)
+              and node.value.id == "sys"):
+            unknown.append("sys.modules")
+    if unknown:
+        return None
+
+    # Names that may hold a callable of the module's own: its functions and classes, lambdas, and
+    # whatever is computed from them.
+    own = set(defs) | classes
+
+    def may_be_own(value):
+        if value is None:
+            return True
+        if isinstance(value, NOT_CALLABLE):
+            return False
+        return any(isinstance(n, ast.Lambda) or (isinstance(n, ast.Name) and n.id in own) for n in ast.walk(value))
+
+    changed = True
+    while changed:
+        changed = False
+        for name, value, kind in bindings:
+            if kind in ("assign", "unpack", "unknown") and name not in own and may_be_own(value):
+                own.add(name)
+                changed = True
+
+    found = []
+    for name, value, kind in bindings:
+        if name.startswith("_"):
+            continue
+        if kind == "def":
+            found.append(name)
+        elif kind == "decorated class":
+            return None
+        elif kind in ("assign", "unpack", "unknown") and may_be_own(value):
+            if kind == "assign" and (isinstance(value, ast.Lambda) or (isinstance(value, ast.Name) and value.id in defs)):
+                found.append(name)
+            else:
+                return None
+    return sorted(set(found))
+
+main(sys.argv[1])
+`;
+
+interface Analysis {
+  version: [number, number, number];
+  functions?: string[] | null;
+  error?: { type: string; message: string; line: number | null; column: number | null; text: string };
+}
+
+export interface PythonBuilderOptions {
+  /** The interpreter (default: `findPython()`, the one replicas run). */
+  python?: string;
+}
+
+export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder {
+  return {
+    name: 'python',
+    async build(ctx: BuildContext): Promise<BuildResult> {
+      throwIfAborted(ctx.signal);
+      const entry = await findEntry(ctx);
+      ctx.log(`Entry: ${entry}`);
+      const python = options.python ?? (await findPython());
+      if (python === null) {
+        throw new BuildFailedError('Python apps cannot be built on this server: no python3 interpreter was found');
+      }
+      const analysis = await analyze(ctx, python, entry);
+      const version = analysis.version.join('.');
+      ctx.log(`Python ${version} (${python})`);
+      const [major, minor] = MIN_PYTHON_VERSION;
+      if (analysis.version[0] < major || (analysis.version[0] === major && analysis.version[1] < minor)) {
+        throw new BuildFailedError(`Python ${major}.${minor} or newer is needed; this server has ${version}`);
+      }
+      if (analysis.error) {
+        const { type, message, line, column, text } = analysis.error;
+        const where = line === null ? entry : `${entry}:${line}${column === null ? '' : `:${column}`}`;
+        ctx.log(`${where}: ${type}: ${message}`);
+        if (text) {
+          ctx.log(`    ${text}`);
+          if (column !== null && column > 0) ctx.log(`    ${' '.repeat(column - 1)}^`);
+        }
+        throw new BuildFailedError(`Syntax check failed: ${where}: ${message}`);
+      }
+      const functions = analysis.functions ?? undefined;
+      if (await isFile(path.join(ctx.sourceDir, 'requirements.txt'))) {
+        await installRequirements(ctx, python);
+      }
+      throwIfAborted(ctx.signal);
+      ctx.log(
+        functions === undefined
+          ? 'Public functions: decided when a replica loads main.py (they cannot be told from its source alone)'
+          : `Public functions: ${functions.length > 0 ? functions.join(', ') : '(none)'}`,
+      );
+      const result: BuildResult = { runtime: 'python', entry: `${path.basename(ctx.sourceDir)}/${entry}` };
+      if (functions !== undefined) result.functions = functions;
+      return result;
+    },
+  };
+}
+
+async function findEntry(ctx: BuildContext): Promise<string> {
+  const configured = ctx.config.app.entry;
+  if (configured !== undefined && configured !== PYTHON_ENTRY) {
+    throw new BuildFailedError(`The Python builder runs ${PYTHON_ENTRY}, not ${configured} (app.entry in ferry.toml)`);
+  }
+  if (!(await isFile(path.join(ctx.sourceDir, PYTHON_ENTRY)))) {
+    throw new BuildFailedError(
+      configured === undefined
+        ? `No entry file: expected ${PYTHON_ENTRY} at the archive root`
+        : `Entry file ${PYTHON_ENTRY} (app.entry in ferry.toml) is not at the archive root`,
+    );
+  }
+  return PYTHON_ENTRY;
+}
+
+async function analyze(ctx: BuildContext, python: string, entry: string): Promise<Analysis> {
+  const stdout: string[] = [];
+  const stderr: string[] = [];
+  const exit = await runChild(python, ['-I', '-c', ANALYZE_SCRIPT, entry], {
+    cwd: ctx.sourceDir,
+    env: { PATH: process.env.PATH ?? '/usr/local/bin:/usr/bin:/bin', PYTHONDONTWRITEBYTECODE: '1' },
+    onLine: (stream, line) => (stream === 'stdout' ? stdout : stderr).push(line),
+    signal: ctx.signal,
+  });
+  const last = stdout.at(-1);
+  if (exit.code !== 0 || last === undefined) {
+    for (const line of stderr) ctx.log(line);
+    throw new Error(`Checking ${entry} with ${python} failed (${describeExit(exit)})`);
+  }
+  return JSON.parse(last) as Analysis;
+}
+
+const SOURCE_ARCHIVE = /\.(tar\.gz|tgz|tar\.bz2|tar\.xz|tar|zip)$/i;
+const VCS = /^(git|hg|svn|bzr)\+/i;
+
+/**
+ * Requirements pip would build from source, which runs their build code on the server: `--only-binary`
+ * does not cover local folders, archives, editable installs or VCS URLs, so they are refused here, before
+ * pip runs. Nested requirement files are refused too, since they are not checked.
+ */
+export function sourceRequirementProblem(text: string, sourceDir: string): string | undefined {
+  for (const raw of text.split(/\r?\n/)) {
+    const line = raw.replace(/(^|\s)#.*$/, '').trim();
+    if (line === '') continue;
+    if (/^(-e|--editable)\b/.test(line)) return `"${line}": editable installs build from source`;
+    if (/^(-r|--requirement|-c|--constraint)\b/.test(line))
+      return `"${line}": nested requirement files are not supported`;
+    if (line.startsWith('-')) continue;
+    const spec = line.includes(' @ ') ? (line.split(' @ ')[1] ?? '').trim() : line;
+    if (VCS.test(spec)) return `"${line}": VCS requirements build from source`;
+    if (SOURCE_ARCHIVE.test(spec.split(/[;\s]/)[0] ?? '')) return `"${line}": source archives build from source`;
+    const local = spec.startsWith('file:') ? spec.slice(5).replace(/^\/\//, '') : spec;
+    if (/^(\.{1,2}\/|\/)/.test(local) || local === '.') {
+      const resolved = path.resolve(sourceDir, local.split(/[;\s[]/)[0] ?? local);
+      if (!resolved.endsWith('.whl') && fsSync.existsSync(resolved) && fsSync.statSync(resolved).isDirectory()) {
+        return `"${line}": a local folder is built from source`;
+      }
+    }
+  }
+  return undefined;
+}
+
+async function installRequirements(ctx: BuildContext, python: string): Promise<void> {
+  const problem = sourceRequirementProblem(
+    await fs.readFile(path.join(ctx.sourceDir, 'requirements.txt'), 'utf8'),
+    ctx.sourceDir,
+  );
+  if (problem) {
+    ctx.log(`requirements.txt: ${problem}`);
+    throw new BuildFailedError(
+      `requirements.txt: ${problem}; Ferry installs wheels only (their build code would run on the server): ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
+    );
+  }
+  const target = path.join(ctx.outputDir, SITE_PACKAGES_DIR);
+  const args = [
+    '-m',
+    'pip',
+    'install',
+    '--no-input',
+    '--disable-pip-version-check',
+    '--no-cache-dir',
+    '--timeout',
+    String(PIP_TIMEOUT_SECONDS),
+    // Wheels only: building a source package runs its setup code on the server, outside any sandbox
+    // (the Node builder turns install scripts off for the same reason).
+    '--only-binary=:all:',
+    '--target',
+    target,
+    '-r',
+    'requirements.txt',
+  ];
+  ctx.log(`Running pip install -r requirements.txt --target ${path.basename(ctx.outputDir)}/${SITE_PACKAGES_DIR}`);
+  ctx.log('Installing wheels only: source packages would run their build code on the server');
+
+  const home = path.join(ctx.cacheDir, 'home');
+  await fs.mkdir(home, { recursive: true });
+  // The server's environment may hold secrets (tokens, database URLs); pip gets only what it needs.
+  const env: NodeJS.ProcessEnv = {
+    PATH: process.env.PATH ?? '/usr/local/bin:/usr/bin:/bin',
+    HOME: home,
+    PIP_DISABLE_PIP_VERSION_CHECK: '1',
+    PIP_NO_INPUT: '1',
+    PIP_ROOT_USER_ACTION: 'ignore',
+    PYTHONUNBUFFERED: '1',
+  };
+  for (const name of PASSED_ENV) {
+    const value = process.env[name];
+    if (value !== undefined) env[name] = value;
+  }
+
+  const started = Date.now();
+  // cwd is the app folder, so `./vendor/pkg` and `./wheels/x.whl` lines in requirements.txt resolve.
+  const exit = await runChild(python, args, {
+    cwd: ctx.sourceDir,
+    env,
+    onLine: (_stream, line) => ctx.log(line),
+    signal: ctx.signal,
+  });
+  if (exit.code !== 0) {
+    const how = exit.code === null ? `was killed by ${exit.signal ?? 'a signal'}` : `failed (exit code ${exit.code})`;
+    throw new BuildFailedError(`pip install ${how}`);
+  }
+  ctx.log(`pip install finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
+}

@@ -1,0 +1,443 @@
+/**
+ * The Python builder against the real interpreter and the real pip, in temporary folders (fixtures are
+ * copied, never built in place). pip never reaches a package index: dependencies are a wheel inside the
+ * app folder, or a local server that never answers when a test needs pip to hang.
+ */
+import assert from 'node:assert/strict';
+import { type ChildProcess, spawn } from 'node:child_process';
+import { readFileSync } from 'node:fs';
+import fs from 'node:fs/promises';
+import http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import os from 'node:os';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { parseAppConfig } from '../src/apps/app-config.js';
+import { createDefaultBuilders, selectBuilder } from '../src/builds/builders/index.js';
+import { createPythonBuilder, findPython } from '../src/builds/builders/python.js';
+import { type Builder, BuildFailedError, type BuildResult } from '../src/builds/builders/types.js';
+import { PYTHON_BOOTSTRAP } from '../src/replicas/launcher.js';
+import { REPO_ROOT } from './helpers/ferry.js';
+import { LEFTPAD_WHEEL, leftpadWheel } from './helpers/python-wheel.js';
+
+const FIXTURES = path.join(REPO_ROOT, 'test', 'fixtures');
+const TIMEOUT = 60_000;
+
+let tmpRoot: string;
+let cacheDir: string;
+let counter = 0;
+
+before(async () => {
+  tmpRoot = await fs.mkdtemp(path.join(os.tmpdir(), 'ferry-builder-python-'));
+  cacheDir = path.join(tmpRoot, 'cache');
+});
+
+after(async () => {
+  await fs.rm(tmpRoot, { recursive: true, force: true });
+});
+
+interface Workspace {
+  root: string;
+  sourceDir: string;
+  outputDir: string;
+}
+
+/** A fresh `<build>/{source,out}` pair; `source` starts as a copy of the fixture, plus any extra files. */
+async function workspace(fixture: string | null, files: Record<string, string | Buffer> = {}): Promise<Workspace> {
+  counter += 1;
+  const root = path.join(tmpRoot, `build-${counter}`);
+  const sourceDir = path.join(root, 'source');
+  const outputDir = path.join(root, 'out');
+  await fs.mkdir(outputDir, { recursive: true });
+  if (fixture) await fs.cp(path.join(FIXTURES, fixture), sourceDir, { recursive: true });
+  else await fs.mkdir(sourceDir, { recursive: true });
+  for (const [name, data] of Object.entries(files)) {
+    await fs.mkdir(path.dirname(path.join(sourceDir, name)), { recursive: true });
+    await fs.writeFile(path.join(sourceDir, name), data);
+  }
+  return { root, sourceDir, outputDir };
+}
+
+async function depsWorkspace(extra: Record<string, string | Buffer> = {}): Promise<Workspace> {
+  return workspace('python-deps', { [`wheels/${LEFTPAD_WHEEL}`]: await leftpadWheel(), ...extra });
+}
+
+interface Outcome {
+  result?: BuildResult;
+  error?: unknown;
+  lines: string[];
+  ms: number;
+}
+
+async function runBuild(
+  ws: Workspace,
+  opts: { builder?: Builder; signal?: AbortSignal; onLog?: (line: string) => void } = {},
+): Promise<Outcome> {
+  const config = parseAppConfig(await fs.readFile(path.join(ws.sourceDir, 'ferry.toml'), 'utf8'));
+  const lines: string[] = [];
+  const builder = opts.builder ?? createPythonBuilder();
+  const started = Date.now();
+  try {
+    const result = await builder.build({
+      buildId: 'b_test',
+      sourceDir: ws.sourceDir,
+      outputDir: ws.outputDir,
+      cacheDir,
+      config,
+      log: (line) => {
+        lines.push(line);
+        opts.onLog?.(line);
+      },
+      signal: opts.signal ?? new AbortController().signal,
+    });
+    return { result, lines, ms: Date.now() - started };
+  } catch (error) {
+    return { error, lines, ms: Date.now() - started };
+  }
+}
+
+function assertReady(outcome: Outcome): BuildResult {
+  if (outcome.error) assert.fail(`build failed: ${String(outcome.error)}\n${outcome.lines.join('\n')}`);
+  return outcome.result!;
+}
+
+function assertFailed(outcome: Outcome, message: RegExp): BuildFailedError {
+  assert.ok(outcome.error, `expected the build to fail; log:\n${outcome.lines.join('\n')}`);
+  assert.ok(outcome.error instanceof BuildFailedError, `expected BuildFailedError, got ${String(outcome.error)}`);
+  assert.match(outcome.error.message, message);
+  return outcome.error;
+}
+
+/** Linux: true for a live process (a zombie counts as gone). */
+function isAlive(pid: number): boolean {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
+  } catch {
+    return false;
+  }
+}
+
+/** Live processes whose working folder is inside `dir` (what pip and its children would have). */
+async function processesIn(dir: string): Promise<number[]> {
+  const real = await fs.realpath(dir);
+  const found: number[] = [];
+  for (const entry of await fs.readdir('/proc').catch(() => [] as string[])) {
+    if (!/^\d+$/.test(entry) || Number(entry) === process.pid) continue;
+    const cwd = await fs.readlink(`/proc/${entry}/cwd`).catch(() => null);
+    if (cwd && (cwd === real || cwd.startsWith(`${real}/`)) && isAlive(Number(entry))) found.push(Number(entry));
+  }
+  return found;
+}
+
+/** Runs the Python bootstrap on a built workspace, without a sandbox, the way a replica starts. */
+async function startBootstrap(ws: Workspace): Promise<{ socket: string; child: ChildProcess; output: () => string }> {
+  const python = await findPython();
+  assert.ok(python, 'a python3 interpreter');
+  const socket = path.join(ws.root, 'replica.sock');
+  const child = spawn(python, ['-u', PYTHON_BOOTSTRAP], {
+    env: {
+      PATH: '/usr/local/bin:/usr/bin:/bin',
+      HOME: '/tmp',
+      FERRY_SOCKET: socket,
+      FERRY_ENTRY: path.join(ws.sourceDir, 'main.py'),
+      PYTHONDONTWRITEBYTECODE: '1',
+    },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let output = '';
+  child.stdout?.on('data', (d: Buffer) => (output += d));
+  child.stderr?.on('data', (d: Buffer) => (output += d));
+  const end = Date.now() + 10_000;
+  while (!(await fs.stat(socket).catch(() => null))) {
+    if (child.exitCode !== null || Date.now() > end) assert.fail(`the bootstrap did not start:\n${output}`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  return { socket, child, output: () => output };
+}
+
+function callReplica(socket: string, fn: string, body: unknown): Promise<string> {
+  return new Promise((resolve, reject) => {
+    const req = http.request(
+      {
+        socketPath: socket,
+        path: `/_ferry/call/${fn}`,
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+      },
+      (res) => {
+        let text = '';
+        res.setEncoding('utf8');
+        res.on('data', (d: string) => (text += d));
+        res.on('end', () => resolve(text));
+      },
+    );
+    req.on('error', reject);
+    req.end(JSON.stringify(body));
+  });
+}
+
+describe('python builder: checks', () => {
+  it('builds main.py without dependencies and lists its public functions', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "py-plain"\n',
+      'main.py': [
+        'import os',
+        'from os.path import join',
+        'COUNT = 0',
+        'KEY = os.environ.get("KEY")',
+        'def run(name: str = "world"):',
+        '    global COUNT',
+        '    COUNT += 1',
+        '    return f"Hello, {name}!"',
+        'async def later(): return 1',
+        'def stream():',
+        '    yield 1',
+        'alias = run',
+        'def _private(): pass',
+        'class Model: pass',
+        '',
+      ].join('\n'),
+    });
+    const outcome = await runBuild(ws);
+    const result = assertReady(outcome);
+    assert.deepEqual(result, {
+      runtime: 'python',
+      entry: 'source/main.py',
+      functions: ['alias', 'later', 'run', 'stream'],
+    });
+    assert.ok(outcome.lines.includes('Entry: main.py'), outcome.lines.join('\n'));
+    assert.ok(
+      outcome.lines.some((l) => /^Python 3\.\d+\.\d+ \(\/.*python3[\d.]*\)$/.test(l)),
+      outcome.lines.join('\n'),
+    );
+    assert.ok(outcome.lines.includes('Public functions: alias, later, run, stream'), outcome.lines.join('\n'));
+    assert.ok(!outcome.lines.some((l) => l.startsWith('Running pip')), 'no requirements.txt, so no pip');
+    assert.deepEqual(await fs.readdir(ws.outputDir), []);
+    assert.deepEqual(await fs.readdir(ws.sourceDir), ['ferry.toml', 'main.py'], 'no __pycache__ written');
+  });
+
+  it('leaves functions unknown when a public name may be bound to a callable at import', async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "py-dynamic"\n',
+      'main.py': 'def _make():\n    def inner(): return 1\n    return inner\nrun = _make()\ndef other(): pass\n',
+    });
+    const outcome = await runBuild(ws);
+    const result = assertReady(outcome);
+    assert.deepEqual(result, { runtime: 'python', entry: 'source/main.py' });
+    assert.ok(
+      outcome.lines.some((l) => l.startsWith('Public functions: decided when a replica loads main.py')),
+      outcome.lines.join('\n'),
+    );
+  });
+
+  it('never runs the app while checking it', { timeout: TIMEOUT }, async () => {
+    const marker = path.join(tmpRoot, 'ran-at-build');
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "py-side-effect"\n',
+      'main.py': `open(${JSON.stringify(marker)}, "w").write("ran")\ndef run(): return 1\n`,
+    });
+    assertReady(await runBuild(ws));
+    await assert.rejects(fs.access(marker), 'main.py did not run during the build');
+  });
+
+  it('fails on a syntax error and logs the file and line', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "py-broken"\n',
+      'main.py': 'def run():\n    return 1 +\n',
+    });
+    const outcome = await runBuild(ws);
+    const error = assertFailed(outcome, /^Syntax check failed: main\.py:2:\d+: invalid syntax$/);
+    assert.ok(error);
+    assert.ok(
+      outcome.lines.some((l) => /^main\.py:2:\d+: SyntaxError: invalid syntax$/.test(l)),
+      outcome.lines.join('\n'),
+    );
+    assert.ok(outcome.lines.includes('        return 1 +'), 'the offending line is quoted');
+  });
+
+  it('fails on errors only the compiler finds, not just the parser', async () => {
+    const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "py-return"\n', 'main.py': 'x = 1\nreturn x\n' });
+    assertFailed(await runBuild(ws), /^Syntax check failed: main\.py:2:\d+: 'return' outside function$/);
+  });
+
+  it('fails clearly when there is no main.py', async () => {
+    const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "py-empty"\n', 'app.py': 'def run(): pass\n' });
+    assertFailed(await runBuild(ws), /^No entry file: expected main\.py at the archive root$/);
+  });
+
+  it('is the builder the server picks for main.py', async () => {
+    const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "py-pick"\n', 'main.py': '' });
+    const builder = selectBuilder(parseAppConfig('[app]\nname = "py-pick"\n'), ws.sourceDir, createDefaultBuilders());
+    assert.equal(builder.name, 'python');
+  });
+});
+
+describe('python builder: dependencies', () => {
+  it('installs requirements.txt into out/site-packages, where a replica imports them', {
+    timeout: TIMEOUT,
+  }, async () => {
+    const ws = await depsWorkspace();
+    const outcome = await runBuild(ws);
+    const result = assertReady(outcome);
+    assert.deepEqual(result, { runtime: 'python', entry: 'source/main.py', functions: ['run'] });
+    const log = outcome.lines.join('\n');
+    assert.ok(outcome.lines.includes('Running pip install -r requirements.txt --target out/site-packages'), log);
+    assert.ok(
+      outcome.lines.some((l) => /Successfully installed leftpad-1\.0\.0/.test(l)),
+      log,
+    );
+    assert.ok(
+      outcome.lines.some((l) => /^pip install finished in [\d.]+ s$/.test(l)),
+      log,
+    );
+    await fs.access(path.join(ws.outputDir, 'site-packages', 'leftpad', '__init__.py'));
+    // Nothing was installed anywhere else: the source folder holds exactly what was uploaded.
+    assert.deepEqual((await fs.readdir(ws.sourceDir)).sort(), [
+      'ferry.toml',
+      'main.py',
+      'requirements.txt',
+      'vendor',
+      'wheels',
+    ]);
+
+    const replica = await startBootstrap(ws);
+    try {
+      const text = await callReplica(replica.socket, 'run', { text: 'ab' });
+      assert.equal(
+        text,
+        '{"type":"result","data":{"padded":"....ab","from":"out/site-packages/leftpad/__init__.py"}}\n',
+        replica.output(),
+      );
+    } finally {
+      replica.child.kill('SIGTERM');
+    }
+  });
+
+  it('refuses to build a source package (its build code would run on the server)', { timeout: TIMEOUT }, async () => {
+    const ws = await depsWorkspace({
+      'requirements.txt': './srcpkg\n',
+      'srcpkg/setup.py':
+        "open('/tmp/ferry-setup-py-ran', 'w').write('ran')\nfrom setuptools import setup\nsetup(name='srcpkg', version='1.0')\n",
+    });
+    await fs.rm('/tmp/ferry-setup-py-ran', { force: true });
+    const outcome = await runBuild(ws);
+    assertFailed(
+      outcome,
+      /^requirements\.txt: "\.\/srcpkg": a local folder is built from source; Ferry installs wheels only/,
+    );
+    await assert.rejects(fs.access('/tmp/ferry-setup-py-ran'), 'setup.py did not run');
+    for (const line of ['-e ./srcpkg', 'pkg @ git+https://example.invalid/pkg.git', 'pkg-1.0.tar.gz', '-r more.txt']) {
+      const other = await runBuild(await depsWorkspace({ 'requirements.txt': `${line}\n` }));
+      assertFailed(other, /Ferry installs wheels only/);
+    }
+  });
+
+  it("fails when pip fails, with pip's output in the log", { timeout: TIMEOUT }, async () => {
+    const ws = await depsWorkspace({ 'requirements.txt': './vendor/does-not-exist\n' });
+    const outcome = await runBuild(ws);
+    assertFailed(outcome, /^pip install failed \(exit code [1-9]\d*\)$/);
+    assert.ok(
+      outcome.lines.some((l) => l.startsWith('ERROR:') && l.includes('./vendor/does-not-exist')),
+      outcome.lines.join('\n'),
+    );
+    assert.ok(!outcome.lines.some((l) => l.startsWith('Public functions')), 'the build stopped at pip');
+  });
+
+  it("gives pip a minimal environment, never the server's", { timeout: TIMEOUT }, async () => {
+    const ws = await depsWorkspace();
+    // Answers the builder's check like Python would, and shows the environment pip would get.
+    const fakePython = path.join(ws.root, 'fake-python.sh');
+    await fs.writeFile(
+      fakePython,
+      '#!/bin/sh\nif [ "$1" = "-I" ]; then echo \'{"version":[3,11,0],"functions":["run"]}\'; exit 0; fi\necho "args: $*"\nenv\n',
+      { mode: 0o755 },
+    );
+    process.env.FERRY_TEST_SECRET = 'top-secret-value';
+    try {
+      const outcome = await runBuild(ws, { builder: createPythonBuilder({ python: fakePython }) });
+      assertReady(outcome);
+      const log = outcome.lines.join('\n');
+      assert.ok(!log.includes('top-secret-value'), log);
+      assert.ok(
+        outcome.lines.includes(
+          `args: -m pip install --no-input --disable-pip-version-check --no-cache-dir --timeout 15 --only-binary=:all: --target ${path.join(ws.outputDir, 'site-packages')} -r requirements.txt`,
+        ),
+        log,
+      );
+      assert.ok(outcome.lines.includes(`HOME=${path.join(cacheDir, 'home')}`), log);
+      assert.ok(outcome.lines.includes('PIP_DISABLE_PIP_VERSION_CHECK=1'), log);
+      assert.ok(outcome.lines.includes(`PATH=${process.env.PATH}`), log);
+    } finally {
+      delete process.env.FERRY_TEST_SECRET;
+    }
+  });
+});
+
+describe('python builder: cancellation', () => {
+  it('kills a real pip that is waiting on an index, promptly and completely', { timeout: TIMEOUT }, async () => {
+    const controller = new AbortController();
+    const reason = new Error('cancelled');
+    let abortedAt = 0;
+    // An index that accepts the request and never answers: pip is surely mid-install when we abort.
+    const index = http.createServer(() => {
+      if (abortedAt === 0) {
+        abortedAt = Date.now();
+        controller.abort(reason);
+      }
+    });
+    await new Promise<void>((resolve) => index.listen(0, '127.0.0.1', resolve));
+    const port = (index.address() as AddressInfo).port;
+    try {
+      const ws = await depsWorkspace({
+        'requirements.txt': `--index-url http://127.0.0.1:${port}/simple\nsome-package-from-an-index\n`,
+      });
+      const outcome = await runBuild(ws, { signal: controller.signal });
+      assert.ok(abortedAt > 0, `pip never asked the index; log:\n${outcome.lines.join('\n')}`);
+      assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
+      const afterAbort = Date.now() - abortedAt;
+      assert.ok(afterAbort < 4_000, `took ${afterAbort} ms after the abort`);
+      assert.deepEqual(await processesIn(ws.sourceDir), [], 'no pip process left behind');
+    } finally {
+      index.closeAllConnections();
+      await new Promise<void>((resolve) => index.close(() => resolve()));
+    }
+  });
+
+  it("kills pip's whole process group", { timeout: TIMEOUT }, async () => {
+    const ws = await depsWorkspace();
+    const fakePython = path.join(ws.root, 'fake-python.sh');
+    // A child of pip (a build backend, a compiler) that would outlive pip if only pip were killed.
+    await fs.writeFile(
+      fakePython,
+      '#!/bin/sh\nif [ "$1" = "-I" ]; then echo \'{"version":[3,11,0],"functions":[]}\'; exit 0; fi\nsleep 60 &\necho "pids $$ $!"\nwait\n',
+      { mode: 0o755 },
+    );
+    const controller = new AbortController();
+    let pids: number[] = [];
+    const outcome = await runBuild(ws, {
+      builder: createPythonBuilder({ python: fakePython }),
+      signal: controller.signal,
+      onLog: (line) => {
+        const match = /^pids (\d+) (\d+)$/.exec(line);
+        if (match) {
+          pids = [Number(match[1]), Number(match[2])];
+          controller.abort();
+        }
+      },
+    });
+    assert.equal(pids.length, 2, outcome.lines.join('\n'));
+    assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
+    assert.ok(!(outcome.error instanceof BuildFailedError));
+    assert.ok(outcome.ms < 4_000, `took ${outcome.ms} ms`);
+    for (const pid of pids) assert.equal(isAlive(pid), false, `process ${pid} is still running`);
+  });
+
+  it('does nothing when already cancelled', async () => {
+    const ws = await depsWorkspace();
+    const outcome = await runBuild(ws, { signal: AbortSignal.abort() });
+    assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
+    assert.deepEqual(outcome.lines, []);
+    assert.deepEqual(await fs.readdir(ws.outputDir), []);
+  });
+});
