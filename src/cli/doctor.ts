@@ -3,7 +3,9 @@
  * and what to install for the rest. It always exits 0: a missing sandbox is a warning, not a failure,
  * because Ferry still runs (as plain processes) without one.
  */
+
 import { execFile } from 'node:child_process';
+import { findPython } from '../builds/builders/python.js';
 import { probeSandbox, type SandboxCapabilities } from '../replicas/sandbox.js';
 
 export interface DoctorOptions {
@@ -13,7 +15,13 @@ export interface DoctorOptions {
 /** Prints the report; with `json`, the capabilities object only. */
 export async function doctorCommand(options: DoctorOptions): Promise<void> {
   // Probed afresh: the doctor is run to check a fix, so a cached answer would defeat it.
-  const [caps, python] = await Promise.all([probeSandbox(), commandVersion('python3', ['--version'])]);
+  // The interpreter Python replicas and builds use (Debian's /usr/bin/python3 when present), not PATH's.
+  const pythonPath = await findPython();
+  const [caps, pythonVersion] = await Promise.all([
+    probeSandbox(),
+    pythonPath ? commandVersion(pythonPath, ['--version']) : Promise.resolve(undefined),
+  ]);
+  const python = pythonPath && pythonVersion ? pythonVersion : undefined;
   if (options.json) {
     process.stdout.write(`${JSON.stringify(caps, null, 2)}\n`);
     return;
@@ -33,7 +41,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   }
   lines.push(row('User namespaces', caps.userNamespaces ? 'available' : 'not available'));
   lines.push(row('Memory limits', describeMemory(caps)));
-  lines.push(row('Python', python ?? 'python3 not found (Python apps cannot run)'));
+  lines.push(row('Python', python ?? 'no usable python3 (3.9+) found: Python apps cannot build or run'));
 
   const warnings = sandboxWarnings(caps);
   if (warnings.length > 0) {
