@@ -50,6 +50,12 @@ export async function bootstrapCommand(options: BootstrapOptions): Promise<void>
         'Use it with:',
         `  export FERRY_URL=${url} FERRY_PROJECT=${project.id} FERRY_TOKEN=${token}`,
         '',
+        // The token rides in the URL fragment: browsers never send the fragment to the server (so it is in
+        // no request line or access log), and the dashboard moves it to session storage and drops it from
+        // the address bar at once.
+        'Sign in to the dashboard (this link holds the token; keep it private):',
+        `  ${url.replace(/\/+$/, '')}/#token=${token}`,
+        '',
       ].join('\n'),
     );
   } finally {

@@ -60,6 +60,8 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
     throw err;
   }
   logger.info({ address, dataDir: dataDir.root }, `Ferry is listening on ${address} (data in ${dataDir.root})`);
+  // Sign in with a token from `ferry admin bootstrap` (it prints a sign-in link) or the API keys page.
+  logger.info({ dashboard: `${address}/` }, `Dashboard: ${address}/`);
 
   let stopping = false;
   const stop = async (signal: string) => {

@@ -1,0 +1,232 @@
+// Small DOM and formatting helpers. Pages build their DOM with h(): text always goes in as text nodes,
+// never as HTML, so nothing a function returns or prints can inject markup.
+
+/**
+ * h('a', { href: '#/apps', class: 'x', onclick: fn }, 'text', child, [more]) makes an element.
+ * Attributes whose value is null, undefined or false are left out; true sets an empty attribute.
+ * `value`, `checked` and `disabled`... are set as properties too where they matter.
+ */
+export function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs ?? {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (name.startsWith('on') && typeof value === 'function') el.addEventListener(name.slice(2), value);
+    else if (name === 'value' || name === 'checked') el[name] = value;
+    else el.setAttribute(name, value === true ? '' : String(value));
+  }
+  append(el, children);
+  return el;
+}
+
+function append(el, children) {
+  for (const child of children) {
+    if (child === null || child === undefined || child === false) continue;
+    if (Array.isArray(child)) append(el, child);
+    else el.append(child instanceof Node ? child : String(child));
+  }
+}
+
+/**
+ * Replaces the children of `container`, keeping keyboard focus on the element with the same
+ * `data-key` when the old focused element had one (live-updating tables re-render every few seconds).
+ */
+export function replaceKeepingFocus(container, ...children) {
+  const active = document.activeElement;
+  const key = active && container.contains(active) ? active.getAttribute('data-key') : null;
+  container.replaceChildren();
+  append(container, children);
+  if (key) container.querySelector(`[data-key="${CSS.escape(key)}"]`)?.focus();
+}
+
+/** Tells screen readers something happened (the polite live region of the page). */
+export function announce(message) {
+  const region = document.getElementById('status');
+  if (!region) return;
+  region.textContent = '';
+  setTimeout(() => {
+    region.textContent = message;
+  }, 50);
+}
+
+const pad = (n) => String(n).padStart(2, '0');
+
+/** Local date and time, `2026-11-22 10:04:31`. */
+export function formatTime(iso) {
+  if (!iso) return '—';
+  const d = new Date(iso);
+  if (Number.isNaN(d.getTime())) return String(iso);
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+}
+
+export function formatDate(iso) {
+  return iso ? formatTime(iso).slice(0, 10) : '—';
+}
+
+/** "5 s ago", "3 min ago", "2 h ago", "4 d ago"; a future time is "in …". */
+export function relativeTime(iso, now = Date.now()) {
+  if (!iso) return '—';
+  const diff = Math.round((now - Date.parse(iso)) / 1000);
+  const abs = Math.abs(diff);
+  let text;
+  if (abs < 5) return 'just now';
+  if (abs < 60) text = `${abs} s`;
+  else if (abs < 3600) text = `${Math.floor(abs / 60)} min`;
+  else if (abs < 86400) text = `${Math.floor(abs / 3600)} h`;
+  else text = `${Math.floor(abs / 86400)} d`;
+  return diff >= 0 ? `${text} ago` : `in ${text}`;
+}
+
+/** A <time> showing the relative time, the exact local time in its title. */
+export function timeEl(iso) {
+  if (!iso) return '—';
+  return h('time', { datetime: iso, title: formatTime(iso) }, relativeTime(iso));
+}
+
+export function formatDuration(ms) {
+  if (ms === null || ms === undefined || Number.isNaN(ms)) return '—';
+  if (ms < 1000) return `${Math.round(ms)} ms`;
+  if (ms < 60_000) return `${(ms / 1000).toFixed(ms < 10_000 ? 2 : 1)} s`;
+  const s = Math.round(ms / 1000);
+  return `${Math.floor(s / 60)} min ${s % 60} s`;
+}
+
+export function formatBytes(n) {
+  if (n === null || n === undefined) return '—';
+  if (n < 1024) return `${n} B`;
+  if (n < 1024 * 1024) return `${(n / 1024).toFixed(1)} KiB`;
+  return `${(n / 1024 / 1024).toFixed(1)} MiB`;
+}
+
+/** The run, build and app states, each with its colour class. */
+export function stateBadge(state, label = state) {
+  return h('span', { class: `badge state-${state}` }, label);
+}
+
+export function modeBadge(mode) {
+  if (mode === 'async')
+    return h('span', { class: 'badge mode-async', title: 'Asynchronous run (?async=true)' }, 'async');
+  return h('span', { class: `badge mode-${mode}` }, mode);
+}
+
+/** Pretty JSON for a <pre>. */
+export function json(value) {
+  if (value === undefined) return '—';
+  return JSON.stringify(value, null, 2);
+}
+
+async function writeClipboard(text) {
+  try {
+    await navigator.clipboard.writeText(text);
+    return true;
+  } catch {
+    // No async clipboard (plain http on another host, or no permission): the older way.
+    const area = h('textarea', { class: 'offscreen', 'aria-hidden': 'true', tabindex: '-1' });
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    let ok = false;
+    try {
+      ok = document.execCommand('copy');
+    } catch {
+      ok = false;
+    }
+    area.remove();
+    return ok;
+  }
+}
+
+/** A "Copy" button; `label` names what it copies for screen readers ("Copy run URL"). */
+export function copyButton(text, label) {
+  const button = h('button', { type: 'button', class: 'copy', 'aria-label': `Copy ${label}` }, 'Copy');
+  button.addEventListener('click', async () => {
+    const value = typeof text === 'function' ? text() : text;
+    const ok = await writeClipboard(value);
+    button.textContent = ok ? 'Copied' : 'Copy failed';
+    announce(ok ? `${label} copied` : `Could not copy the ${label}; select it and copy by hand`);
+    setTimeout(() => {
+      button.textContent = 'Copy';
+    }, 1500);
+  });
+  return button;
+}
+
+/**
+ * A button that asks once more before doing something that cannot be undone: the first press shows
+ * "confirm" and "cancel" buttons in its place.
+ */
+export function confirmButton({ label, ariaLabel, question, confirmLabel, onConfirm }) {
+  const wrap = h('span', { class: 'confirm' });
+  const first = h('button', { type: 'button', class: 'danger', 'aria-label': ariaLabel ?? label }, label);
+  const showFirst = () => {
+    wrap.replaceChildren(first);
+    first.focus();
+  };
+  first.addEventListener('click', () => {
+    const yes = h('button', { type: 'button', class: 'danger solid' }, confirmLabel);
+    const no = h('button', { type: 'button', onclick: showFirst }, 'Cancel');
+    yes.addEventListener('click', async () => {
+      yes.disabled = true;
+      no.disabled = true;
+      try {
+        await onConfirm();
+      } catch (err) {
+        wrap.replaceChildren(first, errorText(err));
+      }
+    });
+    wrap.replaceChildren(h('span', { class: 'question' }, question), ' ', yes, ' ', no);
+    yes.focus();
+  });
+  wrap.append(first);
+  return wrap;
+}
+
+export function errorText(err) {
+  const message = err?.code ? `${err.message} (${err.code})` : String(err?.message ?? err);
+  return h('span', { class: 'error-text', role: 'alert' }, message);
+}
+
+/** A full-width error box for a page that could not load. */
+export function errorBox(err) {
+  return h('div', { class: 'error-box', role: 'alert' }, h('strong', {}, 'Something went wrong. '), errorText(err));
+}
+
+/**
+ * A table inside a scrollable region (narrow screens scroll it sideways; the region is focusable so the
+ * keyboard can scroll it too). `head` is a list of column names.
+ */
+export function tableEl({ caption, head, body, className = '' }) {
+  return h(
+    'div',
+    { class: 'table-wrap', role: 'region', 'aria-label': caption, tabindex: '0' },
+    h(
+      'table',
+      { class: className },
+      h('caption', { class: 'sr-only' }, caption),
+      h(
+        'thead',
+        {},
+        h(
+          'tr',
+          {},
+          head.map((name) => h('th', { scope: 'col' }, name)),
+        ),
+      ),
+      body,
+    ),
+  );
+}
+
+export function shortId(id) {
+  return id ? id.slice(-12) : '—';
+}
+
+/** A definition list from [term, value] pairs; pairs with a null value are left out. */
+export function facts(pairs) {
+  return h(
+    'dl',
+    { class: 'facts' },
+    pairs
+      .filter(([, v]) => v !== null && v !== undefined)
+      .map(([k, v]) => h('div', {}, h('dt', {}, k), h('dd', {}, v))),
+  );
+}
