@@ -1,5 +1,5 @@
 /**
- * Prepares the process of one replica: the runtime's command (the Node bootstrap for cortex apps), the
+ * Prepares the process of one replica: the runtime's command (the Node or Python bootstrap), the
  * environment (the project's secrets, the app's [env], Ferry's protocol variables, and nothing of the
  * server's own environment), and the sandbox around it (sandbox.ts).
  */
@@ -39,6 +39,36 @@ export interface LauncherDeps {
 /** Node's heap gets three quarters of the memory limit, so a runaway heap fails clearly before the hard limit. */
 const HEAP_SHARE = 0.75;
 
+/** What differs between runtimes: the bootstrap bound into the sandbox, the command, a few variables. */
+interface RuntimeLaunch {
+  bootstrap: { host: string; sandbox: string };
+  defaultEntry: string;
+  command(bootstrapPath: string, build: PoolBuild): Promise<string[]>;
+  env: Record<string, string>;
+}
+
+const RUNTIMES: Record<string, RuntimeLaunch> = {
+  node: {
+    // .mjs: alone in the sandbox, with no package.json beside it, the file must say it is an ES module.
+    bootstrap: { host: NODE_BOOTSTRAP, sandbox: '/ferry/bootstrap.mjs' },
+    defaultEntry: 'out/main.mjs',
+    command: async (bootstrap, build) => [
+      process.execPath,
+      `--max-old-space-size=${Math.max(16, Math.floor(build.config.resources.memory * HEAP_SHARE))}`,
+      bootstrap,
+    ],
+    env: { NODE_ENV: 'production' },
+  },
+  python: {
+    bootstrap: { host: PYTHON_BOOTSTRAP, sandbox: '/ferry/bootstrap.py' },
+    defaultEntry: 'source/main.py',
+    // The interpreter builds use, so installed packages match.
+    command: async (bootstrap) => [(await findPython()) ?? 'python3', '-u', bootstrap],
+    // The build folder is read-only in the sandbox; pip compiled the dependencies' bytecode at build time.
+    env: { PYTHONDONTWRITEBYTECODE: '1', PYTHONUNBUFFERED: '1' },
+  },
+};
+
 export function createLauncher(deps: LauncherDeps) {
   return async function launch(build: PoolBuild, replicaId: string): Promise<LaunchPlan> {
     const row = await deps.store
@@ -46,35 +76,32 @@ export function createLauncher(deps: LauncherDeps) {
       .select(['entry', 'runtime'])
       .where('id', '=', build.buildId)
       .executeTakeFirstOrThrow();
-    if (row.runtime === 'python') return launchPython(deps, build, replicaId, row.entry);
-    if (row.runtime !== 'node') throw new Error(`runtime ${row.runtime} is not supported by this server yet`);
+    const runtime = row.runtime ? RUNTIMES[row.runtime] : undefined;
+    if (!runtime) throw new Error(`runtime ${row.runtime} is not supported by this server yet`);
     const buildDir = path.join(deps.buildsDir, build.buildId);
     const socketDir = path.join(deps.runDir, replicaId);
     await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
-    // .mjs: alone in the sandbox, with no package.json beside it, the file must say it is an ES module.
-    const layout = { buildDir, socketDir, runtimeFiles: [{ host: NODE_BOOTSTRAP, sandbox: '/ferry/bootstrap.mjs' }] };
+    const layout = { buildDir, socketDir, runtimeFiles: [runtime.bootstrap] };
     const paths = sandboxPaths(layout, deps.sandbox.bwrap !== null);
     const env: Record<string, string> = {
       ...(await deps.secrets(build.projectId)),
       ...build.config.env,
       PATH: '/usr/local/bin:/usr/bin:/bin',
       HOME: '/tmp',
-      NODE_ENV: 'production',
+      ...runtime.env,
       APP_NAME: build.appId,
       PROJECT_ID: build.projectId,
       BUILD_ID: build.buildId,
       FERRY_PROTOCOL: '1',
       FERRY_SOCKET: paths.socketPath,
-      FERRY_ENTRY: `${paths.appDir}/${row.entry ?? 'out/main.mjs'}`,
+      FERRY_ENTRY: `${paths.appDir}/${row.entry ?? runtime.defaultEntry}`,
     };
-    const memoryMiB = build.config.resources.memory;
-    const heapMiB = Math.max(16, Math.floor(memoryMiB * HEAP_SHARE));
     const prepared = await prepareLaunch(
       {
         ...layout,
         replicaId,
-        memoryMiB,
-        command: [process.execPath, `--max-old-space-size=${heapMiB}`, paths.runtimeFile(NODE_BOOTSTRAP)],
+        memoryMiB: build.config.resources.memory,
+        command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build),
         env,
       },
       deps.sandbox,
@@ -89,56 +116,6 @@ export function createLauncher(deps: LauncherDeps) {
         await fs.rm(socketDir, { recursive: true, force: true });
       },
     };
-  };
-}
-
-/** A Python replica (cortex runtime): the Python bootstrap on the interpreter builds use, with the same environment. */
-async function launchPython(
-  deps: LauncherDeps,
-  build: PoolBuild,
-  replicaId: string,
-  entry: string | null,
-): Promise<LaunchPlan> {
-  const python = (await findPython()) ?? 'python3';
-  const buildDir = path.join(deps.buildsDir, build.buildId);
-  const socketDir = path.join(deps.runDir, replicaId);
-  await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
-  const layout = { buildDir, socketDir, runtimeFiles: [{ host: PYTHON_BOOTSTRAP, sandbox: '/ferry/bootstrap.py' }] };
-  const paths = sandboxPaths(layout, deps.sandbox.bwrap !== null);
-  const env: Record<string, string> = {
-    ...(await deps.secrets(build.projectId)),
-    ...build.config.env,
-    PATH: '/usr/local/bin:/usr/bin:/bin',
-    HOME: '/tmp',
-    APP_NAME: build.appId,
-    PROJECT_ID: build.projectId,
-    BUILD_ID: build.buildId,
-    FERRY_PROTOCOL: '1',
-    FERRY_SOCKET: paths.socketPath,
-    FERRY_ENTRY: `${paths.appDir}/${entry ?? 'source/main.py'}`,
-    // The build folder is read-only in the sandbox; pip compiled the dependencies' bytecode at build time.
-    PYTHONDONTWRITEBYTECODE: '1',
-    PYTHONUNBUFFERED: '1',
-  };
-  const prepared = await prepareLaunch(
-    {
-      ...layout,
-      replicaId,
-      memoryMiB: build.config.resources.memory,
-      command: [python, '-u', paths.runtimeFile(PYTHON_BOOTSTRAP)],
-      env,
-    },
-    deps.sandbox,
-  );
-  return {
-    spawn: () => prepared.spawn(['ignore', 'pipe', 'pipe']),
-    socketPath: prepared.paths.hostSocketPath,
-    sandboxed: prepared.sandboxed,
-    wasOomKilled: () => prepared.wasOomKilled(),
-    async cleanup() {
-      await prepared.cleanup();
-      await fs.rm(socketDir, { recursive: true, force: true });
-    },
   };
 }
 
