@@ -6,7 +6,7 @@
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import * as esbuild from 'esbuild';
-import { isFile, runChild, throwIfAborted } from './run-child.js';
+import { isFile, PROXY_ENV, runInstallStep, throwIfAborted } from './run-child.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
 
 /** Entry files the Node builder accepts, in the order they are looked for. */
@@ -28,9 +28,6 @@ const BANNER = [
   'const __ferry_filename = __ferryFileURLToPath(import.meta.url);',
   'const __ferry_dirname = __ferryDirname(__ferry_filename);',
 ].join('\n');
-
-/** Server variables npm may need to reach a registry; everything else in the server's environment stays out. */
-const PASSED_ENV = ['HTTP_PROXY', 'HTTPS_PROXY', 'NO_PROXY', 'http_proxy', 'https_proxy', 'no_proxy'];
 
 export interface NodeBuilderOptions {
   /** The npm executable (default `npm`, found on PATH). */
@@ -84,35 +81,15 @@ async function installDependencies(ctx: BuildContext, npmCommand: string): Promi
   }
   ctx.log(`Running npm ${args.join(' ')}`);
 
-  const home = path.join(ctx.cacheDir, 'home');
   const npmCache = path.join(ctx.cacheDir, 'npm');
-  await fs.mkdir(home, { recursive: true });
   await fs.mkdir(npmCache, { recursive: true });
-  // The server's environment may hold secrets (tokens, database URLs); npm gets only what it needs.
-  const env: NodeJS.ProcessEnv = {
-    PATH: process.env.PATH ?? '/usr/local/bin:/usr/bin:/bin',
-    HOME: home,
-    npm_config_cache: npmCache,
-    npm_config_update_notifier: 'false',
-    npm_config_loglevel: 'warn',
-  };
-  for (const name of PASSED_ENV) {
-    const value = process.env[name];
-    if (value !== undefined) env[name] = value;
-  }
-
-  const started = Date.now();
-  const exit = await runChild(npmCommand, args, {
-    cwd: ctx.sourceDir,
-    env,
-    onLine: (_stream, line) => ctx.log(line),
-    signal: ctx.signal,
+  await runInstallStep(ctx, {
+    label: `npm ${command}`,
+    command: npmCommand,
+    args,
+    extra: { npm_config_cache: npmCache, npm_config_update_notifier: 'false', npm_config_loglevel: 'warn' },
+    passed: PROXY_ENV,
   });
-  if (exit.code !== 0) {
-    const how = exit.code === null ? `was killed by ${exit.signal ?? 'a signal'}` : `failed (exit code ${exit.code})`;
-    throw new BuildFailedError(`npm ${command} ${how}`);
-  }
-  ctx.log(`npm ${command} finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
 }
 
 async function readPackageJson(sourceDir: string): Promise<Record<string, unknown>> {

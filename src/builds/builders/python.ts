@@ -10,7 +10,7 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { describeExit, isFile, runChild, throwIfAborted } from './run-child.js';
+import { describeExit, isFile, PROXY_ENV, runChild, runInstallStep, throwIfAborted } from './run-child.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
 
 export const PYTHON_ENTRY = 'main.py';
@@ -27,12 +27,7 @@ const PIP_TIMEOUT_SECONDS = 15;
  * Everything else in the server's environment stays out.
  */
 const PASSED_ENV = [
-  'HTTP_PROXY',
-  'HTTPS_PROXY',
-  'NO_PROXY',
-  'http_proxy',
-  'https_proxy',
-  'no_proxy',
+  ...PROXY_ENV,
   'PIP_INDEX_URL',
   'PIP_EXTRA_INDEX_URL',
   'PIP_TRUSTED_HOST',
@@ -387,33 +382,17 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
   ctx.log(`Running pip install -r requirements.txt --target ${path.basename(ctx.outputDir)}/${SITE_PACKAGES_DIR}`);
   ctx.log('Installing wheels only: source packages would run their build code on the server');
 
-  const home = path.join(ctx.cacheDir, 'home');
-  await fs.mkdir(home, { recursive: true });
-  // The server's environment may hold secrets (tokens, database URLs); pip gets only what it needs.
-  const env: NodeJS.ProcessEnv = {
-    PATH: process.env.PATH ?? '/usr/local/bin:/usr/bin:/bin',
-    HOME: home,
-    PIP_DISABLE_PIP_VERSION_CHECK: '1',
-    PIP_NO_INPUT: '1',
-    PIP_ROOT_USER_ACTION: 'ignore',
-    PYTHONUNBUFFERED: '1',
-  };
-  for (const name of PASSED_ENV) {
-    const value = process.env[name];
-    if (value !== undefined) env[name] = value;
-  }
-
-  const started = Date.now();
-  // cwd is the app folder, so `./vendor/pkg` and `./wheels/x.whl` lines in requirements.txt resolve.
-  const exit = await runChild(python, args, {
-    cwd: ctx.sourceDir,
-    env,
-    onLine: (_stream, line) => ctx.log(line),
-    signal: ctx.signal,
+  // cwd is the app folder, so `./wheels/x.whl` lines in requirements.txt resolve.
+  await runInstallStep(ctx, {
+    label: 'pip install',
+    command: python,
+    args,
+    extra: {
+      PIP_DISABLE_PIP_VERSION_CHECK: '1',
+      PIP_NO_INPUT: '1',
+      PIP_ROOT_USER_ACTION: 'ignore',
+      PYTHONUNBUFFERED: '1',
+    },
+    passed: PASSED_ENV,
   });
-  if (exit.code !== 0) {
-    const how = exit.code === null ? `was killed by ${exit.signal ?? 'a signal'}` : `failed (exit code ${exit.code})`;
-    throw new BuildFailedError(`pip install ${how}`);
-  }
-  ctx.log(`pip install finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
 }
