@@ -6,7 +6,6 @@
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
-import http from 'node:http';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { parseAppConfig } from '../src/apps/app-config.js';
@@ -16,57 +15,9 @@ import { zipFiles } from './helpers/app-zip.js';
 import { http as call, deployFiles, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 import { LEFTPAD_WHEEL, leftpadWheel } from './helpers/python-wheel.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
+import { disconnectAfterFirstItem, streamRequest } from './helpers/stream.js';
 
 const toml = (name: string, extra = '') => `[app]\nname = "${name}"\n${extra}`;
-
-interface Arrival {
-  at: number;
-  text: string;
-}
-
-/** POSTs asking for an event stream and records when each chunk arrives. */
-function streamRequest(
-  url: string,
-  token: string,
-  body: unknown,
-): Promise<{ status: number; headers: http.IncomingHttpHeaders; arrivals: Arrival[] }> {
-  return new Promise((resolve, reject) => {
-    const started = Date.now();
-    const req = http.request(
-      url,
-      {
-        method: 'POST',
-        headers: { authorization: `Bearer ${token}`, accept: 'text/event-stream', 'content-type': 'application/json' },
-      },
-      (res) => {
-        const arrivals: Arrival[] = [];
-        res.on('data', (chunk: Buffer) => arrivals.push({ at: Date.now() - started, text: chunk.toString('utf8') }));
-        res.on('end', () => resolve({ status: res.statusCode ?? 0, headers: res.headers, arrivals }));
-        res.on('error', reject);
-      },
-    );
-    req.on('error', reject);
-    req.end(JSON.stringify(body));
-  });
-}
-
-/** Starts a streaming call, reads its first chunk, then goes away; resolves with the run id. */
-function disconnectAfterFirstItem(url: string, token: string): Promise<string> {
-  return new Promise<string>((resolve, reject) => {
-    const req = http.request(url, {
-      method: 'POST',
-      headers: { authorization: `Bearer ${token}`, accept: 'text/event-stream', 'content-type': 'application/json' },
-    });
-    req.on('response', (res) => {
-      res.once('data', () => {
-        req.destroy();
-        resolve(String(res.headers['x-request-id']));
-      });
-    });
-    req.on('error', (err) => (req.destroyed ? undefined : reject(err)));
-    req.end('{}');
-  });
-}
 
 describe('python runtime', () => {
   let server: TestServer;

@@ -4,49 +4,9 @@
  * generator, and a generator called without an event stream answering a JSON array.
  */
 import assert from 'node:assert/strict';
-import http from 'node:http';
 import { after, before, describe, it } from 'node:test';
-import zlib from 'node:zlib';
 import { http as call, deployFiles, startServer, type TestServer, waitFor } from './helpers/ferry.js';
-
-interface Arrival {
-  at: number;
-  text: string;
-}
-
-/** POSTs with node:http (no transparent decompression) and records when each chunk arrives, decoded. */
-function streamRequest(
-  url: string,
-  token: string,
-  body: unknown,
-  headers: Record<string, string> = {},
-): Promise<{ status: number; headers: http.IncomingHttpHeaders; arrivals: Arrival[] }> {
-  return new Promise((resolve, reject) => {
-    const started = Date.now();
-    const req = http.request(
-      url,
-      {
-        method: 'POST',
-        headers: {
-          authorization: `Bearer ${token}`,
-          accept: 'text/event-stream',
-          'content-type': 'application/json',
-          ...headers,
-        },
-      },
-      (res) => {
-        const arrivals: Arrival[] = [];
-        const gz = res.headers['content-encoding'] === 'gzip';
-        const source = gz ? res.pipe(zlib.createGunzip()) : res;
-        source.on('data', (chunk: Buffer) => arrivals.push({ at: Date.now() - started, text: chunk.toString('utf8') }));
-        source.on('end', () => resolve({ status: res.statusCode ?? 0, headers: res.headers, arrivals }));
-        source.on('error', reject);
-      },
-    );
-    req.on('error', reject);
-    req.end(JSON.stringify(body));
-  });
-}
+import { disconnectAfterFirstItem, streamRequest } from './helpers/stream.js';
 
 describe('streaming runs', () => {
   let server: TestServer;
@@ -123,24 +83,7 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
   });
 
   it('stops the generator when the client disconnects and frees the replica slot', async () => {
-    const runId = await new Promise<string>((resolve, reject) => {
-      const req = http.request(url('forever'), {
-        method: 'POST',
-        headers: {
-          authorization: `Bearer ${auth.token}`,
-          accept: 'text/event-stream',
-          'content-type': 'application/json',
-        },
-      });
-      req.on('response', (res) => {
-        res.once('data', () => {
-          req.destroy();
-          resolve(String(res.headers['x-request-id']));
-        });
-      });
-      req.on('error', (err) => (req.destroyed ? undefined : reject(err)));
-      req.end('{}');
-    });
+    const runId = await disconnectAfterFirstItem(url('forever'), auth.token);
     // One replica, one slot: a new call gets through only if the endless generator let go of it.
     const started = Date.now();
     const next = await streamRequest(url('words'), auth.token, {});

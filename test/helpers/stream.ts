@@ -1,0 +1,63 @@
+/**
+ * Streaming-call helpers for tests: a POST asking for an event stream that records when each chunk
+ * arrives (decoded, without transparent decompression), and a caller that goes away after the first item.
+ */
+import http from 'node:http';
+import zlib from 'node:zlib';
+
+export interface Arrival {
+  at: number;
+  text: string;
+}
+
+/** POSTs with node:http (no transparent decompression) and records when each chunk arrives, decoded. */
+export function streamRequest(
+  url: string,
+  token: string,
+  body: unknown,
+  headers: Record<string, string> = {},
+): Promise<{ status: number; headers: http.IncomingHttpHeaders; arrivals: Arrival[] }> {
+  return new Promise((resolve, reject) => {
+    const started = Date.now();
+    const req = http.request(
+      url,
+      {
+        method: 'POST',
+        headers: {
+          authorization: `Bearer ${token}`,
+          accept: 'text/event-stream',
+          'content-type': 'application/json',
+          ...headers,
+        },
+      },
+      (res) => {
+        const arrivals: Arrival[] = [];
+        const gz = res.headers['content-encoding'] === 'gzip';
+        const source = gz ? res.pipe(zlib.createGunzip()) : res;
+        source.on('data', (chunk: Buffer) => arrivals.push({ at: Date.now() - started, text: chunk.toString('utf8') }));
+        source.on('end', () => resolve({ status: res.statusCode ?? 0, headers: res.headers, arrivals }));
+        source.on('error', reject);
+      },
+    );
+    req.on('error', reject);
+    req.end(JSON.stringify(body));
+  });
+}
+
+/** Starts a streaming call, reads its first chunk, then goes away; resolves with the run id. */
+export function disconnectAfterFirstItem(url: string, token: string): Promise<string> {
+  return new Promise<string>((resolve, reject) => {
+    const req = http.request(url, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${token}`, accept: 'text/event-stream', 'content-type': 'application/json' },
+    });
+    req.on('response', (res) => {
+      res.once('data', () => {
+        req.destroy();
+        resolve(String(res.headers['x-request-id']));
+      });
+    });
+    req.on('error', (err) => (req.destroyed ? undefined : reject(err)));
+    req.end('{}');
+  });
+}
