@@ -4,135 +4,25 @@
  * server that never answers when a test needs npm to hang.
  */
 import assert from 'node:assert/strict';
-import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
-import os from 'node:os';
 import path from 'node:path';
-import { after, before, describe, it } from 'node:test';
+import { describe, it } from 'node:test';
 import { pathToFileURL } from 'node:url';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { selectBuilder } from '../src/builds/builders/index.js';
 import { createNodeBuilder } from '../src/builds/builders/node.js';
-import { type Builder, BuildFailedError, type BuildResult } from '../src/builds/builders/types.js';
-import { REPO_ROOT } from './helpers/ferry.js';
+import { type Builder, BuildFailedError } from '../src/builds/builders/types.js';
+import { assertFailed, assertReady, buildHarness, isAlive, processesIn, type Workspace } from './helpers/builds.js';
 
-// Fixtures stay in the source tree (tests run compiled from dist/test).
-const FIXTURES = `${path.join(REPO_ROOT, 'test', 'fixtures')}${path.sep}`;
 const TIMEOUT = 60_000;
 
-let tmpRoot: string;
-let cacheDir: string;
-let counter = 0;
-
-before(async () => {
-  tmpRoot = await fs.mkdtemp(path.join(os.tmpdir(), 'ferry-builder-node-'));
-  cacheDir = path.join(tmpRoot, 'cache');
-});
-
-after(async () => {
-  await fs.rm(tmpRoot, { recursive: true, force: true });
-});
-
-interface Workspace {
-  sourceDir: string;
-  outputDir: string;
-}
-
-/** A fresh `<build>/{source,out}` pair; `source` starts as a copy of the fixture, plus any extra files. */
-async function workspace(fixture: string | null, files: Record<string, string> = {}): Promise<Workspace> {
-  counter += 1;
-  const root = path.join(tmpRoot, `build-${counter}`);
-  const sourceDir = path.join(root, 'source');
-  const outputDir = path.join(root, 'out');
-  await fs.mkdir(outputDir, { recursive: true });
-  if (fixture) await fs.cp(path.join(FIXTURES, fixture), sourceDir, { recursive: true });
-  else await fs.mkdir(sourceDir, { recursive: true });
-  for (const [name, text] of Object.entries(files)) {
-    await fs.mkdir(path.dirname(path.join(sourceDir, name)), { recursive: true });
-    await fs.writeFile(path.join(sourceDir, name), text);
-  }
-  return { sourceDir, outputDir };
-}
-
-interface Outcome {
-  result?: BuildResult;
-  error?: unknown;
-  lines: string[];
-  ms: number;
-}
-
-async function runBuild(
-  ws: Workspace,
-  opts: { builder?: Builder; signal?: AbortSignal; onLog?: (line: string) => void } = {},
-): Promise<Outcome> {
-  const config = parseAppConfig(await fs.readFile(path.join(ws.sourceDir, 'ferry.toml'), 'utf8'));
-  const lines: string[] = [];
-  const builder = opts.builder ?? createNodeBuilder();
-  const started = Date.now();
-  try {
-    const result = await builder.build({
-      buildId: 'b_test',
-      sourceDir: ws.sourceDir,
-      outputDir: ws.outputDir,
-      cacheDir,
-      config,
-      log: (line) => {
-        lines.push(line);
-        opts.onLog?.(line);
-      },
-      signal: opts.signal ?? new AbortController().signal,
-    });
-    return { result, lines, ms: Date.now() - started };
-  } catch (error) {
-    return { error, lines, ms: Date.now() - started };
-  }
-}
-
-function assertReady(outcome: Outcome): BuildResult {
-  if (outcome.error) {
-    assert.fail(`build failed: ${String(outcome.error)}\n${outcome.lines.join('\n')}`);
-  }
-  return outcome.result!;
-}
-
-function assertFailed(outcome: Outcome, message: RegExp): BuildFailedError {
-  assert.ok(outcome.error, `expected the build to fail; log:\n${outcome.lines.join('\n')}`);
-  assert.ok(outcome.error instanceof BuildFailedError, `expected BuildFailedError, got ${String(outcome.error)}`);
-  assert.match(outcome.error.message, message);
-  return outcome.error;
-}
+const h = buildHarness('node', () => createNodeBuilder());
+const { workspace, runBuild } = h;
 
 async function importBundle(ws: Workspace): Promise<Record<string, unknown>> {
   return (await import(pathToFileURL(path.join(ws.outputDir, 'main.mjs')).href)) as Record<string, unknown>;
-}
-
-/** Linux: true for a live process (a zombie counts as gone, since only its exit status is left). */
-function isAlive(pid: number): boolean {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
-  } catch {
-    try {
-      process.kill(pid, 0);
-      return true;
-    } catch {
-      return false;
-    }
-  }
-}
-
-/** Live processes whose working folder is inside `dir` (what npm and its children would have). */
-async function processesIn(dir: string): Promise<number[]> {
-  const real = await fs.realpath(dir);
-  const found: number[] = [];
-  for (const entry of await fs.readdir('/proc').catch(() => [] as string[])) {
-    if (!/^\d+$/.test(entry) || Number(entry) === process.pid) continue;
-    const cwd = await fs.readlink(`/proc/${entry}/cwd`).catch(() => null);
-    if (cwd && (cwd === real || cwd.startsWith(`${real}/`)) && isAlive(Number(entry))) found.push(Number(entry));
-  }
-  return found;
 }
 
 describe('node builder: bundling', () => {
@@ -225,7 +115,7 @@ describe('node builder: dependencies', () => {
     assert.ok(outcome.lines.some((l) => /Install scripts are not run/.test(l)));
     assert.ok(outcome.lines.includes('Entry: main.js'));
     await fs.access(path.join(ws.sourceDir, 'node_modules', 'left'));
-    await fs.access(path.join(cacheDir, 'npm'));
+    await fs.access(path.join(h.cacheDir, 'npm'));
 
     // The bundle must stand alone: remove the sources and node_modules before loading it.
     await fs.rm(ws.sourceDir, { recursive: true });
@@ -270,8 +160,8 @@ describe('node builder: dependencies', () => {
       assertReady(outcome);
       const log = outcome.lines.join('\n');
       assert.ok(!log.includes('top-secret-value'), log);
-      assert.ok(outcome.lines.includes(`HOME=${path.join(cacheDir, 'home')}`), log);
-      assert.ok(outcome.lines.includes(`npm_config_cache=${path.join(cacheDir, 'npm')}`), log);
+      assert.ok(outcome.lines.includes(`HOME=${path.join(h.cacheDir, 'home')}`), log);
+      assert.ok(outcome.lines.includes(`npm_config_cache=${path.join(h.cacheDir, 'npm')}`), log);
       assert.ok(outcome.lines.includes('npm_config_update_notifier=false'), log);
       assert.ok(outcome.lines.includes('npm_config_loglevel=warn'), log);
       assert.ok(outcome.lines.includes(`PATH=${process.env.PATH}`), log);

@@ -5,129 +5,26 @@
  */
 import assert from 'node:assert/strict';
 import { type ChildProcess, spawn } from 'node:child_process';
-import { readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
-import os from 'node:os';
 import path from 'node:path';
-import { after, before, describe, it } from 'node:test';
+import { describe, it } from 'node:test';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { createDefaultBuilders, selectBuilder } from '../src/builds/builders/index.js';
 import { createPythonBuilder, findPython } from '../src/builds/builders/python.js';
-import { type Builder, BuildFailedError, type BuildResult } from '../src/builds/builders/types.js';
+import { BuildFailedError } from '../src/builds/builders/types.js';
 import { PYTHON_BOOTSTRAP } from '../src/replicas/launcher.js';
-import { REPO_ROOT } from './helpers/ferry.js';
+import { assertFailed, assertReady, buildHarness, isAlive, processesIn, type Workspace } from './helpers/builds.js';
 import { LEFTPAD_WHEEL, leftpadWheel } from './helpers/python-wheel.js';
 
-const FIXTURES = path.join(REPO_ROOT, 'test', 'fixtures');
 const TIMEOUT = 60_000;
 
-let tmpRoot: string;
-let cacheDir: string;
-let counter = 0;
-
-before(async () => {
-  tmpRoot = await fs.mkdtemp(path.join(os.tmpdir(), 'ferry-builder-python-'));
-  cacheDir = path.join(tmpRoot, 'cache');
-});
-
-after(async () => {
-  await fs.rm(tmpRoot, { recursive: true, force: true });
-});
-
-interface Workspace {
-  root: string;
-  sourceDir: string;
-  outputDir: string;
-}
-
-/** A fresh `<build>/{source,out}` pair; `source` starts as a copy of the fixture, plus any extra files. */
-async function workspace(fixture: string | null, files: Record<string, string | Buffer> = {}): Promise<Workspace> {
-  counter += 1;
-  const root = path.join(tmpRoot, `build-${counter}`);
-  const sourceDir = path.join(root, 'source');
-  const outputDir = path.join(root, 'out');
-  await fs.mkdir(outputDir, { recursive: true });
-  if (fixture) await fs.cp(path.join(FIXTURES, fixture), sourceDir, { recursive: true });
-  else await fs.mkdir(sourceDir, { recursive: true });
-  for (const [name, data] of Object.entries(files)) {
-    await fs.mkdir(path.dirname(path.join(sourceDir, name)), { recursive: true });
-    await fs.writeFile(path.join(sourceDir, name), data);
-  }
-  return { root, sourceDir, outputDir };
-}
+const h = buildHarness('python', () => createPythonBuilder());
+const { workspace, runBuild } = h;
 
 async function depsWorkspace(extra: Record<string, string | Buffer> = {}): Promise<Workspace> {
   return workspace('python-deps', { [`wheels/${LEFTPAD_WHEEL}`]: await leftpadWheel(), ...extra });
-}
-
-interface Outcome {
-  result?: BuildResult;
-  error?: unknown;
-  lines: string[];
-  ms: number;
-}
-
-async function runBuild(
-  ws: Workspace,
-  opts: { builder?: Builder; signal?: AbortSignal; onLog?: (line: string) => void } = {},
-): Promise<Outcome> {
-  const config = parseAppConfig(await fs.readFile(path.join(ws.sourceDir, 'ferry.toml'), 'utf8'));
-  const lines: string[] = [];
-  const builder = opts.builder ?? createPythonBuilder();
-  const started = Date.now();
-  try {
-    const result = await builder.build({
-      buildId: 'b_test',
-      sourceDir: ws.sourceDir,
-      outputDir: ws.outputDir,
-      cacheDir,
-      config,
-      log: (line) => {
-        lines.push(line);
-        opts.onLog?.(line);
-      },
-      signal: opts.signal ?? new AbortController().signal,
-    });
-    return { result, lines, ms: Date.now() - started };
-  } catch (error) {
-    return { error, lines, ms: Date.now() - started };
-  }
-}
-
-function assertReady(outcome: Outcome): BuildResult {
-  if (outcome.error) assert.fail(`build failed: ${String(outcome.error)}\n${outcome.lines.join('\n')}`);
-  return outcome.result!;
-}
-
-function assertFailed(outcome: Outcome, message: RegExp): BuildFailedError {
-  assert.ok(outcome.error, `expected the build to fail; log:\n${outcome.lines.join('\n')}`);
-  assert.ok(outcome.error instanceof BuildFailedError, `expected BuildFailedError, got ${String(outcome.error)}`);
-  assert.match(outcome.error.message, message);
-  return outcome.error;
-}
-
-/** Linux: true for a live process (a zombie counts as gone). */
-function isAlive(pid: number): boolean {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
-  } catch {
-    return false;
-  }
-}
-
-/** Live processes whose working folder is inside `dir` (what pip and its children would have). */
-async function processesIn(dir: string): Promise<number[]> {
-  const real = await fs.realpath(dir);
-  const found: number[] = [];
-  for (const entry of await fs.readdir('/proc').catch(() => [] as string[])) {
-    if (!/^\d+$/.test(entry) || Number(entry) === process.pid) continue;
-    const cwd = await fs.readlink(`/proc/${entry}/cwd`).catch(() => null);
-    if (cwd && (cwd === real || cwd.startsWith(`${real}/`)) && isAlive(Number(entry))) found.push(Number(entry));
-  }
-  return found;
 }
 
 /** Runs the Python bootstrap on a built workspace, without a sandbox, the way a replica starts. */
@@ -232,7 +129,7 @@ describe('python builder: checks', () => {
   });
 
   it('never runs the app while checking it', { timeout: TIMEOUT }, async () => {
-    const marker = path.join(tmpRoot, 'ran-at-build');
+    const marker = path.join(h.tmpRoot, 'ran-at-build');
     const ws = await workspace(null, {
       'ferry.toml': '[app]\nname = "py-side-effect"\n',
       'main.py': `open(${JSON.stringify(marker)}, "w").write("ran")\ndef run(): return 1\n`,
@@ -365,7 +262,7 @@ describe('python builder: dependencies', () => {
         ),
         log,
       );
-      assert.ok(outcome.lines.includes(`HOME=${path.join(cacheDir, 'home')}`), log);
+      assert.ok(outcome.lines.includes(`HOME=${path.join(h.cacheDir, 'home')}`), log);
       assert.ok(outcome.lines.includes('PIP_DISABLE_PIP_VERSION_CHECK=1'), log);
       assert.ok(outcome.lines.includes(`PATH=${process.env.PATH}`), log);
     } finally {
