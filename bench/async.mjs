@@ -10,9 +10,7 @@
  */
 import autocannon from 'autocannon';
 import {
-  bootstrapProject,
   cpuMs,
-  deployApp,
   envInt,
   fetchMetrics,
   fmt,
@@ -24,10 +22,10 @@ import {
   requireDist,
   runMain,
   sandboxReport,
-  startFerry,
+  sleep,
+  startDeployed,
   summarize,
   table,
-  tempDir,
   waitFor,
 } from './lib.mjs';
 
@@ -56,8 +54,6 @@ response_grace_period = 30
 `,
   'main.ts': 'export function run() { return null; }\n',
 };
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 /** Runs of the app that have ended (any state) and that ended `success`, from ferry_runs_total. */
 async function endedRuns(ferry, projectId) {
@@ -177,12 +173,10 @@ async function main() {
   console.log('Ferry bench: async runs of a no-op function, accepted and completed per second\n');
   console.log(machineReport());
 
-  const dataDir = await tempDir('ferry-bench-async-');
-  const auth = await bootstrapProject(dataDir);
-  const ferry = await startFerry(dataDir, { env: { FERRY_MAX_ASYNC_BACKLOG: String(MAX_ASYNC_BACKLOG) } });
-  console.log(`ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir})`);
+  const { auth, ferry } = await startDeployed('async', APP, APP_FILES, {
+    FERRY_MAX_ASYNC_BACKLOG: String(MAX_ASYNC_BACKLOG),
+  });
   console.log(`FERRY_MAX_ASYNC_BACKLOG=${MAX_ASYNC_BACKLOG} (so 429s do not cap the accept rate)`);
-  await deployApp(ferry, auth, APP, APP_FILES);
 
   const runPath = `/v4/${auth.projectId}/${APP}/run`;
   const headers = { 'content-type': 'application/json', authorization: `Bearer ${auth.token}` };

@@ -9,8 +9,6 @@
  */
 import { Client } from 'undici';
 import {
-  bootstrapProject,
-  deployApp,
   envInt,
   fmt,
   http,
@@ -21,10 +19,9 @@ import {
   requireDist,
   runMain,
   sandboxReport,
-  startFerry,
+  startDeployed,
   summarize,
   table,
-  tempDir,
   waitFor,
 } from './lib.mjs';
 
@@ -79,11 +76,7 @@ async function main() {
   console.log('Ferry bench: cold starts of a TypeScript function\n');
   console.log(machineReport());
 
-  const dataDir = await tempDir('ferry-bench-cold-');
-  const auth = await bootstrapProject(dataDir);
-  const ferry = await startFerry(dataDir);
-  console.log(`ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir})`);
-  await deployApp(ferry, auth, APP, APP_FILES);
+  const { dataDir, auth, ferry } = await startDeployed('cold', APP, APP_FILES);
   console.log(`app "${APP}": main.ts, min_replicas = 0, max_replicas = 1, cooldown = 0 (the reaper runs every second)`);
 
   const client = new Client(ferry.url);

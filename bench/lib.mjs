@@ -658,3 +658,30 @@ export function machineReport() {
     `node: ${process.version}; ferry: ${commit}; load average at start: ${load}`,
   ].join('\n');
 }
+
+export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+/**
+ * How every bench begins: a fresh data dir, a bootstrapped project, a Ferry child process (with `env`
+ * as its extra settings), and `files` deployed as app `app`.
+ */
+export async function startDeployed(label, app, files, env = {}) {
+  const dataDir = await tempDir(`ferry-bench-${label}-`);
+  const auth = await bootstrapProject(dataDir);
+  const ferry = await startFerry(dataDir, { env });
+  const settings = Object.entries(env).map(([name, value]) => `${name}=${value}`);
+  console.log(
+    `ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir})${settings.length > 0 ? `, ${settings.join(', ')}` : ''}`,
+  );
+  await deployApp(ferry, auth, app, files);
+  return { dataDir, auth, ferry };
+}
+
+/** The socket of the app's only replica (the benches deploy with max_replicas = 1). */
+export function onlyReplicaSocket(dataDir) {
+  const sockets = replicaSockets(dataDir);
+  if (sockets.length !== 1)
+    throw new Error(`expected one replica socket under ${dataDir}/run, found ${sockets.length}`);
+  console.log(`replica socket: ${path.relative(dataDir, sockets[0])}`);
+  return sockets[0];
+}

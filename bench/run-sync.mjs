@@ -10,13 +10,10 @@
  *   npm run build && npm run bench:run-sync
  *   BENCH_DURATION=10 BENCH_WARMUP=2 BENCH_CONNECTIONS=32 BENCH_LATENCY_REQUESTS=2000 npm run bench:run-sync
  */
-import path from 'node:path';
 import autocannon from 'autocannon';
 import { Client } from 'undici';
 import {
-  bootstrapProject,
   cpuMs,
-  deployApp,
   ensureNginx,
   envInt,
   fmt,
@@ -25,11 +22,12 @@ import {
   loadAverage,
   machineReport,
   nginxVersion,
+  onlyReplicaSocket,
   replicaSockets,
   requireDist,
   runMain,
   sandboxReport,
-  startFerry,
+  startDeployed,
   startNginx,
   summarize,
   table,
@@ -150,21 +148,13 @@ async function main() {
   const nginxBin = ensureNginx();
   console.log(`nginx: ${nginxVersion(nginxBin)} (${nginxBin})`);
 
-  const dataDir = await tempDir('ferry-bench-');
-  const auth = await bootstrapProject(dataDir);
-  const ferry = await startFerry(dataDir);
-  console.log(`ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir})`);
-  await deployApp(ferry, auth, APP, APP_FILES);
+  const { dataDir, auth, ferry } = await startDeployed('sync', APP, APP_FILES);
   const runUrl = `${ferry.url}/v4/${auth.projectId}/${APP}/run`;
   const first = await http(runUrl, { method: 'POST', token: auth.token, body: {} });
   if (first.status !== 200 || first.json?.result?.ok !== true)
     throw new Error(`the first run answered ${first.status}: ${first.text}`);
 
-  const sockets = replicaSockets(dataDir);
-  if (sockets.length !== 1)
-    throw new Error(`expected one replica socket under ${dataDir}/run, found ${sockets.length}`);
-  const socketPath = sockets[0];
-  console.log(`replica socket: ${path.relative(dataDir, socketPath)}`);
+  const socketPath = onlyReplicaSocket(dataDir);
   const sandbox = await sandboxReport(ferry);
   console.log(`sandbox: ${sandbox.observed}; ferry doctor: ${sandbox.doctor}`);
 

@@ -13,26 +13,23 @@
  *   npm run build && npm run bench:stream
  *   BENCH_STREAM_REPS=20 BENCH_STREAM_EVENTS=200 BENCH_STREAM_INTERVAL_MS=5 npm run bench:stream
  */
-import path from 'node:path';
 import { createGunzip } from 'node:zlib';
 import { Client } from 'undici';
 import {
-  bootstrapProject,
   cpuMs,
-  deployApp,
   envInt,
   fmt,
   http,
   loadAverage,
   machineReport,
+  onlyReplicaSocket,
   replicaSockets,
   requireDist,
   runMain,
   sandboxReport,
-  startFerry,
+  startDeployed,
   summarize,
   table,
-  tempDir,
 } from './lib.mjs';
 
 const REPS = envInt('BENCH_STREAM_REPS', 20);
@@ -173,21 +170,13 @@ async function main() {
   console.log('Ferry bench: streaming runs, latency added per event, direct vs Ferry (SSE, SSE + gzip)\n');
   console.log(machineReport());
 
-  const dataDir = await tempDir('ferry-bench-stream-');
-  const auth = await bootstrapProject(dataDir);
-  const ferry = await startFerry(dataDir);
-  console.log(`ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir})`);
-  await deployApp(ferry, auth, APP, APP_FILES);
+  const { dataDir, auth, ferry } = await startDeployed('stream', APP, APP_FILES);
   const runPath = `/v4/${auth.projectId}/${APP}/run`;
   const first = await http(`${ferry.url}${runPath}`, { method: 'POST', token: auth.token, body: { n: 2, ms: 0 } });
   if (first.status !== 200 || first.json?.result?.length !== 2)
     throw new Error(`the first (JSON) run answered ${first.status}: ${first.text}`);
 
-  const sockets = replicaSockets(dataDir);
-  if (sockets.length !== 1)
-    throw new Error(`expected one replica socket under ${dataDir}/run, found ${sockets.length}`);
-  const socketPath = sockets[0];
-  console.log(`replica socket: ${path.relative(dataDir, socketPath)}`);
+  const socketPath = onlyReplicaSocket(dataDir);
   const sandbox = await sandboxReport(ferry);
   console.log(`sandbox: ${sandbox.observed}; ferry doctor: ${sandbox.doctor}`);
 

@@ -132,7 +132,7 @@ response_grace_period = 30
 `,
     'main.ts': 'export function run() { return null; }\n',
   };
-  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+  const { sleep } = lib;
 
   lib.requireDist();
   console.log('Ferry bench: webhook deliveries per second to a loopback receiver\n');
@@ -175,21 +175,12 @@ response_grace_period = 30
     `receiver: ${hookUrl} (node:http in a worker thread; answers 200, checks 1 signature in ${VERIFY_EVERY})`,
   );
 
-  const dataDir = await lib.tempDir('ferry-bench-webhooks-');
-  const auth = await lib.bootstrapProject(dataDir);
-  const ferry = await lib.startFerry(dataDir, {
-    env: {
-      FERRY_WEBHOOK_ALLOW: '127.0.0.0/8',
-      // Phase (2) holds the receiver's answers until every run has finished: no attempt may time out meanwhile.
-      FERRY_WEBHOOK_TIMEOUT_MS: '600000',
-      FERRY_MAX_ASYNC_BACKLOG: String(Math.max(100_000, RUNS * 2)),
-    },
+  const { auth, ferry } = await lib.startDeployed('webhooks', APP, APP_FILES, {
+    FERRY_WEBHOOK_ALLOW: '127.0.0.0/8',
+    // Phase (2) holds the receiver's answers until every run has finished: no attempt may time out meanwhile.
+    FERRY_WEBHOOK_TIMEOUT_MS: '600000',
+    FERRY_MAX_ASYNC_BACKLOG: String(Math.max(100_000, RUNS * 2)),
   });
-  console.log(
-    `ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir}), ` +
-      'FERRY_WEBHOOK_ALLOW=127.0.0.0/8, FERRY_WEBHOOK_TIMEOUT_MS=600000',
-  );
-  await lib.deployApp(ferry, auth, APP, APP_FILES);
   const runPath = `/v4/${auth.projectId}/${APP}/run?async=true&webhookEndpoint=${encodeURIComponent(hookUrl)}`;
   const headers = {
     'content-type': 'application/json',
