@@ -20,6 +20,7 @@ import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
 import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
+import { createRunTargets, type RunTargets } from './runs/targets.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openSqliteStore, type Store } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
@@ -46,11 +47,8 @@ export interface Services {
   asyncWorker: AsyncWorker;
   /** Delivers webhook payloads from the durable outbox. */
   webhooks: WebhookDeliverer;
-  /**
-   * What the run endpoint resolved per app (active build, config, functions), reused for a second so the
-   * hot path does not query and parse it on every call; cleared when a build of the app becomes active.
-   */
-  runTargets: Map<string, { value: unknown; until: number }>;
+  /** Each app's active build, config and functions, as runs resolve them (cached for a second). */
+  runTargets: RunTargets;
   close(): Promise<void>;
 }
 
@@ -61,6 +59,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const secretsKey = loadOrCreateKey(path.join(dataDir.keys, 'secrets.key'));
   const metrics = createMetrics();
   const buildLog = createBuildLog({ store });
+  const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
   const sandbox = await detectSandbox();
   const runDir = path.join(dataDir.root, 'run');
@@ -99,7 +98,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       metrics.runDuration.observe(labels, seconds);
     },
   });
-  const runTargets = new Map<string, { value: unknown; until: number }>();
   const webhooks = createWebhookDeliverer({
     store,
     logger: logger.child({ component: 'webhooks' }),
@@ -113,7 +111,13 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   recorder.onOutbox = () => webhooks.wake();
   webhooks.start();
-  const asyncWorker = createAsyncWorker({ store, invoker, recorder, logger: logger.child({ component: 'async' }) });
+  const asyncWorker = createAsyncWorker({
+    store,
+    targets: runTargets,
+    invoker,
+    recorder,
+    logger: logger.child({ component: 'async' }),
+  });
   const pipeline = createBuildPipeline({
     store,
     buildLog,
@@ -128,7 +132,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         metrics.buildDuration.observe({ state: build.state }, seconds);
       }
       if (build.state === 'ready') {
-        runTargets.delete(`${build.project_id}/${build.app_id}`);
+        runTargets.forget(build.project_id, build.app_id);
         void replicas.activate(build.project_id, build.app_id).catch((err: unknown) => {
           logger.error({ err, buildId: build.id }, 'switching replicas to the new build failed');
         });

@@ -8,13 +8,13 @@
  * in-memory queue.
  */
 import type { Logger } from 'pino';
-import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { Store } from '../store/index.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
 import type { Invoker } from './invoke.js';
 import type { RunRecorder } from './recorder.js';
+import type { RunTargets } from './targets.js';
 
 export interface AsyncWorker {
   /** Queues a committed async run. */
@@ -34,6 +34,7 @@ interface Queued {
 
 export function createAsyncWorker(deps: {
   store: Store;
+  targets: RunTargets;
   invoker: Invoker;
   recorder: RunRecorder;
   logger: Logger;
@@ -51,20 +52,9 @@ export function createAsyncWorker(deps: {
   const keyOf = (q: { projectId: string; appId: string }) => `${q.projectId}/${q.appId}`;
 
   async function target(q: Queued): Promise<PoolBuild | undefined> {
-    const row = await store
-      .selectFrom('apps')
-      .innerJoin('builds', 'builds.id', 'apps.active_build_id')
-      .select(['builds.id', 'builds.config_json'])
-      .where('apps.project_id', '=', q.projectId)
-      .where('apps.id', '=', q.appId)
-      .executeTakeFirst();
-    if (!row) return undefined;
-    return {
-      projectId: q.projectId,
-      appId: q.appId,
-      buildId: row.id,
-      config: JSON.parse(row.config_json) as AppConfig,
-    };
+    const found = await deps.targets.get(q.projectId, q.appId);
+    if (!found?.buildId || !found.config) return undefined;
+    return { projectId: q.projectId, appId: q.appId, buildId: found.buildId, config: found.config };
   }
 
   async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry'> {

@@ -8,7 +8,6 @@
 import { createGzip, constants as zlibConstants } from 'node:zlib';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Type } from 'typebox';
-import type { AppConfig } from '../../apps/app-config.js';
 import { FerryError } from '../../errors.js';
 import { uuidv7 } from '../../ids.js';
 import type { PoolBuild } from '../../replicas/pool.js';
@@ -56,41 +55,6 @@ function parseRunBody(raw: Buffer): RawJson {
   return { raw };
 }
 
-const TARGET_CACHE_MS = 1000;
-
-/** The app's active build, its config and functions (undefined: no such app), cached for a second. */
-async function lookupTarget(
-  services: Services,
-  projectId: string,
-  appName: string,
-): Promise<
-  { appId: string; buildId: string | null; config: AppConfig | undefined; functions: string[] | undefined } | undefined
-> {
-  type Found = Awaited<ReturnType<typeof lookupTarget>>;
-  const key = `${projectId}/${appName}`;
-  const now = Date.now();
-  const cached = services.runTargets.get(key);
-  if (cached && cached.until > now) return cached.value as Found;
-  const row = await services.store
-    .selectFrom('apps')
-    .leftJoin('builds', 'builds.id', 'apps.active_build_id')
-    .select(['apps.id', 'builds.id as build_id', 'builds.config_json', 'builds.functions'])
-    .where('apps.project_id', '=', projectId)
-    .where('apps.id', '=', appName)
-    .executeTakeFirst();
-  const found: Found = row
-    ? {
-        appId: row.id,
-        buildId: row.build_id,
-        config: row.config_json ? (JSON.parse(row.config_json) as AppConfig) : undefined,
-        functions: row.functions ? (JSON.parse(row.functions) as string[]) : undefined,
-      }
-    : undefined;
-  // Unknown apps are not cached: a first deploy must be callable at once.
-  if (found?.buildId) services.runTargets.set(key, { value: found, until: now + TARGET_CACHE_MS });
-  return found;
-}
-
 /** Finds the app's active build, authenticating unless the build turns auth off. */
 async function resolveTarget(
   services: Services,
@@ -98,7 +62,7 @@ async function resolveTarget(
   appName: string,
   authorization: string | undefined,
 ): Promise<RunTarget> {
-  const found = await lookupTarget(services, projectId, appName);
+  const found = await services.runTargets.get(projectId, appName);
   if (!found?.config?.app.disable_auth) await services.auth.authenticate(authorization, projectId, 'run');
   if (!found) throw new FerryError('FERRY_APP_NOT_FOUND', `No app "${appName}" in this project`);
   if (!found.config || !found.buildId) {
