@@ -50,7 +50,21 @@ function view(app: App, latest: { id: string; state: string } | undefined): AppV
 
 export async function listApps(store: Store, projectId: string): Promise<AppView[]> {
   const apps = await store.selectFrom('apps').selectAll().where('project_id', '=', projectId).orderBy('name').execute();
-  return Promise.all(apps.map(async (app) => view(app, await latestBuild(store, app))));
+  // Every app's newest build in one query (build ids sort by time), not one query per app.
+  const latest = await store
+    .selectFrom('builds')
+    .select(['app_id', 'id', 'state'])
+    .where('project_id', '=', projectId)
+    .where('id', 'in', (eb) =>
+      eb
+        .selectFrom('builds')
+        .select((b) => b.fn.max('id').as('id'))
+        .where('project_id', '=', projectId)
+        .groupBy('app_id'),
+    )
+    .execute();
+  const byApp = new Map(latest.map((b) => [b.app_id, { id: b.id, state: b.state }]));
+  return apps.map((app) => view(app, byApp.get(app.id)));
 }
 
 export async function findApp(store: Store, projectId: string, appId: string): Promise<App> {
