@@ -47,8 +47,6 @@ export function uuidv7(now: number = Date.now()): string {
   return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
 }
 
-export const UUID_PATTERN = '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$';
-
 /** The current time as Ferry stores it: ISO-8601 UTC with milliseconds. */
 export function nowIso(clock: () => number = Date.now): string {
   return new Date(clock()).toISOString();

@@ -9,7 +9,6 @@ import { errors as joseErrors, jwtVerify, SignJWT } from 'jose';
 import { FerryError } from '../errors.js';
 
 export type Scope = 'manage' | 'run';
-export const ALL_SCOPES: readonly Scope[] = ['manage', 'run'];
 const ISSUER = 'ferry';
 
 export interface TokenClaims {

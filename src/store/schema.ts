@@ -4,7 +4,7 @@
  * Portable on purpose: timestamps are ISO-8601 UTC text (they sort as text), booleans are 0/1 integers,
  * JSON is text. The same queries run on SQLite (embedded default) and PostgreSQL (scaled out).
  */
-import type { Generated, Insertable, Selectable, Updateable } from 'kysely';
+import type { Selectable } from 'kysely';
 
 export interface ProjectsTable {
   id: string;
@@ -150,8 +150,4 @@ export type Project = Selectable<ProjectsTable>;
 export type ServiceAccount = Selectable<ServiceAccountsTable>;
 export type App = Selectable<AppsTable>;
 export type Build = Selectable<BuildsTable>;
-export type NewBuild = Insertable<BuildsTable>;
-export type BuildUpdate = Updateable<BuildsTable>;
 export type Run = Selectable<RunsTable>;
-// Generated is re-exported for tables that later gain database-made columns.
-export type { Generated };
