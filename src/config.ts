@@ -38,6 +38,8 @@ export interface ServerConfig {
   webhookTimeoutMs: number;
   /** Results over this size are not kept on the run record. */
   maxStoredResultBytes: number;
+  /** Lines of replica output (outside runs) the app log keeps per app, in memory. */
+  appLogLines: number;
 }
 
 export const DEFAULTS = {
@@ -52,6 +54,7 @@ export const DEFAULTS = {
   maxAsyncBacklog: 100_000,
   webhookTimeoutMs: 10_000,
   maxStoredResultBytes: 256 * 1024,
+  appLogLines: 2000,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -99,6 +102,7 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     replicaStartTimeoutMs:
       intFrom(env.FERRY_REPLICA_START_TIMEOUT_MS, 'FERRY_REPLICA_START_TIMEOUT_MS', 100, 600_000) ??
       DEFAULTS.replicaStartTimeoutMs,
+    appLogLines: intFrom(env.FERRY_APP_LOG_LINES, 'FERRY_APP_LOG_LINES', 10, 1_000_000) ?? DEFAULTS.appLogLines,
     maxAsyncBacklog:
       intFrom(env.FERRY_MAX_ASYNC_BACKLOG, 'FERRY_MAX_ASYNC_BACKLOG', 0, 100_000_000) ?? DEFAULTS.maxAsyncBacklog,
     webhookAllow: checkAllowList(flags.webhookAllow ?? env.FERRY_WEBHOOK_ALLOW ?? ''),

@@ -6,6 +6,7 @@
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
+import { type AppLog, createAppLog } from './apps/app-log.js';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
 import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-store.js';
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
@@ -49,6 +50,8 @@ export interface Services {
   webhooks: WebhookDeliverer;
   /** Each app's active build, config and functions, as runs resolve them (cached for a second). */
   runTargets: RunTargets;
+  /** What replicas print outside runs, and their lifecycle, per app (in memory). */
+  appLog: AppLog;
   close(): Promise<void>;
 }
 
@@ -62,6 +65,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
   const sandbox = await detectSandbox();
+  const appLog = createAppLog({ linesPerApp: config.appLogLines });
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
@@ -83,6 +87,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       metrics.coldStartDuration.observe(labels, ms / 1000);
     },
     onReplicaOutput(build, replicaId, stream, line) {
+      appLog.append(build.projectId, build.appId, replicaId, stream, line);
       replicaLogger.info({ project: build.projectId, app: build.appId, replica: replicaId, stream }, line);
     },
   });
@@ -158,6 +163,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     asyncWorker,
     webhooks,
     runTargets,
+    appLog,
     refreshGauges() {
       metrics.replicas.reset();
       metrics.queueDepth.reset();

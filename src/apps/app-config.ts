@@ -29,12 +29,18 @@ const AppSection = Type.Object(
   { additionalProperties: false },
 );
 
+/** A check path on the user's server: "" (a TCP connect instead) or an absolute path such as "/health". */
+const Endpoint = Type.String({ maxLength: 2048, pattern: '^(/[\\x21-\\x7e]*)?$' });
+
 const CustomSection = Type.Object(
   {
     entrypoint: Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { minItems: 1 })]),
     port: Type.Optional(Type.Integer({ minimum: 1, maximum: 65535 })),
-    healthcheck_endpoint: Type.Optional(Type.String()),
-    readycheck_endpoint: Type.Optional(Type.String()),
+    healthcheck_endpoint: Type.Optional(Endpoint),
+    readycheck_endpoint: Type.Optional(Endpoint),
+    start_timeout: Type.Optional(Type.Integer({ minimum: 1, maximum: 3600 })),
+    healthcheck_interval: Type.Optional(Type.Integer({ minimum: 1, maximum: 3600 })),
+    websocket_idle_timeout: Type.Optional(Type.Integer({ minimum: 1, maximum: 86_400 })),
   },
   { additionalProperties: false },
 );
@@ -82,7 +88,18 @@ export interface AppConfig {
     disable_auth: boolean;
   };
   runtime: {
-    custom?: { entrypoint: string | string[]; port: number; healthcheck_endpoint: string; readycheck_endpoint: string };
+    custom?: {
+      entrypoint: string | string[];
+      port: number;
+      healthcheck_endpoint: string;
+      readycheck_endpoint: string;
+      /** Seconds a replica's server has to pass its readiness check. */
+      start_timeout: number;
+      /** Seconds between health checks of a ready replica. */
+      healthcheck_interval: number;
+      /** Seconds a proxied WebSocket may stay silent (both ways) before Ferry closes it. */
+      websocket_idle_timeout: number;
+    };
   };
   scaling: {
     min_replicas: number;
@@ -153,6 +170,8 @@ function explain(errors: ValidationError[]): [string, string] {
     const extra = (params.additionalProperties as string[] | undefined)?.[0] ?? '?';
     key = base === '(top level)' ? extra : `${base}.${extra}`;
     what = base === 'env' ? 'is not a valid environment variable name' : 'is not a known key';
+  } else if (first.keyword === 'pattern' && /endpoint$/.test(key)) {
+    what = 'must be "" (a TCP check) or a path starting with "/"';
   } else if (first.keyword === 'pattern' && key === 'app.name') {
     what = 'must use only a-z, 0-9 and "-", start and end with a letter or digit, and be at most 63 characters';
   } else {
@@ -205,6 +224,9 @@ function withDefaults(raw: RawConfig): AppConfig {
             port: custom.port ?? 8080,
             healthcheck_endpoint: custom.healthcheck_endpoint ?? '',
             readycheck_endpoint: custom.readycheck_endpoint ?? '',
+            start_timeout: custom.start_timeout ?? 60,
+            healthcheck_interval: custom.healthcheck_interval ?? 10,
+            websocket_idle_timeout: custom.websocket_idle_timeout ?? 300,
           },
         }
       : {},

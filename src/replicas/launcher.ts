@@ -5,6 +5,7 @@
  */
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
+import net from 'node:net';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { findPython } from '../builds/builders/python.js';
@@ -36,6 +37,13 @@ export interface LauncherDeps {
   secrets(projectId: string): Promise<Record<string, string>>;
 }
 
+/**
+ * The custom runtime's supervisor; bound read-only into every custom replica. It starts the user's server,
+ * gates the replica's socket on the readiness check, forwards the socket to the server's port, and runs
+ * the health checks (src/runtimes/custom/supervisor.ts).
+ */
+export const CUSTOM_SUPERVISOR = fileURLToPath(new URL('../runtimes/custom/supervisor.js', import.meta.url));
+
 /** Node's heap gets three quarters of the memory limit, so a runaway heap fails clearly before the hard limit. */
 const HEAP_SHARE = 0.75;
 
@@ -45,6 +53,8 @@ interface RuntimeLaunch {
   defaultEntry: string;
   command(bootstrapPath: string, build: PoolBuild): Promise<string[]>;
   env: Record<string, string>;
+  /** Custom runtime: its own network namespace, its variables, and the app folder as working folder. */
+  custom?: true;
 }
 
 const RUNTIMES: Record<string, RuntimeLaunch> = {
@@ -67,7 +77,41 @@ const RUNTIMES: Record<string, RuntimeLaunch> = {
     // The build folder is read-only in the sandbox; pip compiled the dependencies' bytecode at build time.
     env: { PYTHONDONTWRITEBYTECODE: '1', PYTHONUNBUFFERED: '1' },
   },
+  custom: {
+    bootstrap: { host: CUSTOM_SUPERVISOR, sandbox: '/ferry/supervisor.mjs' },
+    defaultEntry: 'source',
+    // The supervisor itself needs little; the memory limit covers the whole sandbox, the user's server too.
+    command: async (bootstrap) => [process.execPath, '--max-old-space-size=64', bootstrap],
+    env: {},
+    custom: true,
+  },
 };
+
+/** The variables the supervisor reads (and removes before starting the user's server). */
+function customEnv(build: PoolBuild, port: number): Record<string, string> {
+  const custom = build.config.runtime.custom;
+  if (!custom) throw new Error(`build ${build.buildId} has no [runtime.custom] section`);
+  return {
+    PORT: String(port),
+    FERRY_CUSTOM_ENTRYPOINT: JSON.stringify(custom.entrypoint),
+    FERRY_CUSTOM_READYCHECK: custom.readycheck_endpoint,
+    FERRY_CUSTOM_HEALTHCHECK: custom.healthcheck_endpoint,
+    FERRY_CUSTOM_START_TIMEOUT_MS: String(custom.start_timeout * 1000),
+    FERRY_CUSTOM_HEALTH_INTERVAL_MS: String(custom.healthcheck_interval * 1000),
+  };
+}
+
+/** A port nothing listens on now (for custom replicas without a network namespace of their own). */
+function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as net.AddressInfo;
+      server.close(() => resolve(port));
+    });
+  });
+}
 
 export function createLauncher(deps: LauncherDeps) {
   return async function launch(build: PoolBuild, replicaId: string): Promise<LaunchPlan> {
@@ -83,6 +127,13 @@ export function createLauncher(deps: LauncherDeps) {
     await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
     const layout = { buildDir, socketDir, runtimeFiles: [runtime.bootstrap] };
     const paths = sandboxPaths(layout, deps.sandbox.bwrap !== null);
+    const sandboxed = deps.sandbox.bwrap !== null;
+    let custom: Record<string, string> = {};
+    if (runtime.custom) {
+      // In its own network namespace every replica has the configured port to itself; without the sandbox
+      // replicas share the host's network, so each gets a free port instead (PORT says which).
+      custom = customEnv(build, sandboxed ? build.config.runtime.custom!.port : await freePort());
+    }
     const env: Record<string, string> = {
       ...(await deps.secrets(build.projectId)),
       ...build.config.env,
@@ -95,6 +146,7 @@ export function createLauncher(deps: LauncherDeps) {
       FERRY_PROTOCOL: '1',
       FERRY_SOCKET: paths.socketPath,
       FERRY_ENTRY: `${paths.appDir}/${row.entry ?? runtime.defaultEntry}`,
+      ...custom,
     };
     const prepared = await prepareLaunch(
       {
@@ -103,6 +155,7 @@ export function createLauncher(deps: LauncherDeps) {
         memoryMiB: build.config.resources.memory,
         command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build),
         env,
+        ...(runtime.custom ? { network: 'isolated' as const, cwd: row.entry ?? runtime.defaultEntry } : {}),
       },
       deps.sandbox,
     );

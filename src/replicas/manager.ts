@@ -20,8 +20,8 @@ export interface ReplicaManagerDeps {
   reapEveryMs?: number;
   onChange?: () => void;
   onColdStart?: (build: PoolBuild, ms: number) => void;
-  /** Lines replicas print outside runs (the app's replica log). */
-  onReplicaOutput?: (build: PoolBuild, replicaId: string, stream: 'stdout' | 'stderr', line: string) => void;
+  /** Lines replicas print outside runs, and what happened to them (`system`): the app's log. */
+  onReplicaOutput?: (build: PoolBuild, replicaId: string, stream: 'stdout' | 'stderr' | 'system', line: string) => void;
 }
 
 export interface ReplicaManager {
@@ -40,13 +40,17 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
   const draining = new Set<ReplicaPool>();
 
   function makePool(build: PoolBuild): ReplicaPool {
+    // A custom server gets its own start_timeout (the supervisor enforces it), plus time to start the sandbox.
+    const custom = build.config.runtime.custom;
+    const startTimeoutMs = custom ? custom.start_timeout * 1000 + deps.startTimeoutMs : deps.startTimeoutMs;
     const pool = new ReplicaPool({
       build,
       maxQueue: deps.maxQueue,
-      startTimeoutMs: deps.startTimeoutMs,
+      startTimeoutMs,
       logger: deps.logger,
       ...(deps.onChange ? { onChange: deps.onChange } : {}),
       onColdStart: (ms) => deps.onColdStart?.(build, ms),
+      onEvent: (replicaId, line) => deps.onReplicaOutput?.(build, replicaId, 'system', line),
       async startReplica(): Promise<Replica> {
         const id = uuidv7().slice(-12);
         const plan = await deps.launch(build, id);
@@ -54,7 +58,7 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
           id,
           plan,
           concurrency: build.config.scaling.replica_concurrency,
-          startTimeoutMs: deps.startTimeoutMs,
+          startTimeoutMs,
           onOutput: (stream, line) => deps.onReplicaOutput?.(build, id, stream, line),
         });
       },

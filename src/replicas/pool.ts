@@ -36,7 +36,14 @@ export interface PoolDeps {
   /** Told when replicas start, become ready and stop, for metrics. */
   onChange?: () => void;
   onColdStart?: (ms: number) => void;
+  /** Receives what happened to a replica (exits, restarts), for the app's log. */
+  onEvent?: (replicaId: string, line: string) => void;
 }
+
+/** Restart back-off after a crash: 0.5 s, doubling per failure in a row, at most 30 s. */
+const RESTART_BACKOFF_MS = { first: 500, max: 30_000 };
+/** A replica that served this long before it crashed starts the back-off from the beginning again. */
+const STABLE_AFTER_MS = 60_000;
 
 interface Waiter {
   resolve(slot: Slot): void;
@@ -56,6 +63,9 @@ export class ReplicaPool {
   private readonly retired = new Set<Replica>();
   /** Replicas being prepared (sandbox, environment) but not spawned yet: they count toward max_replicas. */
   private launching = 0;
+  /** Crashes and failed starts in a row (reset by a replica that becomes ready and stays up). */
+  private failuresInRow = 0;
+  private restartTimer: NodeJS.Timeout | undefined;
 
   constructor(deps: PoolDeps) {
     this.deps = deps;
@@ -199,6 +209,7 @@ export class ReplicaPool {
     try {
       await replica.waitReady(this.deps.startTimeoutMs);
       this.startFailures = 0;
+      this.deps.onEvent?.(replica.id, `replica ready after ${Date.now() - started} ms`);
       this.deps.onColdStart?.(Date.now() - started);
       this.deps.logger.info(
         { replica: replica.id, app: this.build.appId, build: this.build.buildId, ms: Date.now() - started },
@@ -226,17 +237,38 @@ export class ReplicaPool {
     this.replicas.delete(replica);
     this.retired.delete(replica);
     this.deps.onChange?.();
-    if (exit.reason !== 'stopped' && exit.reason !== 'start-failed') {
-      this.deps.logger.warn(
-        { replica: replica.id, app: this.build.appId, reason: exit.reason, detail: describeExit(exit) },
-        'replica exited unexpectedly; it will be replaced',
-      );
-    }
-    if (this.draining) return;
-    // Replace it: for waiting runs, and up to min_replicas (not in a tight loop if starting keeps failing).
-    if (this.startFailures < 3) {
+    if (exit.reason === 'stopped') {
+      this.deps.onEvent?.(replica.id, `replica stopped (${describeExit(exit)})`);
+      if (this.draining) return;
+      // A retired replica (its run timed out) stopped: keep the minimum, and serve runs that wait.
       this.ensureMinimum();
       this.scale();
+      return;
+    }
+    if (replica.readyAt > 0 && Date.now() - replica.readyAt >= STABLE_AFTER_MS) this.failuresInRow = 0;
+    this.failuresInRow += 1;
+    const delay = Math.min(RESTART_BACKOFF_MS.max, RESTART_BACKOFF_MS.first * 2 ** (this.failuresInRow - 1));
+    const what = exit.reason === 'start-failed' ? 'failed to start' : `exited unexpectedly (${exit.reason})`;
+    this.deps.logger.warn(
+      { replica: replica.id, app: this.build.appId, reason: exit.reason, detail: describeExit(exit) },
+      `replica ${what}; it will be replaced`,
+    );
+    if (this.draining) return;
+    // Runs waiting now get a replica at once; the standing minimum comes back after a growing back-off, so a
+    // server that keeps crashing is not restarted in a tight loop.
+    if (this.startFailures < 3) this.scale();
+    const live = this.live();
+    const restart = live < this.scaling.min_replicas;
+    this.deps.onEvent?.(
+      replica.id,
+      `replica ${what}: ${describeExit(exit)}${restart ? `; restarting in ${(delay / 1000).toFixed(1)} s` : ''}`,
+    );
+    if (restart && !this.restartTimer) {
+      this.restartTimer = setTimeout(() => {
+        this.restartTimer = undefined;
+        this.ensureMinimum();
+      }, delay);
+      this.restartTimer.unref();
     }
   }
 
@@ -272,12 +304,14 @@ export class ReplicaPool {
   /** Takes no new runs; replicas stop when their runs (and the runs already queued here) are done. */
   drain(): void {
     this.draining = true;
+    clearTimeout(this.restartTimer);
     this.dispatch();
   }
 
   /** Stops every replica (server shutdown): runs in flight get the grace period. */
   async close(graceMs?: number): Promise<void> {
     this.draining = true;
+    clearTimeout(this.restartTimer);
     this.failWaiters(
       new FerryError('FERRY_NO_READY_BUILD', 'The server is stopping', { headers: { 'retry-after': '5' } }),
     );

@@ -9,7 +9,7 @@ import fs from 'node:fs';
 import net from 'node:net';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
-import { Pool } from 'undici';
+import { type Dispatcher, Pool } from 'undici';
 import { FerryError } from '../errors.js';
 
 /** A replica ready to be started, as prepared by the launcher (sandbox and runtime together). */
@@ -190,8 +190,38 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     }
   }
 
+  /**
+   * Custom runtime: sends one HTTP request to the user's server (through the replica's forwarder) and
+   * resolves with its response head; the body streams as the server writes it.
+   */
+  async forward(request: {
+    method: string;
+    path: string;
+    headers: Record<string, string | string[]>;
+    body: Readable | Buffer | null;
+    signal: AbortSignal;
+  }): Promise<{ statusCode: number; headers: Record<string, string | string[] | undefined>; body: Readable }> {
+    try {
+      const res = await this.pool.request({
+        method: request.method as Dispatcher.HttpMethod,
+        path: request.path,
+        headers: request.headers,
+        body: request.body,
+        signal: request.signal,
+      });
+      return { statusCode: res.statusCode, headers: res.headers, body: res.body };
+    } catch (err) {
+      throw await this.failure(err, request.signal);
+    }
+  }
+
+  /** Custom runtime: a raw connection to the user's server (WebSocket upgrades are proxied over it). */
+  connect(): net.Socket {
+    return net.connect(this.plan.socketPath);
+  }
+
   /** Turns a transport error into the coded error that says what happened to the replica. */
-  private async failure(err: unknown, signal: AbortSignal): Promise<unknown> {
+  async failure(err: unknown, signal: AbortSignal): Promise<unknown> {
     if (signal.aborted) return signal.reason ?? err;
     // The socket closes a moment before the exit status is known: wait briefly for it.
     const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);

@@ -80,6 +80,12 @@ export interface ReplicaLaunch extends SandboxLayout {
   memoryMiB: number;
   /** Working folder relative to the app folder (default: the app folder itself). */
   cwd?: string;
+  /**
+   * `host` (default): the replica shares the server's network. `isolated`: under bwrap it gets its own
+   * network namespace with only a loopback interface, so replicas can all listen on one port without
+   * clashing (custom runtime) and reach nothing outside. Without bwrap this has no effect.
+   */
+  network?: 'host' | 'isolated';
 }
 
 /** Paths as the replica sees them: sandbox paths under bwrap, the host paths themselves without it. */
@@ -225,7 +231,7 @@ async function probeBwrap(env: NodeJS.ProcessEnv, caps: SandboxCapabilities): Pr
     return null;
   }
   const truePath = (await findExecutable('true', WRAPPER_ENV)) ?? '/bin/true';
-  const args = [...(await baseBwrapArgs(caps.bwrapFeatures)), '--tmpfs', '/tmp', '--', truePath];
+  const args = [...(await baseBwrapArgs(caps.bwrapFeatures, 'host')), '--tmpfs', '/tmp', '--', truePath];
   const result = await run(bwrap, args, { timeoutMs: PROBE_TIMEOUT_MS });
   if (result.code === 0) {
     caps.userNamespaces = true;
@@ -500,7 +506,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   let envArgs: Buffer | null = null;
   if (sandboxed) {
     const bwrapArgs = [
-      ...(await baseBwrapArgs(caps.bwrapFeatures)),
+      ...(await baseBwrapArgs(caps.bwrapFeatures, launch.network ?? 'host')),
       ...(caps.bwrapFeatures.tmpfsSize ? ['--size', String(memoryBytes)] : []),
       '--tmpfs',
       '/tmp',
@@ -699,10 +705,13 @@ function firstChild(pid: number): number | undefined {
 // ---- bwrap arguments ----
 
 /** Everything but the replica's own folders: namespaces, the system folders, and /etc's masked entries. */
-async function baseBwrapArgs(features: SandboxCapabilities['bwrapFeatures']): Promise<string[]> {
+async function baseBwrapArgs(
+  features: SandboxCapabilities['bwrapFeatures'],
+  network: 'host' | 'isolated',
+): Promise<string[]> {
   const args = [
     '--unshare-all',
-    '--share-net',
+    ...(network === 'host' ? ['--share-net'] : []),
     '--unshare-user',
     '--uid',
     String(SANDBOX_UID),

@@ -30,4 +30,43 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
     },
     async (request) => getApp(services.store, request.params.project_id, request.params.app_id),
   );
+
+  app.get(
+    '/v2/projects/:project_id/apps/:app_id/logs',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'The app log: what its replicas printed outside runs, and their starts, crashes and restarts',
+        description:
+          'Kept in memory by the server that ran the replicas (the newest FERRY_APP_LOG_LINES lines per app). ' +
+          'Page with `after` = the last `seq` seen.',
+        params: AppParams,
+        querystring: Type.Object({
+          after: Type.Optional(Type.Integer({ minimum: 0, default: 0 })),
+          limit: Type.Optional(Type.Integer({ minimum: 1, maximum: 5000, default: 1000 })),
+        }),
+        response: {
+          200: Type.Object({
+            app_id: Type.String(),
+            lines: Type.Array(
+              Type.Object({
+                seq: Type.Integer(),
+                at: Type.String(),
+                replica: Type.String(),
+                stream: Type.Union([Type.Literal('stdout'), Type.Literal('stderr'), Type.Literal('system')]),
+                line: Type.String(),
+              }),
+            ),
+          }),
+          ...errors(400, 401, 403, 404),
+        },
+      },
+    },
+    async (request) => {
+      const { project_id, app_id } = request.params;
+      await getApp(services.store, project_id, app_id);
+      const { after = 0, limit = 1000 } = request.query;
+      return { app_id, lines: services.appLog.read(project_id, app_id, after, limit) };
+    },
+  );
 }
