@@ -70,6 +70,19 @@ export const ERRORS = {
   FERRY_ASYNC_BACKLOG_FULL: { status: 429, message: 'Too many async runs are waiting; retry later' },
   FERRY_WEBHOOK_URL_INVALID: { status: 400, message: 'webhookEndpoint must be an absolute http or https URL' },
   FERRY_IDEMPOTENCY_KEY_INVALID: { status: 400, message: 'Idempotency-Key must be 1 to 255 visible ASCII characters' },
+  FERRY_CORTEX_CALL: {
+    status: 405,
+    message: 'Functions of a cortex app are called with POST /v4/{project_id}/{app_name}/{function}',
+  },
+
+  // WebSockets (custom runtime)
+  FERRY_WEBSOCKET_WEBHOOK: {
+    status: 400,
+    message: 'Webhook forwarding is for HTTP requests only, not WebSockets: drop webhookEndpoint',
+  },
+  FERRY_WEBSOCKET_ASYNC: { status: 400, message: 'A WebSocket cannot be an async run: drop async=true' },
+  FERRY_WEBSOCKET_NOT_CUSTOM: { status: 400, message: 'WebSockets are proxied to custom-runtime apps only' },
+  FERRY_WEBSOCKET_INVALID: { status: 400, message: 'Not a valid WebSocket upgrade request' },
 
   // Webhooks
   FERRY_NO_WEBHOOK: { status: 409, message: 'The run has no webhook delivery to send' },

@@ -89,7 +89,11 @@ export async function deployCommand(dirArg: string | undefined, options: DeployO
     say(`Build ${build.id} queued; build log:`);
 
     const state = await followBuildLog(client, appId, build.id, (line) => say(`  | ${line}`));
-    const runUrl = `${client.url}/v4/${client.project}/${appId}/run`;
+    // A custom app's server takes every path under the app; a cortex app's functions are paths below it.
+    const runUrl =
+      config.app.runtime === 'custom'
+        ? `${client.url}/v4/${client.project}/${appId}/`
+        : `${client.url}/v4/${client.project}/${appId}/run`;
     if (options.json) {
       process.stdout.write(
         `${JSON.stringify({ project_id: client.project, app_id: appId, app_name: appId, build_id: build.id, status: state, run_url: runUrl })}\n`,
@@ -97,7 +101,7 @@ export async function deployCommand(dirArg: string | undefined, options: DeployO
     }
     if (state !== 'ready') throw new CliError(`Build ${build.id} ${state}. The previous build, if any, stays active.`);
     say('');
-    say(`Deployed ${appId}. Run URL:`);
+    say(`Deployed ${appId}. ${config.app.runtime === 'custom' ? 'Its server answers under' : 'Run URL'}:`);
     say(`  ${runUrl}`);
   } finally {
     await fs.rm(tmpDir, { recursive: true, force: true });

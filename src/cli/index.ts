@@ -18,7 +18,7 @@ import {
   tokensListCommand,
   tokensRevokeCommand,
 } from './resources.js';
-import { runCommand, runsGetCommand, runsListCommand, runsLogsCommand } from './runs.js';
+import { appLogsCommand, runCommand, runsGetCommand, runsListCommand, runsLogsCommand } from './runs.js';
 import { secretsDeleteCommand, secretsListCommand, secretsSetCommand } from './secrets.js';
 import { serveCommand } from './serve.js';
 
@@ -111,6 +111,13 @@ runs
   .action(runsListCommand);
 runs.command('get <app> <run_id>').description('a run with its input and result, as JSON').action(runsGetCommand);
 runs.command('logs <app> <run_id>').description('what the function printed during the run').action(runsLogsCommand);
+
+program
+  .command('logs <app>')
+  .description('the app log: what its replicas print outside runs, and their starts and crashes')
+  .option('-f, --follow', 'keep printing new lines until interrupted')
+  .option('--json', 'print one JSON object per line')
+  .action(appLogsCommand);
 
 const secrets = program
   .command('secrets')

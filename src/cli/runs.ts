@@ -95,3 +95,27 @@ export async function runsLogsCommand(app: string, runId: string): Promise<void>
   );
   for (const l of lines) process.stdout.write(`${l.at} ${l.stream.padEnd(6)} ${l.line}\n`);
 }
+
+/**
+ * `ferry logs <app> [--follow]`: the app log (what replicas print outside runs, and their starts, crashes
+ * and restarts). `--follow` polls for new lines until interrupted.
+ */
+export async function appLogsCommand(app: string, options: { follow?: boolean; json?: boolean }): Promise<void> {
+  const client = createClient();
+  type Line = { seq: number; at: string; replica: string; stream: string; line: string };
+  let after = 0;
+  for (;;) {
+    const { lines } = await client.call<{ lines: Line[] }>(
+      'GET',
+      `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/logs?after=${after}&limit=5000`,
+    );
+    for (const l of lines) {
+      if (options.json) process.stdout.write(`${JSON.stringify(l)}\n`);
+      else process.stdout.write(`${l.at} ${l.replica} ${l.stream.padEnd(6)} ${l.line}\n`);
+      after = l.seq;
+    }
+    if (!options.follow) return;
+    // A full page means more are waiting: ask again at once.
+    if (lines.length < 5000) await new Promise((r) => setTimeout(r, 1000));
+  }
+}

@@ -60,21 +60,44 @@ export function createAsyncWorker(deps: {
   async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry'> {
     const run = await store
       .selectFrom('runs')
-      .select(['input', 'function_name', 'webhook_endpoint', 'state'])
+      .select(['input', 'function_name', 'webhook_endpoint', 'state', 'http_request'])
       .where('id', '=', q.id)
       .executeTakeFirst();
     if (run?.state !== 'queued') return 'done';
+    const common = {
+      runId: q.id,
+      build,
+      fn: run.function_name,
+      mode: 'async' as const,
+      recorded: true,
+      webhookUrl: run.webhook_endpoint ?? undefined,
+      signal: abort.signal,
+    };
     try {
-      await invoker.invoke({
-        runId: q.id,
-        build,
-        fn: run.function_name,
-        body: Buffer.from(run.input ?? '{}'),
-        mode: 'async',
-        recorded: true,
-        webhookUrl: run.webhook_endpoint ?? undefined,
-        signal: abort.signal,
-      });
+      if (run.http_request) {
+        // A custom app's request, as the caller sent it (its target server may have changed runtime since:
+        // the call is still forwarded, and a cortex build answers it with a clear error).
+        const stored = JSON.parse(run.http_request) as {
+          method: string;
+          path: string;
+          headers: Record<string, string | string[]>;
+          body_base64: string;
+        };
+        if (build.config.app.runtime !== 'custom') {
+          failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a cortex app before this HTTP request ran');
+          return 'done';
+        }
+        const body = Buffer.from(stored.body_base64, 'base64');
+        await invoker.invokeHttp({
+          ...common,
+          http: { method: stored.method, path: stored.path, headers: stored.headers, body: body.length ? body : null },
+        });
+      } else if (build.config.app.runtime === 'custom') {
+        failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a custom app before this function call ran');
+        return 'done';
+      } else {
+        await invoker.invoke({ ...common, body: Buffer.from(run.input ?? '{}') });
+      }
     } catch (err) {
       // The app is at capacity (its other callers filled it): wait here rather than fail an accepted run.
       if (err instanceof FerryError && err.code === 'FERRY_QUEUE_FULL') return 'retry';
@@ -146,8 +169,13 @@ export function createAsyncWorker(deps: {
   }
 
   function failWithoutBuild(q: Queued): void {
+    failRun(q, 'FERRY_NO_READY_BUILD', 'The app has no ready build (it was removed or never built)');
+  }
+
+  /** Ends a run the worker cannot perform, with its webhook (if any) told why. */
+  function failRun(q: Queued, code: 'FERRY_NO_READY_BUILD' | 'FERRY_CORTEX_CALL', message: string): void {
     const now = Date.now();
-    const message = 'The app has no ready build (it was removed or never built)';
+    const status = code === 'FERRY_NO_READY_BUILD' ? 503 : 405;
     void store
       .selectFrom('runs')
       .select('webhook_endpoint')
@@ -158,8 +186,8 @@ export function createAsyncWorker(deps: {
           q.id,
           {
             state: 'failure',
-            status_code: 503,
-            error_code: 'FERRY_NO_READY_BUILD',
+            status_code: status,
+            error_code: code,
             error_message: message,
             finished_at: new Date(now).toISOString(),
           },
@@ -170,9 +198,9 @@ export function createAsyncWorker(deps: {
                 payload: buildWebhookPayload({
                   runId: q.id,
                   finishedAt: now,
-                  statusCode: 503,
+                  statusCode: status,
                   runTimeMs: null,
-                  error: { code: 'FERRY_NO_READY_BUILD', message },
+                  error: { code, message },
                 }),
               }
             : undefined,

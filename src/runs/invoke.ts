@@ -5,6 +5,7 @@
  * calls the function over the replica protocol with the app's `response_grace_period` as its deadline, sends
  * the function's output to the run's log, and records how it ended.
  */
+import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { ReplicaManager } from '../replicas/manager.js';
@@ -20,17 +21,15 @@ export const MAX_STORED_RESULT_BYTES = 256 * 1024;
 
 const TIMED_OUT = Symbol('timed out');
 
-export interface InvokeRequest {
+/** What every run has, whatever the runtime. */
+export interface RunRequestBase {
   runId: string;
   build: PoolBuild;
+  /** Cortex: the function's name. Custom: the path forwarded to the server (recorded as the run's function). */
   fn: string;
-  /** The JSON arguments object, as the caller sent it. */
-  body: Buffer;
   mode: RunMode;
   /** Aborted when the caller is gone (sync, stream): the run stops. */
   signal?: AbortSignal | undefined;
-  /** Stream mode: receives each item as it is yielded. Without it items are collected into an array. */
-  onItem?: ((data: unknown) => void) | undefined;
   /** Set when the record already exists (async runs are inserted before they are acknowledged). */
   recorded?: boolean;
   /** Where to forward the response payload when the run ends (written to the outbox with the final state). */
@@ -39,6 +38,47 @@ export interface InvokeRequest {
   webhookSecret?: string | undefined;
   /** Called once a replica slot is taken and the call begins (stream mode sends its headers then). */
   onStarted?: (() => void) | undefined;
+  /** No response_grace_period deadline (a WebSocket session lives as long as both sides want). */
+  noDeadline?: boolean;
+}
+
+export interface InvokeRequest extends RunRequestBase {
+  /** The JSON arguments object, as the caller sent it. */
+  body: Buffer;
+  /** Stream mode: receives each item as it is yielded. Without it items are collected into an array. */
+  onItem?: ((data: unknown) => void) | undefined;
+}
+
+/** A custom-runtime run: one HTTP request forwarded to the app's own server. */
+export interface HttpInvokeRequest extends RunRequestBase {
+  http: {
+    method: string;
+    /** Path and query as the server sees them (`/predict?x=1`). */
+    path: string;
+    headers: Record<string, string | string[]>;
+    body: Readable | Buffer | null;
+  };
+  /**
+   * Sync calls: receives the server's response head and answers where to write its body (the caller's
+   * response), or nothing to only collect it. The body is written chunk by chunk as it arrives.
+   */
+  onResponse?: ((head: HttpResponseHead) => HttpBodySink | undefined) | undefined;
+  /** Stored as the run's input (the body as text, when small enough and text). */
+  input?: string | null;
+}
+
+export interface HttpResponseHead {
+  statusCode: number;
+  headers: Record<string, string | string[] | undefined>;
+}
+
+/** Where a proxied response body goes: the caller's response. */
+export interface HttpBodySink {
+  write(chunk: Buffer): boolean;
+  once(event: 'drain' | 'close', listener: () => void): unknown;
+  removeListener(event: 'drain' | 'close', listener: () => void): unknown;
+  end(): void;
+  readonly destroyed: boolean;
 }
 
 export interface InvokeResult {
@@ -47,11 +87,37 @@ export interface InvokeResult {
   streamed: boolean;
   runTimeMs: number;
   coldStart: boolean;
+  /** The status the run answered: 200 for cortex functions, the server's own status for custom apps. */
+  statusCode: number;
 }
 
 export interface Invoker {
   invoke(request: InvokeRequest): Promise<InvokeResult>;
+  /** Custom runtime: forwards one HTTP request to the app's server, recorded as a run like any other. */
+  invokeHttp(request: HttpInvokeRequest): Promise<InvokeResult>;
+  /**
+   * A session that holds a replica slot while it lasts (a proxied WebSocket): `session` runs with the
+   * replica and resolves with the status the server answered when the session is over.
+   */
+  invokeSession(
+    request: RunRequestBase,
+    session: (replica: Slot['replica'], signal: AbortSignal, runId: string) => Promise<number>,
+  ): Promise<InvokeResult>;
 }
+
+/** What one call produced, whatever the runtime. */
+interface CallOutcome {
+  result: unknown;
+  streamed: boolean;
+  statusCode: number;
+  /** Custom apps answering 5xx end `failure` (with the body as their result); everything else `success`. */
+  failed?: boolean;
+  /** Set when the result is too large to keep for the webhook (a long stream, a large body). */
+  resultOmitted?: string | undefined;
+  resultEncoding?: 'base64' | undefined;
+}
+
+type Slot = Awaited<ReturnType<ReturnType<ReplicaManager['pool']>['acquire']>>;
 
 export interface InvokerDeps {
   /** Results larger than this many bytes are not stored on the run (a note in its logs says so). */
@@ -69,176 +135,314 @@ function storedInput(body: Buffer): string | null {
 
 export function createInvoker(deps: InvokerDeps): Invoker {
   const { recorder } = deps;
+  const maxStoredResult = deps.maxStoredResultBytes ?? MAX_STORED_RESULT_BYTES;
+
+  /**
+   * The one path every run takes: record it, take a replica slot within the app's response_grace_period,
+   * let `call` talk to the replica, then record how it ended (and queue its webhook) in one step.
+   */
+  async function perform(
+    request: RunRequestBase,
+    input: { stored: string | null; bytes: number },
+    call: (slot: Slot, signal: AbortSignal, runId: string) => Promise<CallOutcome>,
+  ): Promise<InvokeResult> {
+    const { runId, build } = request;
+    const created = Date.now();
+    if (!request.recorded) {
+      recorder.start(
+        newRunRow({
+          id: runId,
+          build,
+          fn: request.fn,
+          mode: request.mode,
+          input: input.stored,
+          webhookUrl: request.webhookUrl,
+          webhookSecret: request.webhookSecret,
+          createdAt: created,
+        }),
+      );
+      if (input.stored === null && input.bytes > 0) {
+        recorder.log(runId, 'system', `input of ${input.bytes} bytes not stored (limit ${MAX_STORED_INPUT_BYTES})`);
+      }
+    }
+
+    const grace = build.config.scaling.response_grace_period * 1000;
+    const deadline = new AbortController();
+    // A sentinel, made into the real error only when it fires: an Error per run (stack capture) is costly.
+    const timeout = TIMED_OUT;
+    const timer = request.noDeadline ? undefined : setTimeout(() => deadline.abort(timeout), grace);
+    const signal = request.signal ? AbortSignal.any([request.signal, deadline.signal]) : deadline.signal;
+
+    let coldStart = false;
+    let started = 0;
+    let slot: Slot | undefined;
+    try {
+      // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
+      const pool = deps.replicas.pool(build);
+      slot = await pool.acquire(signal);
+      coldStart = slot.coldStart;
+      started = Date.now();
+      recorder.update(runId, {
+        state: 'running',
+        build_id: pool.build.buildId,
+        started_at: new Date(started).toISOString(),
+        cold_start: coldStart ? 1 : 0,
+      });
+      if (coldStart) recorder.log(runId, 'system', `cold start: waited ${started - created} ms for a replica`);
+      request.onStarted?.();
+
+      const outcome = await call(slot, signal, runId);
+      const { result } = outcome;
+      const runTimeMs = Date.now() - started;
+      const text = outcome.resultOmitted ? null : (JSON.stringify(result) ?? 'null');
+      const keep = text !== null && Buffer.byteLength(text) <= maxStoredResult;
+      if (text !== null && !keep)
+        recorder.log(
+          runId,
+          'system',
+          `result of ${Buffer.byteLength(text)} bytes not stored (limit ${maxStoredResult})`,
+        );
+      finish(
+        outcome.failed ? 'failure' : 'success',
+        outcome.statusCode,
+        {
+          result: keep ? text : null,
+          run_time_ms: runTimeMs,
+          ...(outcome.failed ? { reason: `http_${outcome.statusCode}` } : {}),
+        },
+        outcome.resultOmitted
+          ? { resultOmitted: outcome.resultOmitted }
+          : { result, resultEncoding: outcome.resultEncoding },
+      );
+      return { result, runTimeMs, coldStart, streamed: outcome.streamed, statusCode: outcome.statusCode };
+    } catch (caught) {
+      const timedOut = caught === timeout || signal.reason === timeout;
+      const err = timedOut
+        ? new FerryError(
+            'FERRY_RUN_TIMEOUT',
+            `The run took longer than the app's response_grace_period (${build.config.scaling.response_grace_period} s)`,
+          )
+        : caught;
+      if (timedOut && slot) slot.release({ poisoned: true });
+      const ferry = err instanceof FerryError ? err : undefined;
+      const clientGone = !ferry && request.signal?.aborted === true;
+      const state: RunState = timedOut ? 'timeout' : clientGone ? 'cancelled' : 'failure';
+      if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
+      const code = ferry?.code ?? (clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
+      const message = ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error');
+      finish(
+        state,
+        ferry?.status ?? (clientGone ? 499 : 500),
+        {
+          error_code: code,
+          error_message: message,
+          reason: clientGone ? 'client_disconnected' : (ferry?.code ?? null),
+          run_time_ms: started ? Date.now() - started : null,
+        },
+        { error: { code, message, type: ferry?.details.type } },
+      );
+      throw ferry ?? (clientGone ? caught : new FerryError('FERRY_INTERNAL', undefined, { cause: caught }));
+    } finally {
+      clearTimeout(timer);
+      slot?.release();
+    }
+
+    function finish(
+      state: RunState,
+      statusCode: number,
+      values: Parameters<RunRecorder['update']>[1],
+      outcome: {
+        result?: unknown;
+        resultOmitted?: string;
+        resultEncoding?: 'base64' | undefined;
+        error?: { code: string; message: string; type?: string | undefined };
+      },
+    ): void {
+      const now = Date.now();
+      const outbox = request.webhookUrl
+        ? {
+            runId,
+            url: request.webhookUrl,
+            payload: buildWebhookPayload({
+              runId,
+              finishedAt: now,
+              statusCode,
+              runTimeMs: values.run_time_ms ?? null,
+              ...outcome,
+            }),
+          }
+        : undefined;
+      recorder.finish(
+        runId,
+        { ...values, state, status_code: statusCode, finished_at: new Date(now).toISOString() },
+        outbox,
+      );
+      deps.onFinished?.(build, state, statusCode, (now - created) / 1000, coldStart);
+    }
+  }
+
+  /** Cortex: calls the function over the replica protocol and gathers its frames. */
+  function callFunction(request: InvokeRequest) {
+    return async (slot: Slot, signal: AbortSignal, runId: string): Promise<CallOutcome> => {
+      let result: unknown;
+      const items: unknown[] = [];
+      let ended = false;
+      let streamed = false;
+      let itemsBytes = 0;
+      let itemsOmitted = false;
+      for await (const frame of slot.replica.call(request.fn, runId, request.body, signal)) {
+        if (frame.type === 'log') recorder.log(runId, frame.stream, frame.line);
+        else if (frame.type === 'item') {
+          if (request.onItem) {
+            request.onItem(frame.data);
+            // Kept for the webhook of a streaming call (its items are its `result`), up to the payload limit:
+            // an endless stream must not grow the gateway's memory.
+            if (request.webhookUrl && !itemsOmitted) {
+              itemsBytes += Buffer.byteLength(JSON.stringify(frame.data) ?? 'null');
+              if (itemsBytes > MAX_WEBHOOK_RESULT_BYTES) {
+                itemsOmitted = true;
+                items.length = 0;
+              } else items.push(frame.data);
+            }
+          } else items.push(frame.data);
+        } else if (frame.type === 'result') {
+          result = frame.data;
+          ended = true;
+        } else if (frame.type === 'end') {
+          result = request.onItem && !request.webhookUrl ? null : items;
+          ended = true;
+          streamed = true;
+        } else if (frame.type === 'error') {
+          const { type, message, stack } = frame.error;
+          if (stack) for (const line of stack.split('\n')) recorder.log(runId, 'stderr', line);
+          else recorder.log(runId, 'stderr', `${type}: ${message}`);
+          if (type === 'SerializationError') throw new FerryError('FERRY_RESULT_NOT_SERIALIZABLE', message);
+          if (type === 'ArgumentError') throw new FerryError('FERRY_ARGUMENT_ERROR', message, { details: { type } });
+          throw new FerryError('FERRY_FUNCTION_ERROR', `${type}: ${message}`, { details: { type } });
+        }
+      }
+      if (!ended) throw new FerryError('FERRY_REPLICA_DIED', 'The replica ended the call without a result');
+      if (itemsOmitted) {
+        return {
+          result,
+          streamed,
+          statusCode: 200,
+          resultOmitted: `the items are larger than ${MAX_WEBHOOK_RESULT_BYTES} bytes`,
+        };
+      }
+      return { result, streamed, statusCode: 200 };
+    };
+  }
+
+  /**
+   * Custom runtime: forwards the request to the app's server and passes the response on as it arrives,
+   * keeping the body (up to a limit) as the run's result for the record and the webhook.
+   */
+  function callServer(request: HttpInvokeRequest) {
+    return async (slot: Slot, signal: AbortSignal, runId: string): Promise<CallOutcome> => {
+      const res = await slot.replica.forward({ ...request.http, signal });
+      const sink = request.onResponse?.({ statusCode: res.statusCode, headers: res.headers });
+      // An async or webhook run's body is its result, up to the webhook limit; a sync run keeps what the
+      // run record can store.
+      const limit = request.webhookUrl || request.mode === 'async' ? MAX_WEBHOOK_RESULT_BYTES : maxStoredResult;
+      const kept: Buffer[] = [];
+      let bytes = 0;
+      let tooLarge = false;
+      try {
+        for await (const chunk of res.body as AsyncIterable<Buffer>) {
+          if (!tooLarge) {
+            bytes += chunk.length;
+            if (bytes > limit) {
+              tooLarge = true;
+              kept.length = 0;
+            } else kept.push(chunk);
+          }
+          if (sink && !sink.write(chunk)) await drained(sink, signal);
+        }
+      } catch (err) {
+        throw await slot.replica.failure(err, signal);
+      } finally {
+        if (!res.body.destroyed) res.body.destroy();
+      }
+      sink?.end();
+      const failed = res.statusCode >= 500;
+      if (failed) recorder.log(runId, 'system', `the server answered ${res.statusCode}`);
+      if (tooLarge) {
+        recorder.log(runId, 'system', `response body over ${limit} bytes: not kept as the run's result`);
+        return {
+          result: null,
+          streamed: false,
+          statusCode: res.statusCode,
+          failed,
+          resultOmitted: `the response body is larger than ${limit} bytes`,
+        };
+      }
+      const decoded = decodeBody(Buffer.concat(kept), res.headers['content-type']);
+      return { ...decoded, streamed: false, statusCode: res.statusCode, failed };
+    };
+  }
 
   return {
-    async invoke(request) {
-      const { runId, build } = request;
-      const created = Date.now();
-      if (!request.recorded) {
-        recorder.start(
-          newRunRow({
-            id: runId,
-            build,
-            fn: request.fn,
-            mode: request.mode,
-            input: storedInput(request.body),
-            webhookUrl: request.webhookUrl,
-            webhookSecret: request.webhookSecret,
-            createdAt: created,
-          }),
-        );
-        if (request.body.length > MAX_STORED_INPUT_BYTES) {
-          recorder.log(
-            runId,
-            'system',
-            `input of ${request.body.length} bytes not stored (limit ${MAX_STORED_INPUT_BYTES})`,
-          );
-        }
-      }
-
-      const grace = build.config.scaling.response_grace_period * 1000;
-      const deadline = new AbortController();
-      // A sentinel, made into the real error only when it fires: an Error per run (stack capture) is costly.
-      const timeout = TIMED_OUT;
-      const timer = setTimeout(() => deadline.abort(timeout), grace);
-      const signal = request.signal ? AbortSignal.any([request.signal, deadline.signal]) : deadline.signal;
-
-      let coldStart = false;
-      let started = 0;
-      let slot: Awaited<ReturnType<ReturnType<ReplicaManager['pool']>['acquire']>> | undefined;
-      try {
-        // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
-        const pool = deps.replicas.pool(build);
-        slot = await pool.acquire(signal);
-        coldStart = slot.coldStart;
-        started = Date.now();
-        recorder.update(runId, {
-          state: 'running',
-          build_id: pool.build.buildId,
-          started_at: new Date(started).toISOString(),
-          cold_start: coldStart ? 1 : 0,
-        });
-        if (coldStart) recorder.log(runId, 'system', `cold start: waited ${started - created} ms for a replica`);
-        request.onStarted?.();
-
-        let result: unknown;
-        const items: unknown[] = [];
-        let ended = false;
-        let streamed = false;
-        let itemsBytes = 0;
-        let itemsOmitted = false;
-        for await (const frame of slot.replica.call(request.fn, runId, request.body, signal)) {
-          if (frame.type === 'log') recorder.log(runId, frame.stream, frame.line);
-          else if (frame.type === 'item') {
-            if (request.onItem) {
-              request.onItem(frame.data);
-              // Kept for the webhook of a streaming call (its items are its `result`), up to the payload limit:
-              // an endless stream must not grow the gateway's memory.
-              if (request.webhookUrl && !itemsOmitted) {
-                itemsBytes += Buffer.byteLength(JSON.stringify(frame.data) ?? 'null');
-                if (itemsBytes > MAX_WEBHOOK_RESULT_BYTES) {
-                  itemsOmitted = true;
-                  items.length = 0;
-                } else items.push(frame.data);
-              }
-            } else items.push(frame.data);
-          } else if (frame.type === 'result') {
-            result = frame.data;
-            ended = true;
-          } else if (frame.type === 'end') {
-            result = request.onItem && !request.webhookUrl ? null : items;
-            ended = true;
-            streamed = true;
-          } else if (frame.type === 'error') {
-            const { type, message, stack } = frame.error;
-            if (stack) for (const line of stack.split('\n')) recorder.log(runId, 'stderr', line);
-            else recorder.log(runId, 'stderr', `${type}: ${message}`);
-            if (type === 'SerializationError') throw new FerryError('FERRY_RESULT_NOT_SERIALIZABLE', message);
-            if (type === 'ArgumentError') throw new FerryError('FERRY_ARGUMENT_ERROR', message, { details: { type } });
-            throw new FerryError('FERRY_FUNCTION_ERROR', `${type}: ${message}`, { details: { type } });
-          }
-        }
-        if (!ended) throw new FerryError('FERRY_REPLICA_DIED', 'The replica ended the call without a result');
-
-        const runTimeMs = Date.now() - started;
-        const text = JSON.stringify(result) ?? 'null';
-        const keep = Buffer.byteLength(text) <= MAX_STORED_RESULT_BYTES;
-        if (!keep)
-          recorder.log(
-            runId,
-            'system',
-            `result of ${Buffer.byteLength(text)} bytes not stored (limit ${MAX_STORED_RESULT_BYTES})`,
-          );
-        finish(
-          'success',
-          200,
-          { result: keep ? text : null, run_time_ms: runTimeMs },
-          itemsOmitted ? { resultOmitted: `the items are larger than ${MAX_WEBHOOK_RESULT_BYTES} bytes` } : { result },
-        );
-        return { result, runTimeMs, coldStart, streamed };
-      } catch (caught) {
-        const timedOut = caught === timeout || signal.reason === timeout;
-        const err = timedOut
-          ? new FerryError(
-              'FERRY_RUN_TIMEOUT',
-              `The run took longer than the app's response_grace_period (${build.config.scaling.response_grace_period} s)`,
-            )
-          : caught;
-        if (timedOut && slot) slot.release({ poisoned: true });
-        const ferry = err instanceof FerryError ? err : undefined;
-        const clientGone = !ferry && request.signal?.aborted === true;
-        const state: RunState = timedOut ? 'timeout' : clientGone ? 'cancelled' : 'failure';
-        if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
-        const code = ferry?.code ?? (clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
-        const message = ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error');
-        finish(
-          state,
-          ferry?.status ?? (clientGone ? 499 : 500),
-          {
-            error_code: code,
-            error_message: message,
-            reason: clientGone ? 'client_disconnected' : (ferry?.code ?? null),
-            run_time_ms: started ? Date.now() - started : null,
-          },
-          { error: { code, message, type: ferry?.details.type } },
-        );
-        throw ferry ?? (clientGone ? caught : new FerryError('FERRY_INTERNAL', undefined, { cause: caught }));
-      } finally {
-        clearTimeout(timer);
-        slot?.release();
-      }
-
-      function finish(
-        state: RunState,
-        statusCode: number,
-        values: Parameters<RunRecorder['update']>[1],
-        outcome: {
-          result?: unknown;
-          resultOmitted?: string;
-          error?: { code: string; message: string; type?: string | undefined };
-        },
-      ): void {
-        const now = Date.now();
-        const outbox = request.webhookUrl
-          ? {
-              runId,
-              url: request.webhookUrl,
-              payload: buildWebhookPayload({
-                runId,
-                finishedAt: now,
-                statusCode,
-                runTimeMs: values.run_time_ms ?? null,
-                ...outcome,
-              }),
-            }
-          : undefined;
-        recorder.finish(
-          runId,
-          { ...values, state, status_code: statusCode, finished_at: new Date(now).toISOString() },
-          outbox,
-        );
-        deps.onFinished?.(build, state, statusCode, (now - created) / 1000, coldStart);
-      }
+    invoke(request) {
+      return perform(request, { stored: storedInput(request.body), bytes: request.body.length }, callFunction(request));
+    },
+    invokeHttp(request) {
+      const bytes = Buffer.isBuffer(request.http.body) ? request.http.body.length : 0;
+      return perform(request, { stored: request.input ?? null, bytes }, callServer(request));
+    },
+    invokeSession(request, session) {
+      return perform(request, { stored: null, bytes: 0 }, async (slot, signal, runId) => {
+        const statusCode = await session(slot.replica, signal, runId);
+        return { result: null, streamed: false, statusCode, failed: statusCode >= 500 };
+      });
     },
   };
+}
+
+/** Waits until the caller's response takes more data (or goes away, or the run is aborted). */
+function drained(sink: HttpBodySink, signal: AbortSignal): Promise<void> {
+  if (sink.destroyed) throw signal.reason ?? new Error('the caller went away');
+  return new Promise((resolve, reject) => {
+    const done = () => {
+      sink.removeListener('drain', done);
+      sink.removeListener('close', done);
+      signal.removeEventListener('abort', aborted);
+      resolve();
+    };
+    const aborted = () => {
+      sink.removeListener('drain', done);
+      sink.removeListener('close', done);
+      reject(signal.reason);
+    };
+    sink.once('drain', done);
+    sink.once('close', done);
+    signal.addEventListener('abort', aborted, { once: true });
+  });
+}
+
+const STRICT_UTF8 = new TextDecoder('utf-8', { fatal: true });
+
+/**
+ * A response body as a run result: JSON bodies as their value, other text as a string, anything else
+ * base64-encoded (and marked so in the webhook payload).
+ */
+export function decodeBody(
+  body: Buffer,
+  contentType: string | string[] | undefined,
+): { result: unknown; resultEncoding?: 'base64' } {
+  const type = String(contentType ?? '').toLowerCase();
+  let text: string;
+  try {
+    text = STRICT_UTF8.decode(body);
+  } catch {
+    return { result: body.toString('base64'), resultEncoding: 'base64' };
+  }
+  if (/^application\/([\w.+-]*\+)?json\b/.test(type) && text.trim() !== '') {
+    try {
+      return { result: JSON.parse(text) };
+    } catch {
+      // Says JSON but is not: keep the text.
+    }
+  }
+  return { result: text };
 }

@@ -23,6 +23,7 @@ export function newRunRow(fields: {
   webhookUrl?: string | undefined;
   webhookSecret?: string | undefined;
   idempotencyKey?: string | undefined;
+  httpRequest?: string | undefined;
   createdAt?: number;
 }): RunRow {
   return {
@@ -43,6 +44,7 @@ export function newRunRow(fields: {
     webhook_endpoint: fields.webhookUrl ?? null,
     webhook_secret: fields.webhookSecret ?? null,
     idempotency_key: fields.idempotencyKey ?? null,
+    http_request: fields.httpRequest ?? null,
     created_at: new Date(fields.createdAt ?? Date.now()).toISOString(),
     started_at: null,
     finished_at: null,

@@ -164,6 +164,13 @@ const migrations: Record<string, Migration> = {
         .execute();
     },
   },
+  '0004_http_request': {
+    async up(db: Kysely<unknown>) {
+      // Custom-runtime runs: the HTTP request to forward ({method, path, headers, body_base64}), kept until
+      // an async run has been performed; null for cortex runs.
+      await db.schema.alterTable('runs').addColumn('http_request', 'text').execute();
+    },
+  },
 };
 
 /** Hands Kysely's Migrator the migrations above. */

@@ -90,6 +90,8 @@ export interface RunsTable {
   webhook_endpoint: string | null;
   webhook_secret: string | null;
   idempotency_key: string | null;
+  /** Custom runtime: the HTTP request of an async run, as JSON ({method, path, headers, body_base64}). */
+  http_request: string | null;
   created_at: string;
   started_at: string | null;
   finished_at: string | null;

@@ -16,6 +16,8 @@ export interface WebhookPayload {
   /** The function's result (sync and async); for a streaming call, the array of items it yielded. */
   result?: unknown;
   result_omitted?: string;
+  /** `base64` when `result` is a custom server's non-text response body, base64-encoded. */
+  result_encoding?: 'base64';
   error?: { code: string; message: string; type?: string };
 }
 
@@ -27,6 +29,7 @@ export function buildWebhookPayload(input: {
   result?: unknown;
   /** Set when the caller already knows the result is too large to send (a long stream). */
   resultOmitted?: string | undefined;
+  resultEncoding?: 'base64' | undefined;
   error?: { code: string; message: string; type?: string | undefined } | undefined;
 }): string {
   const payload: WebhookPayload = {
@@ -48,6 +51,7 @@ export function buildWebhookPayload(input: {
       payload.result_omitted = `the result is larger than ${MAX_WEBHOOK_RESULT_BYTES} bytes`;
     } else {
       payload.result = input.result ?? null;
+      if (input.resultEncoding) payload.result_encoding = input.resultEncoding;
     }
   }
   return JSON.stringify(payload);

@@ -11,9 +11,11 @@ import { Type } from 'typebox';
 import { FerryError } from '../../errors.js';
 import { uuidv7 } from '../../ids.js';
 import type { PoolBuild } from '../../replicas/pool.js';
+import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { newRunRow } from '../../runs/recorder.js';
 import type { Services } from '../../services.js';
 import { encryptWebhookSecret } from '../../webhooks/secret.js';
+import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
 import type { TypedServer } from '../server.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
 
@@ -100,6 +102,10 @@ interface CallParts {
   body: Buffer;
   webhookUrl: string | undefined;
   webhookSecret: string | undefined;
+  /** Custom runtime: the whole HTTP request to forward, as JSON (the run's `http_request`). */
+  httpRequest?: string;
+  /** What the run record shows as its input (default: the body as text). */
+  input?: string | null;
 }
 
 /**
@@ -151,8 +157,9 @@ async function acceptAsync(
         build,
         fn: call.fn,
         mode: 'async',
-        // Kept whole whatever its size: the worker runs the call from it.
-        input: call.body.toString('utf8'),
+        // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
+        input: call.input !== undefined ? call.input : call.body.toString('utf8'),
+        httpRequest: call.httpRequest,
         webhookUrl: call.webhookUrl,
         webhookSecret: call.webhookSecret,
         idempotencyKey,
@@ -230,6 +237,9 @@ async function streamRun(
 }
 
 export function registerRunRoutes(app: TypedServer, services: Services): void {
+  attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
+    resolveTarget(services, projectId, appName, authorization),
+  );
   // Its own scope, so the raw-body JSON parser applies to the run endpoint only.
   void app.register(async function runEndpoint(scope: FastifyInstance) {
     scope.addContentTypeParser(
@@ -244,16 +254,66 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
       },
     );
 
+    /**
+     * Resolves the app (authenticating); a custom app is served here and now, before Fastify reads the body,
+     * by the proxy. `functionRoute`: the path is a cortex call (`POST .../{function}`).
+     */
+    const resolveOrProxy = (functionRoute: boolean) => async (request: FastifyRequest, reply: FastifyReply) => {
+      const runId = uuidv7();
+      request.runId = runId;
+      void reply.header('x-request-id', runId);
+      const { project_id, app_name } = request.params as { project_id: string; app_name: string };
+      const target = await resolveTarget(services, project_id, app_name, request.headers.authorization);
+      request.runTarget = target;
+      if (target.build.config.app.runtime === 'custom') {
+        return proxyHttp(
+          services,
+          request,
+          reply,
+          target,
+          runId,
+          parseWebhookEndpoint,
+          (httpRequest, body, fn, url) => {
+            const rawSecret = request.headers['x-webhook-secret'];
+            const webhookSecret =
+              url && typeof rawSecret === 'string' && rawSecret !== ''
+                ? encryptWebhookSecret(services.secretsKey, runId, rawSecret)
+                : undefined;
+            return acceptAsync(services, request, reply, {
+              runId,
+              target,
+              fn,
+              body,
+              webhookUrl: url,
+              webhookSecret,
+              httpRequest,
+              input: body.length <= MAX_STORED_INPUT_BYTES ? body.toString('utf8') : null,
+            });
+          },
+        );
+      }
+      if (!functionRoute) {
+        throw new FerryError('FERRY_CORTEX_CALL', undefined, { headers: { allow: 'POST' } });
+      }
+      return undefined;
+    };
+
+    // Custom apps take every method on every path under the app; cortex apps answer FERRY_CORTEX_CALL there.
+    const anyPath = { schema: { hide: true }, onRequest: resolveOrProxy(false) };
+    const refuse = async () => {
+      throw new FerryError('FERRY_CORTEX_CALL', undefined, { headers: { allow: 'POST' } });
+    };
+    scope.all('/v4/:project_id/:app_name', anyPath, refuse);
+    scope.all('/v4/:project_id/:app_name/*', anyPath, refuse);
+    for (const method of ['GET', 'PUT', 'DELETE', 'PATCH', 'OPTIONS'] as const) {
+      scope.route({ method, url: '/v4/:project_id/:app_name/:function', ...anyPath, handler: refuse });
+    }
+
     scope.post(
       '/v4/:project_id/:app_name/:function',
       {
         schema: { params: RunParams },
-        onRequest: async (request, reply) => {
-          request.runId = uuidv7();
-          void reply.header('x-request-id', request.runId);
-          const { project_id, app_name } = request.params as { project_id: string; app_name: string };
-          request.runTarget = await resolveTarget(services, project_id, app_name, request.headers.authorization);
-        },
+        onRequest: resolveOrProxy(true),
       },
       async (request, reply) => {
         const target = request.runTarget!;

@@ -1,0 +1,337 @@
+/**
+ * The run endpoint for custom-runtime apps: every method and path under `/v4/{project_id}/{app_name}/...`
+ * goes to the app's own server, HTTP and WebSocket alike.
+ *
+ * - The server sees the path after the app name, the query string less Ferry's own `async` and
+ *   `webhookEndpoint`, and the caller's headers less `Authorization`, `X-Webhook-Secret` and hop-by-hop
+ *   headers, plus `X-Request-Id` (the run id) and `X-Forwarded-For`/`-Host`/`-Proto`/`-Prefix`.
+ * - Sync calls stream both ways: the request body as it arrives, the response (SSE included) as the server
+ *   writes it. `?async=true` stores the whole request and answers 202; `webhookEndpoint` forwards the
+ *   server's response body inside the usual payload. Every call is a run with its own record.
+ * - WebSocket upgrades are authenticated like any call (Bearer header, or `?access_token=` for browsers),
+ *   hold a replica slot while open, and are closed after `websocket_idle_timeout` seconds of silence.
+ */
+import type { IncomingMessage, Server, ServerResponse } from 'node:http';
+import type { Socket } from 'node:net';
+import type { FastifyReply, FastifyRequest } from 'fastify';
+import { FerryError } from '../errors.js';
+import { uuidv7 } from '../ids.js';
+import type { HttpResponseHead } from '../runs/invoke.js';
+import type { Services } from '../services.js';
+import { encryptWebhookSecret } from '../webhooks/secret.js';
+import type { RunTarget } from './routes/run.js';
+
+/** Headers that describe one connection, not the request (RFC 9110 7.6.1), plus `Expect` (undici refuses it). */
+const HOP_BY_HOP = new Set([
+  'connection',
+  'keep-alive',
+  'proxy-authenticate',
+  'proxy-authorization',
+  'proxy-connection',
+  'te',
+  'trailer',
+  'transfer-encoding',
+  'upgrade',
+  'expect',
+]);
+/** Ferry's own request headers: they never reach the app. */
+const FERRY_HEADERS = new Set(['authorization', 'x-webhook-secret']);
+/** Ferry's own query parameters (and, for WebSockets, the browser token). */
+const FERRY_PARAMS = new Set(['async', 'webhookEndpoint']);
+
+/** The parts of a `/v4/{project_id}/{app_name}/...` URL that matter to the app's server. */
+export interface ForwardTarget {
+  /** Path after the app name, raw (still percent-encoded), at least `/`, with the filtered query. */
+  path: string;
+  /** `/v4/{project_id}/{app_name}` as the caller wrote it (X-Forwarded-Prefix). */
+  prefix: string;
+  /** Ferry's parameters from the query (decoded). */
+  params: Map<string, string>;
+}
+
+/** Splits a raw request URL; undefined when it is not under `/v4/{project_id}/{app_name}`. */
+export function splitRunUrl(rawUrl: string, dropParams: ReadonlySet<string> = FERRY_PARAMS): ForwardTarget | undefined {
+  const q = rawUrl.indexOf('?');
+  const pathname = q >= 0 ? rawUrl.slice(0, q) : rawUrl;
+  const query = q >= 0 ? rawUrl.slice(q + 1) : '';
+  const parts = pathname.split('/');
+  if (parts[0] !== '' || parts[1] !== 'v4' || !parts[2] || !parts[3]) return undefined;
+  const prefix = parts.slice(0, 4).join('/');
+  const rest = parts.length > 4 ? `/${parts.slice(4).join('/')}` : '/';
+  const params = new Map<string, string>();
+  const kept: string[] = [];
+  for (const pair of query.split('&')) {
+    if (pair === '') continue;
+    const eq = pair.indexOf('=');
+    const name = safeDecode(eq >= 0 ? pair.slice(0, eq) : pair);
+    if (dropParams.has(name)) {
+      params.set(name, safeDecode(eq >= 0 ? pair.slice(eq + 1) : ''));
+    } else kept.push(pair);
+  }
+  return { path: kept.length > 0 ? `${rest}?${kept.join('&')}` : rest, prefix, params };
+}
+
+function safeDecode(text: string): string {
+  try {
+    return decodeURIComponent(text.replaceAll('+', ' '));
+  } catch {
+    return text;
+  }
+}
+
+/** The caller's headers as the app's server gets them. */
+export function forwardHeaders(
+  req: IncomingMessage,
+  runId: string,
+  prefix: string,
+  keep: ReadonlySet<string> = new Set(),
+): Record<string, string | string[]> {
+  const named = new Set<string>();
+  for (const token of String(req.headers.connection ?? '').split(',')) named.add(token.trim().toLowerCase());
+  const out: Record<string, string | string[]> = {};
+  const raw = req.rawHeaders;
+  for (let i = 0; i + 1 < raw.length; i += 2) {
+    const name = raw[i]!.toLowerCase();
+    const value = raw[i + 1]!;
+    if (!keep.has(name) && (HOP_BY_HOP.has(name) || named.has(name))) continue;
+    if (FERRY_HEADERS.has(name) || name.startsWith('x-forwarded-') || name === 'x-request-id') continue;
+    const existing = out[name];
+    if (existing === undefined) out[name] = value;
+    else out[name] = Array.isArray(existing) ? [...existing, value] : [existing, value];
+  }
+  const client = req.socket.remoteAddress ?? '';
+  const earlier = req.headers['x-forwarded-for'];
+  out['x-forwarded-for'] = earlier ? `${String(earlier)}, ${client}` : client;
+  out['x-forwarded-host'] = req.headers.host ?? '';
+  out['x-forwarded-proto'] = 'encrypted' in req.socket ? 'https' : 'http';
+  out['x-forwarded-prefix'] = prefix;
+  out['x-request-id'] = runId;
+  return out;
+}
+
+/** The server's response headers as the caller gets them. */
+function responseHeaders(head: HttpResponseHead, runId: string): Record<string, string | string[]> {
+  const named = new Set<string>();
+  for (const token of String(head.headers.connection ?? '').split(',')) named.add(token.trim().toLowerCase());
+  const out: Record<string, string | string[]> = {};
+  for (const [name, value] of Object.entries(head.headers)) {
+    if (value === undefined || HOP_BY_HOP.has(name) || named.has(name)) continue;
+    out[name] = value;
+  }
+  out['x-request-id'] = runId;
+  return out;
+}
+
+/** Reads a whole request body, refusing one over `limit` bytes. */
+async function readBody(req: IncomingMessage, limit: number): Promise<Buffer> {
+  const declared = Number(req.headers['content-length']);
+  if (Number.isFinite(declared) && declared > limit) throw new FerryError('FERRY_BODY_TOO_LARGE');
+  const chunks: Buffer[] = [];
+  let size = 0;
+  for await (const chunk of req as AsyncIterable<Buffer>) {
+    size += chunk.length;
+    if (size > limit) throw new FerryError('FERRY_BODY_TOO_LARGE');
+    chunks.push(chunk);
+  }
+  return Buffer.concat(chunks);
+}
+
+function hasBody(req: IncomingMessage): boolean {
+  return req.headers['transfer-encoding'] !== undefined || Number(req.headers['content-length'] ?? 0) > 0;
+}
+
+/**
+ * Serves one HTTP call of a custom app, from the run endpoint's onRequest hook (before Fastify reads the
+ * body). Errors before anything is sent are thrown (Fastify answers them); after, the response is cut.
+ */
+export async function proxyHttp(
+  services: Services,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  target: RunTarget,
+  runId: string,
+  parseWebhook: (value: unknown) => string | undefined,
+  acceptAsync: (httpRequest: string, body: Buffer, fn: string, webhook: string | undefined) => Promise<FastifyReply>,
+): Promise<FastifyReply | undefined> {
+  const req = request.raw;
+  const split = splitRunUrl(req.url ?? '/');
+  if (!split) throw new FerryError('FERRY_ROUTE_NOT_FOUND');
+  const webhookUrl = parseWebhook(split.params.get('webhookEndpoint'));
+  const rawSecret = request.headers['x-webhook-secret'];
+  const webhookSecret =
+    webhookUrl && typeof rawSecret === 'string' && rawSecret !== ''
+      ? encryptWebhookSecret(services.secretsKey, runId, rawSecret)
+      : undefined;
+  const method = req.method ?? 'GET';
+  const fn = `${method} ${split.path.split('?')[0]}`.slice(0, 512);
+  const headers = forwardHeaders(req, runId, split.prefix);
+
+  if (split.params.get('async') === 'true') {
+    const body = await readBody(req, services.config.maxBodyBytes);
+    const stored = JSON.stringify({ method, path: split.path, headers, body_base64: body.toString('base64') });
+    return acceptAsync(stored, body, fn, webhookUrl);
+  }
+
+  reply.hijack();
+  const res = reply.raw;
+  const gone = new AbortController();
+  res.on('close', () => {
+    if (!res.writableFinished) gone.abort(new Error('client disconnected'));
+  });
+  try {
+    await services.invoker.invokeHttp({
+      runId,
+      build: target.build,
+      fn,
+      mode: /text\/event-stream/i.test(String(req.headers.accept ?? '')) ? 'stream' : 'sync',
+      signal: gone.signal,
+      webhookUrl,
+      webhookSecret,
+      http: { method, path: split.path, headers, body: hasBody(req) ? req : null },
+      onResponse(head) {
+        res.writeHead(head.statusCode, responseHeaders(head, runId));
+        // The head goes out now, not with the first body chunk: an SSE client sees the stream open.
+        res.flushHeaders();
+        res.socket?.setNoDelay(true);
+        return method === 'HEAD' ? undefined : res;
+      },
+    });
+    if (!res.writableEnded) res.end();
+  } catch (err) {
+    failResponse(res, runId, err);
+  }
+  return undefined;
+}
+
+/** Answers a JSON error when nothing was sent yet; otherwise cuts the response (the caller sees it break). */
+function failResponse(res: ServerResponse, runId: string, err: unknown): void {
+  if (res.destroyed) return;
+  if (res.headersSent) {
+    res.destroy();
+    return;
+  }
+  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
+  const body = JSON.stringify({ ...ferry.toJSON(), run_id: runId });
+  res.writeHead(ferry.status, {
+    ...ferry.headers,
+    'content-type': 'application/json; charset=utf-8',
+    'content-length': Buffer.byteLength(body),
+    'x-request-id': runId,
+  });
+  res.end(body);
+}
+
+// ---- WebSockets ----
+
+const WS_KEEP = new Set(['upgrade', 'connection']);
+const WS_PARAMS = new Set([...FERRY_PARAMS, 'access_token']);
+
+/** Writes an HTTP error answer on a socket that asked to upgrade, and closes it. */
+function refuseUpgrade(socket: Socket, runId: string, err: unknown): void {
+  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
+  const body = JSON.stringify({ ...ferry.toJSON(), run_id: runId });
+  const extra = Object.entries(ferry.headers)
+    .map(([k, v]) => `${k}: ${v}\r\n`)
+    .join('');
+  socket.end(
+    `HTTP/1.1 ${ferry.status} ${ferry.status === 401 ? 'Unauthorized' : 'Error'}\r\n` +
+      `content-type: application/json; charset=utf-8\r\ncontent-length: ${Buffer.byteLength(body)}\r\n` +
+      `x-request-id: ${runId}\r\n${extra}connection: close\r\n\r\n${body}`,
+  );
+}
+
+/**
+ * Proxies WebSocket upgrades on `/v4/...` to custom apps. `resolve` authenticates and finds the app the
+ * way every run call does.
+ */
+export function attachWebSocketProxy(
+  server: Server,
+  services: Services,
+  resolve: (projectId: string, appName: string, authorization: string | undefined) => Promise<RunTarget>,
+): void {
+  server.on('upgrade', (req: IncomingMessage, socket: Socket, head: Buffer) => {
+    const runId = uuidv7();
+    socket.on('error', () => socket.destroy());
+    void upgrade(req, socket, head, runId).catch((err: unknown) => {
+      if (!(err instanceof FerryError)) services.logger.error({ err, runId }, 'WebSocket proxy failed');
+      if (!socket.destroyed) refuseUpgrade(socket, runId, err);
+    });
+  });
+
+  async function upgrade(req: IncomingMessage, socket: Socket, head: Buffer, runId: string): Promise<void> {
+    const split = splitRunUrl(req.url ?? '/', WS_PARAMS);
+    if (!split) throw new FerryError('FERRY_ROUTE_NOT_FOUND');
+    if (String(req.headers.upgrade ?? '').toLowerCase() !== 'websocket' || !req.headers['sec-websocket-key']) {
+      throw new FerryError('FERRY_WEBSOCKET_INVALID');
+    }
+    const [, , projectId, appName] = split.prefix.split('/').map(safeDecode);
+    const token = split.params.get('access_token');
+    const authorization = req.headers.authorization ?? (token ? `Bearer ${token}` : undefined);
+    const target = await resolve(projectId!, appName!, authorization);
+    if (target.build.config.app.runtime !== 'custom') throw new FerryError('FERRY_WEBSOCKET_NOT_CUSTOM');
+    if (split.params.has('webhookEndpoint')) throw new FerryError('FERRY_WEBSOCKET_WEBHOOK');
+    if (split.params.has('async')) throw new FerryError('FERRY_WEBSOCKET_ASYNC');
+    const idleMs = target.build.config.runtime.custom!.websocket_idle_timeout * 1000;
+
+    const headers = forwardHeaders(req, runId, split.prefix, WS_KEEP);
+    headers.connection = 'Upgrade';
+    headers.upgrade = 'websocket';
+    const gone = new AbortController();
+    socket.once('close', () => gone.abort(new Error('client disconnected')));
+    let answered = false;
+    await services.invoker
+      .invokeSession(
+        {
+          runId,
+          build: target.build,
+          fn: `WEBSOCKET ${split.path.split('?')[0]}`.slice(0, 512),
+          mode: 'stream',
+          signal: gone.signal,
+          noDeadline: true,
+        },
+        (replica, signal) =>
+          new Promise<number>((resolveSession, rejectSession) => {
+            const upstream = replica.connect();
+            let status = 0;
+            const finish = () => {
+              upstream.destroy();
+              socket.destroy();
+              if (status === 0) rejectSession(new FerryError('FERRY_REPLICA_DIED', 'The app closed the connection'));
+              else resolveSession(status);
+            };
+            signal.addEventListener('abort', finish, { once: true });
+            upstream.once('error', finish);
+            upstream.once('close', finish);
+            socket.once('close', finish);
+            upstream.once('connect', () => {
+              const lines = [`${req.method ?? 'GET'} ${split.path} HTTP/1.1`];
+              for (const [name, value] of Object.entries(headers)) {
+                for (const one of Array.isArray(value) ? value : [value]) lines.push(`${name}: ${one}`);
+              }
+              upstream.write(`${lines.join('\r\n')}\r\n\r\n`);
+              if (head.length > 0) upstream.write(head);
+              upstream.once('data', (first: Buffer) => {
+                // The status line of the server's answer (101, or a refusal it sends as-is), for the run record.
+                const match = /^HTTP\/1\.[01] (\d{3})/.exec(first.subarray(0, 16).toString('latin1'));
+                status = match ? Number(match[1]) : 502;
+                answered = true;
+              });
+              upstream.pipe(socket);
+              socket.pipe(upstream);
+              upstream.setNoDelay(true);
+              socket.setNoDelay(true);
+              // Silence both ways for idleMs closes the pair (a socket's timeout counts its reads and writes).
+              socket.setTimeout(idleMs, () => {
+                services.recorder.log(runId, 'system', `closed after ${idleMs / 1000} s without traffic`);
+                finish();
+              });
+            });
+          }),
+      )
+      .catch((err: unknown) => {
+        // Once the server answered, the caller has its response; the run's record has the rest.
+        if (answered || socket.destroyed) return;
+        throw err;
+      });
+  }
+}
