@@ -5,6 +5,7 @@
 import fs from 'node:fs';
 import path from 'node:path';
 import type { AppConfig } from '../../apps/app-config.js';
+import { createCustomBuilder } from './custom.js';
 import { createNodeBuilder, NODE_ENTRIES } from './node.js';
 import { createPythonBuilder } from './python.js';
 import { type Builder, BuildFailedError } from './types.js';
@@ -48,5 +49,5 @@ function isFile(file: string): boolean {
 }
 
 export function createDefaultBuilders(): Builders {
-  return { node: createNodeBuilder(), python: createPythonBuilder() };
+  return { node: createNodeBuilder(), python: createPythonBuilder(), custom: createCustomBuilder() };
 }
