@@ -20,8 +20,8 @@ if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
 fi
 export DEBIAN_FRONTEND=noninteractive
 echo "system packages: installing ${need[*]}"
-if ! apt-get install -y -qq "${need[@]}" >/dev/null 2>&1; then
-  apt-get update -qq >/dev/null 2>&1 || true
-  apt-get install -y -qq "${need[@]}" >/dev/null 2>&1 || echo "could not install ${need[*]}; see \`npx ferry doctor\`" >&2
+if ! apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${need[@]}" >/dev/null 2>&1; then
+  apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null 2>&1 || true
+  apt-get -o DPkg::Lock::Timeout=600 install -y -qq "${need[@]}" >/dev/null 2>&1 || echo "could not install ${need[*]}; see \`npx ferry doctor\`" >&2
 fi
 exit 0
