@@ -35,7 +35,8 @@ const Endpoint = Type.String({ maxLength: 2048, pattern: '^(/[\\x21-\\x7e]*)?$' 
 const CustomSection = Type.Object(
   {
     entrypoint: Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { minItems: 1 })]),
-    port: Type.Optional(Type.Integer({ minimum: 1, maximum: 65535 })),
+    // Replicas run unprivileged: ports below 1024 cannot be bound in the sandbox.
+    port: Type.Optional(Type.Integer({ minimum: 1024, maximum: 65535 })),
     healthcheck_endpoint: Type.Optional(Endpoint),
     readycheck_endpoint: Type.Optional(Endpoint),
     start_timeout: Type.Optional(Type.Integer({ minimum: 1, maximum: 3600 })),
