@@ -18,7 +18,7 @@ import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
 import type { Services } from '../services.js';
-import { encryptWebhookSecret } from '../webhooks/secret.js';
+import { webhookSecretOf } from '../webhooks/secret.js';
 import type { RunTarget } from './routes/run.js';
 
 /** Headers that describe one connection, not the request (RFC 9110 7.6.1), plus `Expect` (undici refuses it). */
@@ -79,6 +79,15 @@ function safeDecode(text: string): string {
   }
 }
 
+/** Header names a Connection header lists: hop-by-hop for this one message (RFC 9110 7.6.1). */
+function connectionTokens(value: string | string[] | undefined): Set<string> {
+  return new Set(
+    String(value ?? '')
+      .split(',')
+      .map((token) => token.trim().toLowerCase()),
+  );
+}
+
 /** The caller's headers as the app's server gets them. */
 export function forwardHeaders(
   req: IncomingMessage,
@@ -86,8 +95,7 @@ export function forwardHeaders(
   prefix: string,
   keep: ReadonlySet<string> = new Set(),
 ): Record<string, string | string[]> {
-  const named = new Set<string>();
-  for (const token of String(req.headers.connection ?? '').split(',')) named.add(token.trim().toLowerCase());
+  const named = connectionTokens(req.headers.connection);
   const out: Record<string, string | string[]> = {};
   const raw = req.rawHeaders;
   for (let i = 0; i + 1 < raw.length; i += 2) {
@@ -111,8 +119,7 @@ export function forwardHeaders(
 
 /** The server's response headers as the caller gets them. */
 function responseHeaders(head: HttpResponseHead, runId: string): Record<string, string | string[]> {
-  const named = new Set<string>();
-  for (const token of String(head.headers.connection ?? '').split(',')) named.add(token.trim().toLowerCase());
+  const named = connectionTokens(head.headers.connection);
   const out: Record<string, string | string[]> = {};
   for (const [name, value] of Object.entries(head.headers)) {
     if (value === undefined || HOP_BY_HOP.has(name) || named.has(name)) continue;
@@ -151,17 +158,19 @@ export async function proxyHttp(
   target: RunTarget,
   runId: string,
   parseWebhook: (value: unknown) => string | undefined,
-  acceptAsync: (httpRequest: string, body: Buffer, fn: string, webhook: string | undefined) => Promise<FastifyReply>,
+  acceptAsync: (request: {
+    httpRequest: string;
+    body: Buffer;
+    fn: string;
+    webhookUrl: string | undefined;
+    webhookSecret: string | undefined;
+  }) => Promise<FastifyReply>,
 ): Promise<FastifyReply | undefined> {
   const req = request.raw;
   const split = splitRunUrl(req.url ?? '/');
   if (!split) throw new FerryError('FERRY_ROUTE_NOT_FOUND');
   const webhookUrl = parseWebhook(split.params.get('webhookEndpoint'));
-  const rawSecret = request.headers['x-webhook-secret'];
-  const webhookSecret =
-    webhookUrl && typeof rawSecret === 'string' && rawSecret !== ''
-      ? encryptWebhookSecret(services.secretsKey, runId, rawSecret)
-      : undefined;
+  const webhookSecret = webhookSecretOf(services.secretsKey, runId, webhookUrl, request.headers['x-webhook-secret']);
   const method = req.method ?? 'GET';
   const fn = `${method} ${split.path.split('?')[0]}`.slice(0, 512);
   const headers = forwardHeaders(req, runId, split.prefix);
@@ -169,7 +178,7 @@ export async function proxyHttp(
   if (split.params.get('async') === 'true') {
     const body = await readBody(req, services.config.maxBodyBytes);
     const stored = JSON.stringify({ method, path: split.path, headers, body_base64: body.toString('base64') });
-    return acceptAsync(stored, body, fn, webhookUrl);
+    return acceptAsync({ httpRequest: stored, body, fn, webhookUrl, webhookSecret });
   }
 
   reply.hijack();

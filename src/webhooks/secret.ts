@@ -25,3 +25,18 @@ export function decryptWebhookSecret(key: Uint8Array, runId: string, stored: str
     });
   }
 }
+
+/**
+ * The run's X-Webhook-Secret header, encrypted for storage: only when the run has a webhook and the header
+ * holds a non-empty value.
+ */
+export function webhookSecretOf(
+  key: Uint8Array,
+  runId: string,
+  webhookUrl: string | undefined,
+  header: string | string[] | undefined,
+): string | undefined {
+  return webhookUrl && typeof header === 'string' && header !== ''
+    ? encryptWebhookSecret(key, runId, header)
+    : undefined;
+}

@@ -14,7 +14,7 @@ import type { PoolBuild } from '../../replicas/pool.js';
 import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { newRunRow } from '../../runs/recorder.js';
 import type { Services } from '../../services.js';
-import { encryptWebhookSecret } from '../../webhooks/secret.js';
+import { webhookSecretOf } from '../../webhooks/secret.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
 import type { TypedServer } from '../server.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
@@ -266,30 +266,13 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
       const target = await resolveTarget(services, project_id, app_name, request.headers.authorization);
       request.runTarget = target;
       if (target.build.config.app.runtime === 'custom') {
-        return proxyHttp(
-          services,
-          request,
-          reply,
-          target,
-          runId,
-          parseWebhookEndpoint,
-          (httpRequest, body, fn, url) => {
-            const rawSecret = request.headers['x-webhook-secret'];
-            const webhookSecret =
-              url && typeof rawSecret === 'string' && rawSecret !== ''
-                ? encryptWebhookSecret(services.secretsKey, runId, rawSecret)
-                : undefined;
-            return acceptAsync(services, request, reply, {
-              runId,
-              target,
-              fn,
-              body,
-              webhookUrl: url,
-              webhookSecret,
-              httpRequest,
-              input: body.length <= MAX_STORED_INPUT_BYTES ? body.toString('utf8') : null,
-            });
-          },
+        return proxyHttp(services, request, reply, target, runId, parseWebhookEndpoint, (call) =>
+          acceptAsync(services, request, reply, {
+            ...call,
+            runId,
+            target,
+            input: call.body.length <= MAX_STORED_INPUT_BYTES ? call.body.toString('utf8') : null,
+          }),
         );
       }
       if (!functionRoute) {
@@ -325,11 +308,12 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
         const body = (request.body as RawJson | undefined)?.raw ?? Buffer.from('{}');
         const query = request.query as Record<string, unknown>;
         const webhookUrl = parseWebhookEndpoint(query.webhookEndpoint);
-        const rawSecret = request.headers['x-webhook-secret'];
-        const webhookSecret =
-          webhookUrl && typeof rawSecret === 'string' && rawSecret !== ''
-            ? encryptWebhookSecret(services.secretsKey, runId, rawSecret)
-            : undefined;
+        const webhookSecret = webhookSecretOf(
+          services.secretsKey,
+          runId,
+          webhookUrl,
+          request.headers['x-webhook-secret'],
+        );
 
         // Exactly "true" turns async on; any other value is as if the parameter were absent (documented).
         if (query.async === 'true') {
