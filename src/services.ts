@@ -22,6 +22,7 @@ import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
+import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openSqliteStore, type Store } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
@@ -40,6 +41,8 @@ export interface Services {
   logger: Logger;
   /** What isolation replicas get on this machine (bubblewrap, memory cgroup). */
   sandbox: SandboxCapabilities;
+  /** Gives every sandbox (replica or build step) a network namespace of its own (sandbox/network.ts). */
+  network: SandboxNetwork;
   recorder: RunRecorder;
   replicas: ReplicaManager;
   invoker: Invoker;
@@ -65,6 +68,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
   const sandbox = await detectSandbox();
+  const network = createLoopbackOnlyNetwork();
   const appLog = createAppLog({ linesPerApp: config.appLogLines });
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
@@ -157,6 +161,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     metrics,
     logger,
     sandbox,
+    network,
     recorder,
     replicas,
     invoker,
@@ -183,6 +188,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await replicas.close();
       await recorder.close();
       await webhooks.close();
+      await network.close();
       await store.destroy();
     },
   };
