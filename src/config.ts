@@ -40,6 +40,14 @@ export interface ServerConfig {
   maxStoredResultBytes: number;
   /** Lines of replica output (outside runs) the app log keeps per app, in memory. */
   appLogLines: number;
+  /** How long a finished streaming run's events stay resumable (`Last-Event-ID`), seconds. */
+  streamReplaySeconds: number;
+  /** Event bytes kept per streaming run for resuming; past it the oldest events are dropped. */
+  streamReplayBytes: number;
+  /** Event bytes kept for resuming over all streaming runs of this server. */
+  streamReplayTotalBytes: number;
+  /** How long a streaming run goes on after its last client went away, waiting for a reconnect, seconds. */
+  streamResumeGraceSeconds: number;
 }
 
 export const DEFAULTS = {
@@ -55,6 +63,10 @@ export const DEFAULTS = {
   webhookTimeoutMs: 10_000,
   maxStoredResultBytes: 256 * 1024,
   appLogLines: 2000,
+  streamReplaySeconds: 300,
+  streamReplayBytes: 1024 * 1024,
+  streamReplayTotalBytes: 64 * 1024 * 1024,
+  streamResumeGraceSeconds: 10,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -111,5 +123,17 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     maxStoredResultBytes:
       intFrom(env.FERRY_MAX_STORED_RESULT_BYTES, 'FERRY_MAX_STORED_RESULT_BYTES', 0, 1024 ** 3) ??
       DEFAULTS.maxStoredResultBytes,
+    streamReplaySeconds:
+      intFrom(env.FERRY_STREAM_REPLAY_SECONDS, 'FERRY_STREAM_REPLAY_SECONDS', 0, 86_400) ??
+      DEFAULTS.streamReplaySeconds,
+    streamReplayBytes:
+      intFrom(env.FERRY_STREAM_REPLAY_BYTES, 'FERRY_STREAM_REPLAY_BYTES', 1024, 1024 ** 3) ??
+      DEFAULTS.streamReplayBytes,
+    streamReplayTotalBytes:
+      intFrom(env.FERRY_STREAM_REPLAY_TOTAL_BYTES, 'FERRY_STREAM_REPLAY_TOTAL_BYTES', 1024, 64 * 1024 ** 3) ??
+      DEFAULTS.streamReplayTotalBytes,
+    streamResumeGraceSeconds:
+      intFrom(env.FERRY_STREAM_RESUME_GRACE_SECONDS, 'FERRY_STREAM_RESUME_GRACE_SECONDS', 0, 3600) ??
+      DEFAULTS.streamResumeGraceSeconds,
   };
 }

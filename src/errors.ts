@@ -70,6 +70,18 @@ export const ERRORS = {
   FERRY_ASYNC_BACKLOG_FULL: { status: 429, message: 'Too many async runs are waiting; retry later' },
   FERRY_WEBHOOK_URL_INVALID: { status: 400, message: 'webhookEndpoint must be an absolute http or https URL' },
   FERRY_IDEMPOTENCY_KEY_INVALID: { status: 400, message: 'Idempotency-Key must be 1 to 255 visible ASCII characters' },
+  FERRY_LAST_EVENT_ID_INVALID: {
+    status: 400,
+    message: 'Last-Event-ID must be an event id this stream sent: <run_id>:<sequence number>',
+  },
+  FERRY_STREAM_GONE: {
+    status: 410,
+    message: 'The run’s stream is not kept (unknown, another app’s, or forgotten): it cannot be resumed',
+  },
+  FERRY_STREAM_EVENTS_DROPPED: {
+    status: 410,
+    message: 'Some events after Last-Event-ID are no longer kept; the stream goes on from the oldest kept one',
+  },
   FERRY_CORTEX_CALL: {
     status: 405,
     message: 'Functions of a cortex app are called with POST /v4/{project_id}/{app_name}/{function}',

@@ -21,6 +21,7 @@ import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
 import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
+import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
 import { secretEnvironment } from './secrets/secrets.js';
@@ -55,6 +56,8 @@ export interface Services {
   runTargets: RunTargets;
   /** What replicas print outside runs, and their lifecycle, per app (in memory). */
   appLog: AppLog;
+  /** Streaming runs' events, kept so a reconnect with Last-Event-ID resumes the run (in memory). */
+  streams: StreamReplay;
   close(): Promise<void>;
 }
 
@@ -148,6 +151,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       }
     },
   });
+  const streams = createStreamReplay({
+    keepMs: config.streamReplaySeconds * 1000,
+    maxBytesPerRun: config.streamReplayBytes,
+    maxTotalBytes: config.streamReplayTotalBytes,
+    graceMs: config.streamResumeGraceSeconds * 1000,
+  });
   return {
     config,
     dataDir,
@@ -169,6 +178,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     webhooks,
     runTargets,
     appLog,
+    streams,
     refreshGauges() {
       metrics.replicas.reset();
       metrics.queueDepth.reset();
@@ -183,6 +193,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       }
     },
     async close() {
+      // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
+      streams.close();
       await pipeline.close();
       await asyncWorker.close();
       await replicas.close();

@@ -15,7 +15,7 @@ import { zipFiles } from './helpers/app-zip.js';
 import { http as call, deployFiles, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 import { LEFTPAD_WHEEL, leftpadWheel } from './helpers/python-wheel.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
-import { disconnectAfterFirstItem, streamRequest } from './helpers/stream.js';
+import { disconnectAfterFirstItem, endEvent, streamRequest, streamWire } from './helpers/stream.js';
 
 const toml = (name: string, extra = '') => `[app]\nname = "${name}"\n${extra}`;
 
@@ -38,7 +38,8 @@ describe('python runtime', () => {
 
   before(async () => {
     receiver = await startReceiver();
-    server = await startServer({ env: { FERRY_WEBHOOK_ALLOW: '127.0.0.0/8' } });
+    // A short resume grace, so a streaming caller that goes away for good frees its slot soon.
+    server = await startServer({ env: { FERRY_WEBHOOK_ALLOW: '127.0.0.0/8', FERRY_STREAM_RESUME_GRACE_SECONDS: '1' } });
     auth = await server.bootstrap();
     await deployFiles(server, auth, 'py', {
       'ferry.toml': toml('py', '[env]\nGREETING = "Hi"\n'),
@@ -329,8 +330,9 @@ def closed():
         const res = await streamRequest(url('pystream', fn), auth.token, { n: 4, ms: 250 });
         assert.equal(res.status, 200);
         assert.equal(res.headers['content-type'], 'text/event-stream; charset=utf-8');
+        const runId = String(res.headers['x-request-id']);
         const text = res.arrivals.map((a) => a.text).join('');
-        assert.equal(text, 'data: {"i":0}\n\ndata: {"i":1}\n\ndata: {"i":2}\n\ndata: {"i":3}\n\n');
+        assert.equal(text, streamWire(runId, ['{"i":0}', '{"i":1}', '{"i":2}', '{"i":3}', endEvent(runId)]));
         const times = res.arrivals.filter((a) => a.text.includes('data:')).map((a) => a.at);
         assert.ok(times.length >= 3, `events arrived in ${times.length} chunks: progressive delivery`);
         assert.ok(times.at(-1)! - times[0]! >= 500, `arrivals spread with the generator's sleeps: ${times}`);
@@ -347,20 +349,23 @@ def closed():
 
     it('ends the stream with an error event when the generator raises', async () => {
       const res = await streamRequest(url('pystream', 'failing'), auth.token, {});
+      const runId = String(res.headers['x-request-id']);
       const text = res.arrivals.map((a) => a.text).join('');
-      assert.match(text, /^data: first\n\n/);
-      const match = /event: error\ndata: (.*)\n\n$/.exec(text);
+      const match = /^retry: 1000\n\nid: \S+\ndata: first\n\nevent: error\nid: \S+\ndata: (.*)\n\nevent: end\n/.exec(
+        text,
+      );
       assert.ok(match, text);
       const payload = JSON.parse(match[1]!);
       assert.equal(payload.error.code, 'FERRY_FUNCTION_ERROR');
       assert.match(payload.error.message, /TypeError: broke mid-stream/);
+      assert.equal(text, streamWire(runId, ['first', { event: 'error', data: match[1]! }, endEvent(runId, 'failure')]));
     });
 
     for (const [fn, kind] of [
       ['forever', 'async'],
       ['forever_sync', 'sync'],
     ] as const) {
-      it(`closes ${kind === 'async' ? 'an async' : 'a'} generator when the client disconnects, freeing the slot`, async () => {
+      it(`closes ${kind === 'async' ? 'an async' : 'a'} generator when the client disconnects and does not resume, freeing the slot`, async () => {
         const runId = await disconnectAfterFirstItem(url('pystream', fn), auth.token);
         // One replica, one slot: this call gets through only if the endless generator let go of it.
         const started = Date.now();
@@ -561,10 +566,16 @@ def hog(mib: int = 1024):
       const app = await deployExample('python-stream');
       const res = await streamRequest(url(app, 'generate'), auth.token, { max_tokens: 3, delay: 0.3 });
       assert.equal(res.status, 200);
+      const streamId = String(res.headers['x-request-id']);
       const text = res.arrivals.map((a) => a.text).join('');
       assert.equal(
         text,
-        'data: {"index":0,"token":"Once"}\n\ndata: {"index":1,"token":"upon"}\n\ndata: {"index":2,"token":"a"}\n\n',
+        streamWire(streamId, [
+          '{"index":0,"token":"Once"}',
+          '{"index":1,"token":"upon"}',
+          '{"index":2,"token":"a"}',
+          endEvent(streamId),
+        ]),
       );
       const times = res.arrivals.filter((a) => a.text.includes('data:')).map((a) => a.at);
       assert.ok(times.at(-1)! - times[0]! >= 400, `arrivals spread with the generator's sleeps: ${times}`);

@@ -1,12 +1,14 @@
 /**
  * Streaming mode (spec 4.4): headers, one `data:` event per item the moment it is yielded (also through
- * gzip, flushed per event), multi-line strings, errors mid-stream, a disconnecting client stopping the
- * generator, and a generator called without an event stream answering a JSON array.
+ * gzip, flushed per event), each with its `id:` and the stream closed by `event: end`, multi-line strings,
+ * errors mid-stream, a disconnecting client that does not come back stopping the generator after the
+ * resume grace period, and a generator called without an event stream answering a JSON array.
+ * Resuming is in stream-resume.test.ts.
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { http as call, deployFiles, startServer, type TestServer, waitFor } from './helpers/ferry.js';
-import { disconnectAfterFirstItem, streamRequest } from './helpers/stream.js';
+import { disconnectAfterFirstItem, endEvent, streamRequest, streamWire } from './helpers/stream.js';
 
 describe('streaming runs', () => {
   let server: TestServer;
@@ -14,7 +16,8 @@ describe('streaming runs', () => {
   const url = (fn: string) => `${server.url}/v4/${auth.projectId}/streamer/${fn}`;
 
   before(async () => {
-    server = await startServer();
+    // A short resume grace, so a caller that goes away for good frees the one slot soon.
+    server = await startServer({ streamResumeGraceSeconds: 1 });
     auth = await server.bootstrap();
     await deployFiles(server, auth, 'streamer', {
       'ferry.toml': '[app]\nname = "streamer"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 1\n',
@@ -37,9 +40,10 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
     assert.equal(res.headers['content-type'], 'text/event-stream; charset=utf-8');
     assert.equal(res.headers['cache-control'], 'no-cache');
     assert.equal(res.headers['transfer-encoding'], 'chunked');
-    assert.match(String(res.headers['x-request-id']), /^[0-9a-f-]{36}$/);
+    const runId = String(res.headers['x-request-id']);
+    assert.match(runId, /^[0-9a-f-]{36}$/);
     const text = res.arrivals.map((a) => a.text).join('');
-    assert.equal(text, 'data: {"i":0}\n\ndata: {"i":1}\n\ndata: {"i":2}\n\ndata: {"i":3}\n\n');
+    assert.equal(text, streamWire(runId, ['{"i":0}', '{"i":1}', '{"i":2}', '{"i":3}', endEvent(runId)]));
     const eventTimes = res.arrivals.filter((a) => a.text.includes('data:')).map((a) => a.at);
     assert.ok(eventTimes.length >= 3, `events arrived in ${eventTimes.length} chunks: progressive delivery`);
     assert.ok(eventTimes.at(-1)! - eventTimes[0]! >= 500, `arrivals spread with the generator's sleeps: ${eventTimes}`);
@@ -48,8 +52,9 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
   it('still delivers each event as it is yielded when gzip-compressed', async () => {
     const res = await streamRequest(url('count'), auth.token, { n: 4, ms: 250 }, { 'accept-encoding': 'gzip' });
     assert.equal(res.headers['content-encoding'], 'gzip');
+    const runId = String(res.headers['x-request-id']);
     const text = res.arrivals.map((a) => a.text).join('');
-    assert.equal(text, 'data: {"i":0}\n\ndata: {"i":1}\n\ndata: {"i":2}\n\ndata: {"i":3}\n\n');
+    assert.equal(text, streamWire(runId, ['{"i":0}', '{"i":1}', '{"i":2}', '{"i":3}', endEvent(runId)]));
     const eventTimes = res.arrivals.filter((a) => a.text.includes('data:')).map((a) => a.at);
     assert.ok(eventTimes.length >= 3, 'flushed per event');
     assert.ok(eventTimes.at(-1)! - eventTimes[0]! >= 500, `${eventTimes}`);
@@ -57,22 +62,25 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
 
   it('sends strings as they are, splits multi-line strings into data lines, and other values as JSON', async () => {
     const res = await streamRequest(url('words'), auth.token, {});
-    assert.equal(
-      res.arrivals.map((a) => a.text).join(''),
-      'data: plain text\n\ndata: two\ndata: lines\n\ndata: 42\n\n',
-    );
+    const runId = String(res.headers['x-request-id']);
+    const text = res.arrivals.map((a) => a.text).join('');
+    assert.match(text, /\ndata: two\ndata: lines\n\n/);
+    assert.equal(text, streamWire(runId, ['plain text', 'two\nlines', '42', endEvent(runId)]));
   });
 
   it('ends the stream with an error event when the generator throws, and records failure', async () => {
     const res = await streamRequest(url('failing'), auth.token, {});
+    const runId = String(res.headers['x-request-id']);
     const text = res.arrivals.map((a) => a.text).join('');
-    assert.match(text, /^data: first\n\n/);
-    const match = /event: error\ndata: (.*)\n\n$/.exec(text);
+    const match = /^retry: 1000\n\nid: \S+\ndata: first\n\nevent: error\nid: \S+\ndata: (.*)\n\nevent: end\n/.exec(
+      text,
+    );
     assert.ok(match, text);
     const payload = JSON.parse(match[1]!);
+    assert.equal(payload.run_id, runId);
     assert.equal(payload.error.code, 'FERRY_FUNCTION_ERROR');
     assert.match(payload.error.message, /broke mid-stream/);
-    const runId = String(res.headers['x-request-id']);
+    assert.equal(text, streamWire(runId, ['first', { event: 'error', data: match[1]! }, endEvent(runId, 'failure')]));
     const run = await waitFor(async () => {
       const r = await call(`${server.url}/v2/projects/${auth.projectId}/apps/streamer/runs/${runId}`, {
         token: auth.token,
@@ -82,7 +90,7 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
     assert.equal(run.mode, 'stream');
   });
 
-  it('stops the generator when the client disconnects and frees the replica slot', async () => {
+  it('stops the generator when the client disconnects and does not resume within the grace, freeing the slot', async () => {
     const runId = await disconnectAfterFirstItem(url('forever'), auth.token);
     // One replica, one slot: a new call gets through only if the endless generator let go of it.
     const started = Date.now();
@@ -97,6 +105,25 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
     });
     assert.equal(run.state, 'cancelled');
     assert.equal(run.reason, 'client_disconnected');
+
+    // A reconnect after the grace finds the run over: the items it missed, why it ended, and the end.
+    const late = await streamRequest(url('forever'), auth.token, {}, { 'last-event-id': `${runId}:1` });
+    assert.equal(late.status, 200);
+    const text = late.arrivals.map((a) => a.text).join('');
+    const match = /\nevent: error\nid: \S+:(\d+)\ndata: (.*)\n\nevent: end\n/.exec(text);
+    assert.ok(match, text);
+    const errorSeq = Number(match[1]);
+    assert.equal(JSON.parse(match[2]!).error.code, 'FERRY_CLIENT_GONE');
+    const items = Array.from({ length: errorSeq - 2 }, (_, i) => String(i + 1));
+    assert.equal(
+      text,
+      streamWire(runId, ['0', ...items, { event: 'error', data: match[2]! }, endEvent(runId, 'cancelled')]).replace(
+        `id: ${runId}:1\ndata: 0\n\n`,
+        '',
+      ),
+    );
+    const over = await streamRequest(url('forever'), auth.token, {}, { 'last-event-id': `${runId}:${errorSeq + 1}` });
+    assert.equal(over.status, 204);
   });
 
   it('answers a generator called without Accept: text/event-stream with its items as a JSON array', async () => {

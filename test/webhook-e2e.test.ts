@@ -8,6 +8,7 @@ import { createHmac } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
 import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
+import { endEvent, streamWire } from './helpers/stream.js';
 
 describe('webhooks through the run endpoint', () => {
   let server: TestServer;
@@ -117,7 +118,8 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
       },
       body: '{}',
     });
-    assert.equal(await res.text(), 'data: a\n\ndata: {"b":2}\n\n');
+    const runId = String(res.headers.get('x-request-id'));
+    assert.equal(await res.text(), streamWire(runId, ['a', '{"b":2}', endEvent(runId)]));
     const got = await receiver.waitForRequests(before + 1, 15_000);
     const delivery = got.find((r) => r.path === '/stream');
     assert.ok(delivery);

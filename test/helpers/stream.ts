@@ -61,3 +61,28 @@ export function disconnectAfterFirstItem(url: string, token: string): Promise<st
     req.end('{}');
   });
 }
+
+/** One event of a streaming run as a test expects it: an item's text, or a named event. */
+export type ExpectedEvent = string | { event: string; data: string };
+
+/**
+ * The exact wire text of a run's event stream (written out here rather than with src/http/sse.ts, so a
+ * change to the format shows): `retry: 1000`, then each event with the id `<run_id>:<seq>` (from 1) and one
+ * `data:` line per line of its text.
+ */
+export function streamWire(runId: string, events: ExpectedEvent[]): string {
+  let out = 'retry: 1000\n\n';
+  events.forEach((e, i) => {
+    const { event, data } = typeof e === 'string' ? { event: undefined, data: e } : e;
+    if (event) out += `event: ${event}\n`;
+    out += `id: ${runId}:${i + 1}\n`;
+    for (const line of data.split('\n')) out += `data: ${line}\n`;
+    out += '\n';
+  });
+  return out;
+}
+
+/** The `event: end` every stream finishes with. */
+export function endEvent(runId: string, state = 'success'): ExpectedEvent {
+  return { event: 'end', data: JSON.stringify({ run_id: runId, state }) };
+}

@@ -13,6 +13,7 @@ import { uuidv7 } from '../../ids.js';
 import type { PoolBuild } from '../../replicas/pool.js';
 import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { newRunRow } from '../../runs/recorder.js';
+import type { ReplayStream, StreamEndState, StreamReader } from '../../runs/stream-replay.js';
 import type { Services } from '../../services.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
@@ -175,17 +176,32 @@ async function acceptAsync(
   return send(call.runId);
 }
 
+/** What a streaming run's clients are told to wait before reconnecting (the SSE `retry:` field), ms. */
+export const STREAM_RECONNECT_MS = 1000;
+
+/** The `<run_id>:<seq>` a reconnecting client sends as `Last-Event-ID` (or `?lastEventId=`). */
+interface LastEventId {
+  runId: string;
+  seq: number;
+}
+
+/** The Last-Event-ID header, else the `lastEventId` query parameter; undefined when neither is given. */
+function parseLastEventId(header: unknown, query: unknown): LastEventId | undefined {
+  const value = header !== undefined && header !== '' ? header : query;
+  if (value === undefined || value === '') return undefined;
+  const match =
+    typeof value === 'string'
+      ? /^([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}):(\d{1,9})$/i.exec(value)
+      : null;
+  if (!match) throw new FerryError('FERRY_LAST_EVENT_ID_INVALID');
+  return { runId: match[1]!.toLowerCase(), seq: Number(match[2]) };
+}
+
 /**
- * `Accept: text/event-stream`: each yielded item is sent as one event the moment it is yielded (strings as
- * they are, other values as JSON), gzip-compressed and flushed per event when the caller accepts gzip.
- * Errors before the call starts answer a normal JSON error; after it, an `event: error` ends the stream.
+ * One caller's connection to a run's events. The response starts on first use (headers, then `retry:`);
+ * events go out as they come, gzip-compressed and flushed per event when the caller accepts gzip.
  */
-async function streamRun(
-  services: Services,
-  request: FastifyRequest,
-  reply: FastifyReply,
-  call: Omit<Parameters<Services['invoker']['invoke']>[0], 'mode'>,
-): Promise<void> {
+function eventConnection(request: FastifyRequest, reply: FastifyReply, runId: string) {
   const res = reply.raw;
   const gzip = /\bgzip\b/i.test(String(request.headers['accept-encoding'] ?? ''));
   let out: { write(text: string): void; end(): void } | undefined;
@@ -193,7 +209,7 @@ async function streamRun(
     if (out) return out;
     reply.hijack();
     startEventStream(res, {
-      'x-request-id': call.runId,
+      'x-request-id': runId,
       'transfer-encoding': 'chunked',
       ...(gzip ? { 'content-encoding': 'gzip', vary: 'Accept-Encoding' } : {}),
     });
@@ -211,29 +227,130 @@ async function streamRun(
     } else {
       out = { write: (text) => res.write(text), end: () => res.end() };
     }
+    out.write(`retry: ${STREAM_RECONNECT_MS}\n\n`);
     return out;
   };
+  const reader: StreamReader = {
+    send(event) {
+      if (!res.destroyed) open().write(formatEvent(event.data, event.event, event.id));
+    },
+    end: () => open().end(),
+  };
+  return { open, reader, res };
+}
+
+function eventText(value: unknown): string {
+  return typeof value === 'string' ? value : JSON.stringify(value);
+}
+
+/** How a stream that failed ends, as the run records it. */
+function endStateOf(err: FerryError, clientGone: boolean): StreamEndState {
+  if (err.code === 'FERRY_RUN_TIMEOUT') return 'timeout';
+  return clientGone ? 'cancelled' : 'failure';
+}
+
+/**
+ * `Accept: text/event-stream`: each yielded item is one event (strings as they are, other values as JSON),
+ * with the id `<run_id>:<seq>`, the moment it is yielded; `event: end` closes every stream, after an
+ * `event: error` when the run failed. Errors before the call starts answer a normal JSON error.
+ *
+ * The events are kept (services.streams) so a reconnect can resume; a caller that goes away once the
+ * stream has started leaves the run going for the resume grace period. Before that it stops the run.
+ */
+async function streamRun(
+  services: Services,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  call: Omit<Parameters<Services['invoker']['invoke']>[0], 'mode' | 'signal'>,
+): Promise<void> {
+  const gone = new AbortController();
+  const stop = () => gone.abort(new Error('client disconnected'));
+  const connection = eventConnection(request, reply, call.runId);
+  let stream: ReplayStream | undefined;
+  const begin = (): ReplayStream => {
+    if (stream) return stream;
+    connection.open();
+    stream = services.streams.open({
+      runId: call.runId,
+      projectId: call.build.projectId,
+      appId: call.build.appId,
+      fn: call.fn,
+      stop,
+    });
+    stream.attach(connection.reader, 0);
+    return stream;
+  };
+  connection.res.on('close', () => {
+    if (connection.res.writableFinished) return;
+    if (stream) stream.detach(connection.reader);
+    else stop();
+  });
   try {
     const outcome = await services.invoker.invoke({
       ...call,
       mode: 'stream',
-      onStarted: () => void open(),
-      onItem: (item) => open().write(formatEvent(typeof item === 'string' ? item : JSON.stringify(item))),
+      signal: gone.signal,
+      onStarted: () => void begin(),
+      onItem: (item) => begin().push(eventText(item)),
     });
     // A plain (non-generator) function called as a stream: its result is the one event.
-    if (!outcome.streamed) {
-      const value = outcome.result;
-      open().write(formatEvent(typeof value === 'string' ? value : JSON.stringify(value)));
-    }
-    open().end();
+    if (!outcome.streamed) begin().push(eventText(outcome.result));
+    begin().end('success');
   } catch (err) {
-    if (!out) throw err; // nothing sent yet: a normal JSON error response
-    const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
-    if (!res.destroyed) {
-      out.write(formatEvent(JSON.stringify({ run_id: call.runId, ...ferry.toJSON() }), 'error'));
-      out.end();
-    }
+    if (!stream) throw err; // nothing sent yet: a normal JSON error response
+    const clientGone = !(err instanceof FerryError) && gone.signal.aborted;
+    const ferry = err instanceof FerryError ? err : new FerryError(clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
+    stream.push(JSON.stringify({ run_id: call.runId, ...ferry.toJSON() }), 'error');
+    stream.end(endStateOf(ferry, clientGone));
   }
+}
+
+/**
+ * A reconnect carrying `Last-Event-ID: <run_id>:<seq>`: sends the run's kept events after `seq`, then the
+ * live ones, and nothing is run. 204 once there is nothing more (which tells EventSource to stop); 410
+ * when the run's stream is not kept here; an `event: error` first when events after `seq` were dropped.
+ */
+function resumeStream(
+  services: Services,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  target: RunTarget,
+  fn: string,
+  last: LastEventId,
+): FastifyReply | undefined {
+  void reply.header('x-request-id', last.runId);
+  const stream = services.streams.get(last.runId);
+  // Another app's run answers as an unknown one: a token for this app learns nothing about others.
+  if (
+    !stream ||
+    stream.projectId !== target.build.projectId ||
+    stream.appId !== target.build.appId ||
+    stream.fn !== fn
+  ) {
+    throw new FerryError('FERRY_STREAM_GONE');
+  }
+  if (last.seq > stream.lastSeq) {
+    throw new FerryError('FERRY_LAST_EVENT_ID_INVALID', `This stream has sent no event ${last.runId}:${last.seq}`);
+  }
+  if (stream.done && last.seq >= stream.lastSeq) return reply.code(204).send();
+
+  const connection = eventConnection(request, reply, last.runId);
+  connection.open();
+  connection.res.on('close', () => {
+    if (!connection.res.writableFinished) stream.detach(connection.reader);
+  });
+  const first = stream.firstSeq;
+  if (last.seq + 1 < first) {
+    const dropped = new FerryError(
+      'FERRY_STREAM_EVENTS_DROPPED',
+      `Events ${last.seq + 1} to ${first - 1} of this run are no longer kept; the stream goes on from event ${first}`,
+      { details: { resumes_at: `${last.runId}:${first}` } },
+    );
+    // No id: it is not one of the run's events, and the client's last id stays where it was.
+    connection.open().write(formatEvent(JSON.stringify({ run_id: last.runId, ...dropped.toJSON() }), 'error'));
+  }
+  stream.attach(connection.reader, last.seq);
+  return undefined;
 }
 
 export function registerRunRoutes(app: TypedServer, services: Services): void {
@@ -305,8 +422,13 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
         if (fn.startsWith('_') || (target.functions && !target.functions.includes(fn))) {
           throw new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`);
         }
-        const body = (request.body as RawJson | undefined)?.raw ?? Buffer.from('{}');
         const query = request.query as Record<string, unknown>;
+        const streaming = wantsEventStream(request.headers.accept);
+        const last = streaming ? parseLastEventId(request.headers['last-event-id'], query.lastEventId) : undefined;
+        // A reconnect resumes the run it names; the body and other parameters are the first call's.
+        if (last) return resumeStream(services, request, reply, target, fn, last);
+
+        const body = (request.body as RawJson | undefined)?.raw ?? Buffer.from('{}');
         const webhookUrl = parseWebhookEndpoint(query.webhookEndpoint);
         const webhookSecret = webhookSecretOf(
           services.secretsKey,
@@ -320,17 +442,15 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
           return acceptAsync(services, request, reply, { runId, target, fn, body, webhookUrl, webhookSecret });
         }
 
-        // The caller going away ends the run (its generator is stopped, its slot freed).
+        const common = { runId, build: target.build, fn, body, webhookUrl, webhookSecret };
+        if (streaming) return streamRun(services, request, reply, common);
+
+        // The caller going away ends a sync run (its slot freed).
         const gone = new AbortController();
         reply.raw.on('close', () => {
           if (!reply.raw.writableFinished) gone.abort(new Error('client disconnected'));
         });
-        const common = { runId, build: target.build, fn, body, signal: gone.signal, webhookUrl, webhookSecret };
-
-        if (wantsEventStream(request.headers.accept)) {
-          return streamRun(services, request, reply, common);
-        }
-        const outcome = await services.invoker.invoke({ ...common, mode: 'sync' });
+        const outcome = await services.invoker.invoke({ ...common, signal: gone.signal, mode: 'sync' });
         return reply
           .type('application/json; charset=utf-8')
           .send({ run_id: runId, result: outcome.result, run_time_ms: outcome.runTimeMs });
