@@ -147,7 +147,10 @@ function splitNdjson(text) {
   return [items, rest];
 }
 
-/** Server-sent events: each event's `data:` lines joined, parsed as JSON; an `event: error` throws. */
+/**
+ * Server-sent events: each item event's `data:` lines joined, parsed as JSON; an `event: error` throws;
+ * `retry:`, `id:` and the closing `event: end` are not items.
+ */
 function splitSse(text) {
   const blocks = text.split('\n\n');
   const rest = blocks.pop();
@@ -160,7 +163,7 @@ function splitSse(text) {
       else if (line.startsWith('data:')) data.push(line.slice(line[5] === ' ' ? 6 : 5));
     }
     if (event === 'error') throw new Error(`Ferry sent an error event: ${data.join('\n')}`);
-    if (data.length > 0) items.push(JSON.parse(data.join('\n')));
+    if (event === 'message' && data.length > 0) items.push(JSON.parse(data.join('\n')));
   }
   return [items, rest];
 }

@@ -127,8 +127,8 @@ describe('resumable streams', () => {
   const lastIdHeader = (id: string) => ({ 'last-event-id': id });
 
   before(async () => {
-    // A generous grace, so a test's reconnect always comes in time; 1 KiB kept per run, to reach the bound.
-    server = await startServer({ streamResumeGraceSeconds: 60, streamReplayBytes: 1024 });
+    // A generous grace, so a test's reconnect always comes in time; 2 KiB kept per run, to reach the bound.
+    server = await startServer({ streamResumeGraceSeconds: 60, streamReplayBytes: 2048 });
     auth = await server.bootstrap();
     const toml = (name: string) =>
       `[app]\nname = "${name}"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 8\nresponse_grace_period = 180\n`;
@@ -249,7 +249,7 @@ describe('resumable streams', () => {
     const payload = JSON.parse(notice.data);
     assert.equal(payload.run_id, runId);
     assert.equal(payload.error.code, 'FERRY_STREAM_EVENTS_DROPPED');
-    // 1 KiB per run keeps two 400-byte items and the end: events 2 to 8 are gone.
+    // 2 KiB per run (overheads counted) keeps the last two 400-byte items and the end: 2 to 8 are gone.
     const firstKept = Number(replayed[0]?.id?.split(':')[1]);
     assert.ok(firstKept > 2, `first kept event ${firstKept}`);
     assert.equal(payload.error.resumes_at, `${runId}:${firstKept}`);
@@ -320,29 +320,49 @@ describe('resumable streams', () => {
 });
 
 describe('the stream replay buffer', () => {
-  it('keeps total memory bounded: finished runs are forgotten first, then the oldest events', () => {
-    const replay = createStreamReplay({ keepMs: 60_000, maxBytesPerRun: 1000, maxTotalBytes: 1500, graceMs: 0 });
-    const stop = () => {};
-    const done = replay.open({ runId: 'r1', projectId: 'p', appId: 'a', fn: 'f', stop });
-    done.push('x'.repeat(600));
+  const noop = () => {};
+  /** The sequence numbers a reader attached from the start receives. */
+  const keptSeqs = (stream: ReturnType<ReturnType<typeof createStreamReplay>['open']>) => {
+    const seqs: number[] = [];
+    stream.attach({ send: (e) => seqs.push(e.seq), end: noop }, 0);
+    return seqs;
+  };
+
+  it('bounds each run and the total: finished runs are forgotten first, then the oldest events', () => {
+    const replay = createStreamReplay({ keepMs: 60_000, maxBytesPerRun: 2000, maxTotalBytes: 2500, graceMs: 0 });
+    const done = replay.open({ runId: 'r1', projectId: 'p', appId: 'a', fn: 'f', stop: noop });
+    done.push('x'.repeat(300));
     done.end('success');
-    const running = replay.open({ runId: 'r2', projectId: 'p', appId: 'a', fn: 'f', stop });
-    for (let i = 0; i < 5; i++) running.push(String(i).padStart(300, '.'));
-    assert.equal(replay.get('r1'), undefined, 'the finished run went first');
-    assert.ok(replay.totalBytes <= 1500, `${replay.totalBytes} bytes`);
-    for (let i = 5; i < 20; i++) running.push(String(i).padStart(300, '.'));
-    assert.ok(replay.totalBytes <= 1000, `per run: ${replay.totalBytes} bytes`);
+    assert.ok(replay.get('r1'));
+    const running = replay.open({ runId: 'r2', projectId: 'p', appId: 'a', fn: 'f', stop: noop });
+    for (let i = 0; i < 20; i++) {
+      running.push(String(i).padStart(300, '.'));
+      assert.ok(replay.totalBytes <= 2500, `${replay.totalBytes} bytes in all after event ${i + 1}`);
+    }
+    assert.equal(replay.get('r1'), undefined, 'the finished run was forgotten to make room');
+    assert.ok(replay.totalBytes <= 2000, `${replay.totalBytes} bytes for the one run left`);
     assert.equal(running.lastSeq, 20);
-    assert.equal(running.firstSeq, 18);
+    assert.ok(running.firstSeq > 1 && running.firstSeq <= 20, `first kept ${running.firstSeq}`);
+    const seqs = keptSeqs(running);
+    assert.deepEqual(
+      seqs,
+      Array.from({ length: 21 - running.firstSeq }, (_, i) => running.firstSeq + i),
+    );
+
+    // Tiny events are bounded too: each is counted with its overhead.
+    const tiny = replay.open({ runId: 'r3', projectId: 'p', appId: 'a', fn: 'f', stop: noop });
+    for (let i = 0; i < 2000; i++) tiny.push('.');
+    assert.ok(replay.totalBytes <= 2500, `${replay.totalBytes} bytes`);
+    assert.ok(keptSeqs(tiny).length < 100, 'a few dozen tiny events at most');
     replay.close();
   });
 
-  it('stops a run whose last reader left only when nobody came back', async () => {
-    const replay = createStreamReplay({ keepMs: 60_000, maxBytesPerRun: 1000, maxTotalBytes: 1500, graceMs: 0 });
+  it('stops a run whose last reader left only when nobody came back', () => {
+    const replay = createStreamReplay({ keepMs: 60_000, maxBytesPerRun: 2000, maxTotalBytes: 2500, graceMs: 0 });
     let stopped = 0;
     const stream = replay.open({ runId: 'r', projectId: 'p', appId: 'a', fn: 'f', stop: () => stopped++ });
-    const reader = { send() {}, end() {} };
-    const other = { send() {}, end() {} };
+    const reader = { send: noop, end: noop };
+    const other = { send: noop, end: noop };
     stream.attach(reader, 0);
     stream.attach(other, 0);
     stream.detach(reader);

@@ -3,7 +3,8 @@
  * `Last-Event-ID: <run_id>:<seq>` gets the rest of the same run instead of starting a new one.
  *
  * Every event of a run gets the next sequence number (from 1); the last one is always `end`. Kept events
- * are bounded three ways: per run (past `maxBytesPerRun` its oldest events are dropped), in total (past
+ * (counted with a fixed overhead per event and per run) are bounded three ways: per run (past
+ * `maxBytesPerRun` its oldest events are dropped), in total (past
  * `maxTotalBytes` finished runs are forgotten oldest first, then the growing run's oldest events are
  * dropped) and in time (a finished run is forgotten `keepMs` after its end). A running stream whose every
  * reader went away is stopped `graceMs` later unless a reader comes back.
@@ -58,10 +59,21 @@ export interface StreamReplay {
   open(run: { runId: string; projectId: string; appId: string; fn: string; stop: () => void }): ReplayStream;
   /** The kept stream of a run, or undefined when unknown, forgotten or never a stream here. */
   get(runId: string): ReplayStream | undefined;
-  /** Bytes of event data kept now, over every run. */
+  /** Bytes counted as kept now (event data and the fixed overheads), over every run. */
   readonly totalBytes: number;
   /** Stops every stream that waits for a reader and forgets everything (server shutdown). */
   close(): void;
+}
+
+/**
+ * What an event costs beyond its data (the id, the object), and what a kept run costs by itself: counted
+ * with the data, so a stream of tiny items and a flood of short runs are bounded too.
+ */
+export const EVENT_OVERHEAD_BYTES = 64;
+export const STREAM_OVERHEAD_BYTES = 512;
+
+function sizeOf(event: StreamEvent): number {
+  return Buffer.byteLength(event.data) + event.id.length + (event.event?.length ?? 0) + EVENT_OVERHEAD_BYTES;
 }
 
 export interface StreamReplayOptions {
@@ -106,7 +118,7 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
       projectId: run.projectId,
       appId: run.appId,
       fn: run.fn,
-      bytes: 0,
+      bytes: STREAM_OVERHEAD_BYTES,
       events: [],
       get lastSeq() {
         return seq;
@@ -123,7 +135,7 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
         const item: StreamEvent = { id: `${run.runId}:${seq}`, seq, event, data };
         // Once forgotten (shutdown), events still reach the readers but are no longer kept.
         if (streams.get(run.runId) === stream) {
-          const size = Buffer.byteLength(data);
+          const size = sizeOf(item);
           stream.events.push(item);
           stream.bytes += size;
           totalBytes += size;
@@ -160,7 +172,7 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
       dropOldest() {
         const oldest = stream.events.shift();
         if (!oldest) return false;
-        const size = Buffer.byteLength(oldest.data);
+        const size = sizeOf(oldest);
         stream.bytes -= size;
         totalBytes -= size;
         return true;
@@ -180,6 +192,8 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
       },
     };
     streams.set(run.runId, stream);
+    totalBytes += stream.bytes;
+    enforceTotal(stream);
     return stream;
   }
 
