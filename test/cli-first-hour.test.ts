@@ -188,6 +188,11 @@ describe('the CLI against a running server (issue 11)', { timeout: 300_000 }, ()
     };
     assert.equal(json.run_url, null);
     assert.deepEqual(json.function_urls, { hello: `${base}/hello`, bye: `${base}/bye` });
+    const apps = await cli(['apps', 'list']);
+    const row = apps.stdout.split('\n').find((l) => l.startsWith('greeter '));
+    assert.ok(row, apps.stdout);
+    assert.match(row, /\s(hello,bye|bye,hello)\s/);
+    assert.ok(!row.includes('/run'), row);
 
     // The default export is not callable by name: no public function at all.
     await fs.writeFile(path.join(dir, 'main.ts'), 'export default function () {\n  return 42;\n}\n');

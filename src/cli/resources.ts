@@ -36,9 +36,30 @@ export async function appsListCommand(options: Json): Promise<void> {
     `/v2/projects/${client.project}/apps`,
   );
   if (options.json) return printJson(apps);
+  // The run URL only where there is a `run` function: the active build knows the public functions.
+  const functions = await Promise.all(
+    apps.map(async (a) => {
+      if (!a.active_build_id) return null;
+      const build = await client
+        .call<{ functions: string[] | null }>(
+          'GET',
+          `/v2/projects/${client.project}/apps/${a.id}/builds/${a.active_build_id}`,
+        )
+        .catch(() => ({ functions: null }));
+      return build.functions;
+    }),
+  );
   printTable(
-    apps.map((a) => ({ ...a, run_url: `${client.url}/v4/${client.project}/${a.name}/run` })),
-    ['id', 'state', 'active_build_id', 'updated_at', 'run_url'],
+    apps.map((a, i) => {
+      const fns = functions[i] ?? null;
+      const hasRun = fns === null ? Boolean(a.active_build_id) : fns.includes('run');
+      return {
+        ...a,
+        functions: fns === null ? null : fns.length > 0 ? fns.join(',') : '(none)',
+        run_url: hasRun ? `${client.url}/v4/${client.project}/${a.name}/run` : null,
+      };
+    }),
+    ['id', 'state', 'active_build_id', 'updated_at', 'functions', 'run_url'],
   );
 }
 
