@@ -4,6 +4,7 @@
  * Layout:
  *   ferry.db (+ -wal, -shm)   the SQLite store
  *   serve.lock                 pid of the `ferry serve` that owns this directory
+ *   server.json                {"pid", "url"} of that server while it listens (for `ferry admin`)
  *   keys/jwt.key               token signing key (0600)
  *   keys/secrets.key           key that encrypts project secrets at rest (0600)
  *   artifacts/<build>.zip      uploaded archives, as uploaded
@@ -126,4 +127,45 @@ export function lockDataDir(dir: DataDir): () => void {
     fs.rmSync(file, { force: true }); // stale: its owner is gone
   }
   throw new Error(`Could not take the lock ${file}`);
+}
+
+/** What `ferry serve` records while it listens, so offline commands can print the address people use. */
+export interface ServerRecord {
+  pid: number;
+  url: string;
+}
+
+/**
+ * Writes `server.json` (the listening URL and this pid) into the data directory; returns the function that
+ * removes it again (only when it is still this process's).
+ */
+export function recordServer(dir: DataDir, url: string): () => void {
+  const file = path.join(dir.root, 'server.json');
+  const tmp = `${file}.${process.pid}.tmp`;
+  fs.writeFileSync(tmp, `${JSON.stringify({ pid: process.pid, url } satisfies ServerRecord)}\n`, { mode: 0o600 });
+  fs.renameSync(tmp, file);
+  return () => {
+    try {
+      if ((JSON.parse(fs.readFileSync(file, 'utf8')) as ServerRecord).pid === process.pid) fs.unlinkSync(file);
+    } catch {
+      // already gone
+    }
+  };
+}
+
+/**
+ * The server listening on this data directory, from its `server.json`; undefined when there is none, or
+ * the file is left by a process that no longer runs (a crash, SIGKILL).
+ */
+export function readServerRecord(root: string): ServerRecord | undefined {
+  let record: unknown;
+  try {
+    record = JSON.parse(fs.readFileSync(path.join(path.resolve(root), 'server.json'), 'utf8'));
+  } catch {
+    return undefined;
+  }
+  const { pid, url } = (record ?? {}) as Partial<ServerRecord>;
+  if (typeof pid !== 'number' || !Number.isInteger(pid) || pid <= 0 || typeof url !== 'string') return undefined;
+  if (!/^https?:\/\//.test(url) || !isAlive(pid)) return undefined;
+  return { pid, url };
 }

@@ -501,6 +501,8 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
       proc.stderr(),
       new RegExp(`^ferry bootstrap: failed to load ${entry}: Error: kaboom at load\\n\\s+at `),
     );
+    // The gateway reports a start failure by the last lines printed: the message must be among them.
+    assert.equal(proc.stderr().trimEnd().split('\n').at(-1), 'ferry bootstrap: Error: kaboom at load');
     assert.equal(proc.stdout(), 'before the throw\n');
     assert.equal(await exists(socketPath), false);
   });

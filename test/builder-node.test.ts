@@ -294,8 +294,22 @@ describe('selectBuilder', () => {
   it('picks node for Node entries and when nothing is there yet', async () => {
     const config = parseAppConfig('[app]\nname = "a"\n');
     assert.equal(selectBuilder(config, await dirWith('main.ts'), { node, python }), node);
-    assert.equal(selectBuilder(config, await dirWith('main.js', 'main.py'), { node, python }), node);
     assert.equal(selectBuilder(config, await dirWith('README.md'), { node, python }), node);
+  });
+
+  it('fails naming both entries when a Node entry and main.py are there without app.entry', async () => {
+    const config = parseAppConfig('[app]\nname = "a"\n');
+    for (const nodeEntry of ['main.ts', 'main.js']) {
+      const dir = await dirWith(nodeEntry, 'main.py');
+      assert.throws(
+        () => selectBuilder(config, dir, { node, python }),
+        (err: unknown) => {
+          assert.ok(err instanceof BuildFailedError);
+          assert.match(err.message, new RegExp(`Both ${nodeEntry.replace('.', '\\.')} and main\\.py .*entry = `));
+          return true;
+        },
+      );
+    }
   });
 
   it('picks python for main.py, named or found', async () => {

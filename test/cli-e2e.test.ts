@@ -23,6 +23,7 @@ describe('CLI end to end', () => {
     build_id: string;
     status: string;
     run_url: string;
+    function_urls: Record<string, string>;
   };
 
   before(async () => {
@@ -55,6 +56,7 @@ describe('CLI end to end', () => {
       'app_id',
       'app_name',
       'build_id',
+      'function_urls',
       'project_id',
       'run_url',
       'status',
@@ -62,6 +64,7 @@ describe('CLI end to end', () => {
     assert.equal(deployed.status, 'ready');
     assert.equal(deployed.app_name, 'hello');
     assert.equal(deployed.run_url, `${serve.url}/v4/${env.FERRY_PROJECT}/hello/run`);
+    assert.deepEqual(deployed.function_urls, { run: deployed.run_url });
     assert.match(res.stderr, /Build ready/, 'the build log was streamed');
   });
 

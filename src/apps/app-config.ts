@@ -118,6 +118,18 @@ export const DEFAULT_INCLUDE = ['**/*'];
 export const DEFAULT_EXCLUDE = ['.*', 'node_modules', '__pycache__'];
 
 /** Thrown for an unreadable or invalid `ferry.toml`; `key` is the dotted path of the offending key. */
+/**
+ * Why a cortex app's entry is ambiguous, or undefined: a Node entry and `main.py` side by side need
+ * `app.entry`, since either could be meant. `has` says whether a file is at the app's root. Checked by
+ * `ferry deploy` before it uploads, and by the build for archives uploaded without the CLI.
+ */
+export function entryConflict(config: AppConfig, has: (file: string) => boolean): string | undefined {
+  if (config.app.runtime !== 'cortex' || config.app.entry !== undefined) return undefined;
+  const node = ['main.ts', 'main.js', 'main.mjs'].find(has);
+  if (node === undefined || !has('main.py')) return undefined;
+  return `Both ${node} and main.py are at the app's root: say which one is the entry with entry = "${node}" or entry = "main.py" under [app] in ferry.toml`;
+}
+
 export class AppConfigError extends Error {
   readonly key: string | undefined;
   constructor(message: string, key?: string) {

@@ -10,6 +10,8 @@ import { FerryError } from '../errors.js';
 
 export type Scope = 'manage' | 'run';
 const ISSUER = 'ferry';
+const FOREIGN =
+  "The token is not valid: it was signed by another server's key (made on another data directory), or altered";
 
 export interface TokenClaims {
   serviceAccountId: string;
@@ -41,6 +43,9 @@ export async function verifyToken(key: Uint8Array, token: string): Promise<Token
     ({ payload } = await jwtVerify(token, key, { issuer: ISSUER, algorithms: ['HS256'] }));
   } catch (err) {
     if (err instanceof joseErrors.JWTExpired) throw new FerryError('FERRY_TOKEN_EXPIRED');
+    // A well-formed token whose signature does not check is nearly always one made on another data directory
+    // (another server, or a `ferry admin bootstrap --data-dir` elsewhere): say so, without saying more.
+    if (err instanceof joseErrors.JWSSignatureVerificationFailed) throw new FerryError('FERRY_TOKEN_INVALID', FOREIGN);
     throw new FerryError('FERRY_TOKEN_INVALID');
   }
   const { sub, prj, scp, jti, exp } = payload;

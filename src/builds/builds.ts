@@ -18,6 +18,11 @@ export interface BuildView {
   started_at: string | null;
   finished_at: string | null;
   duration_ms: number | null;
+  /**
+   * The entry's public functions as the builder found them; null when unknown (before the build is ready,
+   * a custom app, or a Python module whose public names only loading it can tell).
+   */
+  functions: string[] | null;
   /** Only on `GET .../builds/{build_id}`: the `ferry.toml` the build was made with. */
   config_toml?: string;
 }
@@ -38,8 +43,19 @@ export function viewBuild(build: Build, withConfig = false): BuildView {
     started_at: build.started_at,
     finished_at: build.finished_at,
     duration_ms: duration,
+    functions: parseFunctions(build.functions),
     ...(withConfig ? { config_toml: build.config_toml } : {}),
   };
+}
+
+function parseFunctions(text: string | null): string[] | null {
+  if (text === null) return null;
+  try {
+    const value = JSON.parse(text) as unknown;
+    return Array.isArray(value) && value.every((v) => typeof v === 'string') ? value : null;
+  } catch {
+    return null;
+  }
 }
 
 export async function findBuild(store: Store, projectId: string, appId: string, buildId: string): Promise<Build> {

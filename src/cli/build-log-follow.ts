@@ -5,12 +5,18 @@
 import { createParser } from 'eventsource-parser';
 import type { ApiClient } from './client.js';
 
+/** One line of a build log, as the API sends it. */
+export interface BuildLogLine {
+  seq: number;
+  line: string;
+}
+
 /** Prints the build's log lines until the build ends; resolves with its final state. */
 export async function followBuildLog(
   client: ApiClient,
   appId: string,
   buildId: string,
-  print: (line: string) => void,
+  print: (line: string, entry: BuildLogLine) => void,
 ): Promise<string> {
   const path = `/v2/projects/${client.project}/apps/${appId}/builds/${buildId}/logs`;
   const body = await client.stream(path, { accept: 'text/event-stream' });
@@ -21,8 +27,8 @@ export async function followBuildLog(
         state = (JSON.parse(event.data) as { state: string }).state;
         return;
       }
-      const { line } = JSON.parse(event.data) as { line: string };
-      print(line);
+      const entry = JSON.parse(event.data) as BuildLogLine;
+      print(entry.line, entry);
     },
   });
   const decoder = new TextDecoder();

@@ -11,7 +11,7 @@ interface Json {
   json?: boolean;
 }
 
-export async function loginCommand(options: { url?: string; token?: string; project?: string }): Promise<void> {
+export async function loginCommand(options: Json & { url?: string; token?: string; project?: string }): Promise<void> {
   const current = resolveCliSettings();
   const token = options.token ?? process.env.FERRY_TOKEN;
   if (!token) throw new CliError('Pass --token <token> (from `ferry admin bootstrap` or the API keys page).', 2);
@@ -25,6 +25,7 @@ export async function loginCommand(options: { url?: string; token?: string; proj
   const client = createClient();
   const info = await client.call<{ id: string; name: string }>('GET', `/v2/projects/${project}`);
   const file = writeConfigFile({ url, token, project });
+  if (options.json) return printJson({ url, project_id: info.id, project_name: info.name, config_file: file });
   process.stdout.write(`Logged in to ${url} as project ${info.name} (${info.id}); saved to ${file}\n`);
 }
 
@@ -35,9 +36,30 @@ export async function appsListCommand(options: Json): Promise<void> {
     `/v2/projects/${client.project}/apps`,
   );
   if (options.json) return printJson(apps);
+  // The run URL only where there is a `run` function: the active build knows the public functions.
+  const functions = await Promise.all(
+    apps.map(async (a) => {
+      if (!a.active_build_id) return null;
+      const build = await client
+        .call<{ functions: string[] | null }>(
+          'GET',
+          `/v2/projects/${client.project}/apps/${a.id}/builds/${a.active_build_id}`,
+        )
+        .catch(() => ({ functions: null }));
+      return build.functions;
+    }),
+  );
   printTable(
-    apps.map((a) => ({ ...a, run_url: `${client.url}/v4/${client.project}/${a.name}/run` })),
-    ['id', 'state', 'active_build_id', 'updated_at', 'run_url'],
+    apps.map((a, i) => {
+      const fns = functions[i] ?? null;
+      const hasRun = fns === null ? Boolean(a.active_build_id) : fns.includes('run');
+      return {
+        ...a,
+        functions: fns === null ? null : fns.length > 0 ? fns.join(',') : '(none)',
+        run_url: hasRun ? `${client.url}/v4/${client.project}/${a.name}/run` : null,
+      };
+    }),
+    ['id', 'state', 'active_build_id', 'updated_at', 'functions', 'run_url'],
   );
 }
 
@@ -73,18 +95,25 @@ async function appOfBuild(client: ReturnType<typeof createClient>, buildId: stri
   throw new CliError(`No build ${buildId} in project ${client.project}`);
 }
 
-export async function buildsLogsCommand(buildId: string, options: { app?: string; follow?: boolean }): Promise<void> {
+export async function buildsLogsCommand(
+  buildId: string,
+  options: Json & { app?: string; follow?: boolean },
+): Promise<void> {
   const client = createClient();
   const app = await appOfBuild(client, buildId, options.app);
   if (options.follow) {
-    const state = await followBuildLog(client, app, buildId, (line) => process.stdout.write(`${line}\n`));
-    process.stdout.write(`(build ${state})\n`);
+    const state = await followBuildLog(client, app, buildId, (line, entry) =>
+      process.stdout.write(`${options.json ? JSON.stringify(entry) : line}\n`),
+    );
+    // With --json, stdout carries the lines only.
+    (options.json ? process.stderr : process.stdout).write(`(build ${state})\n`);
     return;
   }
   const { lines, state } = await client.call<{ lines: Array<{ line: string }>; state: string }>(
     'GET',
     `/v2/projects/${client.project}/apps/${app}/builds/${buildId}/logs`,
   );
+  if (options.json) return printJson(lines);
   for (const l of lines) process.stdout.write(`${l.line}\n`);
   process.stdout.write(`(build ${state})\n`);
 }
@@ -102,13 +131,14 @@ export async function buildsFilesCommand(buildId: string, options: Json & { app?
   process.stdout.write(`${listing.count} files, ${listing.total_size} bytes\n`);
 }
 
-export async function buildsCancelCommand(buildId: string, options: { app?: string }): Promise<void> {
+export async function buildsCancelCommand(buildId: string, options: Json & { app?: string }): Promise<void> {
   const client = createClient();
   const app = await appOfBuild(client, buildId, options.app);
   const build = await client.call<{ state: string }>(
     'POST',
     `/v2/projects/${client.project}/apps/${app}/builds/${buildId}/cancel`,
   );
+  if (options.json) return printJson(build);
   process.stdout.write(`Build ${buildId}: ${build.state}\n`);
 }
 
@@ -148,17 +178,20 @@ export async function tokensListCommand(options: Json): Promise<void> {
       scopes: (s.scopes as string[]).join(','),
       expires_at: String(s.expires_at),
       status: s.revoked_at ? 'revoked' : s.expired ? 'expired' : 'active',
+      created_at: String(s.created_at),
       last_used_at: (s.last_used_at as string | null) ?? null,
     })),
-    ['id', 'name', 'scopes', 'status', 'expires_at', 'last_used_at'],
+    // The name and creation time tell accounts apart, e.g. the owners of two `ferry admin bootstrap` runs.
+    ['id', 'name', 'scopes', 'status', 'created_at', 'expires_at', 'last_used_at'],
   );
 }
 
-export async function tokensRevokeCommand(id: string): Promise<void> {
+export async function tokensRevokeCommand(id: string, options: Json = {}): Promise<void> {
   const client = createClient();
   const sa = await client.call<{ id: string; revoked_at: string }>(
     'DELETE',
     `/v2/projects/${client.project}/service-accounts/${id}`,
   );
+  if (options.json) return printJson(sa);
   process.stdout.write(`Revoked ${sa.id} at ${sa.revoked_at}\n`);
 }

@@ -4,6 +4,10 @@
 import { request } from 'undici';
 import { CliError, createClient, printJson, printTable } from './client.js';
 
+interface Json {
+  json?: boolean;
+}
+
 export async function runCommand(
   app: string,
   fn: string | undefined,
@@ -82,17 +86,19 @@ export async function runsListCommand(
   );
 }
 
-export async function runsGetCommand(app: string, runId: string): Promise<void> {
+/** Prints the run as JSON with or without `--json`: its input and result are JSON already. */
+export async function runsGetCommand(app: string, runId: string, _options: Json = {}): Promise<void> {
   const client = createClient();
   printJson(await client.call('GET', `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${runId}`));
 }
 
-export async function runsLogsCommand(app: string, runId: string): Promise<void> {
+export async function runsLogsCommand(app: string, runId: string, options: Json = {}): Promise<void> {
   const client = createClient();
   const { lines } = await client.call<{ lines: Array<{ at: string; stream: string; line: string }> }>(
     'GET',
     `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${runId}/logs`,
   );
+  if (options.json) return printJson(lines);
   for (const l of lines) process.stdout.write(`${l.at} ${l.stream.padEnd(6)} ${l.line}\n`);
 }
 
@@ -100,22 +106,29 @@ export async function runsLogsCommand(app: string, runId: string): Promise<void>
  * `ferry logs <app> [--follow]`: the app log (what replicas print outside runs, and their starts, crashes
  * and restarts). `--follow` polls for new lines until interrupted.
  */
-export async function appLogsCommand(app: string, options: { follow?: boolean; json?: boolean }): Promise<void> {
+export async function appLogsCommand(app: string, options: Json & { follow?: boolean }): Promise<void> {
   const client = createClient();
   type Line = { seq: number; at: string; replica: string; stream: string; line: string };
   let after = 0;
+  const all: Line[] = [];
   for (;;) {
     const { lines } = await client.call<{ lines: Line[] }>(
       'GET',
       `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/logs?after=${after}&limit=5000`,
     );
     for (const l of lines) {
-      if (options.json) process.stdout.write(`${JSON.stringify(l)}\n`);
+      // --json: one array without --follow (the convention for lists), one object per line while following.
+      if (options.json && !options.follow) all.push(l);
+      else if (options.json) process.stdout.write(`${JSON.stringify(l)}\n`);
       else process.stdout.write(`${l.at} ${l.replica} ${l.stream.padEnd(6)} ${l.line}\n`);
       after = l.seq;
     }
-    if (!options.follow) return;
     // A full page means more are waiting: ask again at once.
-    if (lines.length < 5000) await new Promise((r) => setTimeout(r, 1000));
+    if (lines.length === 5000) continue;
+    if (!options.follow) {
+      if (options.json) printJson(all);
+      return;
+    }
+    await new Promise((r) => setTimeout(r, 1000));
   }
 }

@@ -75,8 +75,9 @@ export async function secretsListCommand(options: Json = {}): Promise<void> {
   );
 }
 
-export async function secretsDeleteCommand(name: string): Promise<void> {
+export async function secretsDeleteCommand(name: string, options: Json = {}): Promise<void> {
   const client = createClient();
   await client.call('DELETE', secretPath(client, name));
+  if (options.json) return printJson({ name, deleted: true });
   process.stdout.write(`Deleted secret ${name}. ${REFRESH_HINT}\n`);
 }

@@ -6,7 +6,7 @@
  * a second signal exits at once.
  */
 import { resolveServerConfig } from '../config.js';
-import { DataDirLockedError, lockDataDir, prepareDataDir } from '../data-dir.js';
+import { DataDirLockedError, lockDataDir, prepareDataDir, recordServer } from '../data-dir.js';
 import { buildServer } from '../http/server.js';
 import { createLogger } from '../logger.js';
 import { createServices } from '../services.js';
@@ -59,6 +59,8 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
       throw new CliError(`Port ${config.port} on ${config.host} is already in use. Pass --port or set FERRY_PORT.`);
     throw err;
   }
+  // `ferry admin bootstrap` and `login-link` read it to print this server's address rather than a default.
+  const unrecord = recordServer(dataDir, address);
   logger.info({ address, dataDir: dataDir.root }, `Ferry is listening on ${address} (data in ${dataDir.root})`);
   // Sign in with a token from `ferry admin bootstrap` (it prints a sign-in link) or the API keys page.
   logger.info({ dashboard: `${address}/` }, `Dashboard: ${address}/`);
@@ -70,6 +72,7 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
       process.exit(1);
     }
     stopping = true;
+    unrecord();
     logger.info(`${signal}: shutting down (requests in flight finish first)`);
     try {
       await app.close();

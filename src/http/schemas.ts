@@ -45,6 +45,12 @@ export const Build = Type.Object({
   started_at: Nullable(Type.String({ format: 'date-time' })),
   finished_at: Nullable(Type.String({ format: 'date-time' })),
   duration_ms: Nullable(Type.Integer()),
+  functions: Nullable(
+    Type.Array(Type.String(), {
+      description:
+        'Public functions of the entry, as the build found them; null when unknown (not ready, custom runtime, or a Python module whose public names only loading it can tell)',
+    }),
+  ),
   config_toml: Type.Optional(
     Type.String({ description: 'The ferry.toml the build was made with (single build only)' }),
   ),

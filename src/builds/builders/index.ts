@@ -4,7 +4,7 @@
  */
 import fs from 'node:fs';
 import path from 'node:path';
-import type { AppConfig } from '../../apps/app-config.js';
+import { type AppConfig, entryConflict } from '../../apps/app-config.js';
 import { createCustomBuilder } from './custom.js';
 import { createNodeBuilder, NODE_ENTRIES } from './node.js';
 import { createPythonBuilder } from './python.js';
@@ -19,6 +19,7 @@ export interface Builders {
 /**
  * The builder for an app: `custom` for the custom runtime; for cortex, `python` when the entry is `main.py`
  * (named in ferry.toml, or the only entry present), otherwise `node`, which reports a missing entry itself.
+ * A Node entry beside `main.py` without `app.entry` fails the build, naming both.
  */
 export function selectBuilder(config: AppConfig, sourceDir: string, builders: Builders): Builder {
   if (config.app.runtime === 'custom') {
@@ -33,6 +34,8 @@ export function selectBuilder(config: AppConfig, sourceDir: string, builders: Bu
 }
 
 function usesPython(config: AppConfig, sourceDir: string): boolean {
+  const conflict = entryConflict(config, (name) => isFile(path.join(sourceDir, name)));
+  if (conflict) throw new BuildFailedError(conflict);
   const entry = config.app.entry;
   if (entry !== undefined) return entry === 'main.py';
   // Same precedence as the Node builder's own lookup: a Node entry wins over main.py.

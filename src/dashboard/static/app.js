@@ -206,7 +206,11 @@ async function start() {
   await route();
 }
 
-window.addEventListener('hashchange', () => void route());
+// A sign-in link opened in a tab that already shows the dashboard changes only the fragment: no reload, so
+// boot() does not run again. Take the token from here too.
+window.addEventListener('hashchange', () => {
+  if (!signInFromLink()) void route();
+});
 window.addEventListener('ferry:unauthenticated', (event) => {
   if (!sessionStorage.getItem('ferry.token')) return; // a failed sign-in says so itself
   signOut();
@@ -222,21 +226,34 @@ document.getElementById('skip').addEventListener('click', (event) => {
   (main.querySelector('h1') ?? main).focus();
 });
 
-async function boot() {
-  // A sign-in link is /#token=<token>. The fragment is never sent to the server (so the token is in no
-  // request line, proxy or access log); it is read here, kept in session storage, and removed from the
-  // address bar and history at once, before anything else runs.
+/**
+ * A sign-in link is /#token=<token>. The fragment is never sent to the server (so the token is in no
+ * request line, proxy or access log); it is read here, kept in session storage, and removed from the
+ * address bar and history at once, before anything else runs. Returns false when the URL holds no link.
+ */
+function signInFromLink() {
   const link = /^#token=([^&]+)/.exec(location.hash);
-  if (link) {
-    history.replaceState(null, '', `${location.pathname}${location.search}#/apps`);
+  if (!link) return false;
+  history.replaceState(null, '', `${location.pathname}${location.search}#/apps`);
+  let token = '';
+  try {
+    token = decodeURIComponent(link[1]);
+  } catch {
+    token = link[1];
+  }
+  void (async () => {
     try {
-      await signIn(decodeURIComponent(link[1]));
+      await signIn(token);
       await start();
     } catch (err) {
       showSignIn(err);
     }
-    return;
-  }
+  })();
+  return true;
+}
+
+async function boot() {
+  if (signInFromLink()) return;
   if (restoreSession()) {
     if (session.expiresAt && session.expiresAt < Date.now()) {
       signOut();

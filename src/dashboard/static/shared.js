@@ -1,16 +1,21 @@
 // Pieces several pages share: the app picker and tabs of the per-app pages, and the list of apps.
-import { api } from './api.js';
+import { api, session } from './api.js';
 import { h } from './ui.js';
 
 const LAST_APP = 'ferry.app';
 
-let appsCache = { at: 0, apps: null };
+let appsCache = { at: 0, project: '', apps: null };
 
-/** The project's apps, cached for a few seconds so moving between pages stays fast. */
+/**
+ * The project's apps, cached for a few seconds so moving between pages stays fast (per project: a sign-in
+ * link can switch the tab to another one).
+ */
 export async function listApps({ signal, fresh = false } = {}) {
-  if (!fresh && appsCache.apps && Date.now() - appsCache.at < 5000) return appsCache.apps;
+  const fromCache = appsCache.apps && appsCache.project === session.projectId && Date.now() - appsCache.at < 5000;
+  if (!fresh && fromCache) return appsCache.apps;
+  const project = session.projectId;
   const { apps } = await api('/apps', { signal });
-  appsCache = { at: Date.now(), apps };
+  appsCache = { at: Date.now(), project, apps };
   return apps;
 }
 

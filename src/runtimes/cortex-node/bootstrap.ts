@@ -75,7 +75,10 @@ let moduleNamespace: Record<string, unknown>;
 try {
   moduleNamespace = (await import(pathToFileURL(entry).href)) as Record<string, unknown>;
 } catch (err) {
+  // A Node stack names the error first and ends with frames, but the gateway reports a start failure by
+  // the last lines the replica printed; so the error itself comes again last, as Python's traceback does.
   writeErr(`ferry bootstrap: failed to load ${entry}: ${formatForLog(err)}\n`);
+  writeErr(`ferry bootstrap: ${summarize(err)}\n`);
   process.exit(3);
 }
 
@@ -444,6 +447,16 @@ function formatForLog(value: unknown): string {
   if (isErrorLike(value)) return typeof value.stack === 'string' ? value.stack : `${value.name}: ${value.message}`;
   try {
     return describe(value);
+  } catch {
+    return 'a value that cannot be described';
+  }
+}
+
+/** The error's type and message on one line (what a person needs first when the app did not load). */
+function summarize(value: unknown): string {
+  try {
+    const err = toError(value);
+    return `${errorType(err)}: ${String(err.message)}`.replace(/\s*\n\s*/g, ' ').slice(0, 400);
   } catch {
     return 'a value that cannot be described';
   }

@@ -43,12 +43,54 @@ function loadText(stats) {
   return `${stats.replicas.inflight} in flight, ${stats.replicas.queued} queued`;
 }
 
-/** The state shown: the API's, except that an active app with no replica running is "scaled to zero". */
-function shownState(app, stats) {
+/**
+ * The state shown: the API's, except for an active app with no replica running: "cannot start" when its
+ * last replica failed to start or crashed, "no public function" when its build exports none, else
+ * "scaled to zero".
+ */
+function shownState(app, stats, health) {
   if (app.state === 'active' && stats && stats.replicas.starting + stats.replicas.ready === 0) {
+    if (health.startProblem) return stateBadge('failed', 'cannot start');
+    if (health.functions?.length === 0) return stateBadge('failed', 'no public function');
     return stateBadge('zero', 'scaled to zero');
   }
   return stateBadge(app.state);
+}
+
+// What the server writes to the app log when a replica starts or fails (replicas/pool.ts).
+const REPLICA_READY = /^replica ready\b/;
+const REPLICA_FAILED = /^replica (failed to start|exited unexpectedly)/;
+
+/**
+ * Why an app's replicas are not running, followed in its app log (GET .../apps/{app}/logs, read onward
+ * from the last line seen): the last failure line, cleared by the next replica that became ready.
+ */
+function startWatch(appId) {
+  let after = 0;
+  let problem = null;
+  return async (signal) => {
+    // Bounded: the log keeps a few thousand lines per app, so a handful of pages reach its end.
+    for (let page = 0; page < 20; page++) {
+      const { lines } = await api(`/apps/${encodeURIComponent(appId)}/logs`, {
+        query: { after, limit: 1000 },
+        signal,
+      });
+      for (const line of lines) {
+        after = line.seq;
+        if (line.stream !== 'system') continue;
+        if (REPLICA_READY.test(line.line)) problem = null;
+        else if (REPLICA_FAILED.test(line.line)) problem = line.line;
+      }
+      if (lines.length < 1000) break;
+    }
+    return problem;
+  };
+}
+
+function functionsText(build) {
+  if (!build) return '—';
+  if (build.functions === null || build.functions === undefined) return 'known once a replica loads the module';
+  return build.functions.length > 0 ? build.functions.join(', ') : 'none';
 }
 
 function appCard(app) {
@@ -88,7 +130,12 @@ function appCard(app) {
   const replicas = h('dd', {}, '—');
   const load = h('dd', {}, '—');
   const updated = h('dd', {});
+  const functions = h('dd', { class: 'functions' }, '—');
   const problem = h('p', { class: 'card-problem' });
+  let fnTouched = false;
+  fnInput.addEventListener('input', () => {
+    fnTouched = true;
+  });
 
   const card = h(
     'article',
@@ -101,6 +148,7 @@ function appCard(app) {
       h('div', {}, h('dt', {}, 'Replicas'), replicas),
       h('div', {}, h('dt', {}, 'Load'), load),
       h('div', {}, h('dt', {}, 'Updated'), updated),
+      h('div', {}, h('dt', {}, 'Functions'), functions),
     ),
     problem,
     h(
@@ -133,8 +181,19 @@ function appCard(app) {
 
   return {
     card,
-    update(next, stats, statsError) {
-      state.replaceChildren(shownState(next, stats));
+    watchStarts: startWatch(app.id),
+    /** The active build (for its public functions), fetched again only when it changes. */
+    build: null,
+    update(next, stats, statsError, health) {
+      state.replaceChildren(shownState(next, stats, health));
+      functions.textContent = functionsText(health.build);
+      // Point the examples at a function that exists when the app has no `run`.
+      const names = health.build?.functions;
+      if (!fnTouched && names?.length > 0 && !names.includes('run') && fnInput.value === 'run') {
+        fnInput.value = names[0];
+        fnInput.dispatchEvent(new Event('input'));
+        fnTouched = false;
+      }
       active.replaceChildren(
         next.active_build_id
           ? h(
@@ -155,6 +214,23 @@ function appCard(app) {
           h('a', { href: appHref(next.id, 'builds', `/${next.latest_build_id}`) }, 'See its log'),
         );
       }
+      const running = stats ? stats.replicas.starting + stats.replicas.ready : 0;
+      if (next.state === 'active' && health.startProblem && running === 0) {
+        problem.append(
+          h('strong', {}, 'Its replicas cannot start. '),
+          'The last attempt: ',
+          h('code', { class: 'start-problem' }, health.startProblem),
+          ' (from the app log: ',
+          h('code', {}, `ferry logs ${next.id}`),
+          ')',
+        );
+      } else if (next.active_build_id && health.functions?.length === 0) {
+        problem.append(
+          h('strong', {}, 'No public function: '),
+          'the active build exports none, so nothing can be called. Export a function (its name not starting with "_") from the entry.',
+        );
+      }
+      if (health.error && health.error.name !== 'AbortError') problem.append(errorText(health.error));
       if (statsError) problem.append(errorText(statsError));
     },
   };
@@ -192,20 +268,33 @@ export async function renderApps(ctx) {
         ),
       ),
     );
+    for (const app of apps) if (!cards.has(app.id)) cards.set(app.id, appCard(app));
+    const health = await Promise.all(apps.map((app) => appHealth(cards.get(app.id), app)));
     apps.forEach((app, i) => {
-      let entry = cards.get(app.id);
-      if (!entry) {
-        entry = appCard(app);
-        cards.set(app.id, entry);
-      }
       const [s, err] = stats[i];
-      entry.update(app, s, err?.name === 'AbortError' ? null : err);
+      cards.get(app.id).update(app, s, err?.name === 'AbortError' ? null : err, health[i]);
     });
     // Keep the cards in the API's order (by name), adding new ones; untouched when nothing changed, so
     // keyboard focus inside a card survives the refresh.
     const wanted = apps.map((app) => cards.get(app.id).card);
     if (wanted.length !== list.children.length || wanted.some((card, i) => list.children[i] !== card)) {
       list.replaceChildren(...wanted);
+    }
+  }
+
+  /** Why the app may not serve: its last replica start failure, and its active build's public functions. */
+  async function appHealth(entry, app) {
+    try {
+      if (app.active_build_id && entry.build?.id !== app.active_build_id) {
+        entry.build = await api(
+          `/apps/${encodeURIComponent(app.id)}/builds/${encodeURIComponent(app.active_build_id)}`,
+          { signal: ctx.signal },
+        );
+      }
+      const startProblem = await entry.watchStarts(ctx.signal);
+      return { startProblem, build: entry.build, functions: entry.build?.functions ?? null, error: null };
+    } catch (error) {
+      return { startProblem: null, build: entry.build, functions: entry.build?.functions ?? null, error };
     }
   }
 

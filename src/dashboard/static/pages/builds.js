@@ -33,7 +33,7 @@ export async function renderBuilds(ctx) {
     appHeader(ctx, appId, 'builds', `Builds of ${appId}`),
     tableEl({
       caption: `Builds of ${appId}, newest first`,
-      head: ['Build', 'State', 'Runtime', 'Files', 'Archive', 'Created', 'Duration'],
+      head: ['Build', 'State', 'Runtime', 'Files', 'Archive', 'Created', 'Duration', 'Error'],
       body,
     }),
     pager,
@@ -68,9 +68,10 @@ export async function renderBuilds(ctx) {
         h('td', { class: 'num' }, formatBytes(b.archive_bytes)),
         h('td', {}, timeEl(b.created_at)),
         h('td', { class: 'num' }, formatDuration(buildDuration(b))),
+        h('td', { class: 'build-error' }, b.error ? h('span', { class: 'error-text', title: b.error }, b.error) : ''),
       ),
     );
-    if (rows.length === 0) rows.push(h('tr', {}, h('td', { colspan: '7', class: 'empty-row' }, 'No builds.')));
+    if (rows.length === 0) rows.push(h('tr', {}, h('td', { colspan: '8', class: 'empty-row' }, 'No builds.')));
     replaceKeepingFocus(body, rows);
     const older = h('button', { type: 'button', disabled: !list.next_before }, 'Older');
     older.addEventListener('click', () => {

@@ -86,8 +86,27 @@ function padX(x) {
   return () => [(x[0] ?? 0) - 30, (x.at(-1) ?? 0) + 30];
 }
 
-const valueOrDash = (format) => (_u, v, _si, idx) =>
-  idx === null || idx === undefined || v === null || v === undefined ? '—' : format(v);
+const minuteText = (seconds) => new Date(seconds * 1000).toLocaleTimeString([], { hour: '2-digit', minute: '2-digit' });
+
+/**
+ * The legend of uPlot is the chart's hover box. Its own fillers ("--" off the plot, "" or a dash for a
+ * minute without data) tell nothing, so every value says what is there: the whole window while the
+ * pointer is off the plot, the minute under it otherwise, and in words when there is no data.
+ */
+const timeSeries = {
+  label: 'Time',
+  value: (_u, v, _si, idx) =>
+    idx === null || idx === undefined || v === null || v === undefined ? 'whole window' : minuteText(v),
+};
+
+function durationValue(values) {
+  const known = values.filter((v) => v !== null && v !== undefined);
+  const windowText = known.length > 0 ? `up to ${formatDuration(Math.max(...known))}` : 'no finished runs';
+  return (_u, v, _si, idx) => {
+    if (idx === null || idx === undefined) return windowText;
+    return v === null || v === undefined ? 'no finished runs' : formatDuration(v);
+  };
+}
 
 function axes(unit) {
   const grid = { stroke: cssColor('--grid', '#e5e7eb'), width: 1 };
@@ -108,6 +127,8 @@ function axes(unit) {
 
 function durationChart(uPlot, el, stats, width) {
   const x = stats.series.map((p) => Date.parse(p.minute) / 1000);
+  const p50 = stats.series.map((p) => p.p50_ms);
+  const p95 = stats.series.map((p) => p.p95_ms);
   return new uPlot(
     {
       width,
@@ -115,13 +136,13 @@ function durationChart(uPlot, el, stats, width) {
       scales: { x: { time: true, range: padX(x) }, y: { range: (_u, _min, max) => [0, Math.max(10, max ?? 10)] } },
       axes: axes('ms'),
       series: [
-        {},
+        timeSeries,
         {
           label: 'p50',
           stroke: cssColor('--accent', '#2563eb'),
           width: 2,
           points: { show: true, size: 5 },
-          value: valueOrDash(formatDuration),
+          value: durationValue(p50),
         },
         {
           label: 'p95',
@@ -129,11 +150,11 @@ function durationChart(uPlot, el, stats, width) {
           width: 2,
           dash: [6, 4],
           points: { show: true, size: 5 },
-          value: valueOrDash(formatDuration),
+          value: durationValue(p95),
         },
       ],
     },
-    [x, stats.series.map((p) => p.p50_ms), stats.series.map((p) => p.p95_ms)],
+    [x, p50, p95],
     el,
   );
 }
@@ -148,15 +169,17 @@ function replicasChart(uPlot, el, stats, width) {
       scales: { x: { time: true, range: padX(x) }, y: { range: (_u, _min, top) => [0, Math.max(max, top ?? 0, 1)] } },
       axes: axes('replicas'),
       series: [
-        {},
+        timeSeries,
         {
           label: 'replicas',
           stroke: cssColor('--accent', '#2563eb'),
           fill: cssColor('--accent-soft', 'rgba(37,99,235,0.15)'),
           width: 2,
           paths: uPlot.paths.stepped({ align: 1 }),
-          value: (_u, v, _si, idx) =>
-            idx === null || idx === undefined ? '—' : v === null ? 'not sampled' : String(v),
+          value: (_u, v, _si, idx) => {
+            if (idx === null || idx === undefined) return `${stats.replicas.starting + stats.replicas.ready} now`;
+            return v === null || v === undefined ? 'not sampled' : String(v);
+          },
         },
       ],
     },

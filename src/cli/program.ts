@@ -1,0 +1,210 @@
+/**
+ * The `ferry` command tree, declared without running anything: `index.ts` parses the command line with
+ * it, and a test walks it (every command has a description, every command that prints a result takes
+ * `--json`).
+ *
+ * Output convention for `--json`: an array for a list, an object for one thing, and NDJSON (one object per
+ * line) only while following (`--follow`); messages about progress go to stderr.
+ */
+import { Command, Option } from 'commander';
+import { bootstrapCommand, loginLinkCommand } from './admin.js';
+import { deployCommand } from './deploy.js';
+import { doctorCommand } from './doctor.js';
+import {
+  appsListCommand,
+  buildsCancelCommand,
+  buildsFilesCommand,
+  buildsListCommand,
+  buildsLogsCommand,
+  loginCommand,
+  tokensCreateCommand,
+  tokensListCommand,
+  tokensRevokeCommand,
+} from './resources.js';
+import { appLogsCommand, runCommand, runsGetCommand, runsListCommand, runsLogsCommand } from './runs.js';
+import { secretsDeleteCommand, secretsListCommand, secretsSetCommand } from './secrets.js';
+import { serveCommand } from './serve.js';
+
+export function createProgram(): Command {
+  const program = new Command('ferry')
+    .description('Ferry: self-hosted function hosting')
+    .version('0.1.0')
+    .showHelpAfterError()
+    .configureOutput({ outputError: (text, write) => write(text) });
+
+  program
+    .command('serve')
+    .description('run the Ferry server (embedded default: SQLite and local disk, no other server needed)')
+    .addOption(new Option('--host <host>', 'address to listen on (env FERRY_HOST, default 127.0.0.1)'))
+    .addOption(new Option('--port <port>', 'port to listen on (env FERRY_PORT, default 8000)'))
+    .addOption(new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)'))
+    .addOption(
+      new Option(
+        '--webhook-allow <cidrs>',
+        'comma-separated CIDRs webhooks may reach although internal, e.g. 127.0.0.0/8,::1/128 (env FERRY_WEBHOOK_ALLOW)',
+      ),
+    )
+    .action(serveCommand);
+
+  program
+    .command('doctor')
+    .description('check what this machine gives replicas: sandbox (bubblewrap), memory limits, runtimes')
+    .option('--json', 'print the capabilities as JSON')
+    .action(doctorCommand);
+
+  const admin = program.command('admin').description('offline administration on a data directory');
+  const dataDirOption = () => new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)');
+  const addressOptions = (command: Command) =>
+    command
+      .option(
+        '--url <url>',
+        'the server address to print (default: the server running on the data directory, else FERRY_URL, else FERRY_HOST:FERRY_PORT)',
+      )
+      .option('--host <host>', 'the configured host, when no server runs on the data directory (env FERRY_HOST)')
+      .option('--port <port>', 'the configured port, when no server runs on the data directory (env FERRY_PORT)');
+  addressOptions(
+    admin
+      .command('bootstrap')
+      .description('create the project (if missing) and a new owner token; works without a running server')
+      .addOption(dataDirOption())
+      .option('--project-name <name>', 'project name', 'default')
+      .option('--expires-in-days <days>', 'token lifetime in days (default 365)')
+      .option('--json', 'print {"project_id", "token"} only'),
+  ).action(bootstrapCommand);
+  addressOptions(
+    admin
+      .command('login-link')
+      .description(
+        'print a dashboard sign-in link for an existing project, without making another owner (a short-lived manage token)',
+      )
+      .addOption(dataDirOption())
+      .option('--project-name <name>', 'project name', 'default')
+      .option('--expires-in-minutes <minutes>', 'how long the link works, 5 to 1440 (default 60)')
+      .option('--json', 'print {"project_id","service_account_id","url","link","expires_at"}'),
+  ).action(loginLinkCommand);
+
+  program
+    .command('login')
+    .description('store the server URL and a token in your config file (mode 0600)')
+    .option('--url <url>', 'server URL (default http://127.0.0.1:8000)')
+    .option('--token <token>', 'service account token')
+    .option('--project <project_id>', 'project id (default: the token’s project)')
+    .option('--json', 'print {"url","project_id","project_name","config_file"}')
+    .action(loginCommand);
+
+  program
+    .command('deploy [dir]')
+    .description('pack, upload and build the app in DIR (default: the current folder)')
+    .option(
+      '--json',
+      'print only {"project_id","app_id","app_name","build_id","status","run_url","function_urls"} on stdout',
+    )
+    .action(deployCommand);
+
+  const apps = program.command('apps').description('apps of the project');
+  apps
+    .command('list')
+    .description('apps with their state and run URL')
+    .option('--json', 'print an array')
+    .action(appsListCommand);
+
+  const builds = program.command('builds').description('builds of an app');
+  builds
+    .command('list <app>')
+    .description('builds of an app, newest first, with their state and error')
+    .option('--limit <n>', 'how many (default 50)')
+    .option('--json', 'print an array')
+    .action(buildsListCommand);
+  builds
+    .command('logs <build_id>')
+    .description('the log of a build (live with --follow)')
+    .option('--app <app>', "the build's app (found automatically when omitted)")
+    .option('-f, --follow', 'follow the log live until the build ends')
+    .option('--json', 'print an array of lines (with --follow: one JSON object per line)')
+    .action(buildsLogsCommand);
+  builds
+    .command('files <build_id>')
+    .description('list the files of the build’s uploaded archive')
+    .option('--app <app>', "the build's app (found automatically when omitted)")
+    .option('--json', 'print the zip-contents response as JSON')
+    .action(buildsFilesCommand);
+  builds
+    .command('cancel <build_id>')
+    .description('cancel a build that is pending or building')
+    .option('--app <app>', "the build's app (found automatically when omitted)")
+    .option('--json', 'print the build')
+    .action(buildsCancelCommand);
+
+  program
+    .command('run <app> [function]')
+    .description('call a function synchronously (default function: run) and print its result')
+    .option('-d, --data <json>', 'the arguments, as a JSON object', '{}')
+    .option('--json', 'print the whole response')
+    .action(runCommand);
+
+  const runs = program.command('runs').description('runs of an app');
+  runs
+    .command('list <app>')
+    .description('runs of an app, newest first')
+    .option('--state <state>', 'only runs in this state (queued, running, success, failure, timeout, cancelled)')
+    .option('--mode <mode>', 'only runs of this mode (sync, async, stream)')
+    .option('--limit <n>', 'how many (default 50)')
+    .option('--json', 'print an array')
+    .action(runsListCommand);
+  runs
+    .command('get <app> <run_id>')
+    .description('a run with its input and result')
+    .option('--json', 'print the run as JSON (what it prints anyway; accepted for scripts)')
+    .action(runsGetCommand);
+  runs
+    .command('logs <app> <run_id>')
+    .description('what the function printed during the run')
+    .option('--json', 'print an array of lines')
+    .action(runsLogsCommand);
+
+  program
+    .command('logs <app>')
+    .description('the app log: what its replicas print outside runs, and their starts and crashes')
+    .option('-f, --follow', 'keep printing new lines until interrupted')
+    .option('--json', 'print an array of lines (with --follow: one JSON object per line)')
+    .action(appLogsCommand);
+
+  const secrets = program
+    .command('secrets')
+    .description('secrets of the project, given to new replicas as environment variables');
+  secrets
+    .command('set <name> [value]')
+    .description('create or replace a secret; without VALUE, or with -, the value is read from stdin')
+    .option('--json', 'print the secret’s metadata as JSON')
+    .action(secretsSetCommand);
+  secrets
+    .command('list')
+    .description('names of the secrets, with when they were set (never their values)')
+    .option('--json', 'print an array')
+    .action(secretsListCommand);
+  secrets
+    .command('delete <name>')
+    .description('delete a secret')
+    .option('--json', 'print {"name","deleted"}')
+    .action(secretsDeleteCommand);
+
+  const tokens = program.command('tokens').description('service accounts and their tokens');
+  tokens
+    .command('create <name>')
+    .description('create a service account; its token is shown once')
+    .option('--expires <date>', 'expiry date, e.g. 2027-01-31 (default: 30 days)')
+    .addOption(new Option('--scope <scope...>', 'scopes (default: manage run)').choices(['manage', 'run']))
+    .option('--json', 'print the account with its token')
+    .action(tokensCreateCommand);
+  tokens
+    .command('list')
+    .description('service accounts with their name, scopes, status and creation time (never their tokens)')
+    .option('--json', 'print an array')
+    .action(tokensListCommand);
+  tokens
+    .command('revoke <service_account_id>')
+    .description('revoke a service account and its token, at once')
+    .option('--json', 'print the revoked account')
+    .action(tokensRevokeCommand);
+  return program;
+}
