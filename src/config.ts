@@ -2,6 +2,7 @@
  * Server settings: command-line flags, then environment variables, then defaults.
  * Every setting is documented in docs/operations.md.
  */
+import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './builds/builders/sandboxed-step.js';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
 import { parseAllowList } from './webhooks/address-guard.js';
 
@@ -40,6 +41,8 @@ export interface ServerConfig {
   maxStoredResultBytes: number;
   /** Lines of replica output (outside runs) the app log keeps per app, in memory. */
   appLogLines: number;
+  /** Memory and processes of each build step, and the wall-clock time of a build. */
+  buildLimits: BuildLimits;
 }
 
 export const DEFAULTS = {
@@ -111,5 +114,16 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     maxStoredResultBytes:
       intFrom(env.FERRY_MAX_STORED_RESULT_BYTES, 'FERRY_MAX_STORED_RESULT_BYTES', 0, 1024 ** 3) ??
       DEFAULTS.maxStoredResultBytes,
+    buildLimits: {
+      memoryMiB:
+        intFrom(env.FERRY_BUILD_MEMORY_MIB, 'FERRY_BUILD_MEMORY_MIB', 128, 1024 * 1024) ??
+        DEFAULT_BUILD_LIMITS.memoryMiB,
+      maxProcesses:
+        intFrom(env.FERRY_BUILD_MAX_PROCESSES, 'FERRY_BUILD_MAX_PROCESSES', 16, 1_000_000) ??
+        DEFAULT_BUILD_LIMITS.maxProcesses,
+      timeoutMs:
+        (intFrom(env.FERRY_BUILD_TIMEOUT_SECONDS, 'FERRY_BUILD_TIMEOUT_SECONDS', 10, 7 * 24 * 3600) ?? 0) * 1000 ||
+        DEFAULT_BUILD_LIMITS.timeoutMs,
+    },
   };
 }

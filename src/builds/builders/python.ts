@@ -10,7 +10,8 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { describeExit, isFile, PROXY_ENV, runChild, runInstallStep, throwIfAborted } from './run-child.js';
+import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
+import { describeStepExit, runBuildStep, stepPaths, toolMounts } from './sandboxed-step.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
 
 export const PYTHON_ENTRY = 'main.py';
@@ -303,19 +304,25 @@ async function findEntry(ctx: BuildContext): Promise<string> {
   return PYTHON_ENTRY;
 }
 
+/** The syntax check, in the sandbox: Python's own compiler reads the app's file, so it is app input. */
 async function analyze(ctx: BuildContext, python: string, entry: string): Promise<Analysis> {
   const stdout: string[] = [];
   const stderr: string[] = [];
-  const exit = await runChild(python, ['-I', '-c', ANALYZE_SCRIPT, entry], {
-    cwd: ctx.sourceDir,
-    env: { PATH: process.env.PATH ?? '/usr/local/bin:/usr/bin:/bin', PYTHONDONTWRITEBYTECODE: '1' },
+  const paths = stepPaths(ctx);
+  const exit = await runBuildStep(ctx, {
+    label: 'syntax check',
+    command: [python, '-I', '-c', ANALYZE_SCRIPT, path.posix.join(paths.source, entry)],
+    env: { PATH: paths.searchPath, PYTHONDONTWRITEBYTECODE: '1' },
+    cwd: paths.out,
+    readOnly: toolMounts(paths, python),
     onLine: (stream, line) => (stream === 'stdout' ? stdout : stderr).push(line),
-    signal: ctx.signal,
   });
   const last = stdout.at(-1);
   if (exit.code !== 0 || last === undefined) {
     for (const line of stderr) ctx.log(line);
-    throw new Error(`Checking ${entry} with ${python} failed (${describeExit(exit)})`);
+    const how = describeStepExit(exit, ctx.sandbox.limits);
+    if (exit.oomKilled) throw new BuildFailedError(`Checking ${entry} ${how}`);
+    throw new Error(`Checking ${entry} with ${python} ${how}`);
   }
   return JSON.parse(last) as Analysis;
 }
@@ -361,8 +368,11 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
       `requirements.txt: ${problem}; Ferry installs wheels only (their build code would run on the server): ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
     );
   }
-  const target = path.join(ctx.outputDir, SITE_PACKAGES_DIR);
+  const paths = stepPaths(ctx);
+  const target = path.posix.join(paths.out, SITE_PACKAGES_DIR);
   const args = [
+    // -I: neither the working folder nor PYTHON* variables reach sys.path, so an app's pip.py is not pip.
+    '-I',
     '-m',
     'pip',
     'install',
@@ -371,8 +381,8 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     '--no-cache-dir',
     '--timeout',
     String(PIP_TIMEOUT_SECONDS),
-    // Wheels only: building a source package runs its setup code on the server, outside any sandbox
-    // (the Node builder turns install scripts off for the same reason).
+    // Wheels only: a source package's build code would run as part of the build. (It would run in the
+    // sandbox, but wheels keep builds predictable; see sourceRequirementProblem.)
     '--only-binary=:all:',
     '--target',
     target,
@@ -380,19 +390,31 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     'requirements.txt',
   ];
   ctx.log(`Running pip install -r requirements.txt --target ${path.basename(ctx.outputDir)}/${SITE_PACKAGES_DIR}`);
-  ctx.log('Installing wheels only: source packages would run their build code on the server');
+  ctx.log('Installing wheels only: source packages are refused');
 
-  // cwd is the app folder, so `./wheels/x.whl` lines in requirements.txt resolve.
-  await runInstallStep(ctx, {
+  const env: Record<string, string> = {
+    PATH: paths.searchPath,
+    HOME: path.posix.join(paths.cache, 'home'),
+    PIP_DISABLE_PIP_VERSION_CHECK: '1',
+    PIP_NO_INPUT: '1',
+    PIP_ROOT_USER_ACTION: 'ignore',
+    PYTHONUNBUFFERED: '1',
+  };
+  for (const name of PASSED_ENV) {
+    const value = process.env[name];
+    if (value !== undefined) env[name] = value;
+  }
+  const started = Date.now();
+  // The working folder is the app folder, as the sandbox shows it read-only, so `./wheels/x.whl` lines
+  // in requirements.txt resolve; -I keeps it off sys.path.
+  const exit = await runBuildStep(ctx, {
     label: 'pip install',
-    command: python,
-    args,
-    extra: {
-      PIP_DISABLE_PIP_VERSION_CHECK: '1',
-      PIP_NO_INPUT: '1',
-      PIP_ROOT_USER_ACTION: 'ignore',
-      PYTHONUNBUFFERED: '1',
-    },
-    passed: PASSED_ENV,
+    command: [python, ...args],
+    env,
+    cwd: paths.source,
+    readOnly: toolMounts(paths, python),
+    onLine: (_stream, line) => ctx.log(line),
   });
+  if (exit.code !== 0) throw new BuildFailedError(`pip install ${describeStepExit(exit, ctx.sandbox.limits)}`);
+  ctx.log(`pip install finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
 }
