@@ -14,7 +14,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import yazl from 'yazl';
-import { FIXTURES } from '../helpers/builds.js';
+import { FIXTURES, processesWithArgs } from '../helpers/builds.js';
 import { http, startServer, type TestServer, tempDir, waitFor } from '../helpers/ferry.js';
 import { LEFTPAD_WHEEL, leftpadWheel } from '../helpers/python-wheel.js';
 
@@ -80,6 +80,9 @@ describe('build attacks', () => {
   /** A folder of the host the server may write and no sandbox shows: markers go here. */
   let hostDir: string;
 
+  const suiteServer = () => server;
+  const suiteAuth = () => auth;
+
   before(async () => {
     server = await startServer();
     auth = await server.bootstrap();
@@ -100,7 +103,9 @@ describe('build attacks', () => {
     return marker;
   }
 
-  async function deploy(app: string, files: Map<string, FixtureFile>) {
+  /** Uploads an app (to the given server, else the suite's) and waits for its build to end. */
+  async function deploy(app: string, files: Map<string, FixtureFile>, on?: { server: TestServer; auth: typeof auth }) {
+    const { server, auth } = on ?? { server: suiteServer(), auth: suiteAuth() };
     const res = await http(`${server.url}/v2/projects/${auth.projectId}/apps/${app}/builds`, {
       method: 'POST',
       token: auth.token,
@@ -246,5 +251,42 @@ describe('build attacks', () => {
     for (const match of runs) assert.equal(match[1], '65534', build.log);
     await assert.rejects(fs.access(marker), `the marker must not be written on the host; log:\n${build.log}`);
     assert.equal(build.state, 'failed', build.log);
+  });
+
+  describe('(e) limits', () => {
+    async function limitedServer(env: Record<string, string>) {
+      const limited = await startServer({ env });
+      return { server: limited, auth: await limited.bootstrap() };
+    }
+
+    it('a build step is held to its memory and process limits', { timeout: TIMEOUT }, async () => {
+      const on = await limitedServer({ FERRY_BUILD_MEMORY_MIB: '256', FERRY_BUILD_MAX_PROCESSES: '64' });
+      try {
+        const memory = await deploy('npm-hog', await fixture('npm-hog', { __MODE__: 'memory' }), on);
+        assert.match(memory.log, /FERRY-ATTACK memory hog exit 137/, 'the hog was killed');
+        assert.doesNotMatch(memory.log, /FERRY-ATTACK memory hog got 1 GiB/);
+        const pids = await deploy('npm-hog', await fixture('npm-hog', { __MODE__: 'pids' }), on);
+        assert.match(pids.log, /FERRY-ATTACK fork refused/, pids.log);
+        const started = Number(/FERRY-ATTACK pids started (\d+)/.exec(pids.log)?.[1] ?? Number.NaN);
+        assert.ok(started > 0 && started < 64, `started ${started} processes; log:\n${pids.log}`);
+      } finally {
+        await on.server.close();
+      }
+    });
+
+    it('a build that does not end is stopped at its time limit, with everything it started', {
+      timeout: TIMEOUT,
+    }, async () => {
+      const on = await limitedServer({ FERRY_BUILD_TIMEOUT_SECONDS: '10' });
+      const sleep = String(5000 + Math.floor(Math.random() * 4000));
+      try {
+        const build = await deploy('npm-hog', await fixture('npm-hog', { __MODE__: 'time', __SLEEP__: sleep }), on);
+        assert.equal(build.state, 'failed', build.log);
+        assert.match(build.error ?? '', /took longer than its time limit \(10 s\)/);
+        assert.deepEqual(await processesWithArgs(['sleep', sleep]), [], 'the sleep is gone');
+      } finally {
+        await on.server.close();
+      }
+    });
   });
 });
