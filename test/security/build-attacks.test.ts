@@ -15,7 +15,7 @@ import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import yazl from 'yazl';
 import { FIXTURES, processesWithArgs } from '../helpers/builds.js';
-import { http, startServer, type TestServer, tempDir, waitFor } from '../helpers/ferry.js';
+import { http, runCli, spawnServe, startServer, type TestServer, tempDir, waitFor } from '../helpers/ferry.js';
 import { LEFTPAD_WHEEL, leftpadWheel } from '../helpers/python-wheel.js';
 
 const TIMEOUT = 120_000;
@@ -104,7 +104,11 @@ describe('build attacks', () => {
   }
 
   /** Uploads an app (to the given server, else the suite's) and waits for its build to end. */
-  async function deploy(app: string, files: Map<string, FixtureFile>, on?: { server: TestServer; auth: typeof auth }) {
+  async function deploy(
+    app: string,
+    files: Map<string, FixtureFile>,
+    on?: { server: { url: string }; auth: typeof auth },
+  ) {
     const { server, auth } = on ?? { server: suiteServer(), auth: suiteAuth() };
     const res = await http(`${server.url}/v2/projects/${auth.projectId}/apps/${app}/builds`, {
       method: 'POST',
@@ -288,5 +292,23 @@ describe('build attacks', () => {
         await on.server.close();
       }
     });
+  });
+
+  it('(f) without bubblewrap, the build log says loudly that the build is not sandboxed', {
+    timeout: TIMEOUT,
+  }, async () => {
+    const dataDir = await tempDir();
+    const serve = await spawnServe(dataDir, { FERRY_SANDBOX: 'off' });
+    try {
+      const boot = await runCli(['admin', 'bootstrap', '--data-dir', dataDir, '--json']);
+      assert.equal(boot.code, 0, boot.stderr);
+      const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
+      const build = await deploy('victim', await fixture('victim'), { server: serve, auth: { projectId, token } });
+      assert.equal(build.state, 'ready', build.log);
+      assert.match(build.log, /^WARNING: this build is NOT sandboxed/m);
+    } finally {
+      await serve.stop();
+      await fs.rm(dataDir, { recursive: true, force: true });
+    }
   });
 });
