@@ -84,6 +84,31 @@ describe('node builder: bundling', () => {
     assert.ok(outcome.lines.includes('Entry: main.mjs'));
   });
 
+  it('refuses an import that leads out of the app folder, also through a link', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-outside"\n',
+      'main.js': "import text from './secret.txt' with { type: 'text' };\nexport const run = () => text;\n",
+    });
+    // A host file beside the build (as another build's files or the server's keys are), reached by a link.
+    const secret = path.join(ws.root, 'host-secret.txt');
+    await fs.writeFile(secret, 'HOST-SECRET-BYTES\n');
+    await fs.symlink(secret, path.join(ws.sourceDir, 'secret.txt'));
+    const outcome = await runBuild(ws);
+    const error = assertFailed(outcome, /^Bundling failed: main\.js:1:\d+: FERRY_BUILD_IMPORT_OUTSIDE_APP: /);
+    assert.match(error.message, /import "\.\/secret\.txt" in main\.js/);
+    assert.deepEqual(await fs.readdir(ws.outputDir), []);
+
+    const climbing = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-outside"\n',
+      'main.js': "import text from '../host-secret.txt' with { type: 'text' };\nexport const run = () => text;\n",
+    });
+    await fs.writeFile(path.join(climbing.root, 'host-secret.txt'), 'HOST-SECRET-BYTES\n');
+    assertFailed(
+      await runBuild(climbing),
+      /FERRY_BUILD_IMPORT_OUTSIDE_APP: import "\.\.\/host-secret\.txt" in main\.js/,
+    );
+  });
+
   it('fails clearly when there is no entry file', { timeout: TIMEOUT }, async () => {
     const ws = await workspace(null, {
       'ferry.toml': '[app]\nname = "node-empty"\n',

@@ -21,6 +21,9 @@
  *   replica.kill('SIGTERM');                 // reaches the replica itself, not bwrap
  *   ... on exit: await prepared.wasOomKilled(); await prepared.cleanup();
  *
+ * Build steps (builds/builders/sandboxed-step.ts) reuse baseBwrapArgs, the cgroup helpers and
+ * spawnReplica, with folders of their own.
+ *
  * The replica's memory cgroup is `<caps.cgroup.dir>/ferry-<replicaId>`; the process joins it through a
  * `/bin/sh` wrapper before exec'ing bwrap, so nothing it allocates escapes the limit. Without a writable
  * cgroup, `prlimit --data` (RLIMIT_DATA) bounds it instead: allocations fail rather than being OOM-killed.

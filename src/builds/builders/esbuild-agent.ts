@@ -48,13 +48,24 @@ function inside(root: string, file: string): boolean {
   return relative === '' || (!relative.startsWith('..') && !path.isAbsolute(relative));
 }
 
-/** The real path when the file exists (links resolved), else the path itself. */
-function real(file: string): string {
+/**
+ * The path with every link resolved, also when the file it leads to does not exist (a link to a host
+ * file the sandbox does not show still leads outside the app).
+ */
+function real(file: string, depth = 0): string {
   try {
     return fs.realpathSync(file);
   } catch {
-    return file;
+    // resolved by hand below
   }
+  if (depth > 40) return file;
+  try {
+    return real(path.resolve(path.dirname(file), fs.readlinkSync(file)), depth + 1);
+  } catch {
+    // not a link
+  }
+  const parent = path.dirname(file);
+  return parent === file ? file : path.join(real(parent, depth + 1), path.basename(file));
 }
 
 /** Refuses every import that resolves outside `root`. */
@@ -80,7 +91,7 @@ export function insideAppPlugin(root: string): esbuild.Plugin {
         // be "not found", which hides what the import tried.
         if (args.path.startsWith('/') || /^\.\.?(\/|$)/.test(args.path)) {
           const target = path.resolve(args.resolveDir, args.path);
-          if (!inside(appRoot, real(target)) && !inside(appRoot, target)) return refuse(args);
+          if (!inside(appRoot, real(target))) return refuse(args);
         }
         const result = await build.resolve(args.path, {
           kind: args.kind,

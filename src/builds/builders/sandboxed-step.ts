@@ -247,6 +247,8 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
         });
       });
       ctx.signal.addEventListener('abort', onAbort, { once: true });
+      // Aborted while the cgroups and the network were being set up: the event has already fired.
+      if (ctx.signal.aborted) onAbort();
     });
     const oomKilled = cgroups.length > 0 && caps.cgroup ? await readOomKilled(caps.cgroup.version, cgroups[0]!) : false;
     return { ...exit, oomKilled };
