@@ -221,7 +221,7 @@ describe('python builder: dependencies', () => {
     }
   });
 
-  it('refuses to build a source package (its build code would run on the server)', { timeout: TIMEOUT }, async () => {
+  it('refuses to build a source package (wheels only, so builds stay predictable)', { timeout: TIMEOUT }, async () => {
     const ws = await depsWorkspace({
       'requirements.txt': './srcpkg\n',
       'srcpkg/setup.py':

@@ -331,9 +331,10 @@ const SOURCE_ARCHIVE = /\.(tar\.gz|tgz|tar\.bz2|tar\.xz|tar|zip)$/i;
 const VCS = /^(git|hg|svn|bzr)\+/i;
 
 /**
- * Requirements pip would build from source, which runs their build code on the server: `--only-binary`
- * does not cover local folders, archives, editable installs or VCS URLs, so they are refused here, before
- * pip runs. Nested requirement files are refused too, since they are not checked.
+ * Requirements pip would always build from source, running their build code (in the build sandbox):
+ * `--only-binary` does not cover local folders, archives, editable installs or VCS URLs, so they are
+ * refused here, before pip runs, to keep builds to wheels. Nested requirement files are refused too,
+ * since they are not checked. Ferry's own reading of the text: pip is never run on the server.
  */
 export function sourceRequirementProblem(text: string, sourceDir: string): string | undefined {
   for (const raw of text.split(/\r?\n/)) {
@@ -349,7 +350,16 @@ export function sourceRequirementProblem(text: string, sourceDir: string): strin
     const local = spec.startsWith('file:') ? spec.slice(5).replace(/^\/\//, '') : spec;
     if (/^(\.{1,2}\/|\/)/.test(local) || local === '.') {
       const resolved = path.resolve(sourceDir, local.split(/[;\s[]/)[0] ?? local);
-      if (!resolved.endsWith('.whl') && fsSync.existsSync(resolved) && fsSync.statSync(resolved).isDirectory()) {
+      // Only the app's own folder is looked at: a stat of any other path would tell the app what exists
+      // on the server (pip, in the sandbox, sees none of it).
+      const relative = path.relative(sourceDir, resolved);
+      const insideApp = !relative.startsWith('..') && !path.isAbsolute(relative);
+      if (
+        insideApp &&
+        !resolved.endsWith('.whl') &&
+        fsSync.existsSync(resolved) &&
+        fsSync.statSync(resolved).isDirectory()
+      ) {
         return `"${line}": a local folder is built from source`;
       }
     }
@@ -365,7 +375,7 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
   if (problem) {
     ctx.log(`requirements.txt: ${problem}`);
     throw new BuildFailedError(
-      `requirements.txt: ${problem}; Ferry installs wheels only (their build code would run on the server): ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
+      `requirements.txt: ${problem}; Ferry installs wheels only (a source package runs its build code as part of the build): ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
     );
   }
   const paths = stepPaths(ctx);
