@@ -25,6 +25,8 @@ export interface ServerConfig {
   /** Largest accepted JSON body (management API and run endpoint), bytes. */
   maxBodyBytes: number;
   zipLimits: ZipLimits;
+  /** Memory and processes of each build step, and the wall-clock time of a build. */
+  buildLimits: BuildLimits;
   /** Log level for pino. */
   logLevel: string;
   /** Runs that may wait per app when every replica slot is taken (503 past it). */
@@ -41,8 +43,6 @@ export interface ServerConfig {
   maxStoredResultBytes: number;
   /** Lines of replica output (outside runs) the app log keeps per app, in memory. */
   appLogLines: number;
-  /** Memory and processes of each build step, and the wall-clock time of a build. */
-  buildLimits: BuildLimits;
 }
 
 export const DEFAULTS = {
@@ -99,6 +99,17 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
         DEFAULT_ZIP_LIMITS.maxUncompressedBytes,
       maxRatio: intFrom(env.FERRY_ZIP_MAX_RATIO, 'FERRY_ZIP_MAX_RATIO', 2, 100_000) ?? DEFAULT_ZIP_LIMITS.maxRatio,
     },
+    buildLimits: {
+      memoryMiB:
+        intFrom(env.FERRY_BUILD_MEMORY_MIB, 'FERRY_BUILD_MEMORY_MIB', 128, 1024 * 1024) ??
+        DEFAULT_BUILD_LIMITS.memoryMiB,
+      maxProcesses:
+        intFrom(env.FERRY_BUILD_MAX_PROCESSES, 'FERRY_BUILD_MAX_PROCESSES', 16, 1_000_000) ??
+        DEFAULT_BUILD_LIMITS.maxProcesses,
+      timeoutMs:
+        (intFrom(env.FERRY_BUILD_TIMEOUT_SECONDS, 'FERRY_BUILD_TIMEOUT_SECONDS', 10, 7 * 24 * 3600) ?? 0) * 1000 ||
+        DEFAULT_BUILD_LIMITS.timeoutMs,
+    },
     logLevel: env.FERRY_LOG_LEVEL ?? DEFAULTS.logLevel,
     maxQueuePerApp:
       intFrom(env.FERRY_MAX_QUEUE_PER_APP, 'FERRY_MAX_QUEUE_PER_APP', 0, 1_000_000) ?? DEFAULTS.maxQueuePerApp,
@@ -114,16 +125,5 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     maxStoredResultBytes:
       intFrom(env.FERRY_MAX_STORED_RESULT_BYTES, 'FERRY_MAX_STORED_RESULT_BYTES', 0, 1024 ** 3) ??
       DEFAULTS.maxStoredResultBytes,
-    buildLimits: {
-      memoryMiB:
-        intFrom(env.FERRY_BUILD_MEMORY_MIB, 'FERRY_BUILD_MEMORY_MIB', 128, 1024 * 1024) ??
-        DEFAULT_BUILD_LIMITS.memoryMiB,
-      maxProcesses:
-        intFrom(env.FERRY_BUILD_MAX_PROCESSES, 'FERRY_BUILD_MAX_PROCESSES', 16, 1_000_000) ??
-        DEFAULT_BUILD_LIMITS.maxProcesses,
-      timeoutMs:
-        (intFrom(env.FERRY_BUILD_TIMEOUT_SECONDS, 'FERRY_BUILD_TIMEOUT_SECONDS', 10, 7 * 24 * 3600) ?? 0) * 1000 ||
-        DEFAULT_BUILD_LIMITS.timeoutMs,
-    },
   };
 }
