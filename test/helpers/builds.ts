@@ -144,6 +144,17 @@ export async function processesIn(dir: string): Promise<number[]> {
   return found;
 }
 
+/** Waits (at most 5 s) until none of `pids` is alive; fails naming those that are. */
+export async function waitUntilGone(pids: number[]): Promise<void> {
+  const end = Date.now() + 5_000;
+  for (;;) {
+    const alive = pids.filter(isAlive);
+    if (alive.length === 0) return;
+    if (Date.now() > end) assert.fail(`processes ${alive.join(', ')} are still running`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
 /** Live processes whose command line is exactly `args` (seen from the host, whatever namespace they are in). */
 export async function processesWithArgs(args: string[]): Promise<number[]> {
   const wanted = `${args.join('\0')}\0`;

@@ -153,7 +153,8 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
 
   const memoryBytes = Math.floor(limits.memoryMiB * 1024 * 1024);
   stepCounter = (stepCounter + 1) % 1_000_000;
-  const stepId = `build-${ctx.buildId}-${stepCounter}`;
+  // The pid too: cgroups are machine-wide, and another server (or a test) may run a build of the same id.
+  const stepId = `build-${ctx.buildId}-${process.pid}-${stepCounter}`;
   const lease = await network.acquire(stepId.replace(/[^A-Za-z0-9_-]/g, '-'));
   const cgroups: string[] = [];
   try {
