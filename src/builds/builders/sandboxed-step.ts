@@ -199,23 +199,24 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
       file = 'nsenter';
     }
     const joins: string[] = [];
+    let pidsLimited = false;
     if (caps.cgroup) {
       const memory = await createReplicaCgroup(caps.cgroup.version, caps.cgroup.dir, stepId, memoryBytes);
       cgroups.push(memory);
       joins.push(path.join(memory, 'cgroup.procs'));
-      if (caps.cgroup.version === 2 && (await setPidsMax(memory, limits.maxProcesses))) {
-        // v2: one cgroup holds both limits.
-      } else {
-        const pids = await createPidsCgroup(stepId, limits.maxProcesses);
-        if (pids) {
-          cgroups.push(pids);
-          joins.push(path.join(pids, 'cgroup.procs'));
-        }
-      }
+      // v2: one cgroup holds both limits, when the pids controller is enabled there.
+      if (caps.cgroup.version === 2) pidsLimited = await setPidsMax(memory, limits.maxProcesses);
     } else if (caps.prlimit) {
-      // RLIMIT_NPROC would count the server user's processes too, so no pids limit here.
+      // RLIMIT_NPROC would count the server user's processes too, so it is no pids limit here.
       argv = [`--data=${memoryBytes}`, '--', file, ...argv];
       file = caps.prlimit;
+    }
+    if (!pidsLimited) {
+      const pids = await createPidsCgroup(stepId, limits.maxProcesses);
+      if (pids) {
+        cgroups.push(pids);
+        joins.push(path.join(pids, 'cgroup.procs'));
+      }
     }
     for (const procs of joins.reverse()) {
       argv = ['-c', JOIN_CGROUP_SCRIPT, 'ferry-build-step', procs, file, ...argv];
