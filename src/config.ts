@@ -2,6 +2,7 @@
  * Server settings: command-line flags, then environment variables, then defaults.
  * Every setting is documented in docs/operations.md.
  */
+import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './builds/builders/sandboxed-step.js';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
 import { parseAllowList } from './webhooks/address-guard.js';
 
@@ -24,6 +25,8 @@ export interface ServerConfig {
   /** Largest accepted JSON body (management API and run endpoint), bytes. */
   maxBodyBytes: number;
   zipLimits: ZipLimits;
+  /** Memory and processes of each build step, and the wall-clock time of a build. */
+  buildLimits: BuildLimits;
   /** Log level for pino. */
   logLevel: string;
   /** Runs that may wait per app when every replica slot is taken (503 past it). */
@@ -107,6 +110,17 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
         intFrom(env.FERRY_ZIP_MAX_BYTES, 'FERRY_ZIP_MAX_BYTES', 1024, 64 * 1024 ** 3) ??
         DEFAULT_ZIP_LIMITS.maxUncompressedBytes,
       maxRatio: intFrom(env.FERRY_ZIP_MAX_RATIO, 'FERRY_ZIP_MAX_RATIO', 2, 100_000) ?? DEFAULT_ZIP_LIMITS.maxRatio,
+    },
+    buildLimits: {
+      memoryMiB:
+        intFrom(env.FERRY_BUILD_MEMORY_MIB, 'FERRY_BUILD_MEMORY_MIB', 128, 1024 * 1024) ??
+        DEFAULT_BUILD_LIMITS.memoryMiB,
+      maxProcesses:
+        intFrom(env.FERRY_BUILD_MAX_PROCESSES, 'FERRY_BUILD_MAX_PROCESSES', 16, 1_000_000) ??
+        DEFAULT_BUILD_LIMITS.maxProcesses,
+      timeoutMs:
+        (intFrom(env.FERRY_BUILD_TIMEOUT_SECONDS, 'FERRY_BUILD_TIMEOUT_SECONDS', 10, 7 * 24 * 3600) ?? 0) * 1000 ||
+        DEFAULT_BUILD_LIMITS.timeoutMs,
     },
     logLevel: env.FERRY_LOG_LEVEL ?? DEFAULTS.logLevel,
     maxQueuePerApp:

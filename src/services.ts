@@ -136,6 +136,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     buildsDir: dataDir.builds,
     cacheDir: dataDir.cache,
     builders: createDefaultBuilders(),
+    sandbox,
+    network,
+    limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
     onFinished(build) {
       metrics.builds.inc({ state: build.state });

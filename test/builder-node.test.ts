@@ -14,7 +14,17 @@ import { parseAppConfig } from '../src/apps/app-config.js';
 import { selectBuilder } from '../src/builds/builders/index.js';
 import { createNodeBuilder } from '../src/builds/builders/node.js';
 import { type Builder, BuildFailedError } from '../src/builds/builders/types.js';
-import { assertFailed, assertReady, buildHarness, isAlive, processesIn, type Workspace } from './helpers/builds.js';
+import { detectSandbox } from '../src/replicas/sandbox.js';
+import {
+  assertFailed,
+  assertReady,
+  buildHarness,
+  processesIn,
+  processesWithArgs,
+  shareTestNetwork,
+  type Workspace,
+  waitUntilGone,
+} from './helpers/builds.js';
 
 const TIMEOUT = 60_000;
 
@@ -74,6 +84,31 @@ describe('node builder: bundling', () => {
     assert.ok(outcome.lines.includes('Entry: main.mjs'));
   });
 
+  it('refuses an import that leads out of the app folder, also through a link', { timeout: TIMEOUT }, async () => {
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-outside"\n',
+      'main.js': "import text from './secret.txt' with { type: 'text' };\nexport const run = () => text;\n",
+    });
+    // A host file beside the build (as another build's files or the server's keys are), reached by a link.
+    const secret = path.join(ws.root, 'host-secret.txt');
+    await fs.writeFile(secret, 'HOST-SECRET-BYTES\n');
+    await fs.symlink(secret, path.join(ws.sourceDir, 'secret.txt'));
+    const outcome = await runBuild(ws);
+    const error = assertFailed(outcome, /^Bundling failed: main\.js:1:\d+: FERRY_BUILD_IMPORT_OUTSIDE_APP: /);
+    assert.match(error.message, /import "\.\/secret\.txt" in main\.js/);
+    assert.deepEqual(await fs.readdir(ws.outputDir), []);
+
+    const climbing = await workspace(null, {
+      'ferry.toml': '[app]\nname = "node-outside"\n',
+      'main.js': "import text from '../host-secret.txt' with { type: 'text' };\nexport const run = () => text;\n",
+    });
+    await fs.writeFile(path.join(climbing.root, 'host-secret.txt'), 'HOST-SECRET-BYTES\n');
+    assertFailed(
+      await runBuild(climbing),
+      /FERRY_BUILD_IMPORT_OUTSIDE_APP: import "\.\.\/host-secret\.txt" in main\.js/,
+    );
+  });
+
   it('fails clearly when there is no entry file', { timeout: TIMEOUT }, async () => {
     const ws = await workspace(null, {
       'ferry.toml': '[app]\nname = "node-empty"\n',
@@ -115,7 +150,8 @@ describe('node builder: dependencies', () => {
     assert.ok(outcome.lines.some((l) => /Install scripts are not run/.test(l)));
     assert.ok(outcome.lines.includes('Entry: main.js'));
     await fs.access(path.join(ws.sourceDir, 'node_modules', 'left'));
-    await fs.access(path.join(h.cacheDir, 'npm'));
+    // The build's own cache (the pipeline removes it when the build ends): no build shares another's.
+    await fs.access(path.join(h.cacheDir, 'builds', 'b_test', 'npm'));
 
     // The bundle must stand alone: remove the sources and node_modules before loading it.
     await fs.rm(ws.sourceDir, { recursive: true });
@@ -160,11 +196,16 @@ describe('node builder: dependencies', () => {
       assertReady(outcome);
       const log = outcome.lines.join('\n');
       assert.ok(!log.includes('top-secret-value'), log);
-      assert.ok(outcome.lines.includes(`HOME=${path.join(h.cacheDir, 'home')}`), log);
-      assert.ok(outcome.lines.includes(`npm_config_cache=${path.join(h.cacheDir, 'npm')}`), log);
+      // Sandboxed, npm sees the build's cache at /app/cache and the system's PATH; without bwrap, the host paths.
+      const sandboxed = (await detectSandbox()).bwrap !== null;
+      const cache = sandboxed ? '/app/cache' : path.join(h.cacheDir, 'builds', 'b_test');
+      assert.ok(outcome.lines.includes(`HOME=${cache}/home`), log);
+      assert.ok(outcome.lines.includes(`npm_config_cache=${cache}/npm`), log);
       assert.ok(outcome.lines.includes('npm_config_update_notifier=false'), log);
       assert.ok(outcome.lines.includes('npm_config_loglevel=warn'), log);
-      assert.ok(outcome.lines.includes(`PATH=${process.env.PATH}`), log);
+      const searchPath = outcome.lines.find((l) => l.startsWith('PATH='))?.slice('PATH='.length) ?? '';
+      assert.ok(!searchPath.split(':').some((dir) => dir.startsWith(sandboxed ? '/app' : ws.root)), searchPath);
+      if (sandboxed) assert.ok(outcome.lines.includes('PWD=/app/source'), log);
       // No dependencies: no note about skipped install scripts.
       assert.ok(!log.includes('Install scripts are not run'), log);
     } finally {
@@ -192,7 +233,7 @@ describe('node builder: cancellation', () => {
         'package.json': '{"name":"x","version":"1.0.0","dependencies":{"left-pad":"1.3.0"}}\n',
         '.npmrc': `registry=http://127.0.0.1:${port}/\nfetch-retries=0\n`,
       });
-      const outcome = await runBuild(ws, { signal: controller.signal });
+      const outcome = await runBuild(ws, { signal: controller.signal, network: shareTestNetwork() });
       assert.ok(abortedAt > 0, `npm never asked the registry; log:\n${outcome.lines.join('\n')}`);
       assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
       const afterAbort = Date.now() - abortedAt;
@@ -208,26 +249,34 @@ describe('node builder: cancellation', () => {
   it("kills npm's whole process group", { timeout: TIMEOUT }, async () => {
     const ws = await workspace('node-ts', { 'package.json': '{"name":"x","version":"1.0.0"}\n' });
     const fakeNpm = path.join(path.dirname(ws.sourceDir), 'fake-npm.sh');
-    // A child of npm (like git or node-gyp) that would outlive npm if only npm were killed.
-    await fs.writeFile(fakeNpm, '#!/bin/sh\nsleep 60 &\necho "pids $$ $!"\nwait\n', { mode: 0o755 });
+    // A child of npm (like git or node-gyp) that would outlive npm if only npm were killed. Its unusual
+    // argument finds it from the host, whose pids differ from the sandbox's.
+    const marker = String(5000 + Math.floor(Math.random() * 4000));
+    await fs.writeFile(fakeNpm, `#!/bin/sh\nsleep ${marker} &\necho started\nwait\n`, { mode: 0o755 });
     const controller = new AbortController();
-    let pids: number[] = [];
+    let found: number[] = [];
     const outcome = await runBuild(ws, {
       builder: createNodeBuilder({ npmCommand: fakeNpm }),
       signal: controller.signal,
       onLog: (line) => {
-        const match = /^pids (\d+) (\d+)$/.exec(line);
-        if (match) {
-          pids = [Number(match[1]), Number(match[2])];
+        if (line !== 'started') return;
+        void (async () => {
+          // Bounded: the sleep is surely running within a few seconds of the echo after it.
+          for (let i = 0; i < 100 && found.length === 0; i++) {
+            found = await processesWithArgs(['sleep', marker]);
+            if (found.length === 0) await new Promise((r) => setTimeout(r, 50));
+          }
           controller.abort();
-        }
+        })();
       },
     });
-    assert.equal(pids.length, 2, outcome.lines.join('\n'));
+    assert.ok(found.length > 0, `the sleep was never seen running; log:\n${outcome.lines.join('\n')}`);
     assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
     assert.ok(!(outcome.error instanceof BuildFailedError));
-    assert.ok(outcome.ms < 4_000, `took ${outcome.ms} ms`);
-    for (const pid of pids) assert.equal(isAlive(pid), false, `process ${pid} is still running`);
+    assert.ok(outcome.ms < 10_000, `took ${outcome.ms} ms`);
+    // Killed with the sandbox; the kernel may still be finishing its exit when the build returns.
+    await waitUntilGone(found);
+    assert.deepEqual(await processesWithArgs(['sleep', marker]), []);
   });
 
   it('stops during bundling', { timeout: TIMEOUT }, async () => {

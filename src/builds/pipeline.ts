@@ -11,10 +11,13 @@ import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
+import type { SandboxCapabilities } from '../replicas/sandbox.js';
+import type { SandboxNetwork } from '../sandbox/network.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
 import type { BuildLog } from './build-log.js';
 import { selectBuilder } from './builders/index.js';
+import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from './builders/sandboxed-step.js';
 import { type Builder, BuildFailedError } from './builders/types.js';
 
 export interface BuildPipelineDeps {
@@ -24,6 +27,12 @@ export interface BuildPipelineDeps {
   buildsDir: string;
   cacheDir: string;
   builders: { node: Builder; python?: Builder; custom?: Builder };
+  /** Build steps run in this sandbox (plain processes, loudly logged, when it has no bwrap). */
+  sandbox: SandboxCapabilities;
+  /** Gives every build step its network (sandbox/network.ts). */
+  network: SandboxNetwork;
+  /** Memory and processes per step, wall-clock time per build (default DEFAULT_BUILD_LIMITS). */
+  limits?: BuildLimits;
   logger: Logger;
   /** Told about every build that reaches a final state (metrics, replica pools). */
   onFinished?: (build: Build) => void;
@@ -46,8 +55,12 @@ export function buildFolder(buildsDir: string, buildId: string): { root: string;
   return { root, source: path.join(root, 'source'), out: path.join(root, 'out') };
 }
 
+/** The abort reason when a build runs past its time limit: a failure of the build, not a cancellation. */
+class BuildTimeLimitError extends BuildFailedError {}
+
 export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
   const { store, buildLog, logger } = deps;
+  const limits = deps.limits ?? DEFAULT_BUILD_LIMITS;
   const queues = new Map<string, Promise<void>>();
   const running = new Map<string, AbortController>();
   let closing = false;
@@ -62,6 +75,13 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     const controller = new AbortController();
     running.set(build.id, controller);
     const started = Date.now();
+    const timeLimit = setTimeout(() => {
+      controller.abort(
+        new BuildTimeLimitError(
+          `The build took longer than its time limit (${formatDuration(limits.timeoutMs)}) and was stopped`,
+        ),
+      );
+    }, limits.timeoutMs);
     const log = (line: string) => buildLog.append(build.id, line);
     const folder = buildFolder(deps.buildsDir, build.id);
     let finalState: BuildState;
@@ -70,6 +90,10 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     try {
       await setState(build.id, { state: 'building', started_at: nowIso() });
       log(`Building ${build.app_id} (build ${build.id})`);
+      if (deps.sandbox.bwrap === null) {
+        log('WARNING: this build is NOT sandboxed: npm, pip and esbuild run as plain processes of the server,');
+        log('WARNING: with its user and its view of files and network (bubblewrap is missing or FERRY_SANDBOX=off)');
+      }
       await fs.rm(folder.out, { recursive: true, force: true });
       await fs.mkdir(folder.out, { recursive: true });
       const config = JSON.parse(build.config_json) as AppConfig;
@@ -80,6 +104,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         sourceDir: folder.source,
         outputDir: folder.out,
         cacheDir: deps.cacheDir,
+        sandbox: { caps: deps.sandbox, network: deps.network, limits },
         config,
         log,
         signal: controller.signal,
@@ -87,7 +112,11 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       finalState = 'ready';
       log(`Build ready in ${((Date.now() - started) / 1000).toFixed(1)} s`);
     } catch (err) {
-      if (controller.signal.aborted) {
+      if (controller.signal.reason instanceof BuildTimeLimitError) {
+        finalState = 'failed';
+        error = controller.signal.reason.message;
+        log(`Build failed: ${error}`);
+      } else if (controller.signal.aborted) {
         if (closing) {
           // Not the app's fault and not the user's choice: leave it for recover() at the next start.
           log('Build interrupted by a server stop; it will run again at the next start');
@@ -109,7 +138,9 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         log('Build failed: internal error while building (see the server log)');
       }
     } finally {
+      clearTimeout(timeLimit);
       running.delete(build.id);
+      await fs.rm(buildCacheDir(deps.cacheDir, build.id), { recursive: true, force: true }).catch(() => {});
     }
     await buildLog.flush(build.id);
     await store.transaction().execute(async (trx) => {
@@ -150,6 +181,10 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     );
     const finished = await store.selectFrom('builds').selectAll().where('id', '=', build.id).executeTakeFirst();
     if (finished) deps.onFinished?.(finished);
+  }
+
+  function formatDuration(ms: number): string {
+    return ms % 60_000 === 0 ? `${ms / 60_000} min` : `${Math.round(ms / 1000)} s`;
   }
 
   function enqueue(build: Build): void {

@@ -33,11 +33,11 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
     lines.push(
       row(
         'Sandbox',
-        `bubblewrap ${caps.bwrapVersion ?? '(unknown version)'} at ${caps.bwrap}: works (replicas run isolated, as uid 65534)`,
+        `bubblewrap ${caps.bwrapVersion ?? '(unknown version)'} at ${caps.bwrap}: works (replicas and builds run isolated, as uid 65534)`,
       ),
     );
   } else {
-    lines.push(row('Sandbox', 'NOT AVAILABLE: replicas run as plain processes WITHOUT isolation'));
+    lines.push(row('Sandbox', 'NOT AVAILABLE: replicas and builds run as plain processes WITHOUT isolation'));
   }
   lines.push(row('User namespaces', caps.userNamespaces ? 'available' : 'not available'));
   lines.push(row('Memory limits', describeMemory(caps)));
@@ -68,7 +68,7 @@ export function sandboxWarnings(caps: SandboxCapabilities): string[] {
         ? 'Install bubblewrap (apt-get install bubblewrap); `ferry doctor` checks the result.'
         : 'Run `ferry doctor` for what is missing.';
     warnings.push(
-      `NO SANDBOX: replicas run as plain processes WITHOUT isolation${isRoot() ? ', as root,' : ''} and can read Ferry's data directory (signing keys included) and other apps' files. ${why.join('; ')}. ${fix}`,
+      `NO SANDBOX: replicas and builds (npm, pip, esbuild) run as plain processes WITHOUT isolation${isRoot() ? ', as root,' : ''} and can read Ferry's data directory (signing keys included) and other apps' files. ${why.join('; ')}. ${fix}`,
     );
   }
   if (!caps.cgroup) {

@@ -21,6 +21,9 @@
  *   replica.kill('SIGTERM');                 // reaches the replica itself, not bwrap
  *   ... on exit: await prepared.wasOomKilled(); await prepared.cleanup();
  *
+ * Build steps (builds/builders/sandboxed-step.ts) reuse baseBwrapArgs, the cgroup helpers and
+ * spawnReplica, with folders of their own.
+ *
  * The replica's memory cgroup is `<caps.cgroup.dir>/ferry-<replicaId>`; the process joins it through a
  * `/bin/sh` wrapper before exec'ing bwrap, so nothing it allocates escapes the limit. Without a writable
  * cgroup, `prlimit --data` (RLIMIT_DATA) bounds it instead: allocations fail rather than being OOM-killed.
@@ -156,9 +159,9 @@ const SYSTEM_DIRS = ['/usr', '/etc'];
 /** Top-level folders that are symlinks into /usr on merged-/usr systems and real folders elsewhere. */
 const SYSTEM_LINKS = ['/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
 const SEARCH_PATH = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
-const WRAPPER_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
+export const WRAPPER_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
 /** Joins the memory cgroup before anything else runs, so no allocation escapes the limit. */
-const JOIN_CGROUP_SCRIPT = 'echo $$ > "$1" || exit 125; shift; exec "$@"';
+export const JOIN_CGROUP_SCRIPT = 'echo $$ > "$1" || exit 125; shift; exec "$@"';
 
 let cached: Promise<SandboxCapabilities> | undefined;
 
@@ -409,7 +412,7 @@ async function probeChild(version: 1 | 2, parent: string): Promise<string | null
   }
 }
 
-async function removeCgroup(dir: string): Promise<void> {
+export async function removeCgroup(dir: string): Promise<void> {
   for (let attempt = 0; ; attempt++) {
     try {
       await fs.rmdir(dir);
@@ -442,7 +445,7 @@ async function killCgroupMembers(dir: string): Promise<void> {
   }
 }
 
-async function readOomKilled(version: 1 | 2, dir: string): Promise<boolean> {
+export async function readOomKilled(version: 1 | 2, dir: string): Promise<boolean> {
   if (version === 2) {
     const events = await fs.readFile(path.join(dir, 'memory.events'), 'utf8').catch(() => '');
     return counter(events, 'oom_kill') > 0;
@@ -608,7 +611,12 @@ function validateLaunch(launch: ReplicaLaunch): void {
   }
 }
 
-async function createReplicaCgroup(version: 1 | 2, parent: string, replicaId: string, bytes: number): Promise<string> {
+export async function createReplicaCgroup(
+  version: 1 | 2,
+  parent: string,
+  replicaId: string,
+  bytes: number,
+): Promise<string> {
   const dir = path.join(parent, `ferry-${replicaId}`);
   try {
     await fs.mkdir(dir);
@@ -644,7 +652,7 @@ async function writeIfPresent(file: string, value: string): Promise<void> {
   }
 }
 
-function spawnReplica(
+export function spawnReplica(
   file: string,
   args: string[],
   env: Record<string, string>,
@@ -705,7 +713,7 @@ function firstChild(pid: number): number | undefined {
 // ---- bwrap arguments ----
 
 /** Everything but the replica's own folders: namespaces, the system folders, and /etc's masked entries. */
-async function baseBwrapArgs(
+export async function baseBwrapArgs(
   features: SandboxCapabilities['bwrapFeatures'],
   network: 'host' | 'isolated',
 ): Promise<string[]> {
@@ -795,7 +803,7 @@ async function scanUnreadable(root: string): Promise<{ dirs: string[]; files: st
 
 // ---- small helpers ----
 
-async function findExecutable(name: string, env: NodeJS.ProcessEnv): Promise<string | null> {
+export async function findExecutable(name: string, env: NodeJS.ProcessEnv): Promise<string | null> {
   const dirs = [...(env.PATH ?? '').split(':').filter((d) => d.startsWith('/')), ...SEARCH_PATH];
   for (const dir of dirs) {
     const candidate = path.join(dir, name);

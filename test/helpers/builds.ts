@@ -10,7 +10,10 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before } from 'node:test';
 import { parseAppConfig } from '../../src/apps/app-config.js';
+import { DEFAULT_BUILD_LIMITS } from '../../src/builds/builders/sandboxed-step.js';
 import { type Builder, BuildFailedError, type BuildResult } from '../../src/builds/builders/types.js';
+import { detectSandbox } from '../../src/replicas/sandbox.js';
+import { createLoopbackOnlyNetwork, type SandboxNetwork, type SandboxNetworkLease } from '../../src/sandbox/network.js';
 import { REPO_ROOT } from './ferry.js';
 
 /** Fixtures stay in the source tree (tests run compiled from dist/test). */
@@ -36,7 +39,7 @@ export interface BuildHarness {
   workspace(fixture: string | null, files?: Record<string, string | Buffer>): Promise<Workspace>;
   runBuild(
     ws: Workspace,
-    opts?: { builder?: Builder; signal?: AbortSignal; onLog?: (line: string) => void },
+    opts?: { builder?: Builder; signal?: AbortSignal; onLog?: (line: string) => void; network?: SandboxNetwork },
   ): Promise<Outcome>;
 }
 
@@ -81,6 +84,11 @@ export function buildHarness(name: string, defaultBuilder: () => Builder): Build
           sourceDir: ws.sourceDir,
           outputDir: ws.outputDir,
           cacheDir: harness.cacheDir,
+          sandbox: {
+            caps: await detectSandbox(),
+            network: opts.network ?? createLoopbackOnlyNetwork(),
+            limits: DEFAULT_BUILD_LIMITS,
+          },
           config,
           log: (line) => {
             lines.push(line);
@@ -134,4 +142,46 @@ export async function processesIn(dir: string): Promise<number[]> {
     if (cwd && (cwd === real || cwd.startsWith(`${real}/`)) && isAlive(Number(entry))) found.push(Number(entry));
   }
   return found;
+}
+
+/** Waits (at most 5 s) until none of `pids` is alive; fails naming those that are. */
+export async function waitUntilGone(pids: number[]): Promise<void> {
+  const end = Date.now() + 5_000;
+  for (;;) {
+    const alive = pids.filter(isAlive);
+    if (alive.length === 0) return;
+    if (Date.now() > end) assert.fail(`processes ${alive.join(', ')} are still running`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+/** Live processes whose command line is exactly `args` (seen from the host, whatever namespace they are in). */
+export async function processesWithArgs(args: string[]): Promise<number[]> {
+  const wanted = `${args.join('\0')}\0`;
+  const found: number[] = [];
+  for (const entry of await fs.readdir('/proc').catch(() => [] as string[])) {
+    if (!/^\d+$/.test(entry)) continue;
+    const cmdline = await fs.readFile(`/proc/${entry}/cmdline`, 'utf8').catch(() => null);
+    if (cmdline === wanted && isAlive(Number(entry))) found.push(Number(entry));
+  }
+  return found;
+}
+
+/**
+ * A network provider that lends every build step this test process's own network namespace (joined with
+ * nsenter, as a real provider's namespace is), so a package manager in the sandbox reaches a registry
+ * the test serves on 127.0.0.1. Needs root, as nsenter does.
+ */
+export function shareTestNetwork(): SandboxNetwork {
+  const lease: SandboxNetworkLease = {
+    netnsPath: `/proc/${process.pid}/ns/net`,
+    resolvConf: null,
+    release: async () => {},
+  };
+  return {
+    mode: 'veth',
+    describe: () => "test: the test process's own network namespace",
+    acquire: async () => lease,
+    close: async () => {},
+  };
 }

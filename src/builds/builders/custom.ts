@@ -9,6 +9,10 @@
  *   interpreter (`node server.js`), the script it is given must be in the app folder.
  * - string form (run with `/bin/sh -c`): the same checks on its first simple command, after `exec`,
  *   `env` and `NAME=value` prefixes; shell syntax beyond that is not followed.
+ *
+ * Unlike the other builders' steps, these checks run in the server, not the build sandbox: they are
+ * Ferry's own stat() and realpath() of names from ferry.toml, and read no byte of the app's files nor
+ * run any (archives cannot hold links, so nothing in the app folder leads outside it).
  */
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';

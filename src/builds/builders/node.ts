@@ -1,12 +1,23 @@
 /**
  * The Node builder (cortex runtime, TypeScript or JavaScript): installs production dependencies with npm,
  * then bundles the entry and everything it imports into one ESM file, `<outputDir>/main.mjs`, that a
- * replica imports without needing `node_modules`.
+ * replica imports without needing `node_modules`. Both steps run in the build sandbox (sandboxed-step.ts):
+ * npm, and esbuild through Ferry's agent (esbuild-agent.ts), which refuses imports from outside the app.
  */
 import fs from 'node:fs/promises';
+import { createRequire } from 'node:module';
 import path from 'node:path';
-import * as esbuild from 'esbuild';
-import { isFile, PROXY_ENV, runInstallStep, throwIfAborted } from './run-child.js';
+import { fileURLToPath } from 'node:url';
+import { AGENT_RESULT_PREFIX, type AgentMessage, type AgentRequest, type AgentResult } from './esbuild-agent.js';
+import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
+import {
+  describeStepExit,
+  runBuildStep,
+  STEP_SOURCE_DIR,
+  type StepMount,
+  stepPaths,
+  toolMounts,
+} from './sandboxed-step.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
 
 /** Entry files the Node builder accepts, in the order they are looked for. */
@@ -30,7 +41,10 @@ const BANNER = [
 ].join('\n');
 
 export interface NodeBuilderOptions {
-  /** The npm executable (default `npm`, found on PATH). */
+  /**
+   * The npm executable (default `npm`, looked up on the step's PATH). An absolute path outside the
+   * system folders is bound read-only into the sandbox at the same path.
+   */
   npmCommand?: string;
 }
 
@@ -68,6 +82,11 @@ async function findEntry(ctx: BuildContext): Promise<string> {
   throw new BuildFailedError('No entry file: expected main.ts, main.js or main.mjs at the archive root');
 }
 
+/**
+ * npm runs in the sandbox with the app folder read-only and only `node_modules` in it writable (a folder
+ * Ferry makes on the host first). So the app's `.npmrc` still applies, but whatever it makes npm do (a
+ * `git` of its own, another registry) happens inside the sandbox, as uid 65534, on the build's network.
+ */
 async function installDependencies(ctx: BuildContext, npmCommand: string): Promise<void> {
   const pkg = await readPackageJson(ctx.sourceDir);
   const hasLock = await exists(path.join(ctx.sourceDir, 'package-lock.json'));
@@ -77,19 +96,51 @@ async function installDependencies(ctx: BuildContext, npmCommand: string): Promi
     : ['install', '--omit=dev', '--ignore-scripts', '--no-audit', '--no-fund', '--no-package-lock'];
   const dependencies = pkg.dependencies;
   if (dependencies && typeof dependencies === 'object' && Object.keys(dependencies).length > 0) {
-    ctx.log('Install scripts are not run: they would run unsandboxed on the server');
+    ctx.log('Install scripts are not run (--ignore-scripts)');
   }
   ctx.log(`Running npm ${args.join(' ')}`);
 
-  const npmCache = path.join(ctx.cacheDir, 'npm');
-  await fs.mkdir(npmCache, { recursive: true });
-  await runInstallStep(ctx, {
+  const nodeModules = await prepareNodeModules(ctx.sourceDir);
+  const paths = stepPaths(ctx);
+  const env: Record<string, string> = {
+    PATH: paths.searchPath,
+    HOME: path.posix.join(paths.cache, 'home'),
+    npm_config_cache: path.posix.join(paths.cache, 'npm'),
+    npm_config_update_notifier: 'false',
+    npm_config_loglevel: 'warn',
+  };
+  for (const name of PROXY_ENV) {
+    const value = process.env[name];
+    if (value !== undefined) env[name] = value;
+  }
+  const started = Date.now();
+  const exit = await runBuildStep(ctx, {
     label: `npm ${command}`,
-    command: npmCommand,
-    args,
-    extra: { npm_config_cache: npmCache, npm_config_update_notifier: 'false', npm_config_loglevel: 'warn' },
-    passed: PROXY_ENV,
+    command: [npmCommand, ...args],
+    env,
+    cwd: paths.source,
+    readOnly: toolMounts(paths, npmCommand),
+    writable: [{ host: nodeModules, sandbox: path.posix.join(STEP_SOURCE_DIR, 'node_modules') }],
+    onLine: (_stream, line) => ctx.log(line),
   });
+  if (exit.code !== 0) throw new BuildFailedError(`npm ${command} ${describeStepExit(exit, ctx.sandbox.limits)}`);
+  ctx.log(`npm ${command} finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
+}
+
+/**
+ * `<source>/node_modules` as a real, empty folder of the host, to bind writable over the read-only app
+ * folder. An uploaded one is emptied: npm installs from package.json, as `npm ci` would. (Archives
+ * cannot hold links, so it is never one; checked anyway, since the bind would follow it.)
+ */
+async function prepareNodeModules(sourceDir: string): Promise<string> {
+  const dir = path.join(sourceDir, 'node_modules');
+  const stat = await fs.lstat(dir).catch(() => null);
+  if (stat && !stat.isDirectory()) {
+    throw new BuildFailedError('node_modules in the archive is not a folder; leave it out (npm installs it)');
+  }
+  if (stat) await fs.rm(dir, { recursive: true, force: true });
+  await fs.mkdir(dir);
+  return dir;
 }
 
 async function readPackageJson(sourceDir: string): Promise<Record<string, unknown>> {
@@ -106,56 +157,101 @@ async function readPackageJson(sourceDir: string): Promise<Record<string, unknow
   return data as Record<string, unknown>;
 }
 
-/** Bundles the entry and returns the names it exports (from esbuild's metafile: no user code runs). */
-async function bundle(ctx: BuildContext, entry: string): Promise<string[]> {
-  const outfile = path.join(ctx.outputDir, 'main.mjs');
-  const context = await esbuild.context({
-    absWorkingDir: path.resolve(ctx.sourceDir),
-    entryPoints: [entry],
-    outfile,
-    bundle: true,
-    platform: 'node',
-    format: 'esm',
-    target: 'node20',
-    sourcemap: 'linked',
-    metafile: true,
-    logLevel: 'silent',
-    banner: { js: BANNER },
-    define: { __filename: '__ferry_filename', __dirname: '__ferry_dirname' },
-  });
-  const onAbort = () => {
-    void context.cancel().catch(() => {});
-  };
-  ctx.signal.addEventListener('abort', onAbort, { once: true });
-  try {
-    ctx.log(`Bundling ${entry} with esbuild ${esbuild.version}`);
-    throwIfAborted(ctx.signal);
-    let result: esbuild.BuildResult;
-    try {
-      result = await context.rebuild();
-    } catch (err) {
-      // A cancelled build rejects with "The build was canceled"; report the cancellation instead.
-      throwIfAborted(ctx.signal);
-      const failure = err as Partial<esbuild.BuildFailure>;
-      if (!Array.isArray(failure.errors)) throw err;
-      logMessages(ctx, failure.warnings ?? [], 'warning');
-      logMessages(ctx, failure.errors, 'error');
-      const first = failure.errors[0];
-      throw new BuildFailedError(`Bundling failed: ${first ? formatMessage(first) : 'unknown error'}`, { cause: err });
-    }
-    throwIfAborted(ctx.signal);
-    logMessages(ctx, result.warnings, 'warning');
-    const { size } = await fs.stat(outfile);
-    ctx.log(`Bundle: main.mjs, ${formatSize(size)}`);
-    const output = Object.entries(result.metafile?.outputs ?? {}).find(([file]) => file.endsWith('main.mjs'));
-    return [...(output?.[1].exports ?? [])].sort();
-  } finally {
-    ctx.signal.removeEventListener('abort', onAbort);
-    await context.dispose();
-  }
+/** Ferry's own esbuild, found once: its package and the platform binary's, bound read-only into the sandbox. */
+interface EsbuildFiles {
+  version: string;
+  packageDir: string;
+  platformDir: string | null;
+  platformName: string | null;
 }
 
-function logMessages(ctx: BuildContext, messages: esbuild.Message[], kind: 'error' | 'warning'): void {
+let esbuildFiles: Promise<EsbuildFiles> | undefined;
+
+function findEsbuild(): Promise<EsbuildFiles> {
+  esbuildFiles ??= (async () => {
+    const require = createRequire(import.meta.url);
+    const packageDir = await fs.realpath(path.dirname(require.resolve('esbuild/package.json')));
+    const { version } = JSON.parse(await fs.readFile(path.join(packageDir, 'package.json'), 'utf8')) as {
+      version: string;
+    };
+    const platformName = `@esbuild/${process.platform}-${process.arch}`;
+    try {
+      const fromEsbuild = createRequire(path.join(packageDir, 'package.json'));
+      const platformDir = await fs.realpath(path.dirname(fromEsbuild.resolve(`${platformName}/package.json`)));
+      return { version, packageDir, platformDir, platformName };
+    } catch {
+      // esbuild falls back to its own bin/esbuild (an install without optional dependencies).
+      return { version, packageDir, platformDir: null, platformName: null };
+    }
+  })();
+  return esbuildFiles;
+}
+
+const AGENT_HOST = fileURLToPath(new URL('./esbuild-agent.js', import.meta.url));
+const AGENT_SANDBOX = '/ferry/esbuild-agent.mjs';
+const SANDBOX_MODULES = '/ferry/node_modules';
+
+/**
+ * Bundles the entry in the sandbox with Ferry's esbuild agent (esbuild-agent.ts) and returns the names it
+ * exports (from esbuild's metafile: no user code runs).
+ */
+async function bundle(ctx: BuildContext, entry: string): Promise<string[]> {
+  const esbuild = await findEsbuild();
+  const paths = stepPaths(ctx);
+  const request: AgentRequest = {
+    entry,
+    workingDir: paths.source,
+    outfile: path.posix.join(paths.out, 'main.mjs'),
+    banner: BANNER,
+    define: { __filename: '__ferry_filename', __dirname: '__ferry_dirname' },
+    target: 'node20',
+  };
+  const readOnly: StepMount[] = [];
+  let agent = AGENT_HOST;
+  if (paths.sandboxed) {
+    agent = AGENT_SANDBOX;
+    readOnly.push(
+      { host: AGENT_HOST, sandbox: AGENT_SANDBOX },
+      { host: esbuild.packageDir, sandbox: `${SANDBOX_MODULES}/esbuild` },
+    );
+    if (esbuild.platformDir && esbuild.platformName) {
+      readOnly.push({ host: esbuild.platformDir, sandbox: `${SANDBOX_MODULES}/${esbuild.platformName}` });
+    }
+  }
+  ctx.log(`Bundling ${entry} with esbuild ${esbuild.version}`);
+  let result: AgentResult | undefined;
+  const stderr: string[] = [];
+  const exit = await runBuildStep(ctx, {
+    label: 'esbuild',
+    command: [process.execPath, agent, JSON.stringify(request)],
+    env: { PATH: paths.searchPath, HOME: path.posix.join(paths.cache, 'home') },
+    cwd: paths.out,
+    readOnly,
+    onLine: (stream, line) => {
+      if (stream === 'stdout' && line.startsWith(AGENT_RESULT_PREFIX)) {
+        result = JSON.parse(line.slice(AGENT_RESULT_PREFIX.length)) as AgentResult;
+      } else if (stream === 'stderr') stderr.push(line);
+      else ctx.log(line);
+    },
+  });
+  throwIfAborted(ctx.signal);
+  if (exit.code !== 0 || result === undefined) {
+    for (const line of stderr.slice(-20)) ctx.log(line);
+    if (exit.oomKilled) throw new BuildFailedError(`Bundling ${describeStepExit(exit, ctx.sandbox.limits)}`);
+    throw new Error(`The esbuild agent ${describeStepExit(exit, ctx.sandbox.limits)}`);
+  }
+  logMessages(ctx, result.warnings, 'warning');
+  if (!result.ok) {
+    logMessages(ctx, result.errors, 'error');
+    const first = result.errors[0];
+    throw new BuildFailedError(`Bundling failed: ${first ? formatMessage(first) : 'unknown error'}`);
+  }
+  const { size } = await fs.stat(path.join(ctx.outputDir, 'main.mjs'));
+  ctx.log(`Bundle: main.mjs, ${formatSize(size)}`);
+  return result.exports;
+}
+
+function logMessages(ctx: BuildContext, messages: AgentMessage[], kind: 'error' | 'warning'): void {
   for (const message of messages) {
     ctx.log(`${kind === 'warning' ? 'warning: ' : ''}${formatMessage(message)}`);
     for (const note of message.notes) {
@@ -167,7 +263,7 @@ function logMessages(ctx: BuildContext, messages: esbuild.Message[], kind: 'erro
 }
 
 /** `file:line:col: message`, with esbuild's own numbering (1-based lines, 0-based columns). */
-function formatMessage(message: esbuild.Message): string {
+function formatMessage(message: AgentMessage): string {
   const loc = message.location;
   return loc ? `${loc.file}:${loc.line}:${loc.column}: ${message.text}` : message.text;
 }

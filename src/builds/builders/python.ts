@@ -10,7 +10,8 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { describeExit, isFile, PROXY_ENV, runChild, runInstallStep, throwIfAborted } from './run-child.js';
+import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
+import { describeStepExit, runBuildStep, stepPaths, toolMounts } from './sandboxed-step.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
 
 export const PYTHON_ENTRY = 'main.py';
@@ -303,19 +304,25 @@ async function findEntry(ctx: BuildContext): Promise<string> {
   return PYTHON_ENTRY;
 }
 
+/** The syntax check, in the sandbox: Python's own compiler reads the app's file, so it is app input. */
 async function analyze(ctx: BuildContext, python: string, entry: string): Promise<Analysis> {
   const stdout: string[] = [];
   const stderr: string[] = [];
-  const exit = await runChild(python, ['-I', '-c', ANALYZE_SCRIPT, entry], {
-    cwd: ctx.sourceDir,
-    env: { PATH: process.env.PATH ?? '/usr/local/bin:/usr/bin:/bin', PYTHONDONTWRITEBYTECODE: '1' },
+  const paths = stepPaths(ctx);
+  const exit = await runBuildStep(ctx, {
+    label: 'syntax check',
+    command: [python, '-I', '-c', ANALYZE_SCRIPT, path.posix.join(paths.source, entry)],
+    env: { PATH: paths.searchPath, PYTHONDONTWRITEBYTECODE: '1' },
+    cwd: paths.out,
+    readOnly: toolMounts(paths, python),
     onLine: (stream, line) => (stream === 'stdout' ? stdout : stderr).push(line),
-    signal: ctx.signal,
   });
   const last = stdout.at(-1);
   if (exit.code !== 0 || last === undefined) {
     for (const line of stderr) ctx.log(line);
-    throw new Error(`Checking ${entry} with ${python} failed (${describeExit(exit)})`);
+    const how = describeStepExit(exit, ctx.sandbox.limits);
+    if (exit.oomKilled) throw new BuildFailedError(`Checking ${entry} ${how}`);
+    throw new Error(`Checking ${entry} with ${python} ${how}`);
   }
   return JSON.parse(last) as Analysis;
 }
@@ -324,9 +331,10 @@ const SOURCE_ARCHIVE = /\.(tar\.gz|tgz|tar\.bz2|tar\.xz|tar|zip)$/i;
 const VCS = /^(git|hg|svn|bzr)\+/i;
 
 /**
- * Requirements pip would build from source, which runs their build code on the server: `--only-binary`
- * does not cover local folders, archives, editable installs or VCS URLs, so they are refused here, before
- * pip runs. Nested requirement files are refused too, since they are not checked.
+ * Requirements pip would always build from source, running their build code (in the build sandbox):
+ * `--only-binary` does not cover local folders, archives, editable installs or VCS URLs, so they are
+ * refused here, before pip runs, to keep builds to wheels. Nested requirement files are refused too,
+ * since they are not checked. Ferry's own reading of the text: pip is never run on the server.
  */
 export function sourceRequirementProblem(text: string, sourceDir: string): string | undefined {
   for (const raw of text.split(/\r?\n/)) {
@@ -342,7 +350,16 @@ export function sourceRequirementProblem(text: string, sourceDir: string): strin
     const local = spec.startsWith('file:') ? spec.slice(5).replace(/^\/\//, '') : spec;
     if (/^(\.{1,2}\/|\/)/.test(local) || local === '.') {
       const resolved = path.resolve(sourceDir, local.split(/[;\s[]/)[0] ?? local);
-      if (!resolved.endsWith('.whl') && fsSync.existsSync(resolved) && fsSync.statSync(resolved).isDirectory()) {
+      // Only the app's own folder is looked at: a stat of any other path would tell the app what exists
+      // on the server (pip, in the sandbox, sees none of it).
+      const relative = path.relative(sourceDir, resolved);
+      const insideApp = !relative.startsWith('..') && !path.isAbsolute(relative);
+      if (
+        insideApp &&
+        !resolved.endsWith('.whl') &&
+        fsSync.existsSync(resolved) &&
+        fsSync.statSync(resolved).isDirectory()
+      ) {
         return `"${line}": a local folder is built from source`;
       }
     }
@@ -358,11 +375,14 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
   if (problem) {
     ctx.log(`requirements.txt: ${problem}`);
     throw new BuildFailedError(
-      `requirements.txt: ${problem}; Ferry installs wheels only (their build code would run on the server): ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
+      `requirements.txt: ${problem}; Ferry installs wheels only (a source package runs its build code as part of the build): ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
     );
   }
-  const target = path.join(ctx.outputDir, SITE_PACKAGES_DIR);
+  const paths = stepPaths(ctx);
+  const target = path.posix.join(paths.out, SITE_PACKAGES_DIR);
   const args = [
+    // -I: neither the working folder nor PYTHON* variables reach sys.path, so an app's pip.py is not pip.
+    '-I',
     '-m',
     'pip',
     'install',
@@ -371,8 +391,8 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     '--no-cache-dir',
     '--timeout',
     String(PIP_TIMEOUT_SECONDS),
-    // Wheels only: building a source package runs its setup code on the server, outside any sandbox
-    // (the Node builder turns install scripts off for the same reason).
+    // Wheels only: a source package's build code would run as part of the build. (It would run in the
+    // sandbox, but wheels keep builds predictable; see sourceRequirementProblem.)
     '--only-binary=:all:',
     '--target',
     target,
@@ -380,19 +400,31 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     'requirements.txt',
   ];
   ctx.log(`Running pip install -r requirements.txt --target ${path.basename(ctx.outputDir)}/${SITE_PACKAGES_DIR}`);
-  ctx.log('Installing wheels only: source packages would run their build code on the server');
+  ctx.log('Installing wheels only: source packages are refused');
 
-  // cwd is the app folder, so `./wheels/x.whl` lines in requirements.txt resolve.
-  await runInstallStep(ctx, {
+  const env: Record<string, string> = {
+    PATH: paths.searchPath,
+    HOME: path.posix.join(paths.cache, 'home'),
+    PIP_DISABLE_PIP_VERSION_CHECK: '1',
+    PIP_NO_INPUT: '1',
+    PIP_ROOT_USER_ACTION: 'ignore',
+    PYTHONUNBUFFERED: '1',
+  };
+  for (const name of PASSED_ENV) {
+    const value = process.env[name];
+    if (value !== undefined) env[name] = value;
+  }
+  const started = Date.now();
+  // The working folder is the app folder, as the sandbox shows it read-only, so `./wheels/x.whl` lines
+  // in requirements.txt resolve; -I keeps it off sys.path.
+  const exit = await runBuildStep(ctx, {
     label: 'pip install',
-    command: python,
-    args,
-    extra: {
-      PIP_DISABLE_PIP_VERSION_CHECK: '1',
-      PIP_NO_INPUT: '1',
-      PIP_ROOT_USER_ACTION: 'ignore',
-      PYTHONUNBUFFERED: '1',
-    },
-    passed: PASSED_ENV,
+    command: [python, ...args],
+    env,
+    cwd: paths.source,
+    readOnly: toolMounts(paths, python),
+    onLine: (_stream, line) => ctx.log(line),
   });
+  if (exit.code !== 0) throw new BuildFailedError(`pip install ${describeStepExit(exit, ctx.sandbox.limits)}`);
+  ctx.log(`pip install finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
 }

@@ -1,23 +1,18 @@
 /**
- * Running a build's child process (npm, pip, python): no shell, output handed over line by line, and on
- * abort the whole process group killed (package managers start children of their own), SIGTERM then
- * SIGKILL after a grace period. Shared by the per-runtime builders.
+ * Running a build step as a plain child process, when there is no sandbox (sandboxed-step.ts decides):
+ * no shell, output handed over line by line, and on abort the whole process group killed (package
+ * managers start children of their own), SIGTERM then SIGKILL after a grace period. Also the small
+ * helpers the per-runtime builders share.
  */
 import { spawn } from 'node:child_process';
 import fs from 'node:fs/promises';
-import path from 'node:path';
 import { createInterface } from 'node:readline';
-import { type BuildContext, BuildFailedError } from './types.js';
 
 const KILL_GRACE_MS = 5_000;
 
 export interface ChildExit {
   code: number | null;
   signal: NodeJS.Signals | null;
-}
-
-export function describeExit(exit: ChildExit): string {
-  return exit.code === null ? `killed by ${exit.signal ?? 'a signal'}` : `exit code ${exit.code}`;
 }
 
 /** Runs a command; resolves with how it exited, rejects when aborted (after the group is gone) or when it cannot start. */
@@ -105,37 +100,3 @@ export async function isFile(file: string): Promise<boolean> {
 
 /** Proxy variables every package manager may need to reach its registry. */
 export const PROXY_ENV = ['HTTP_PROXY', 'HTTPS_PROXY', 'NO_PROXY', 'http_proxy', 'https_proxy', 'no_proxy'];
-
-/**
- * Runs one install step of a build (npm, pip) with a minimal environment: the server's may hold secrets
- * (tokens, database URLs), so the tool gets PATH, a HOME in the build cache, `extra`, and only the server
- * variables named in `passed`. Its output goes to the build log; a non-zero exit fails the build.
- */
-export async function runInstallStep(
-  ctx: BuildContext,
-  step: { label: string; command: string; args: string[]; extra: Record<string, string>; passed: readonly string[] },
-): Promise<void> {
-  const home = path.join(ctx.cacheDir, 'home');
-  await fs.mkdir(home, { recursive: true });
-  const env: NodeJS.ProcessEnv = {
-    PATH: process.env.PATH ?? '/usr/local/bin:/usr/bin:/bin',
-    HOME: home,
-    ...step.extra,
-  };
-  for (const name of step.passed) {
-    const value = process.env[name];
-    if (value !== undefined) env[name] = value;
-  }
-  const started = Date.now();
-  const exit = await runChild(step.command, step.args, {
-    cwd: ctx.sourceDir,
-    env,
-    onLine: (_stream, line) => ctx.log(line),
-    signal: ctx.signal,
-  });
-  if (exit.code !== 0) {
-    const how = exit.code === null ? `was killed by ${exit.signal ?? 'a signal'}` : `failed (exit code ${exit.code})`;
-    throw new BuildFailedError(`${step.label} ${how}`);
-  }
-  ctx.log(`${step.label} finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
-}

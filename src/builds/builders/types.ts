@@ -3,15 +3,18 @@
  * One implementation per runtime (`node.ts` now; Python and custom builders implement the same shape).
  */
 import type { AppConfig } from '../../apps/app-config.js';
+import type { BuildSandbox } from './sandboxed-step.js';
 
 export interface BuildContext {
   buildId: string;
-  /** The extracted archive. The builder may write into it (for example `node_modules`). */
+  /** The extracted archive. Steps see it read-only; only `node_modules` in it is written (by npm). */
   sourceDir: string;
   /** An empty folder for what the builder produces (for example the bundle). */
   outputDir: string;
-  /** A folder shared by all builds on this server, for package-manager caches. */
+  /** The server's cache folder; each build's steps get `<cacheDir>/builds/<buildId>` of their own. */
   cacheDir: string;
+  /** Where build steps run: the sandbox, the network provider and the limits (sandboxed-step.ts). */
+  sandbox: BuildSandbox;
   config: AppConfig;
   /** Appends one line to the build's log (no trailing newline needed). */
   log: (line: string) => void;

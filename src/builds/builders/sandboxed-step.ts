@@ -1,0 +1,343 @@
+/**
+ * One build step (esbuild, npm, pip, the Python syntax check) in a bubblewrap sandbox like a replica's
+ * (replicas/sandbox.ts: the same namespaces, system folders, /etc masking and memory cgroup).
+ *
+ * Inside, the step is uid/gid 65534 in its own user, PID, IPC, UTS and mount namespaces and sees:
+ *   /app/source   the app's extracted archive, read-only
+ *   /app/out      the build's output folder, writable
+ *   /app/cache    this build's own scratch cache (HOME, npm's cache), writable; removed after the build
+ *   /tmp          a private tmpfs
+ *   /usr, /etc (unreadable entries masked), the system links, Node's own folder, and the extra files a
+ *   step names (Ferry's esbuild agent), read-only.
+ * Nothing else of the host: not the data folder, its keys or database, nor any other build. The network
+ * is a lease from the server's SandboxNetwork (sandbox/network.ts): a namespace to join with nsenter, or
+ * bwrap's own empty one (loopback only). Memory and processes are bounded by cgroups; the pipeline
+ * bounds the build's wall-clock time.
+ *
+ * Without bwrap (missing, or FERRY_SANDBOX=off) the step runs as a plain process with the host paths,
+ * as replicas do; the pipeline says so loudly in the build log.
+ *
+ * The caller builds the command with `stepPaths(ctx)`, so it is right in either mode.
+ */
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { createInterface } from 'node:readline';
+import type { Readable } from 'node:stream';
+import {
+  baseBwrapArgs,
+  createReplicaCgroup,
+  JOIN_CGROUP_SCRIPT,
+  readOomKilled,
+  removeCgroup,
+  type SandboxCapabilities,
+  spawnReplica,
+  WRAPPER_ENV,
+} from '../../replicas/sandbox.js';
+import type { SandboxNetwork } from '../../sandbox/network.js';
+import { abortError, type ChildExit, runChild, throwIfAborted } from './run-child.js';
+import type { BuildContext } from './types.js';
+
+export interface BuildLimits {
+  /** Memory of one step, tmpfs included (memory cgroup; RLIMIT_DATA without one). */
+  memoryMiB: number;
+  /** Processes and threads of one step (pids cgroup). */
+  maxProcesses: number;
+  /** Wall-clock time of a whole build (enforced by the pipeline). */
+  timeoutMs: number;
+}
+
+export const DEFAULT_BUILD_LIMITS: BuildLimits = { memoryMiB: 2048, maxProcesses: 1024, timeoutMs: 15 * 60_000 };
+
+/** What every build step runs in: the server's sandbox capabilities, its network provider, the limits. */
+export interface BuildSandbox {
+  caps: SandboxCapabilities;
+  network: SandboxNetwork;
+  limits: BuildLimits;
+}
+
+export const STEP_SOURCE_DIR = '/app/source';
+export const STEP_OUT_DIR = '/app/out';
+export const STEP_CACHE_DIR = '/app/cache';
+/** PATH inside the sandbox: the system's, never a folder of the app. */
+const SANDBOX_PATH = '/usr/local/bin:/usr/bin:/bin';
+
+/** Paths as the step sees them: sandbox paths under bwrap, host paths without it. */
+export interface StepPaths {
+  sandboxed: boolean;
+  source: string;
+  out: string;
+  cache: string;
+  /** PATH for the step: the system's inside the sandbox, the server's own without it. */
+  searchPath: string;
+}
+
+/** The host folder of a build's scratch cache: `<cacheDir>/builds/<buildId>`. */
+export function buildCacheDir(cacheDir: string, buildId: string): string {
+  return path.join(cacheDir, 'builds', buildId);
+}
+
+export function stepPaths(ctx: BuildContext): StepPaths {
+  const sandboxed = ctx.sandbox.caps.bwrap !== null;
+  if (sandboxed) {
+    const nodeDir = path.dirname(process.execPath);
+    const searchPath = SANDBOX_PATH.split(':').includes(nodeDir) ? SANDBOX_PATH : `${SANDBOX_PATH}:${nodeDir}`;
+    return { sandboxed, source: STEP_SOURCE_DIR, out: STEP_OUT_DIR, cache: STEP_CACHE_DIR, searchPath };
+  }
+  return {
+    sandboxed,
+    source: path.resolve(ctx.sourceDir),
+    out: path.resolve(ctx.outputDir),
+    cache: path.resolve(buildCacheDir(ctx.cacheDir, ctx.buildId)),
+    searchPath: process.env.PATH ?? SANDBOX_PATH,
+  };
+}
+
+export interface StepMount {
+  host: string;
+  /** Absolute path inside the sandbox (ignored without bwrap, where the step uses `host`). */
+  sandbox: string;
+}
+
+const SYSTEM_PREFIXES = ['/usr/', '/bin/', '/sbin/', '/lib/', '/lib64/', '/etc/'];
+
+/**
+ * A tool configured by an absolute path outside the folders the sandbox shows (an operator's npm, a
+ * test's stand-in), bound read-only at the same path. Nothing for a name looked up on PATH.
+ */
+export function toolMounts(paths: StepPaths, command: string): StepMount[] {
+  if (!paths.sandboxed || !path.isAbsolute(command)) return [];
+  const nodeDir = `${path.dirname(process.execPath)}/`;
+  if (SYSTEM_PREFIXES.some((prefix) => command.startsWith(prefix)) || command.startsWith(nodeDir)) return [];
+  return [{ host: command, sandbox: command }];
+}
+
+export interface BuildStep {
+  /** For messages: `npm ci`, `pip install`, `esbuild`. */
+  label: string;
+  /** argv as the step sees it (build it with stepPaths()). */
+  command: string[];
+  /** The step's whole environment: nothing of the server's own is added. */
+  env: Record<string, string>;
+  /** Working folder as the step sees it. */
+  cwd: string;
+  /** Extra read-only files or folders (Ferry's own: the esbuild agent, a configured tool). */
+  readOnly?: StepMount[];
+  /** Extra writable folders, bound over a path inside /app (node_modules). */
+  writable?: StepMount[];
+  onLine: (stream: 'stdout' | 'stderr', line: string) => void;
+}
+
+export interface StepExit extends ChildExit {
+  /** The memory cgroup recorded an OOM kill. */
+  oomKilled: boolean;
+}
+
+/**
+ * Runs one step and resolves with how it exited; rejects with the abort reason when the build is
+ * cancelled (after everything the step started is gone), or with an Error when it cannot start.
+ */
+export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<StepExit> {
+  throwIfAborted(ctx.signal);
+  const cacheHost = buildCacheDir(ctx.cacheDir, ctx.buildId);
+  await fs.mkdir(cacheHost, { recursive: true });
+  const { caps, network, limits } = ctx.sandbox;
+  if (caps.bwrap === null) {
+    const exit = await runChild(step.command[0]!, step.command.slice(1), {
+      cwd: step.cwd,
+      env: step.env,
+      onLine: step.onLine,
+      signal: ctx.signal,
+    });
+    return { ...exit, oomKilled: false };
+  }
+
+  const memoryBytes = Math.floor(limits.memoryMiB * 1024 * 1024);
+  stepCounter = (stepCounter + 1) % 1_000_000;
+  // The pid too: cgroups are machine-wide, and another server (or a test) may run a build of the same id.
+  const stepId = `build-${ctx.buildId}-${process.pid}-${stepCounter}`;
+  const lease = await network.acquire(stepId.replace(/[^A-Za-z0-9_-]/g, '-'));
+  const cgroups: string[] = [];
+  try {
+    const args = [
+      ...(await baseBwrapArgs(caps.bwrapFeatures, lease.netnsPath === null ? 'isolated' : 'host')),
+      ...(caps.bwrapFeatures.tmpfsSize ? ['--size', String(memoryBytes)] : []),
+      '--tmpfs',
+      '/tmp',
+      '--ro-bind',
+      path.resolve(ctx.sourceDir),
+      STEP_SOURCE_DIR,
+      '--bind',
+      path.resolve(ctx.outputDir),
+      STEP_OUT_DIR,
+      '--bind',
+      path.resolve(cacheHost),
+      STEP_CACHE_DIR,
+    ];
+    if (lease.resolvConf !== null) args.push('--ro-bind', lease.resolvConf, '/etc/resolv.conf');
+    for (const mount of step.writable ?? []) {
+      checkTarget(mount.sandbox, true);
+      args.push('--bind', path.resolve(mount.host), mount.sandbox);
+    }
+    for (const mount of step.readOnly ?? []) {
+      checkTarget(mount.sandbox, false);
+      await fs.access(mount.host);
+      args.push('--ro-bind', path.resolve(mount.host), mount.sandbox);
+    }
+    args.push('--chdir', step.cwd, '--info-fd', '3', '--clearenv', '--args', '4', '--', ...step.command);
+    const envArgs = Buffer.from(
+      Object.entries(step.env)
+        .flatMap(([name, value]) => ['--setenv', name, value, ''].join('\0'))
+        .join(''),
+    );
+
+    // The wrappers run outside the sandbox, each exec'ing the next: join the cgroups, enter the
+    // network namespace, then bwrap.
+    let file = caps.bwrap;
+    let argv = args;
+    if (lease.netnsPath !== null) {
+      argv = [`--net=${lease.netnsPath}`, '--', file, ...argv];
+      file = 'nsenter';
+    }
+    const joins: string[] = [];
+    let pidsLimited = false;
+    if (caps.cgroup) {
+      const memory = await createReplicaCgroup(caps.cgroup.version, caps.cgroup.dir, stepId, memoryBytes);
+      cgroups.push(memory);
+      joins.push(path.join(memory, 'cgroup.procs'));
+      // v2: one cgroup holds both limits, when the pids controller is enabled there.
+      if (caps.cgroup.version === 2) pidsLimited = await setPidsMax(memory, limits.maxProcesses);
+    } else if (caps.prlimit) {
+      // RLIMIT_NPROC would count the server user's processes too, so it is no pids limit here.
+      argv = [`--data=${memoryBytes}`, '--', file, ...argv];
+      file = caps.prlimit;
+    }
+    if (!pidsLimited) {
+      const pids = await createPidsCgroup(stepId, limits.maxProcesses);
+      if (pids) {
+        cgroups.push(pids);
+        joins.push(path.join(pids, 'cgroup.procs'));
+      }
+    }
+    for (const procs of joins.reverse()) {
+      argv = ['-c', JOIN_CGROUP_SCRIPT, 'ferry-build-step', procs, file, ...argv];
+      file = '/bin/sh';
+    }
+
+    const replica = spawnReplica(file, argv, { ...WRAPPER_ENV }, '/', ['ignore', 'pipe', 'pipe'], envArgs);
+    const exit = await new Promise<ChildExit>((resolve, reject) => {
+      const { child } = replica;
+      let settled = false;
+      const onAbort = () => replica.kill('SIGKILL');
+      const finish = (action: () => void) => {
+        if (settled) return;
+        settled = true;
+        ctx.signal.removeEventListener('abort', onAbort);
+        action();
+      };
+      for (const stream of ['stdout', 'stderr'] as const) {
+        createInterface({ input: child[stream] as Readable, crlfDelay: Number.POSITIVE_INFINITY }).on('line', (line) =>
+          step.onLine(stream, line),
+        );
+      }
+      child.on('error', (err) => {
+        finish(() => reject(new Error(`Could not start the build sandbox: ${err.message}`, { cause: err })));
+      });
+      child.on('close', (code, signal) => {
+        finish(() => {
+          if (ctx.signal.aborted) reject(abortError(ctx.signal));
+          else resolve({ code, signal });
+        });
+      });
+      ctx.signal.addEventListener('abort', onAbort, { once: true });
+      // Aborted while the cgroups and the network were being set up: the event has already fired.
+      if (ctx.signal.aborted) onAbort();
+    });
+    const oomKilled = cgroups.length > 0 && caps.cgroup ? await readOomKilled(caps.cgroup.version, cgroups[0]!) : false;
+    return { ...exit, oomKilled };
+  } finally {
+    // Removing a cgroup kills whatever is left in it (a daemon the step started and detached).
+    for (const dir of cgroups) await removeCgroup(dir).catch(() => {});
+    await lease.release();
+  }
+}
+
+let stepCounter = 0;
+
+const RESERVED = ['/usr', '/etc', '/proc', '/dev', '/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
+
+function checkTarget(target: string, writable: boolean): void {
+  if (!path.posix.isAbsolute(target) || target.split('/').includes('..')) {
+    throw new Error(`Sandbox path ${target} must be absolute without ".."`);
+  }
+  if (RESERVED.some((dir) => target === dir || target.startsWith(`${dir}/`))) {
+    throw new Error(`Sandbox path ${target} is inside a system folder of the sandbox`);
+  }
+  if (writable && !target.startsWith('/app/')) throw new Error(`Writable sandbox path ${target} must be under /app`);
+}
+
+/** How a step ended, for the build log and the error: `exit code 1`, `killed: out of memory (2048 MiB)`. */
+export function describeStepExit(exit: StepExit, limits: BuildLimits): string {
+  if (exit.oomKilled) return `was killed: it ran out of memory (the limit is ${limits.memoryMiB} MiB)`;
+  if (exit.code === null) return `was killed by ${exit.signal ?? 'a signal'}`;
+  return `failed (exit code ${exit.code})`;
+}
+
+// ---- the pids cgroup ----
+
+async function setPidsMax(dir: string, max: number): Promise<boolean> {
+  try {
+    await fs.writeFile(path.join(dir, 'pids.max'), String(max), { flag: 'r+' });
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+let pidsParent: Promise<string | null> | undefined;
+
+/** This process's own cgroup in a cgroup v1 pids hierarchy, when it is mounted and writable. */
+function findPidsParent(): Promise<string | null> {
+  pidsParent ??= (async () => {
+    const [mountinfo, own] = await Promise.all([
+      fs.readFile('/proc/self/mountinfo', 'utf8').catch(() => ''),
+      fs.readFile('/proc/self/cgroup', 'utf8').catch(() => ''),
+    ]);
+    const cgroupPath = /^\d+:(?:[^:]*,)?pids(?:,[^:]*)?:(.*)$/m.exec(own)?.[1];
+    if (cgroupPath === undefined) return null;
+    for (const line of mountinfo.split('\n')) {
+      const [left, right] = line.split(' - ');
+      if (!left || !right) continue;
+      const [fstype, , options = ''] = right.split(' ');
+      if (fstype !== 'cgroup' || !options.split(',').includes('pids')) continue;
+      const fields = left.split(' ');
+      const root = fields[3] ?? '/';
+      const mountPoint = fields[4] ?? '';
+      if (root !== '/' && cgroupPath !== root && !cgroupPath.startsWith(`${root}/`)) continue;
+      const dir = path.join(mountPoint, cgroupPath.slice(root === '/' ? 0 : root.length));
+      try {
+        await fs.access(path.join(dir, 'cgroup.procs'), fs.constants.W_OK);
+        return dir;
+      } catch {
+        return null;
+      }
+    }
+    return null;
+  })();
+  return pidsParent;
+}
+
+async function createPidsCgroup(stepId: string, max: number): Promise<string | null> {
+  const parent = await findPidsParent();
+  if (parent === null) return null;
+  const dir = path.join(parent, `ferry-${stepId}`);
+  try {
+    await fs.mkdir(dir);
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code !== 'EEXIST') return null;
+  }
+  if (!(await setPidsMax(dir, max))) {
+    await removeCgroup(dir).catch(() => {});
+    return null;
+  }
+  return dir;
+}
