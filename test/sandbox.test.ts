@@ -242,6 +242,9 @@ describe('replica sandbox', () => {
           '/run/ferry/out.txt',
           '/usr/ferry-test',
           '/etc/ferry-test',
+          '/ferry-root-test',
+          '/dev/ferry-test',
+          '/dev/shm/scratch.txt',
         ],
       });
       assert.equal(prepared.sandboxed, true);
@@ -267,9 +270,14 @@ describe('replica sandbox', () => {
       denied(report.write['/etc/ferry-test'], 'writing /etc');
       assert.deepEqual(report.write['/tmp/scratch.txt'], { ok: true });
       assert.deepEqual(report.write['/run/ferry/out.txt'], { ok: true });
+      assert.deepEqual(report.write['/dev/shm/scratch.txt'], { ok: true });
+      // The sandbox's root and /dev are read-only: only the sized tmpfs mounts take writes.
+      assert.equal(report.write['/ferry-root-test']?.code, 'EROFS');
+      assert.equal(report.write['/dev/ferry-test']?.code, 'EROFS');
 
-      // The socket folder is the one shared folder; /tmp is private.
-      assert.equal(await fs.readFile(path.join(prepared.paths.hostSocketPath, '..', 'out.txt'), 'utf8'), 'written');
+      // No host folder is writable inside: the socket folder is a private tmpfs, not the host's socketDir.
+      assert.equal(prepared.paths.hostSocketPath, null);
+      assert.equal(existsSync(path.join(dataDir, 'run')), false, 'no host socket folder is made under bwrap');
       assert.equal(await fs.readFile(path.join(buildA, 'data.txt'), 'utf8'), 'own build file');
       assert.equal(existsSync('/tmp/scratch.txt'), false);
       // No descriptor of a host file leaks in (bwrap's status and environment pipes are closed).
@@ -279,7 +287,9 @@ describe('replica sandbox', () => {
       }
     });
 
-    it('serves on a socket in the socket folder, which stays 0700 on the host', { timeout: TIMEOUT }, async () => {
+    it('serves on a socket in its private /run/ferry, reached through the sandbox init', {
+      timeout: TIMEOUT,
+    }, async () => {
       requireBwrap();
       const replicaId = `test-${process.pid}-${++replicaCount}`;
       const layout = { buildDir: buildA, socketDir: path.join(dataDir, 'run', replicaId), runtimeFiles: [] };
@@ -298,9 +308,12 @@ describe('replica sandbox', () => {
       launches.push(prepared);
       const replica = start(prepared);
       const done = finish(replica);
+      const hostSocketPath = await replica.socketPath;
+      assert.ok(hostSocketPath, 'bwrap reports the sandbox init, and with it the socket path');
+      assert.match(hostSocketPath, /^\/proc\/\d+\/root\/run\/ferry\/replica\.sock$/);
       const greeting = await new Promise<string>((resolve, reject) => {
         const tryConnect = (attempt: number) => {
-          const socket = net.connect(paths.hostSocketPath);
+          const socket = net.connect(hostSocketPath);
           let text = '';
           socket.setEncoding('utf8');
           socket.on('data', (chunk: string) => {
@@ -317,7 +330,7 @@ describe('replica sandbox', () => {
       assert.equal(greeting, 'hello from the sandbox\n');
       const result = await done;
       assert.equal(result.code, 0, result.stderr);
-      assert.equal((await fs.stat(layout.socketDir)).mode & 0o777, 0o700);
+      assert.equal(existsSync(layout.socketDir), false, 'no host folder for the socket');
     });
 
     it('gives the replica exactly the environment it was given', { timeout: TIMEOUT }, async () => {
@@ -332,6 +345,11 @@ describe('replica sandbox', () => {
           !prepared.args.some((arg) => arg.includes('app secret')),
           'env values must not be on the command line',
         );
+        assert.ok(prepared.bwrapArgs.includes('app secret with spaces=and equals'), 'they go through --args');
+        // No host path at all on bwrap's command line (it is /proc/1/cmdline inside).
+        const bwrapCommandLine = prepared.args.slice(prepared.args.indexOf(caps.bwrap!));
+        assert.deepEqual(bwrapCommandLine.slice(0, 4), [caps.bwrap, '--args', '4', '--']);
+        assert.deepEqual(bwrapCommandLine.slice(4), [NODE, '/app/probe.mjs', 'inspect', '{}']);
       } finally {
         delete process.env.FERRY_TEST_SERVER_SECRET;
       }

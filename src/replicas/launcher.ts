@@ -123,8 +123,8 @@ export function createLauncher(deps: LauncherDeps) {
     const runtime = row.runtime ? RUNTIMES[row.runtime] : undefined;
     if (!runtime) throw new Error(`runtime ${row.runtime} is not supported by this server yet`);
     const buildDir = path.join(deps.buildsDir, build.buildId);
+    // Used only without bwrap: a sandboxed replica's socket is in its own private tmpfs.
     const socketDir = path.join(deps.runDir, replicaId);
-    await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
     const layout = { buildDir, socketDir, runtimeFiles: [runtime.bootstrap] };
     const paths = sandboxPaths(layout, deps.sandbox.bwrap !== null);
     const sandboxed = deps.sandbox.bwrap !== null;
@@ -153,6 +153,8 @@ export function createLauncher(deps: LauncherDeps) {
         ...layout,
         replicaId,
         memoryMiB: build.config.resources.memory,
+        maxProcesses: build.config.resources.max_processes,
+        cpu: build.config.resources.cpu,
         command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build),
         env,
         ...(runtime.custom ? { network: 'isolated' as const, cwd: row.entry ?? runtime.defaultEntry } : {}),
@@ -161,7 +163,6 @@ export function createLauncher(deps: LauncherDeps) {
     );
     return {
       spawn: () => prepared.spawn(['ignore', 'pipe', 'pipe']),
-      socketPath: prepared.paths.hostSocketPath,
       sandboxed: prepared.sandboxed,
       wasOomKilled: () => prepared.wasOomKilled(),
       async cleanup() {
