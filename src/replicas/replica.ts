@@ -80,6 +80,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   private readonly concurrency: number;
   private readonly tail: string[] = [];
   private stopRequested = false;
+  private stopCause: string | undefined;
 
   constructor(options: ReplicaOptions) {
     super();
@@ -244,6 +245,11 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     // The socket closes a moment before the exit status is known: wait briefly for it.
     const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
     if (exit?.reason === 'oom') return new FerryError('FERRY_OUT_OF_MEMORY', undefined, { cause: err });
+    if (exit?.reason === 'stopped' && this.stopCause) {
+      return new FerryError('FERRY_REPLICA_DIED', `The replica was stopped during the run: ${this.stopCause}`, {
+        cause: err,
+      });
+    }
     if (exit) {
       return new FerryError(
         'FERRY_REPLICA_DIED',
@@ -256,11 +262,12 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
 
   /**
    * Stops the replica: SIGTERM to the process inside the sandbox (it finishes calls in flight), then
-   * SIGKILL after `graceMs`.
+   * SIGKILL after `graceMs`. `cause` explains the stop to runs it cuts short.
    */
-  async stop(graceMs: number): Promise<ReplicaExit> {
+  async stop(graceMs: number, cause?: string): Promise<ReplicaExit> {
     if (this.state === 'exited') return this.exited;
     this.stopRequested = true;
+    this.stopCause ??= cause;
     this.state = 'stopping';
     this.signal('SIGTERM');
     const timer = setTimeout(() => void this.kill(), graceMs);

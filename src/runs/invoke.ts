@@ -223,7 +223,6 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             `The run took longer than the app's response_grace_period (${build.config.scaling.response_grace_period} s)`,
           )
         : caught;
-      if (timedOut && slot) slot.release({ poisoned: true });
       const ferry = err instanceof FerryError ? err : undefined;
       const clientGone = !ferry && request.signal?.aborted === true;
       const state: RunState = timedOut ? 'timeout' : clientGone ? 'cancelled' : 'failure';
@@ -241,6 +240,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         },
         { error: { code, message, type: ferry?.details.type } },
       );
+      // Recorded as `timeout` first; then the replica, which may still be running it, is stopped.
+      if (timedOut && slot) slot.release({ timedOut: true });
       throw ferry ?? (clientGone ? caught : new FerryError('FERRY_INTERNAL', undefined, { cause: caught }));
     } finally {
       clearTimeout(timer);
