@@ -195,7 +195,7 @@ function unescapeMountPath(text: string): string {
 function hostDir(mount: CgroupMount, cgroupPath: string): string | null {
   const root = mount.root === '/' ? '' : mount.root;
   if (root !== '' && cgroupPath !== root && !cgroupPath.startsWith(`${root}/`)) return null;
-  return path.join(mount.mountPoint, cgroupPath.slice(root.length));
+  return path.resolve(mount.mountPoint, `.${cgroupPath.slice(root.length)}`);
 }
 
 /**
