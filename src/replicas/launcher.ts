@@ -11,6 +11,7 @@ import { fileURLToPath } from 'node:url';
 import { findPython } from '../builds/builders/python.js';
 import type { Store } from '../store/index.js';
 import type { PoolBuild } from './pool.js';
+import type { BuildViews } from './build-view.js';
 import type { LaunchPlan } from './replica.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from './sandbox.js';
 
@@ -33,6 +34,8 @@ export interface LauncherDeps {
   /** Where replica socket folders are made (short: Unix socket paths are limited to 107 bytes). */
   runDir: string;
   sandbox: SandboxCapabilities;
+  /** Where sandboxed replicas find their build (a path that does not name the data directory; build-view.ts). */
+  views?: BuildViews;
   /** The project's secrets, decrypted, for the replica's environment. */
   secrets(projectId: string): Promise<Record<string, string>>;
 }
@@ -122,7 +125,10 @@ export function createLauncher(deps: LauncherDeps) {
       .executeTakeFirstOrThrow();
     const runtime = row.runtime ? RUNTIMES[row.runtime] : undefined;
     if (!runtime) throw new Error(`runtime ${row.runtime} is not supported by this server yet`);
-    const buildDir = path.join(deps.buildsDir, build.buildId);
+    const buildDir =
+      deps.sandbox.bwrap !== null && deps.views
+        ? await deps.views.viewOf(build.buildId)
+        : path.join(deps.buildsDir, build.buildId);
     // Used only without bwrap: a sandboxed replica's socket is in its own private tmpfs.
     const socketDir = path.join(deps.runDir, replicaId);
     const layout = { buildDir, socketDir, runtimeFiles: [runtime.bootstrap] };
