@@ -91,7 +91,7 @@ export async function probeCgroups(): Promise<{ support: CgroupSupport | null; r
   }
   const notes: string[] = [];
   const v2 = await probeV2(mounts, own.get(''), notes);
-  if (v2 && v2.controllers.memory) return withReasons(v2, notes);
+  if (v2?.controllers.memory) return withReasons(v2, notes);
   const v1 = await probeV1(mounts, own, notes);
   const support = v1 ?? v2;
   return withReasons(support, notes);
@@ -104,13 +104,11 @@ function withReasons(
   const reasons: string[] = [];
   const missing = CGROUP_CONTROLLERS.filter((c) => !support?.controllers[c]);
   if (missing.length > 0) {
-    reasons.push(
-      `no writable cgroup for ${missing.join(', ')}${notes.length > 0 ? ` (${notes.join('; ')})` : ''}`,
-    );
+    reasons.push(`no writable cgroup for ${missing.join(', ')}${notes.length > 0 ? ` (${notes.join('; ')})` : ''}`);
   }
   if (missing.includes('pids')) {
     reasons.push(
-      'replicas have NO process limit ([resources].max_processes is not enforced): RLIMIT_NPROC cannot stand in, it counts every process of the server\'s own uid, which the sandbox uid maps to',
+      "replicas have NO process limit ([resources].max_processes is not enforced): RLIMIT_NPROC cannot stand in, it counts every process of the server's own uid, which the sandbox uid maps to",
     );
   }
   if (missing.includes('cpu')) reasons.push('replicas have NO CPU quota ([resources].cpu is not enforced)');

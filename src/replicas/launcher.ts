@@ -10,8 +10,8 @@ import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { findPython } from '../builds/builders/python.js';
 import type { Store } from '../store/index.js';
-import type { PoolBuild } from './pool.js';
 import type { BuildViews } from './build-view.js';
+import type { PoolBuild } from './pool.js';
 import type { LaunchPlan } from './replica.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from './sandbox.js';
 

@@ -51,7 +51,7 @@ import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
-import { type CgroupSupport, probeCgroups, type ReplicaCgroup, createReplicaCgroup } from './cgroups.js';
+import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
 import { runQuiet, WRAPPER_ENV } from './run-quiet.js';
 
 export interface SandboxCapabilities {
@@ -254,7 +254,9 @@ export async function probeSandbox(env: NodeJS.ProcessEnv = process.env): Promis
     );
   }
   if (caps.bwrap && !caps.bwrapFeatures.tmpfsSize) {
-    reasons.push(`bwrap ${caps.bwrapVersion ?? ''} has no --size: /tmp and /dev/shm in the sandbox are bounded by the memory cgroup only`);
+    reasons.push(
+      `bwrap ${caps.bwrapVersion ?? ''} has no --size: /tmp and /dev/shm in the sandbox are bounded by the memory cgroup only`,
+    );
   }
   return caps;
 }

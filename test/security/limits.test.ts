@@ -124,7 +124,7 @@ describe('security: resource limits and host leaks', { timeout: 300_000 }, () =>
     assert.ok(cpuMs < 0.6 * wallMs, `got ${cpuMs} ms of CPU in ${wallMs} ms`);
   });
 
-  it("a run that times out ends `timeout`, and its replica is killed before another grace period passes", async () => {
+  it('a run that times out ends `timeout`, and its replica is killed before another grace period passes', async () => {
     const ping = await run('limits-spinner', 'ping');
     assert.equal(ping.status, 200, ping.text);
     const pool = server.services.replicas.pools().find((p) => p.build.appId === 'limits-spinner');
