@@ -416,6 +416,43 @@ describe('replica sandbox', () => {
       await prepared.cleanup();
     });
 
+    it('writes the process and CPU limits into the replica cgroup; cleanup removes every folder', {
+      timeout: TIMEOUT,
+    }, async () => {
+      requireBwrap();
+      requireCgroup();
+      const replicaId = `test-${process.pid}-${++replicaCount}`;
+      const prepared = await prepareLaunch(
+        {
+          buildDir: buildA,
+          socketDir: path.join(dataDir, 'run', replicaId),
+          runtimeFiles: [],
+          replicaId,
+          command: [NODE, '/app/probe.mjs', 'inspect', '{}'],
+          env: {},
+          memoryMiB: 128,
+          maxProcesses: 42,
+          cpu: 0.5,
+        },
+        caps,
+      );
+      launches.push(prepared);
+      assert.equal(prepared.processLimit, 'cgroup');
+      assert.equal(prepared.cpuLimit, 'cgroup');
+      const { pids, cpu } = prepared.cgroupDirs;
+      assert.ok(pids && cpu);
+      assert.equal((await fs.readFile(path.join(pids, 'pids.max'), 'utf8')).trim(), '42');
+      const quota =
+        caps.cgroup!.version === 2
+          ? (await fs.readFile(path.join(cpu, 'cpu.max'), 'utf8')).trim()
+          : `${(await fs.readFile(path.join(cpu, 'cpu.cfs_quota_us'), 'utf8')).trim()} ${(await fs.readFile(path.join(cpu, 'cpu.cfs_period_us'), 'utf8')).trim()}`;
+      assert.equal(quota, '50000 100000');
+      const result = await runProbe(prepared);
+      assert.equal(result.code, 0, result.stderr);
+      await prepared.cleanup();
+      for (const dir of Object.values(prepared.cgroupDirs)) assert.equal(existsSync(dir), false, `${dir} removed`);
+    });
+
     it('lets the same allocation complete under a 512 MiB limit', { timeout: TIMEOUT }, async () => {
       requireBwrap();
       requireCgroup();
