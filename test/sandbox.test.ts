@@ -12,6 +12,7 @@ import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import { sandboxWarnings } from '../src/cli/doctor.js';
 import {
   detectSandbox,
   type PreparedLaunch,
@@ -482,6 +483,20 @@ describe('replica sandbox', () => {
       assert.equal(report.cwd, buildA);
       assert.deepEqual(report.env, { ...env, PWD: buildA });
       assert.deepEqual(report.read[path.join(buildA, 'data.txt')], { ok: true, value: 'own build file' });
+    });
+
+    it('without writable cgroups, `ferry serve` and `ferry doctor` warn loudly that processes and CPU are not limited', () => {
+      const none: SandboxCapabilities = { ...caps, cgroup: null };
+      const warnings = sandboxWarnings(none);
+      assert.ok(
+        warnings.some((w) => w.includes('NO PROCESS AND NO CPU LIMIT') && w.includes('[resources].max_processes')),
+        warnings.join('\n'),
+      );
+      assert.ok(
+        warnings.some((w) => w.includes('RLIMIT_DATA')),
+        warnings.join('\n'),
+      );
+      assert.deepEqual(sandboxWarnings(caps), [], 'none on this machine, where all three are writable');
     });
 
     it('without a memory cgroup, limits memory with RLIMIT_DATA through prlimit', { timeout: TIMEOUT }, async () => {

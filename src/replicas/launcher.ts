@@ -15,11 +15,11 @@ import type { PoolBuild } from './pool.js';
 import type { LaunchPlan } from './replica.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from './sandbox.js';
 
-/** The compiled Node bootstrap; bound read-only into every Node replica. */
+/** The compiled Node bootstrap; copied (read-only) into every Node replica's sandbox. */
 export const NODE_BOOTSTRAP = fileURLToPath(new URL('../runtimes/cortex-node/bootstrap.js', import.meta.url));
 
 /**
- * The Python bootstrap; bound read-only into every Python replica. The build compiles TypeScript only, so
+ * The Python bootstrap; copied (read-only) into every Python replica's sandbox. The build compiles TypeScript only, so
  * from `dist/src/replicas/` this is the source file under `src/` (which the package ships); next to this
  * file's folder when run from the sources.
  */
@@ -41,7 +41,7 @@ export interface LauncherDeps {
 }
 
 /**
- * The custom runtime's supervisor; bound read-only into every custom replica. It starts the user's server,
+ * The custom runtime's supervisor; copied (read-only) into every custom replica's sandbox. It starts the user's server,
  * gates the replica's socket on the readiness check, forwards the socket to the server's port, and runs
  * the health checks (src/runtimes/custom/supervisor.ts).
  */
@@ -50,7 +50,7 @@ export const CUSTOM_SUPERVISOR = fileURLToPath(new URL('../runtimes/custom/super
 /** Node's heap gets three quarters of the memory limit, so a runaway heap fails clearly before the hard limit. */
 const HEAP_SHARE = 0.75;
 
-/** What differs between runtimes: the bootstrap bound into the sandbox, the command, a few variables. */
+/** What differs between runtimes: the bootstrap copied into the sandbox, the command, a few variables. */
 interface RuntimeLaunch {
   bootstrap: { host: string; sandbox: string };
   defaultEntry: string;
