@@ -54,6 +54,8 @@ import type { Readable, Writable } from 'node:stream';
 import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
 import { runQuiet, WRAPPER_ENV } from './run-quiet.js';
 
+export { WRAPPER_ENV };
+
 export interface SandboxCapabilities {
   /** A bubblewrap that was seen to start a sandbox; null when it is missing, broken, or FERRY_SANDBOX=off. */
   bwrap: string | null;
@@ -503,7 +505,8 @@ function validateLaunch(launch: ReplicaLaunch): void {
   }
 }
 
-interface SpawnSpec {
+/** What spawnReplica starts: the (wrapped) command, and under bwrap its options and runtime files. */
+export interface SpawnSpec {
   file: string;
   args: string[];
   env: Record<string, string>;
@@ -519,7 +522,11 @@ interface SpawnSpec {
   killAll: (() => Promise<void>) | undefined;
 }
 
-function spawnReplica(spec: SpawnSpec): ReplicaProcess {
+/**
+ * Starts a prepared sandbox: fds 3 (bwrap's status, from which the init pid and so the socket path come),
+ * 4 (bwrap's options, `--args 4`) and 5… (runtime files, `--file`) follow stdio. Build steps reuse it.
+ */
+export function spawnReplica(spec: SpawnSpec): ReplicaProcess {
   const { argsBlob } = spec;
   if (!argsBlob) {
     const child = spawn(spec.file, spec.args, { cwd: spec.cwd, env: spec.env, stdio: spec.stdio });
@@ -604,7 +611,7 @@ function firstChild(pid: number): number | undefined {
 // ---- bwrap arguments ----
 
 /** Everything but the replica's own folders: namespaces, the system folders, and /etc's masked entries. */
-async function baseBwrapArgs(
+export async function baseBwrapArgs(
   features: SandboxCapabilities['bwrapFeatures'],
   network: 'host' | 'isolated',
 ): Promise<string[]> {
@@ -694,7 +701,7 @@ async function scanUnreadable(root: string): Promise<{ dirs: string[]; files: st
 
 // ---- small helpers ----
 
-async function findExecutable(name: string, env: NodeJS.ProcessEnv): Promise<string | null> {
+export async function findExecutable(name: string, env: NodeJS.ProcessEnv): Promise<string | null> {
   const dirs = [...(env.PATH ?? '').split(':').filter((d) => d.startsWith('/')), ...SEARCH_PATH];
   for (const dir of dirs) {
     const candidate = path.join(dir, name);
