@@ -4,7 +4,9 @@
  * A run takes a slot (a replica with fewer than `replica_concurrency` runs in flight, the least busy first).
  * When there is none, it waits in a bounded FIFO queue, and the pool starts replicas while runs wait and
  * fewer than `max_replicas` exist. Idle replicas above `min_replicas` stop after `cooldown` seconds. A
- * draining pool (its build was replaced) takes no new runs; its replicas stop once their runs finish.
+ * draining pool (its build was replaced) takes no new runs; its replicas stop once their runs finish. A
+ * replica whose run timed out stops at once, cutting its other runs (a spinning function must not keep
+ * its CPU for another grace period).
  */
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';

@@ -3,7 +3,8 @@
  *
  * Records the run, takes a replica slot (waiting in the app's queue, cold-starting a replica when needed),
  * calls the function over the replica protocol with the app's `response_grace_period` as its deadline, sends
- * the function's output to the run's log, and records how it ended.
+ * the function's output to the run's log, and records how it ended. A run past its deadline is recorded
+ * `timeout` first; then its replica is stopped (pool.ts: SIGTERM, RUN_TIMEOUT_KILL_GRACE_MS, SIGKILL).
  */
 import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
