@@ -31,8 +31,8 @@ export interface CgroupSupport {
 export interface CgroupLimits {
   memoryBytes: number;
   maxProcesses: number;
-  /** Cores, as a CFS quota: 0.5 = half a core's time per period. */
-  cpu: number;
+  /** Cores, as a CFS quota: 0.5 = half a core's time per period. No quota when absent (build steps). */
+  cpu?: number;
 }
 
 export interface ReplicaCgroup {
@@ -289,7 +289,7 @@ export async function createReplicaCgroup(
     }
     if (dirs.memory) await writeMemoryLimit(version, dirs.memory, limits.memoryBytes);
     if (dirs.pids) await fs.writeFile(path.join(dirs.pids, 'pids.max'), String(limits.maxProcesses));
-    if (dirs.cpu) {
+    if (dirs.cpu && limits.cpu !== undefined) {
       const quota = Math.max(1000, Math.round(limits.cpu * CPU_PERIOD_US));
       if (version === 1) {
         await fs.writeFile(path.join(dirs.cpu, 'cpu.cfs_period_us'), String(CPU_PERIOD_US));
