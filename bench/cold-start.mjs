@@ -98,7 +98,7 @@ async function main() {
     return (
       gauges.ready === 0 &&
       gauges.starting === 0 &&
-      replicaSockets(dataDir).length === 0 &&
+      replicaSockets(dataDir, ferry).length === 0 &&
       ferry.replicaProcesses().length === 0
     );
   };

@@ -382,19 +382,37 @@ export async function deployApp(ferry, auth, name, files) {
   return build;
 }
 
-/** The replica sockets now under `<data-dir>/run` (one folder per replica). */
-export function replicaSockets(dataDir) {
+/**
+ * The replica sockets now open: under `<data-dir>/run` (one folder per replica) without the sandbox; in a
+ * sandbox's own /run/ferry, reached through `/proc/<pid>/root`, for the replicas below `ferry` under bwrap.
+ */
+export function replicaSockets(dataDir, ferry) {
   const runDir = path.join(dataDir, 'run');
-  let entries;
+  let entries = [];
   try {
     entries = fs.readdirSync(runDir, { recursive: true });
   } catch {
-    return [];
+    // none
   }
-  return entries
+  const sockets = entries
     .map(String)
     .filter((e) => path.basename(e) === 'replica.sock')
     .map((e) => path.join(runDir, e));
+  const seen = new Set();
+  for (const pid of ferry ? descendants(ferry.child.pid) : []) {
+    const socket = `/proc/${pid}/root/run/ferry/replica.sock`;
+    try {
+      const stat = fs.statSync(socket);
+      // Every process of one sandbox shares its root: one socket per sandbox.
+      const key = `${stat.dev}:${stat.ino}`;
+      if (!stat.isSocket() || seen.has(key)) continue;
+      seen.add(key);
+      sockets.push(socket);
+    } catch {
+      // not a sandbox, or it has no socket (yet)
+    }
+  }
+  return sockets;
 }
 
 /** `ferry_replicas{...app="<app>",state="..."}` from GET /metrics: { starting, ready } (0 when absent). */
@@ -678,10 +696,10 @@ export async function startDeployed(label, app, files, env = {}) {
 }
 
 /** The socket of the app's only replica (the benches deploy with max_replicas = 1). */
-export function onlyReplicaSocket(dataDir) {
-  const sockets = replicaSockets(dataDir);
+export function onlyReplicaSocket(dataDir, ferry) {
+  const sockets = replicaSockets(dataDir, ferry);
   if (sockets.length !== 1)
-    throw new Error(`expected one replica socket under ${dataDir}/run, found ${sockets.length}`);
-  console.log(`replica socket: ${path.relative(dataDir, sockets[0])}`);
+    throw new Error(`expected one replica socket (under ${dataDir}/run or in a sandbox), found ${sockets.length}`);
+  console.log(`replica socket: ${sockets[0].startsWith(dataDir) ? path.relative(dataDir, sockets[0]) : sockets[0]}`);
   return sockets[0];
 }

@@ -154,7 +154,7 @@ async function main() {
   if (first.status !== 200 || first.json?.result?.ok !== true)
     throw new Error(`the first run answered ${first.status}: ${first.text}`);
 
-  const socketPath = onlyReplicaSocket(dataDir);
+  const socketPath = onlyReplicaSocket(dataDir, ferry);
   const sandbox = await sandboxReport(ferry);
   console.log(`sandbox: ${sandbox.observed}; ferry doctor: ${sandbox.doctor}`);
 
@@ -205,7 +205,7 @@ async function main() {
     idle = await unloaded(targets, LATENCY_REQUESTS);
   }
   for (const t of targets) await t.client.close();
-  const after = replicaSockets(dataDir);
+  const after = replicaSockets(dataDir, ferry);
   const sameReplica = after.length === 1 && after[0] === socketPath;
 
   const [a, b, c] = results;

@@ -179,7 +179,7 @@ async function main() {
   if (first.status !== 200 || first.json?.result?.length !== 2)
     throw new Error(`the first (JSON) run answered ${first.status}: ${first.text}`);
 
-  const socketPath = onlyReplicaSocket(dataDir);
+  const socketPath = onlyReplicaSocket(dataDir, ferry);
   const sandbox = await sandboxReport(ferry);
   console.log(`sandbox: ${sandbox.observed}; ferry doctor: ${sandbox.doctor}`);
 
@@ -240,7 +240,7 @@ async function main() {
   console.log(' done');
   await direct.close();
   await viaFerry.close();
-  const after = replicaSockets(dataDir);
+  const after = replicaSockets(dataDir, ferry);
   const sameReplica = after.length === 1 && after[0] === socketPath;
 
   const stats = results.map((r) => ({

@@ -48,7 +48,10 @@ export const ERRORS = {
   FERRY_ZIP_DUPLICATE_ENTRY: { status: 400, message: 'Two archive entries have the same path' },
   FERRY_ZIP_TOO_MANY_ENTRIES: { status: 400, message: 'The archive has too many entries' },
   FERRY_ZIP_TOO_LARGE: { status: 400, message: 'The archive expands to more than the allowed size' },
-  FERRY_ZIP_RATIO: { status: 400, message: 'An archive entry has a compression ratio that suggests a ZIP bomb' },
+  FERRY_ZIP_RATIO: {
+    status: 400,
+    message: 'The archive or one of its entries has a compression ratio that suggests a ZIP bomb',
+  },
   FERRY_ZIP_ENCRYPTED: { status: 400, message: 'Encrypted archive entries are not supported' },
 
   // Runs

@@ -15,6 +15,7 @@ import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import type { ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareDataDir } from './data-dir.js';
 import { createMetrics, type Metrics } from './metrics.js';
+import { createBuildViews } from './replicas/build-view.js';
 import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
 import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
@@ -76,6 +77,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
+  // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
+  const views = sandbox.bwrap ? await createBuildViews({ buildsDir: dataDir.builds }) : undefined;
+  if (views?.reason) logger.warn(views.reason);
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
@@ -86,6 +90,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       buildsDir: dataDir.builds,
       runDir,
       sandbox,
+      views,
       secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
     }),
     onColdStart(build, ms) {
@@ -201,6 +206,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await pipeline.close();
       await asyncWorker.close();
       await replicas.close();
+      await views?.close();
       await recorder.close();
       await webhooks.close();
       await network.close();

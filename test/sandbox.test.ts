@@ -12,6 +12,7 @@ import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import { sandboxWarnings } from '../src/cli/doctor.js';
 import {
   detectSandbox,
   type PreparedLaunch,
@@ -242,6 +243,9 @@ describe('replica sandbox', () => {
           '/run/ferry/out.txt',
           '/usr/ferry-test',
           '/etc/ferry-test',
+          '/ferry-root-test',
+          '/dev/ferry-test',
+          '/dev/shm/scratch.txt',
         ],
       });
       assert.equal(prepared.sandboxed, true);
@@ -267,9 +271,14 @@ describe('replica sandbox', () => {
       denied(report.write['/etc/ferry-test'], 'writing /etc');
       assert.deepEqual(report.write['/tmp/scratch.txt'], { ok: true });
       assert.deepEqual(report.write['/run/ferry/out.txt'], { ok: true });
+      assert.deepEqual(report.write['/dev/shm/scratch.txt'], { ok: true });
+      // The sandbox's root and /dev are read-only: only the sized tmpfs mounts take writes.
+      assert.equal(report.write['/ferry-root-test']?.code, 'EROFS');
+      assert.equal(report.write['/dev/ferry-test']?.code, 'EROFS');
 
-      // The socket folder is the one shared folder; /tmp is private.
-      assert.equal(await fs.readFile(path.join(prepared.paths.hostSocketPath, '..', 'out.txt'), 'utf8'), 'written');
+      // No host folder is writable inside: the socket folder is a private tmpfs, not the host's socketDir.
+      assert.equal(prepared.paths.hostSocketPath, null);
+      assert.equal(existsSync(path.join(dataDir, 'run')), false, 'no host socket folder is made under bwrap');
       assert.equal(await fs.readFile(path.join(buildA, 'data.txt'), 'utf8'), 'own build file');
       assert.equal(existsSync('/tmp/scratch.txt'), false);
       // No descriptor of a host file leaks in (bwrap's status and environment pipes are closed).
@@ -279,7 +288,9 @@ describe('replica sandbox', () => {
       }
     });
 
-    it('serves on a socket in the socket folder, which stays 0700 on the host', { timeout: TIMEOUT }, async () => {
+    it('serves on a socket in its private /run/ferry, reached through the sandbox init', {
+      timeout: TIMEOUT,
+    }, async () => {
       requireBwrap();
       const replicaId = `test-${process.pid}-${++replicaCount}`;
       const layout = { buildDir: buildA, socketDir: path.join(dataDir, 'run', replicaId), runtimeFiles: [] };
@@ -298,9 +309,12 @@ describe('replica sandbox', () => {
       launches.push(prepared);
       const replica = start(prepared);
       const done = finish(replica);
+      const hostSocketPath = await replica.socketPath;
+      assert.ok(hostSocketPath, 'bwrap reports the sandbox init, and with it the socket path');
+      assert.match(hostSocketPath, /^\/proc\/\d+\/root\/run\/ferry\/replica\.sock$/);
       const greeting = await new Promise<string>((resolve, reject) => {
         const tryConnect = (attempt: number) => {
-          const socket = net.connect(paths.hostSocketPath);
+          const socket = net.connect(hostSocketPath);
           let text = '';
           socket.setEncoding('utf8');
           socket.on('data', (chunk: string) => {
@@ -317,7 +331,7 @@ describe('replica sandbox', () => {
       assert.equal(greeting, 'hello from the sandbox\n');
       const result = await done;
       assert.equal(result.code, 0, result.stderr);
-      assert.equal((await fs.stat(layout.socketDir)).mode & 0o777, 0o700);
+      assert.equal(existsSync(layout.socketDir), false, 'no host folder for the socket');
     });
 
     it('gives the replica exactly the environment it was given', { timeout: TIMEOUT }, async () => {
@@ -332,6 +346,11 @@ describe('replica sandbox', () => {
           !prepared.args.some((arg) => arg.includes('app secret')),
           'env values must not be on the command line',
         );
+        assert.ok(prepared.bwrapArgs.includes('app secret with spaces=and equals'), 'they go through --args');
+        // No host path at all on bwrap's command line (it is /proc/1/cmdline inside).
+        const bwrapCommandLine = prepared.args.slice(prepared.args.indexOf(caps.bwrap!));
+        assert.deepEqual(bwrapCommandLine.slice(0, 4), [caps.bwrap, '--args', '4', '--']);
+        assert.deepEqual(bwrapCommandLine.slice(4), [NODE, '/app/probe.mjs', 'inspect', '{}']);
       } finally {
         delete process.env.FERRY_TEST_SERVER_SECRET;
       }
@@ -398,6 +417,43 @@ describe('replica sandbox', () => {
       await prepared.cleanup();
     });
 
+    it('writes the process and CPU limits into the replica cgroup; cleanup removes every folder', {
+      timeout: TIMEOUT,
+    }, async () => {
+      requireBwrap();
+      requireCgroup();
+      const replicaId = `test-${process.pid}-${++replicaCount}`;
+      const prepared = await prepareLaunch(
+        {
+          buildDir: buildA,
+          socketDir: path.join(dataDir, 'run', replicaId),
+          runtimeFiles: [],
+          replicaId,
+          command: [NODE, '/app/probe.mjs', 'inspect', '{}'],
+          env: {},
+          memoryMiB: 128,
+          maxProcesses: 42,
+          cpu: 0.5,
+        },
+        caps,
+      );
+      launches.push(prepared);
+      assert.equal(prepared.processLimit, 'cgroup');
+      assert.equal(prepared.cpuLimit, 'cgroup');
+      const { pids, cpu } = prepared.cgroupDirs;
+      assert.ok(pids && cpu);
+      assert.equal((await fs.readFile(path.join(pids, 'pids.max'), 'utf8')).trim(), '42');
+      const quota =
+        caps.cgroup!.version === 2
+          ? (await fs.readFile(path.join(cpu, 'cpu.max'), 'utf8')).trim()
+          : `${(await fs.readFile(path.join(cpu, 'cpu.cfs_quota_us'), 'utf8')).trim()} ${(await fs.readFile(path.join(cpu, 'cpu.cfs_period_us'), 'utf8')).trim()}`;
+      assert.equal(quota, '50000 100000');
+      const result = await runProbe(prepared);
+      assert.equal(result.code, 0, result.stderr);
+      await prepared.cleanup();
+      for (const dir of Object.values(prepared.cgroupDirs)) assert.equal(existsSync(dir), false, `${dir} removed`);
+    });
+
     it('lets the same allocation complete under a 512 MiB limit', { timeout: TIMEOUT }, async () => {
       requireBwrap();
       requireCgroup();
@@ -427,6 +483,20 @@ describe('replica sandbox', () => {
       assert.equal(report.cwd, buildA);
       assert.deepEqual(report.env, { ...env, PWD: buildA });
       assert.deepEqual(report.read[path.join(buildA, 'data.txt')], { ok: true, value: 'own build file' });
+    });
+
+    it('without writable cgroups, `ferry serve` and `ferry doctor` warn loudly that processes and CPU are not limited', () => {
+      const none: SandboxCapabilities = { ...caps, cgroup: null };
+      const warnings = sandboxWarnings(none);
+      assert.ok(
+        warnings.some((w) => w.includes('NO PROCESS AND NO CPU LIMIT') && w.includes('[resources].max_processes')),
+        warnings.join('\n'),
+      );
+      assert.ok(
+        warnings.some((w) => w.includes('RLIMIT_DATA')),
+        warnings.join('\n'),
+      );
+      assert.deepEqual(sandboxWarnings(caps), [], 'none on this machine, where all three are writable');
     });
 
     it('without a memory cgroup, limits memory with RLIMIT_DATA through prlimit', { timeout: TIMEOUT }, async () => {

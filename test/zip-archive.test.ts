@@ -396,6 +396,20 @@ describe('zip-archive: refusal rules', () => {
     );
   });
 
+  it('a zip bomb spread over many entries of 1 MiB, none over the per-entry threshold', async () => {
+    const entries = Array.from({ length: 20 }, (_, i) => ({
+      name: `part-${i}.bin`,
+      data: Buffer.alloc(MiB),
+      method: 'deflate' as const,
+    }));
+    await assertRefused(entries, 'FERRY_ZIP_RATIO', ['The archive', 'more than 200 times']);
+    // The same entries pass when the whole-archive ratio is not what stops them: proof it is that check.
+    await withSandbox(makeZip(entries), async (box) => {
+      const { totalSize } = await inspectZip(box.zip, { ...DEFAULT_ZIP_LIMITS, maxRatio: 100_000 });
+      assert.equal(totalSize, 20 * MiB);
+    });
+  });
+
   it('an archive with only folders, or nothing at all', async () => {
     await assertRefused([{ name: 'a/' }, { name: 'a/b/' }], 'FERRY_ZIP_EMPTY', []);
     await assertRefused([], 'FERRY_ZIP_EMPTY', []);

@@ -61,6 +61,7 @@ const ResourcesSection = Type.Object(
   {
     cpu: Type.Optional(Type.Number({ exclusiveMinimum: 0, maximum: 64 })),
     memory: Type.Optional(Type.Integer({ minimum: 32, maximum: 262_144 })),
+    max_processes: Type.Optional(Type.Integer({ minimum: 8, maximum: 32_768 })),
   },
   { additionalProperties: false },
 );
@@ -109,9 +110,13 @@ export interface AppConfig {
     cooldown: number;
     response_grace_period: number;
   };
-  resources: { cpu: number; memory: number };
+  /** cpu: cores as a CFS quota; memory: MiB, tmpfs included; max_processes: tasks (threads count too). */
+  resources: { cpu: number; memory: number; max_processes: number };
   env: Record<string, string>;
 }
+
+/** Default of `[resources].max_processes`: room for a runtime's threads and a few child processes. */
+export const DEFAULT_MAX_PROCESSES = 256;
 
 export const DEFAULT_INCLUDE = ['**/*'];
 // Without a slash a pattern names a file or folder at any depth, so nested __pycache__ folders stay home too.
@@ -244,7 +249,11 @@ function withDefaults(raw: RawConfig): AppConfig {
         }
       : {},
     scaling,
-    resources: { cpu: raw.resources?.cpu ?? 1, memory: raw.resources?.memory ?? 1024 },
+    resources: {
+      cpu: raw.resources?.cpu ?? 1,
+      memory: raw.resources?.memory ?? 1024,
+      max_processes: raw.resources?.max_processes ?? DEFAULT_MAX_PROCESSES,
+    },
     env: raw.env ?? {},
   };
 }

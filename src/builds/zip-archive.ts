@@ -19,7 +19,10 @@ export interface ZipLimits {
   maxEntries: number;
   maxUncompressedBytes: number;
   maxRatio: number;
-  /** The ratio is only judged for entries that expand to more than this, so tiny, very compressible files pass. */
+  /**
+   * The ratio (per entry, and of the whole archive: the sum of expanded sizes over the archive's size) is
+   * only judged past this many expanded bytes, so tiny, very compressible files pass.
+   */
   ratioMinBytes: number;
 }
 
@@ -274,6 +277,13 @@ async function inspectOpen(zipfile: ZipFile, limits: ZipLimits, signal?: AbortSi
         throw new FerryError(
           'FERRY_ZIP_TOO_LARGE',
           `Archive entry ${label} takes the expanded archive past the limit of ${limits.maxUncompressedBytes} bytes`,
+        );
+      }
+      // The whole archive too: many entries just under ratioMinBytes each must not add up to a bomb.
+      if (totalSize > limits.ratioMinBytes && totalSize / Math.max(zipfile.fileSize, 1) > limits.maxRatio) {
+        throw new FerryError(
+          'FERRY_ZIP_RATIO',
+          `The archive (${zipfile.fileSize} bytes) expands to more than ${totalSize} bytes, more than ${limits.maxRatio} times its size`,
         );
       }
       files.push(toFileEntry(entry, entryPath));

@@ -41,6 +41,8 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   }
   lines.push(row('User namespaces', caps.userNamespaces ? 'available' : 'not available'));
   lines.push(row('Memory limits', describeMemory(caps)));
+  lines.push(row('Process limits', describeController(caps, 'pids', 'max_processes')));
+  lines.push(row('CPU limits', describeController(caps, 'cpu', 'cpu')));
   lines.push(row('Python', python ?? 'no usable python3 (3.9+) found: Python apps cannot build or run'));
 
   const warnings = sandboxWarnings(caps);
@@ -56,7 +58,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
 
 /**
  * What `ferry serve` should log at start (at warn level), one line each; empty when replicas are
- * sandboxed and memory-limited by a cgroup.
+ * sandboxed and limited by a cgroup (memory, processes, CPU).
  */
 export function sandboxWarnings(caps: SandboxCapabilities): string[] {
   const warnings: string[] = [];
@@ -71,7 +73,13 @@ export function sandboxWarnings(caps: SandboxCapabilities): string[] {
       `NO SANDBOX: replicas and builds (npm, pip, esbuild) run as plain processes WITHOUT isolation${isRoot() ? ', as root,' : ''} and can read Ferry's data directory (signing keys included) and other apps' files. ${why.join('; ')}. ${fix}`,
     );
   }
-  if (!caps.cgroup) {
+  const unlimited = (['pids', 'cpu'] as const).filter((c) => !caps.cgroup?.controllers[c]);
+  if (unlimited.length > 0) {
+    warnings.push(
+      `NO ${unlimited.map((c) => (c === 'pids' ? 'PROCESS' : 'CPU')).join(' AND NO ')} LIMIT: no writable ${unlimited.join('/')} cgroup, so ${unlimited.map((c) => (c === 'pids' ? '[resources].max_processes' : '[resources].cpu')).join(' and ')} ${unlimited.length > 1 ? 'are' : 'is'} not enforced (a fork bomb or a busy loop in one app takes the machine). Run \`ferry doctor\` for why.`,
+    );
+  }
+  if (!caps.cgroup?.controllers.memory) {
     warnings.push(
       caps.prlimit
         ? 'No writable memory cgroup: replica memory is limited with RLIMIT_DATA only (allocation failures instead of OOM kills, which are not reported). Run `ferry doctor` for why.'
@@ -81,8 +89,15 @@ export function sandboxWarnings(caps: SandboxCapabilities): string[] {
   return warnings;
 }
 
+function describeController(caps: SandboxCapabilities, controller: 'pids' | 'cpu', key: string): string {
+  const dir = caps.cgroup?.controllers[controller];
+  if (dir) return `cgroup v${caps.cgroup!.version} ${controller} at ${dir} ([resources].${key})`;
+  return `NONE: [resources].${key} is not enforced`;
+}
+
 function describeMemory(caps: SandboxCapabilities): string {
-  if (caps.cgroup) return `cgroup v${caps.cgroup.version} at ${caps.cgroup.dir}`;
+  const dir = caps.cgroup?.controllers.memory;
+  if (caps.cgroup && dir) return `cgroup v${caps.cgroup.version} at ${dir} (tmpfs in the sandbox counts too)`;
   if (caps.prlimit) return `RLIMIT_DATA via ${caps.prlimit} (no writable memory cgroup; OOM kills are not reported)`;
   return 'NONE: replicas can use all the memory of the machine';
 }
@@ -96,10 +111,11 @@ function suggestedFixes(caps: SandboxCapabilities): string[] {
       'enable user namespaces: sysctl -w kernel.unprivileged_userns_clone=1 (or user.max_user_namespaces > 0)',
     );
   }
-  if (!caps.cgroup && !caps.prlimit) fixes.push('apt-get install util-linux   (for prlimit)');
-  if (!caps.cgroup) {
+  const missing = (['memory', 'pids', 'cpu'] as const).filter((c) => !caps.cgroup?.controllers[c]);
+  if (missing.includes('memory') && !caps.prlimit) fixes.push('apt-get install util-linux   (for prlimit)');
+  if (missing.length > 0) {
     fixes.push(
-      'for cgroup memory limits, run Ferry where its cgroup is writable (root, or a systemd unit with Delegate=yes)',
+      `for cgroup ${missing.join(', ')} limits, run Ferry where its cgroup is writable (root, or a systemd unit with Delegate=yes)`,
     );
   }
   return fixes;

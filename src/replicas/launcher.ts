@@ -10,15 +10,16 @@ import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { findPython } from '../builds/builders/python.js';
 import type { Store } from '../store/index.js';
+import type { BuildViews } from './build-view.js';
 import type { PoolBuild } from './pool.js';
 import type { LaunchPlan } from './replica.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from './sandbox.js';
 
-/** The compiled Node bootstrap; bound read-only into every Node replica. */
+/** The compiled Node bootstrap; copied (read-only) into every Node replica's sandbox. */
 export const NODE_BOOTSTRAP = fileURLToPath(new URL('../runtimes/cortex-node/bootstrap.js', import.meta.url));
 
 /**
- * The Python bootstrap; bound read-only into every Python replica. The build compiles TypeScript only, so
+ * The Python bootstrap; copied (read-only) into every Python replica's sandbox. The build compiles TypeScript only, so
  * from `dist/src/replicas/` this is the source file under `src/` (which the package ships); next to this
  * file's folder when run from the sources.
  */
@@ -33,12 +34,14 @@ export interface LauncherDeps {
   /** Where replica socket folders are made (short: Unix socket paths are limited to 107 bytes). */
   runDir: string;
   sandbox: SandboxCapabilities;
+  /** Where sandboxed replicas find their build (a path that does not name the data directory; build-view.ts). */
+  views?: BuildViews;
   /** The project's secrets, decrypted, for the replica's environment. */
   secrets(projectId: string): Promise<Record<string, string>>;
 }
 
 /**
- * The custom runtime's supervisor; bound read-only into every custom replica. It starts the user's server,
+ * The custom runtime's supervisor; copied (read-only) into every custom replica's sandbox. It starts the user's server,
  * gates the replica's socket on the readiness check, forwards the socket to the server's port, and runs
  * the health checks (src/runtimes/custom/supervisor.ts).
  */
@@ -47,7 +50,7 @@ export const CUSTOM_SUPERVISOR = fileURLToPath(new URL('../runtimes/custom/super
 /** Node's heap gets three quarters of the memory limit, so a runaway heap fails clearly before the hard limit. */
 const HEAP_SHARE = 0.75;
 
-/** What differs between runtimes: the bootstrap bound into the sandbox, the command, a few variables. */
+/** What differs between runtimes: the bootstrap copied into the sandbox, the command, a few variables. */
 interface RuntimeLaunch {
   bootstrap: { host: string; sandbox: string };
   defaultEntry: string;
@@ -122,9 +125,12 @@ export function createLauncher(deps: LauncherDeps) {
       .executeTakeFirstOrThrow();
     const runtime = row.runtime ? RUNTIMES[row.runtime] : undefined;
     if (!runtime) throw new Error(`runtime ${row.runtime} is not supported by this server yet`);
-    const buildDir = path.join(deps.buildsDir, build.buildId);
+    const buildDir =
+      deps.sandbox.bwrap !== null && deps.views
+        ? await deps.views.viewOf(build.buildId)
+        : path.join(deps.buildsDir, build.buildId);
+    // Used only without bwrap: a sandboxed replica's socket is in its own private tmpfs.
     const socketDir = path.join(deps.runDir, replicaId);
-    await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
     const layout = { buildDir, socketDir, runtimeFiles: [runtime.bootstrap] };
     const paths = sandboxPaths(layout, deps.sandbox.bwrap !== null);
     const sandboxed = deps.sandbox.bwrap !== null;
@@ -153,6 +159,8 @@ export function createLauncher(deps: LauncherDeps) {
         ...layout,
         replicaId,
         memoryMiB: build.config.resources.memory,
+        maxProcesses: build.config.resources.max_processes,
+        cpu: build.config.resources.cpu,
         command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build),
         env,
         ...(runtime.custom ? { network: 'isolated' as const, cwd: row.entry ?? runtime.defaultEntry } : {}),
@@ -161,7 +169,6 @@ export function createLauncher(deps: LauncherDeps) {
     );
     return {
       spawn: () => prepared.spawn(['ignore', 'pipe', 'pipe']),
-      socketPath: prepared.paths.hostSocketPath,
       sandboxed: prepared.sandboxed,
       wasOomKilled: () => prepared.wasOomKilled(),
       async cleanup() {

@@ -4,7 +4,9 @@
  * A run takes a slot (a replica with fewer than `replica_concurrency` runs in flight, the least busy first).
  * When there is none, it waits in a bounded FIFO queue, and the pool starts replicas while runs wait and
  * fewer than `max_replicas` exist. Idle replicas above `min_replicas` stop after `cooldown` seconds. A
- * draining pool (its build was replaced) takes no new runs; its replicas stop once their runs finish.
+ * draining pool (its build was replaced) takes no new runs; its replicas stop once their runs finish. A
+ * replica whose run timed out stops at once, cutting its other runs (a spinning function must not keep
+ * its CPU for another grace period).
  */
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
@@ -22,8 +24,12 @@ export interface Slot {
   replica: Replica;
   /** True when no replica was ready when the run asked: it waited for one to start. */
   coldStart: boolean;
-  /** Gives the slot back. `poisoned`: the replica must not take more runs (a timed-out run may still be running in it). */
-  release(options?: { poisoned?: boolean }): void;
+  /**
+   * Gives the slot back. `timedOut`: the run passed its deadline and may still be running in the replica,
+   * so the replica takes no more runs and is stopped at once: SIGTERM, RUN_TIMEOUT_KILL_GRACE_MS, then
+   * SIGKILL of its whole sandbox. Other runs in flight on it (replica_concurrency > 1) are cut too.
+   */
+  release(options?: { timedOut?: boolean }): void;
 }
 
 export interface PoolDeps {
@@ -39,6 +45,12 @@ export interface PoolDeps {
   /** Receives what happened to a replica (exits, restarts), for the app's log. */
   onEvent?: (replicaId: string, line: string) => void;
 }
+
+/**
+ * How long a replica whose run timed out has between SIGTERM and SIGKILL: enough for a runtime to exit
+ * cleanly, not enough for a spinning function to burn much more CPU (docs/functions.md says so).
+ */
+export const RUN_TIMEOUT_KILL_GRACE_MS = 3_000;
 
 /** Restart back-off after a crash: 0.5 s, doubling per failure in a row, at most 30 s. */
 const RESTART_BACKOFF_MS = { first: 500, max: 30_000 };
@@ -112,7 +124,7 @@ export class ReplicaPool {
         released = true;
         replica.inflight -= 1;
         replica.lastUsed = Date.now();
-        if (options?.poisoned) this.retire(replica);
+        if (options?.timedOut) this.killTimedOut(replica);
         else if (this.draining && replica.inflight === 0) void this.stopReplica(replica);
         this.dispatch();
       },
@@ -240,7 +252,7 @@ export class ReplicaPool {
     if (exit.reason === 'stopped') {
       this.deps.onEvent?.(replica.id, `replica stopped (${describeExit(exit)})`);
       if (this.draining) return;
-      // A retired replica (its run timed out) stopped: keep the minimum, and serve runs that wait.
+      // A replica stopped after a timed-out run: keep the minimum, and serve runs that wait.
       this.ensureMinimum();
       this.scale();
       return;
@@ -272,10 +284,16 @@ export class ReplicaPool {
     }
   }
 
-  /** Stops taking runs on `replica`; it stops once its runs are done. */
-  private retire(replica: Replica): void {
+  /** A run on `replica` timed out: no more runs on it, and it is stopped now, whatever else it is running. */
+  private killTimedOut(replica: Replica): void {
     this.retired.add(replica);
-    if (replica.inflight === 0) void this.stopReplica(replica);
+    this.deps.onEvent?.(
+      replica.id,
+      `a run timed out: stopping the replica (SIGTERM, then SIGKILL after ${RUN_TIMEOUT_KILL_GRACE_MS} ms)${replica.inflight > 0 ? `; ${replica.inflight} other run(s) on it are cut` : ''}`,
+    );
+    if (replica.state !== 'stopping' && replica.state !== 'exited') {
+      void replica.stop(RUN_TIMEOUT_KILL_GRACE_MS, 'another run on the same replica timed out');
+    }
     this.scale();
   }
 

@@ -14,10 +14,12 @@ import { FerryError } from '../errors.js';
 
 /** A replica ready to be started, as prepared by the launcher (sandbox and runtime together). */
 export interface LaunchPlan {
-  /** Starts the process (stdout and stderr piped); `kill` signals the replica itself, not its sandbox. */
-  spawn(): { child: ChildProcess; kill(signal?: NodeJS.Signals): boolean };
-  /** The replica's socket as the host sees it. */
-  socketPath: string;
+  /**
+   * Starts the process (stdout and stderr piped); `kill` signals the replica itself, not its sandbox.
+   * `socketPath` is the replica's socket as the host reaches it: under bwrap it is only known once the
+   * sandbox has started (null when the process ended first).
+   */
+  spawn(): { child: ChildProcess; kill(signal?: NodeJS.Signals): boolean; socketPath: Promise<string | null> };
   sandboxed: boolean;
   /** True when the memory limit (cgroup) recorded an OOM kill; read after the process exited. */
   wasOomKilled(): Promise<boolean>;
@@ -72,9 +74,13 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   private readonly child: ChildProcess;
   private readonly signal: (signal?: NodeJS.Signals) => boolean;
   private readonly plan: LaunchPlan;
-  private readonly pool: Pool;
+  /** Made once the socket's path is known (before the replica is ready, so every call finds it). */
+  private pool: Pool | undefined;
+  private socketPath: string | undefined;
+  private readonly concurrency: number;
   private readonly tail: string[] = [];
   private stopRequested = false;
+  private stopCause: string | undefined;
 
   constructor(options: ReplicaOptions) {
     super();
@@ -92,14 +98,19 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
         options.onOutput?.(stream, line);
       });
     }
-    this.pool = new Pool('http://replica', {
-      socketPath: options.plan.socketPath,
-      connections: options.concurrency,
-      pipelining: 1,
-      keepAliveTimeout: 60_000,
-      keepAliveMaxTimeout: 600_000,
-      headersTimeout: 0,
-      bodyTimeout: 0,
+    this.concurrency = options.concurrency;
+    void started.socketPath.then((socketPath) => {
+      if (socketPath === null || this.state === 'exited') return;
+      this.socketPath = socketPath;
+      this.pool = new Pool('http://replica', {
+        socketPath,
+        connections: this.concurrency,
+        pipelining: 1,
+        keepAliveTimeout: 60_000,
+        keepAliveMaxTimeout: 600_000,
+        headersTimeout: 0,
+        bodyTimeout: 0,
+      });
     });
     this.exited = new Promise((resolve) => {
       this.child.once('exit', (code, signal) => {
@@ -127,7 +138,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     else if (wasStarting) reason = 'start-failed';
     else reason = 'crash';
     this.exitInfo = { code, signal, reason, tail: [...this.tail] };
-    await this.pool.destroy().catch(() => {});
+    await this.pool?.destroy().catch(() => {});
     await this.plan.cleanup().catch(() => {});
     this.emit('exit', this.exitInfo);
     return this.exitInfo;
@@ -138,7 +149,8 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     const deadline = Date.now() + timeoutMs;
     let delay = 2;
     while (this.state === 'starting') {
-      if (fs.existsSync(this.plan.socketPath) && (await canConnect(this.plan.socketPath))) {
+      const socketPath = this.socketPath;
+      if (socketPath !== undefined && fs.existsSync(socketPath) && (await canConnect(socketPath))) {
         this.state = 'ready';
         this.readyAt = Date.now();
         return;
@@ -163,7 +175,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   async *call(fn: string, runId: string, body: Buffer | string, signal: AbortSignal): AsyncGenerator<Frame> {
     let res: Awaited<ReturnType<Pool['request']>>;
     try {
-      res = await this.pool.request({
+      res = await this.requirePool().request({
         path: `/_ferry/call/${encodeURIComponent(fn)}`,
         method: 'POST',
         headers: { 'content-type': 'application/json', 'x-ferry-run-id': runId },
@@ -202,7 +214,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     signal: AbortSignal;
   }): Promise<{ statusCode: number; headers: Record<string, string | string[] | undefined>; body: Readable }> {
     try {
-      const res = await this.pool.request({
+      const res = await this.requirePool().request({
         method: request.method as Dispatcher.HttpMethod,
         path: request.path,
         headers: request.headers,
@@ -217,7 +229,14 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
 
   /** Custom runtime: a raw connection to the user's server (WebSocket upgrades are proxied over it). */
   connect(): net.Socket {
-    return net.connect(this.plan.socketPath);
+    const socketPath = this.socketPath;
+    if (socketPath === undefined) throw new FerryError('FERRY_REPLICA_DIED', 'The replica has no socket');
+    return net.connect(socketPath);
+  }
+
+  private requirePool(): Pool {
+    if (!this.pool) throw new FerryError('FERRY_REPLICA_DIED', 'The replica is not serving');
+    return this.pool;
   }
 
   /** Turns a transport error into the coded error that says what happened to the replica. */
@@ -226,6 +245,11 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     // The socket closes a moment before the exit status is known: wait briefly for it.
     const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
     if (exit?.reason === 'oom') return new FerryError('FERRY_OUT_OF_MEMORY', undefined, { cause: err });
+    if (exit?.reason === 'stopped' && this.stopCause) {
+      return new FerryError('FERRY_REPLICA_DIED', `The replica was stopped during the run: ${this.stopCause}`, {
+        cause: err,
+      });
+    }
     if (exit) {
       return new FerryError(
         'FERRY_REPLICA_DIED',
@@ -238,11 +262,12 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
 
   /**
    * Stops the replica: SIGTERM to the process inside the sandbox (it finishes calls in flight), then
-   * SIGKILL after `graceMs`.
+   * SIGKILL after `graceMs`. `cause` explains the stop to runs it cuts short.
    */
-  async stop(graceMs: number): Promise<ReplicaExit> {
+  async stop(graceMs: number, cause?: string): Promise<ReplicaExit> {
     if (this.state === 'exited') return this.exited;
     this.stopRequested = true;
+    this.stopCause ??= cause;
     this.state = 'stopping';
     this.signal('SIGTERM');
     const timer = setTimeout(() => void this.kill(), graceMs);
@@ -255,7 +280,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   /** SIGKILL at once (the sandbox takes its children with it). */
   async kill(): Promise<void> {
     this.stopRequested = true;
-    if (this.child.exitCode === null && this.child.signalCode === null) this.child.kill('SIGKILL');
+    if (this.child.exitCode === null && this.child.signalCode === null) this.signal('SIGKILL');
   }
 }
 

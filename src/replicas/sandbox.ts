@@ -1,5 +1,6 @@
 /**
- * The replica sandbox: bubblewrap for isolation, a memory cgroup (or RLIMIT_DATA) for memory.
+ * The replica sandbox: bubblewrap for isolation, the replica cgroup (cgroups.ts: memory, processes, CPU)
+ * for limits, RLIMIT_DATA for memory where no cgroup is writable.
  *
  * API:
  *   detectSandbox(): Promise<SandboxCapabilities>          probed once per process (cached)
@@ -7,44 +8,53 @@
  *   sandboxPaths(layout, sandboxed): SandboxPaths          paths as the replica sees them, for building
  *                                                          `command` and `env` in either mode
  *   prepareLaunch(launch, caps): Promise<PreparedLaunch>   creates the cgroup and the argv; then
- *     prepared.spawn(stdio?) → ReplicaProcess { child, kill(signal) }
+ *     prepared.spawn(stdio?) → ReplicaProcess { child, kill(signal), socketPath }
  *     prepared.wasOomKilled(), prepared.cleanup()          after the process exited
  *
  * Typical use:
  *   const caps = await detectSandbox();
  *   const layout = { buildDir, socketDir, runtimeFiles: [{ host: bootstrapJs, sandbox: '/ferry/bootstrap.js' }] };
  *   const p = sandboxPaths(layout, caps.bwrap !== null);
- *   const prepared = await prepareLaunch({ ...layout, replicaId, memoryMiB,
+ *   const prepared = await prepareLaunch({ ...layout, replicaId, memoryMiB, maxProcesses, cpu,
  *     command: [process.execPath, '--max-old-space-size=768', p.runtimeFile(bootstrapJs)],
  *     env: { FERRY_PROTOCOL: '1', FERRY_SOCKET: p.socketPath, FERRY_ENTRY: `${p.appDir}/out/main.mjs`, ... } }, caps);
- *   const replica = prepared.spawn();        // connect to prepared.paths.hostSocketPath
+ *   const replica = prepared.spawn();        // connect to `await replica.socketPath`
  *   replica.kill('SIGTERM');                 // reaches the replica itself, not bwrap
  *   ... on exit: await prepared.wasOomKilled(); await prepared.cleanup();
  *
- * Build steps (builds/builders/sandboxed-step.ts) reuse baseBwrapArgs, the cgroup helpers and
- * spawnReplica, with folders of their own.
+ * Limits: the process joins its replica cgroup through a `/bin/sh` wrapper before exec'ing bwrap, so
+ * nothing it starts or allocates escapes them. Every writable place in the sandbox is a size-limited tmpfs
+ * whose pages the kernel charges to that cgroup: /tmp and /dev/shm (each at most the memory limit) and
+ * /run/ferry (64 KiB, the replica's socket). The sandbox's root and /dev are remounted read-only, so
+ * nothing else can be written. No host folder is writable inside.
  *
- * The replica's memory cgroup is `<caps.cgroup.dir>/ferry-<replicaId>`; the process joins it through a
- * `/bin/sh` wrapper before exec'ing bwrap, so nothing it allocates escapes the limit. Without a writable
- * cgroup, `prlimit --data` (RLIMIT_DATA) bounds it instead: allocations fail rather than being OOM-killed.
+ * The socket: the replica listens on /run/ferry/replica.sock in its private tmpfs; the server connects
+ * through `/proc/<sandbox init pid>/root/run/ferry/replica.sock`, known once bwrap reports the pid (on
+ * --info-fd), hence `ReplicaProcess.socketPath` is a promise. Without bwrap the socket is in `socketDir`.
  *
  * Identity: inside, the replica is uid/gid 65534 in its own user namespace, which maps it to the server's
- * own uid on the host. So the socket folder needs no chmod or chown (it stays as the server made it, 0700,
- * and no other host user can reach the socket), and the build folder is readable whatever its modes. The
- * flip side is that on the few host paths bound in, the replica reads what the server's user may read:
- * that is why entries of /etc that an unprivileged user could not read (shadow, TLS private keys, service
- * configs with passwords) are masked, and why nothing else of the host is bound.
+ * own uid on the host. So the build folder is readable whatever its modes. The flip side is that on the
+ * few host paths bound in, the replica reads what the server's user may read: that is why entries of /etc
+ * that an unprivileged user could not read (shadow, TLS private keys, service configs with passwords) are
+ * masked, and why nothing else of the host is bound.
  *
- * The replica's environment is exactly `env` (plus PWD, its working folder). It reaches bwrap through a
- * pipe (`--args`), never the command line (world-readable in /proc) nor the environment of the host-side
- * wrappers (an app's LD_PRELOAD must not reach programs that run outside the sandbox).
+ * Nothing of the host shows inside: all of bwrap's options (the environment too) reach it through a pipe
+ * (`--args`), so /proc/1/cmdline in the sandbox reads `bwrap --args 4 -- <command>`, the command made of
+ * sandbox paths only; the runtime files (bootstrap,
+ * supervisor) are copied in (`--file`), not bound, so no mount shows Ferry's install path. The one host
+ * path left in /proc/self/mountinfo is the build folder's (the source of the /app bind): see
+ * docs/operations.md. The replica's environment is exactly `env` (plus PWD, its working folder), and the
+ * host-side wrappers get none of it (an app's LD_PRELOAD must not reach programs outside the sandbox).
  */
 import { type ChildProcess, spawn } from 'node:child_process';
-import { randomBytes } from 'node:crypto';
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
+import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
+import { runQuiet, WRAPPER_ENV } from './run-quiet.js';
+
+export { WRAPPER_ENV };
 
 export interface SandboxCapabilities {
   /** A bubblewrap that was seen to start a sandbox; null when it is missing, broken, or FERRY_SANDBOX=off. */
@@ -55,8 +65,11 @@ export interface SandboxCapabilities {
   bwrapFeatures: { disableUserns: boolean; tmpfsSize: boolean };
   /** Whether a user namespace could be created (bwrap needs it to map the replica to uid 65534). */
   userNamespaces: boolean;
-  /** A memory cgroup folder under which a child was created and joined; replicas get `<dir>/ferry-<id>`. */
-  cgroup: { version: 1 | 2; dir: string } | null;
+  /**
+   * The controllers (memory, pids, cpu) under which a child was created, limited and joined; replicas get
+   * `<parent>/ferry-<id>` under each. null when none is writable.
+   */
+  cgroup: CgroupSupport | null;
   /** util-linux prlimit, used for RLIMIT_DATA when there is no writable memory cgroup. */
   prlimit: string | null;
   /** Human-readable notes on what is missing and why. */
@@ -67,20 +80,30 @@ export interface SandboxCapabilities {
 export interface SandboxLayout {
   /** Host folder of the build, read-only at /app. */
   buildDir: string;
-  /** Host folder for the replica's socket, read-write at /run/ferry. Created (0700) when missing. */
+  /**
+   * Host folder for the replica's socket, used only without bwrap (under bwrap the socket is in a private
+   * tmpfs at /run/ferry). Created (0700) when missing.
+   */
   socketDir: string;
-  /** Extra read-only files or folders, e.g. the bootstrap at /ferry/bootstrap.js (absolute sandbox paths). */
+  /**
+   * Small read-only files, e.g. the bootstrap at /ferry/bootstrap.mjs (absolute sandbox paths). Under bwrap
+   * they are copied into the sandbox when it starts, so no mount names their host path.
+   */
   runtimeFiles: Array<{ host: string; sandbox: string }>;
 }
 
 export interface ReplicaLaunch extends SandboxLayout {
-  /** Names the memory cgroup (`ferry-<replicaId>`): letters, digits, `_`, `-`, `.`. */
+  /** Names the cgroup (`ferry-<replicaId>`): letters, digits, `_`, `-`, `.`. */
   replicaId: string;
   /** argv as the replica sees it; build it with sandboxPaths(). command[0] should be absolute. */
   command: string[];
   /** The complete environment of the replica: nothing of the server's own is added. */
   env: Record<string, string>;
   memoryMiB: number;
+  /** Processes (threads included: the kernel counts tasks) the replica may have at once; default 256. */
+  maxProcesses?: number;
+  /** CPU cores as a quota (0.25 = a quarter of one core's time); default 1. */
+  cpu?: number;
   /** Working folder relative to the app folder (default: the app folder itself). */
   cwd?: string;
   /**
@@ -97,29 +120,41 @@ export interface SandboxPaths {
   socketDir: string;
   /** The replica's socket (FERRY_SOCKET), `<socketDir>/replica.sock`. */
   socketPath: string;
-  /** The same socket as the server sees it, to connect to. */
-  hostSocketPath: string;
+  /**
+   * The same socket as the server sees it, to connect to; null under bwrap, where it is only known after
+   * spawn (ReplicaProcess.socketPath).
+   */
+  hostSocketPath: string | null;
   /** The path of one of `runtimeFiles`, by its host path. Throws for a path not listed there. */
   runtimeFile(host: string): string;
 }
 
-export type MemoryLimitKind = 'cgroup' | 'rlimit' | 'none';
+export type LimitKind = 'cgroup' | 'rlimit' | 'none';
+export type MemoryLimitKind = LimitKind;
 
 export interface PreparedLaunch {
-  /** What spawn() runs: for logs and debugging. */
+  /** What spawn() runs: for logs and debugging (under bwrap the arguments go through a pipe, see bwrapArgs). */
   readonly file: string;
   readonly args: readonly string[];
+  /** bwrap's own options, sent on fd 4 (`--args 4`; only the command follows on its command line); empty without bwrap. */
+  readonly bwrapArgs: readonly string[];
   readonly cwd: string;
   readonly sandboxed: boolean;
   readonly memoryLimit: MemoryLimitKind;
-  /** The replica's own memory cgroup (`<caps.cgroup.dir>/ferry-<replicaId>`), when memoryLimit is 'cgroup'. */
+  /** 'cgroup' when the pids controller limits the replica's processes, else 'none'. */
+  readonly processLimit: LimitKind;
+  /** 'cgroup' when a CFS quota limits the replica's CPU, else 'none'. */
+  readonly cpuLimit: LimitKind;
+  /** The replica's memory cgroup (`<parent>/ferry-<replicaId>`), when memoryLimit is 'cgroup'. */
   readonly cgroupDir: string | null;
+  /** The replica's cgroup folder per controller (empty without one). */
+  readonly cgroupDirs: Readonly<Partial<Record<'memory' | 'pids' | 'cpu', string>>>;
   readonly paths: SandboxPaths;
   /** Paths as the replica sees it (= paths.socketPath). */
   readonly socketPathInside: string;
   /**
    * Starts the replica. stdio is for fds 0-2 (default: stdin ignored, stdout and stderr piped); under bwrap
-   * two more pipes (fds 3 and 4) carry its status and the environment and are not for the caller.
+   * more fds (3: status, 4: arguments, 5…: runtime files) follow and are not for the caller.
    */
   spawn(stdio?: ReplicaStdio): ReplicaProcess;
   /** After the process exited: whether the memory cgroup recorded an OOM kill (always false without one). */
@@ -143,9 +178,15 @@ export interface ReplicaProcess {
   /**
    * Sends a signal to the replica's own process. Under bwrap a signal to `child` would only kill the
    * monitor (and with it, the sandbox, hard), so SIGTERM must go this way to allow a graceful stop.
-   * SIGKILL takes the whole sandbox down. Returns false when there was nothing left to signal.
+   * SIGKILL takes the whole sandbox down (and everything in its cgroup). Returns false when there was
+   * nothing left to signal.
    */
   kill(signal?: NodeJS.Signals): boolean;
+  /**
+   * The replica's socket as the server reaches it: under bwrap through the sandbox init's
+   * `/proc/<pid>/root`, once bwrap has reported that pid; null if the process ended before it did.
+   */
+  readonly socketPath: Promise<string | null>;
 }
 
 export const SANDBOX_APP_DIR = '/app';
@@ -153,15 +194,18 @@ export const SANDBOX_SOCKET_DIR = '/run/ferry';
 export const REPLICA_SOCKET_NAME = 'replica.sock';
 /** The uid and gid a sandboxed replica has inside its user namespace (conventionally "nobody"). */
 export const SANDBOX_UID = 65534;
+/** The size of the socket folder's tmpfs: room for the socket, not for files. */
+export const SOCKET_TMPFS_BYTES = 65_536;
+/** Default of `[resources].max_processes`. */
+export const DEFAULT_MAX_PROCESSES = 256;
 
 const PROBE_TIMEOUT_MS = 5_000;
 const SYSTEM_DIRS = ['/usr', '/etc'];
 /** Top-level folders that are symlinks into /usr on merged-/usr systems and real folders elsewhere. */
 const SYSTEM_LINKS = ['/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
 const SEARCH_PATH = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
-export const WRAPPER_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
-/** Joins the memory cgroup before anything else runs, so no allocation escapes the limit. */
-export const JOIN_CGROUP_SCRIPT = 'echo $$ > "$1" || exit 125; shift; exec "$@"';
+/** The first fd of the runtime files passed to bwrap's --file (0-2 stdio, 3 status, 4 arguments). */
+const FIRST_FILE_FD = 5;
 
 let cached: Promise<SandboxCapabilities> | undefined;
 
@@ -172,9 +216,9 @@ export function detectSandbox(): Promise<SandboxCapabilities> {
 }
 
 /**
- * Probes without the cache: finds bwrap and starts a trivial sandbox with it (5 s timeout), finds a
- * memory cgroup parent by creating, limiting, joining and removing a probe child, and finds prlimit.
- * `FERRY_SANDBOX=off` in `env` forces bwrap off (for debugging); memory limits still apply.
+ * Probes without the cache: finds bwrap and starts a trivial sandbox with it (5 s timeout), finds the
+ * writable cgroup controllers by creating, limiting, joining and removing a probe child, and finds
+ * prlimit. `FERRY_SANDBOX=off` in `env` forces bwrap off (for debugging); limits still apply.
  */
 export async function probeSandbox(env: NodeJS.ProcessEnv = process.env): Promise<SandboxCapabilities> {
   const reasons: string[] = [];
@@ -189,7 +233,10 @@ export async function probeSandbox(env: NodeJS.ProcessEnv = process.env): Promis
   };
   // The cgroup first and alone: on v2 it may move this process, which needs no other process (a bwrap
   // probe) in its cgroup at that moment.
-  const cgroup = await probeCgroup().catch((err: Error) => ({ reason: `memory cgroup probe failed: ${err.message}` }));
+  const cgroups = await probeCgroups().catch((err: Error) => ({
+    support: null,
+    reasons: [`cgroup probe failed: ${err.message}`],
+  }));
   const [bwrap, prlimit] = await Promise.all([
     probeBwrap(env, caps).catch((err: Error) => {
       reasons.push(`bubblewrap probe failed: ${err.message}`);
@@ -199,13 +246,18 @@ export async function probeSandbox(env: NodeJS.ProcessEnv = process.env): Promis
   ]);
   caps.bwrap = bwrap;
   caps.prlimit = prlimit;
-  if ('reason' in cgroup) reasons.push(cgroup.reason);
-  else caps.cgroup = cgroup;
-  if (!caps.cgroup) {
+  caps.cgroup = cgroups.support;
+  reasons.push(...cgroups.reasons);
+  if (!caps.cgroup?.controllers.memory) {
     reasons.push(
       prlimit
-        ? 'memory limits fall back to RLIMIT_DATA (prlimit): the kernel does not report OOM kills, and /tmp in the sandbox is bounded by its tmpfs size only'
+        ? 'memory limits fall back to RLIMIT_DATA (prlimit): the kernel does not report OOM kills, and tmpfs pages (/tmp, /dev/shm) are bounded by their sizes only'
         : 'prlimit (util-linux) not found: replicas run WITHOUT a memory limit',
+    );
+  }
+  if (caps.bwrap && !caps.bwrapFeatures.tmpfsSize) {
+    reasons.push(
+      `bwrap ${caps.bwrapVersion ?? ''} has no --size: /tmp and /dev/shm in the sandbox are bounded by the memory cgroup only`,
     );
   }
   return caps;
@@ -221,8 +273,8 @@ async function probeBwrap(env: NodeJS.ProcessEnv, caps: SandboxCapabilities): Pr
     return null;
   }
   const [version, help] = await Promise.all([
-    run(bwrap, ['--version'], { timeoutMs: PROBE_TIMEOUT_MS }),
-    run(bwrap, ['--help'], { timeoutMs: PROBE_TIMEOUT_MS }),
+    runQuiet(bwrap, ['--version'], PROBE_TIMEOUT_MS),
+    runQuiet(bwrap, ['--help'], PROBE_TIMEOUT_MS),
   ]);
   caps.bwrapVersion = version.stdout.trim().replace(/^bubblewrap\s+/, '') || null;
   caps.bwrapFeatures = {
@@ -235,7 +287,7 @@ async function probeBwrap(env: NodeJS.ProcessEnv, caps: SandboxCapabilities): Pr
   }
   const truePath = (await findExecutable('true', WRAPPER_ENV)) ?? '/bin/true';
   const args = [...(await baseBwrapArgs(caps.bwrapFeatures, 'host')), '--tmpfs', '/tmp', '--', truePath];
-  const result = await run(bwrap, args, { timeoutMs: PROBE_TIMEOUT_MS });
+  const result = await runQuiet(bwrap, args, PROBE_TIMEOUT_MS);
   if (result.code === 0) {
     caps.userNamespaces = true;
     return bwrap;
@@ -269,199 +321,6 @@ async function userNamespacesAllowed(reasons: string[]): Promise<boolean> {
   return true;
 }
 
-// ---- cgroups ----
-
-interface CgroupMount {
-  version: 1 | 2;
-  root: string;
-  mountPoint: string;
-}
-
-async function probeCgroup(): Promise<{ version: 1 | 2; dir: string } | { reason: string }> {
-  const [mountinfo, selfCgroup] = await Promise.all([
-    fs.readFile('/proc/self/mountinfo', 'utf8').catch(() => ''),
-    fs.readFile('/proc/self/cgroup', 'utf8').catch(() => ''),
-  ]);
-  const mounts = parseCgroupMounts(mountinfo);
-  const own = new Map<string, string>(); // controller list ('' for v2) → path
-  for (const line of selfCgroup.split('\n')) {
-    const match = /^\d+:([^:]*):(.*)$/.exec(line);
-    if (match) own.set(match[1]!, match[2]!);
-  }
-  const notes: string[] = [];
-
-  const v2 = mounts.find((m) => m.version === 2);
-  const v2Path = own.get('');
-  if (v2 && v2Path !== undefined) {
-    const controllers = await fs.readFile(path.join(v2.mountPoint, 'cgroup.controllers'), 'utf8').catch(() => '');
-    // In hybrid mode the v2 hierarchy exists but holds no controllers; memory is then on v1.
-    if (controllers.split(/\s+/).includes('memory')) {
-      const dir = hostDir(v2, v2Path);
-      if (!dir) notes.push(`cgroup v2: own cgroup ${v2Path} is outside the mounted hierarchy`);
-      else {
-        const result = await prepareV2Parent(dir);
-        if (typeof result === 'string') notes.push(`cgroup v2 at ${dir}: ${result}`);
-        else {
-          const probe = await probeChild(2, result);
-          if (probe === null) return { version: 2, dir: result };
-          notes.push(`cgroup v2 at ${result}: ${probe}`);
-        }
-      }
-    }
-  }
-
-  const v1 = mounts.find((m) => m.version === 1);
-  const v1Path = [...own].find(([controllers]) => controllers.split(',').includes('memory'))?.[1];
-  if (v1 && v1Path !== undefined) {
-    const dir = hostDir(v1, v1Path);
-    if (!dir) notes.push(`cgroup v1: own memory cgroup ${v1Path} is outside the mounted hierarchy`);
-    else {
-      const probe = await probeChild(1, dir);
-      if (probe === null) return { version: 1, dir };
-      notes.push(`cgroup v1 at ${dir}: ${probe}`);
-    }
-  }
-  if (notes.length === 0) notes.push('no memory cgroup controller is mounted');
-  return { reason: `no writable memory cgroup: ${notes.join('; ')}` };
-}
-
-function parseCgroupMounts(mountinfo: string): CgroupMount[] {
-  const mounts: CgroupMount[] = [];
-  for (const line of mountinfo.split('\n')) {
-    const [left, right] = line.split(' - ');
-    if (!left || !right) continue;
-    const fields = left.split(' ');
-    const [fstype, , superOptions = ''] = right.split(' ');
-    const root = unescapeMountPath(fields[3] ?? '');
-    const mountPoint = unescapeMountPath(fields[4] ?? '');
-    if (fstype === 'cgroup2') mounts.push({ version: 2, root, mountPoint });
-    else if (fstype === 'cgroup' && superOptions.split(',').includes('memory'))
-      mounts.push({ version: 1, root, mountPoint });
-  }
-  return mounts;
-}
-
-function unescapeMountPath(text: string): string {
-  return text.replace(/\\([0-7]{3})/g, (_, octal: string) => String.fromCharCode(Number.parseInt(octal, 8)));
-}
-
-/** The host folder of a cgroup path, given where (and from which root) its hierarchy is mounted. */
-function hostDir(mount: CgroupMount, cgroupPath: string): string | null {
-  const root = mount.root === '/' ? '' : mount.root;
-  if (root !== '' && cgroupPath !== root && !cgroupPath.startsWith(`${root}/`)) return null;
-  return path.join(mount.mountPoint, cgroupPath.slice(root.length));
-}
-
-/**
- * Makes a v2 cgroup able to have memory-limited children: 'memory' must be in its subtree_control, which
- * the kernel refuses (EBUSY) while the cgroup itself holds processes. When the only process in it is this
- * one, it moves into a leaf `ferry-server` first, as delegated services do.
- */
-async function prepareV2Parent(dir: string): Promise<string> {
-  // A previous probe of this process may already have moved it into the leaf.
-  if (path.basename(dir) === 'ferry-server') dir = path.dirname(dir);
-  const subtree = () => fs.readFile(path.join(dir, 'cgroup.subtree_control'), 'utf8').catch(() => '');
-  if ((await subtree()).split(/\s+/).includes('memory')) return dir;
-  try {
-    await fs.writeFile(path.join(dir, 'cgroup.subtree_control'), '+memory');
-    return dir;
-  } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== 'EBUSY') {
-      return `cannot enable the memory controller for children (${(err as Error).message})`;
-    }
-  }
-  const procs = (await fs.readFile(path.join(dir, 'cgroup.procs'), 'utf8')).split('\n').filter(Boolean);
-  if (procs.some((pid) => pid !== String(process.pid))) {
-    return 'the memory controller is not enabled for children and other processes share this cgroup';
-  }
-  try {
-    const leaf = path.join(dir, 'ferry-server');
-    await fs.mkdir(leaf, { recursive: true });
-    await fs.writeFile(path.join(leaf, 'cgroup.procs'), String(process.pid));
-    await fs.writeFile(path.join(dir, 'cgroup.subtree_control'), '+memory');
-    return dir;
-  } catch (err) {
-    return `cannot enable the memory controller for children (${(err as Error).message})`;
-  }
-}
-
-/** Creates, limits, joins and removes a probe child; null when all of it worked, else why not. */
-async function probeChild(version: 1 | 2, parent: string): Promise<string | null> {
-  const dir = path.join(parent, `ferry-probe-${process.pid}-${randomBytes(4).toString('hex')}`);
-  try {
-    await fs.mkdir(dir);
-  } catch (err) {
-    return `cannot create a child cgroup (${(err as Error).message})`;
-  }
-  try {
-    await fs.writeFile(path.join(dir, version === 1 ? 'memory.limit_in_bytes' : 'memory.max'), String(64 << 20));
-    const joined = await run(
-      '/bin/sh',
-      ['-c', JOIN_CGROUP_SCRIPT, 'ferry-probe', path.join(dir, 'cgroup.procs'), 'true'],
-      {
-        timeoutMs: PROBE_TIMEOUT_MS,
-        env: WRAPPER_ENV,
-      },
-    );
-    if (joined.code !== 0) return `cannot move a process into a child cgroup (${joined.stderr.trim() || joined.code})`;
-    return null;
-  } catch (err) {
-    return `cannot set a memory limit (${(err as Error).message})`;
-  } finally {
-    await removeCgroup(dir).catch(() => {});
-  }
-}
-
-export async function removeCgroup(dir: string): Promise<void> {
-  for (let attempt = 0; ; attempt++) {
-    try {
-      await fs.rmdir(dir);
-      return;
-    } catch (err) {
-      const code = (err as NodeJS.ErrnoException).code;
-      if (code === 'ENOENT') return;
-      if (code !== 'EBUSY' || attempt >= 50) throw err;
-    }
-    // Left-overs of a replica that did not exit (cleanup called early): they are the replica's own.
-    if (attempt === 0 || attempt === 10) await killCgroupMembers(dir);
-    await new Promise((resolve) => setTimeout(resolve, 20));
-  }
-}
-
-async function killCgroupMembers(dir: string): Promise<void> {
-  try {
-    await fs.writeFile(path.join(dir, 'cgroup.kill'), '1', { flag: 'r+' }); // v2, Linux 5.14+
-    return;
-  } catch {
-    // v1 or an older kernel: one by one
-  }
-  const procs = await fs.readFile(path.join(dir, 'cgroup.procs'), 'utf8').catch(() => '');
-  for (const pid of procs.split('\n').filter(Boolean)) {
-    try {
-      process.kill(Number(pid), 'SIGKILL');
-    } catch {
-      // already gone
-    }
-  }
-}
-
-export async function readOomKilled(version: 1 | 2, dir: string): Promise<boolean> {
-  if (version === 2) {
-    const events = await fs.readFile(path.join(dir, 'memory.events'), 'utf8').catch(() => '');
-    return counter(events, 'oom_kill') > 0;
-  }
-  const control = await fs.readFile(path.join(dir, 'memory.oom_control'), 'utf8').catch(() => '');
-  // oom_kill exists since Linux 4.13; before it, hitting the limit at all is the best sign there is.
-  if (/^oom_kill /m.test(control)) return counter(control, 'oom_kill') > 0;
-  const failcnt = await fs.readFile(path.join(dir, 'memory.failcnt'), 'utf8').catch(() => '0');
-  return Number.parseInt(failcnt, 10) > 0;
-}
-
-function counter(text: string, name: string): number {
-  const match = new RegExp(`^${name} (\\d+)$`, 'm').exec(text);
-  return match ? Number(match[1]) : 0;
-}
-
 // ---- paths ----
 
 /** Paths as the replica will see them, so the caller builds `command` and `env` right for either mode. */
@@ -471,7 +330,7 @@ export function sandboxPaths(layout: SandboxLayout, sandboxed: boolean): Sandbox
     appDir: sandboxed ? SANDBOX_APP_DIR : path.resolve(layout.buildDir),
     socketDir,
     socketPath: path.posix.join(socketDir, REPLICA_SOCKET_NAME),
-    hostSocketPath: path.join(path.resolve(layout.socketDir), REPLICA_SOCKET_NAME),
+    hostSocketPath: sandboxed ? null : path.join(path.resolve(layout.socketDir), REPLICA_SOCKET_NAME),
     runtimeFile(host: string): string {
       const entry = layout.runtimeFiles.find((f) => path.resolve(f.host) === path.resolve(host));
       if (!entry) throw new Error(`${host} is not one of the launch's runtimeFiles`);
@@ -480,25 +339,39 @@ export function sandboxPaths(layout: SandboxLayout, sandboxed: boolean): Sandbox
   };
 }
 
+/** The replica's socket as the server reaches it, through the sandbox init's view of the filesystem. */
+export function socketPathThroughInit(initPid: number): string {
+  return `/proc/${initPid}/root${SANDBOX_SOCKET_DIR}/${REPLICA_SOCKET_NAME}`;
+}
+
 // ---- launching ----
 
 /**
- * Creates the replica's memory cgroup (when there is one) and the command that starts it: under bwrap
- * when caps.bwrap is set, else as a plain process in the build folder. Call cleanup() after it exited.
+ * Creates the replica's cgroup (when there is one) and the command that starts it: under bwrap when
+ * caps.bwrap is set, else as a plain process in the build folder. Call cleanup() after it exited.
  */
 export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabilities): Promise<PreparedLaunch> {
   validateLaunch(launch);
   const sandboxed = caps.bwrap !== null;
   const paths = sandboxPaths(launch, sandboxed);
   const buildDir = path.resolve(launch.buildDir);
-  const socketDir = path.resolve(launch.socketDir);
   if (!(await fs.stat(buildDir)).isDirectory()) throw new Error(`Build folder ${buildDir} is not a folder`);
   // bwrap would fail too, but only in the replica's stderr.
-  for (const entry of launch.runtimeFiles) await fs.access(entry.host);
-  await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
-  // A socket file left by an earlier replica in this folder would make the new one's listen fail.
-  await fs.rm(paths.hostSocketPath, { force: true });
+  for (const entry of launch.runtimeFiles) {
+    if (sandboxed && !(await fs.stat(entry.host)).isFile()) {
+      throw new Error(`Runtime file ${entry.host} must be a file: it is copied into the sandbox`);
+    }
+    await fs.access(entry.host);
+  }
+  if (!sandboxed) {
+    const socketDir = path.resolve(launch.socketDir);
+    await fs.mkdir(socketDir, { recursive: true, mode: 0o700 });
+    // A socket file left by an earlier replica in this folder would make the new one's listen fail.
+    await fs.rm(paths.hostSocketPath!, { force: true });
+  }
   const memoryBytes = Math.floor(launch.memoryMiB * 1024 * 1024);
+  const maxProcesses = launch.maxProcesses ?? DEFAULT_MAX_PROCESSES;
+  const cpu = launch.cpu ?? 1;
 
   const cwdInside = path.posix.join(paths.appDir, launch.cwd ?? '.');
   const cwdHost = path.join(buildDir, launch.cwd ?? '.');
@@ -506,30 +379,38 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   let file: string;
   let args: string[];
   let env: Record<string, string>;
-  let envArgs: Buffer | null = null;
+  let bwrapArgs: string[] = [];
   if (sandboxed) {
-    const bwrapArgs = [
+    const size = (bytes: number) => (caps.bwrapFeatures.tmpfsSize ? ['--size', String(bytes)] : []);
+    bwrapArgs = [
       ...(await baseBwrapArgs(caps.bwrapFeatures, launch.network ?? 'host')),
-      ...(caps.bwrapFeatures.tmpfsSize ? ['--size', String(memoryBytes)] : []),
+      // bwrap's --dev has no shm mount of its own: /dev/shm would be a folder of the unbounded /dev tmpfs.
+      ...size(memoryBytes),
+      '--tmpfs',
+      '/dev/shm',
+      '--remount-ro',
+      '/dev',
+      ...size(memoryBytes),
       '--tmpfs',
       '/tmp',
+      ...size(SOCKET_TMPFS_BYTES),
+      '--tmpfs',
+      SANDBOX_SOCKET_DIR,
       '--ro-bind',
       buildDir,
       SANDBOX_APP_DIR,
-      '--bind',
-      socketDir,
-      SANDBOX_SOCKET_DIR,
     ];
-    for (const entry of launch.runtimeFiles) bwrapArgs.push('--ro-bind', path.resolve(entry.host), entry.sandbox);
-    bwrapArgs.push('--chdir', cwdInside, '--info-fd', '3', '--clearenv', '--args', '4', '--', ...launch.command);
+    launch.runtimeFiles.forEach((entry, i) => {
+      bwrapArgs.push('--perms', '0444', '--file', String(FIRST_FILE_FD + i), entry.sandbox);
+    });
+    // Last: the root tmpfs (bwrap's newroot) would otherwise take writes of any size at `/`.
+    bwrapArgs.push('--remount-ro', '/');
+    bwrapArgs.push('--chdir', cwdInside, '--info-fd', '3', '--clearenv');
+    for (const [name, value] of Object.entries(launch.env)) bwrapArgs.push('--setenv', name, value);
     file = caps.bwrap!;
-    args = bwrapArgs;
+    // bwrap takes the command only on its command line; it is built from sandbox paths (sandboxPaths()).
+    args = ['--args', '4', '--', ...launch.command];
     env = { ...WRAPPER_ENV };
-    envArgs = Buffer.from(
-      Object.entries(launch.env)
-        .flatMap(([name, value]) => ['--setenv', name, value, ''].join('\0'))
-        .join(''),
-    );
   } else {
     file = launch.command[0]!;
     args = launch.command.slice(1);
@@ -537,48 +418,55 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
     env = { ...launch.env, PWD: cwdHost };
   }
 
-  let memoryLimit: MemoryLimitKind = 'none';
-  let cgroupDir: string | null = null;
+  let memoryLimit: LimitKind = 'none';
+  let cgroup: ReplicaCgroup | null = null;
   if (caps.cgroup) {
-    cgroupDir = await createReplicaCgroup(caps.cgroup.version, caps.cgroup.dir, launch.replicaId, memoryBytes);
-    args = ['-c', JOIN_CGROUP_SCRIPT, 'ferry-replica', path.join(cgroupDir, 'cgroup.procs'), file, ...args];
-    file = '/bin/sh';
-    memoryLimit = 'cgroup';
-  } else if (caps.prlimit) {
+    cgroup = await createReplicaCgroup(caps.cgroup, launch.replicaId, { memoryBytes, maxProcesses, cpu });
+    ({ file, args } = cgroup.wrap(file, args));
+    if (cgroup.dirs.memory) memoryLimit = 'cgroup';
+  }
+  if (memoryLimit === 'none' && caps.prlimit) {
     // RLIMIT_DATA, not RLIMIT_AS: V8 reserves far more address space than it ever uses.
     args = [`--data=${memoryBytes}`, '--', file, ...args];
     file = caps.prlimit;
     memoryLimit = 'rlimit';
   }
 
-  const cgroupVersion = caps.cgroup?.version ?? 1;
-  let oomKilled: boolean | undefined;
-  const wasOomKilled = async () => {
-    if (oomKilled !== undefined) return oomKilled;
-    return cgroupDir ? readOomKilled(cgroupVersion, cgroupDir) : false;
-  };
   const finalArgs = args;
   const finalFile = file;
   const finalEnv = env;
   const spawnCwd = sandboxed ? '/' : cwdHost;
+  const argsBlob = sandboxed ? Buffer.from(bwrapArgs.map((arg) => `${arg}\0`).join('')) : null;
+  const cgroupDirs = { ...(cgroup?.dirs ?? {}) };
 
   return {
     file,
     args,
+    bwrapArgs,
     cwd: sandboxed ? cwdInside : cwdHost,
     sandboxed,
     memoryLimit,
-    cgroupDir,
+    processLimit: cgroupDirs.pids ? 'cgroup' : 'none',
+    cpuLimit: cgroupDirs.cpu ? 'cgroup' : 'none',
+    cgroupDir: cgroupDirs.memory ?? null,
+    cgroupDirs,
     paths,
     socketPathInside: paths.socketPath,
     spawn: (stdio = ['ignore', 'pipe', 'pipe']) =>
-      spawnReplica(finalFile, finalArgs, finalEnv, spawnCwd, stdio, envArgs),
-    wasOomKilled,
+      spawnReplica({
+        file: finalFile,
+        args: finalArgs,
+        env: finalEnv,
+        cwd: spawnCwd,
+        stdio,
+        argsBlob,
+        runtimeFiles: sandboxed ? launch.runtimeFiles.map((entry) => entry.host) : [],
+        hostSocketPath: paths.hostSocketPath,
+        killAll: cgroup ? () => cgroup.kill() : undefined,
+      }),
+    wasOomKilled: async () => (cgroup ? cgroup.oomKilled() : false),
     async cleanup() {
-      if (!cgroupDir) return;
-      oomKilled = await wasOomKilled();
-      await removeCgroup(cgroupDir);
-      cgroupDir = null;
+      await cgroup?.remove();
     },
   };
 }
@@ -590,6 +478,12 @@ function validateLaunch(launch: ReplicaLaunch): void {
   if (launch.command.length === 0) throw new Error('The replica command is empty');
   if (!Number.isFinite(launch.memoryMiB) || launch.memoryMiB < 16) {
     throw new Error(`Memory limit must be at least 16 MiB (got ${launch.memoryMiB})`);
+  }
+  if (launch.maxProcesses !== undefined && (!Number.isInteger(launch.maxProcesses) || launch.maxProcesses < 1)) {
+    throw new Error(`maxProcesses must be a positive integer (got ${launch.maxProcesses})`);
+  }
+  if (launch.cpu !== undefined && (!Number.isFinite(launch.cpu) || launch.cpu <= 0)) {
+    throw new Error(`cpu must be a positive number (got ${launch.cpu})`);
   }
   if (launch.cwd !== undefined && (path.isAbsolute(launch.cwd) || launch.cwd.split(/[\\/]/).includes('..'))) {
     throw new Error(`cwd must be a folder inside the app (got ${launch.cwd})`);
@@ -611,83 +505,87 @@ function validateLaunch(launch: ReplicaLaunch): void {
   }
 }
 
-export async function createReplicaCgroup(
-  version: 1 | 2,
-  parent: string,
-  replicaId: string,
-  bytes: number,
-): Promise<string> {
-  const dir = path.join(parent, `ferry-${replicaId}`);
-  try {
-    await fs.mkdir(dir);
-  } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== 'EEXIST') throw err;
-    // Left by a crash: empty ones go, a busy one is a replica still running under this id.
-    await removeCgroup(dir);
-    await fs.mkdir(dir);
-  }
-  try {
-    if (version === 1) {
-      await fs.writeFile(path.join(dir, 'memory.limit_in_bytes'), String(bytes));
-      // With swap accounting, memory+swap gets the same limit, or swap would quietly extend it.
-      await writeIfPresent(path.join(dir, 'memory.memsw.limit_in_bytes'), String(bytes));
-    } else {
-      await fs.writeFile(path.join(dir, 'memory.max'), String(bytes));
-      await writeIfPresent(path.join(dir, 'memory.swap.max'), '0');
-      // An OOM kill takes the whole sandbox, not just the biggest process in it.
-      await writeIfPresent(path.join(dir, 'memory.oom.group'), '1');
-    }
-  } catch (err) {
-    await removeCgroup(dir).catch(() => {});
-    throw err;
-  }
-  return dir;
+/** What spawnReplica starts: the (wrapped) command, and under bwrap its options and runtime files. */
+export interface SpawnSpec {
+  file: string;
+  args: string[];
+  env: Record<string, string>;
+  cwd: string;
+  stdio: ReplicaStdio;
+  /** bwrap's arguments for `--args 4`; null without bwrap. */
+  argsBlob: Buffer | null;
+  /** Host files for bwrap's `--file 5…`, in order. */
+  runtimeFiles: string[];
+  /** Without bwrap: where the socket is. */
+  hostSocketPath: string | null;
+  /** Kills everything in the replica's cgroup. */
+  killAll: (() => Promise<void>) | undefined;
 }
 
-async function writeIfPresent(file: string, value: string): Promise<void> {
-  try {
-    await fs.writeFile(file, value, { flag: 'r+' });
-  } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw err;
+/**
+ * Starts a prepared sandbox: fds 3 (bwrap's status, from which the init pid and so the socket path come),
+ * 4 (bwrap's options, `--args 4`) and 5… (runtime files, `--file`) follow stdio. Build steps reuse it.
+ */
+export function spawnReplica(spec: SpawnSpec): ReplicaProcess {
+  const { argsBlob } = spec;
+  if (!argsBlob) {
+    const child = spawn(spec.file, spec.args, { cwd: spec.cwd, env: spec.env, stdio: spec.stdio });
+    return {
+      child,
+      kill: (signal = 'SIGTERM') => child.kill(signal),
+      socketPath: Promise.resolve(spec.hostSocketPath),
+    };
   }
-}
-
-export function spawnReplica(
-  file: string,
-  args: string[],
-  env: Record<string, string>,
-  cwd: string,
-  stdio: ReplicaStdio,
-  envArgs: Buffer | null,
-): ReplicaProcess {
-  const child = spawn(file, args, { cwd, env, stdio: envArgs ? [...stdio, 'pipe', 'pipe'] : stdio });
-  if (!envArgs) {
-    return { child, kill: (signal = 'SIGTERM') => child.kill(signal) };
+  const fileFds = spec.runtimeFiles.map((file) => fsSync.openSync(file, 'r'));
+  let child: ChildProcess;
+  try {
+    child = spawn(spec.file, spec.args, {
+      cwd: spec.cwd,
+      env: spec.env,
+      stdio: [...spec.stdio, 'pipe', 'pipe', ...fileFds],
+    });
+  } finally {
+    // The child has its own copies now.
+    for (const fd of fileFds) fsSync.closeSync(fd);
   }
   // bwrap writes {"child-pid": N} on fd 3: the host pid of the sandbox's init (bwrap's reaper).
   let initPid: number | undefined;
-  const info = child.stdio[3] as Readable;
-  let text = '';
-  info.setEncoding('utf8');
-  info.on('data', (chunk: string) => {
-    text += chunk;
-    const match = /"child-pid"\s*:\s*(\d+)/.exec(text);
-    if (match) initPid = Number(match[1]);
-  });
-  info.on('error', () => {});
-  const envPipe = child.stdio[4] as Writable;
-  envPipe.on('error', () => {}); // bwrap failed before reading it: its exit says why
-  envPipe.end(envArgs);
-
   let exited = false;
-  child.once('exit', () => {
-    exited = true;
+  const socketPath = new Promise<string | null>((resolve) => {
+    const info = child.stdio[3] as Readable;
+    let text = '';
+    info.setEncoding('utf8');
+    info.on('data', (chunk: string) => {
+      text += chunk;
+      const match = /"child-pid"\s*:\s*(\d+)/.exec(text);
+      if (match && initPid === undefined) {
+        initPid = Number(match[1]);
+        resolve(socketPathThroughInit(initPid));
+      }
+    });
+    info.on('error', () => {});
+    child.once('exit', () => {
+      exited = true;
+      resolve(null);
+    });
+    child.once('error', () => resolve(null));
   });
+  const argsPipe = child.stdio[4] as Writable;
+  argsPipe.on('error', () => {}); // bwrap failed before reading it: its exit says why
+  argsPipe.end(argsBlob);
+
   return {
     child,
+    socketPath,
     kill(signal: NodeJS.Signals = 'SIGTERM') {
       if (exited) return false;
-      const target = signal === 'SIGKILL' || initPid === undefined ? undefined : firstChild(initPid);
+      if (signal === 'SIGKILL') {
+        const sent = child.kill('SIGKILL');
+        // bwrap's death takes the sandbox (its PID namespace) with it; the cgroup catches anything else.
+        void spec.killAll?.().catch(() => {});
+        return sent;
+      }
+      const target = initPid === undefined ? undefined : firstChild(initPid);
       if (target === undefined) return child.kill(signal);
       try {
         process.kill(target, signal);
@@ -817,43 +715,4 @@ export async function findExecutable(name: string, env: NodeJS.ProcessEnv): Prom
     }
   }
   return null;
-}
-
-interface RunResult {
-  code: number | null;
-  stdout: string;
-  stderr: string;
-  timedOut: boolean;
-  error?: string;
-}
-
-function run(
-  file: string,
-  args: string[],
-  options: { timeoutMs: number; env?: Record<string, string> },
-): Promise<RunResult> {
-  return new Promise((resolve) => {
-    const child = spawn(file, args, { env: options.env ?? WRAPPER_ENV, stdio: ['ignore', 'pipe', 'pipe'] });
-    let stdout = '';
-    let stderr = '';
-    let timedOut = false;
-    child.stdout.setEncoding('utf8').on('data', (chunk: string) => {
-      stdout += chunk;
-    });
-    child.stderr.setEncoding('utf8').on('data', (chunk: string) => {
-      stderr += chunk;
-    });
-    const timer = setTimeout(() => {
-      timedOut = true;
-      child.kill('SIGKILL');
-    }, options.timeoutMs);
-    child.on('error', (err) => {
-      clearTimeout(timer);
-      resolve({ code: null, stdout, stderr, timedOut, error: err.message });
-    });
-    child.on('close', (code) => {
-      clearTimeout(timer);
-      resolve({ code, stdout, stderr, timedOut });
-    });
-  });
 }

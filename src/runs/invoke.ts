@@ -3,7 +3,8 @@
  *
  * Records the run, takes a replica slot (waiting in the app's queue, cold-starting a replica when needed),
  * calls the function over the replica protocol with the app's `response_grace_period` as its deadline, sends
- * the function's output to the run's log, and records how it ended.
+ * the function's output to the run's log, and records how it ended. A run past its deadline is recorded
+ * `timeout` first; then its replica is stopped (pool.ts: SIGTERM, RUN_TIMEOUT_KILL_GRACE_MS, SIGKILL).
  */
 import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
@@ -223,7 +224,6 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             `The run took longer than the app's response_grace_period (${build.config.scaling.response_grace_period} s)`,
           )
         : caught;
-      if (timedOut && slot) slot.release({ poisoned: true });
       const ferry = err instanceof FerryError ? err : undefined;
       const clientGone = !ferry && request.signal?.aborted === true;
       const state: RunState = timedOut ? 'timeout' : clientGone ? 'cancelled' : 'failure';
@@ -241,6 +241,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         },
         { error: { code, message, type: ferry?.details.type } },
       );
+      // Recorded as `timeout` first; then the replica, which may still be running it, is stopped.
+      if (timedOut && slot) slot.release({ timedOut: true });
       throw ferry ?? (clientGone ? caught : new FerryError('FERRY_INTERNAL', undefined, { cause: caught }));
     } finally {
       clearTimeout(timer);

@@ -23,16 +23,8 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
-import {
-  baseBwrapArgs,
-  createReplicaCgroup,
-  JOIN_CGROUP_SCRIPT,
-  readOomKilled,
-  removeCgroup,
-  type SandboxCapabilities,
-  spawnReplica,
-  WRAPPER_ENV,
-} from '../../replicas/sandbox.js';
+import { createReplicaCgroup, type ReplicaCgroup } from '../../replicas/cgroups.js';
+import { baseBwrapArgs, type SandboxCapabilities, spawnReplica, WRAPPER_ENV } from '../../replicas/sandbox.js';
 import type { SandboxNetwork } from '../../sandbox/network.js';
 import { abortError, type ChildExit, runChild, throwIfAborted } from './run-child.js';
 import type { BuildContext } from './types.js';
@@ -156,9 +148,9 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
   // The pid too: cgroups are machine-wide, and another server (or a test) may run a build of the same id.
   const stepId = `build-${ctx.buildId}-${process.pid}-${stepCounter}`;
   const lease = await network.acquire(stepId.replace(/[^A-Za-z0-9_-]/g, '-'));
-  const cgroups: string[] = [];
+  let cgroup: ReplicaCgroup | null = null;
   try {
-    const args = [
+    const options = [
       ...(await baseBwrapArgs(caps.bwrapFeatures, lease.netnsPath === null ? 'isolated' : 'host')),
       ...(caps.bwrapFeatures.tmpfsSize ? ['--size', String(memoryBytes)] : []),
       '--tmpfs',
@@ -173,57 +165,52 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
       path.resolve(cacheHost),
       STEP_CACHE_DIR,
     ];
-    if (lease.resolvConf !== null) args.push('--ro-bind', lease.resolvConf, '/etc/resolv.conf');
+    if (lease.resolvConf !== null) options.push('--ro-bind', lease.resolvConf, '/etc/resolv.conf');
     for (const mount of step.writable ?? []) {
       checkTarget(mount.sandbox, true);
-      args.push('--bind', path.resolve(mount.host), mount.sandbox);
+      options.push('--bind', path.resolve(mount.host), mount.sandbox);
     }
     for (const mount of step.readOnly ?? []) {
       checkTarget(mount.sandbox, false);
       await fs.access(mount.host);
-      args.push('--ro-bind', path.resolve(mount.host), mount.sandbox);
+      options.push('--ro-bind', path.resolve(mount.host), mount.sandbox);
     }
-    args.push('--chdir', step.cwd, '--info-fd', '3', '--clearenv', '--args', '4', '--', ...step.command);
-    const envArgs = Buffer.from(
-      Object.entries(step.env)
-        .flatMap(([name, value]) => ['--setenv', name, value, ''].join('\0'))
-        .join(''),
-    );
+    options.push('--chdir', step.cwd, '--info-fd', '3', '--clearenv');
+    for (const [name, value] of Object.entries(step.env)) options.push('--setenv', name, value);
+    // Every option (host paths, the environment) goes through a pipe: the step's /proc/1/cmdline shows none.
+    const argsBlob = Buffer.from(options.map((arg) => `${arg}\0`).join(''));
 
     // The wrappers run outside the sandbox, each exec'ing the next: join the cgroups, enter the
     // network namespace, then bwrap.
     let file = caps.bwrap;
-    let argv = args;
+    let argv = ['--args', '4', '--', ...step.command];
     if (lease.netnsPath !== null) {
       argv = [`--net=${lease.netnsPath}`, '--', file, ...argv];
       file = 'nsenter';
     }
-    const joins: string[] = [];
-    let pidsLimited = false;
     if (caps.cgroup) {
-      const memory = await createReplicaCgroup(caps.cgroup.version, caps.cgroup.dir, stepId, memoryBytes);
-      cgroups.push(memory);
-      joins.push(path.join(memory, 'cgroup.procs'));
-      // v2: one cgroup holds both limits, when the pids controller is enabled there.
-      if (caps.cgroup.version === 2) pidsLimited = await setPidsMax(memory, limits.maxProcesses);
-    } else if (caps.prlimit) {
+      // One cgroup over the controllers this machine lets Ferry write (memory, pids; no CPU quota).
+      cgroup = await createReplicaCgroup(caps.cgroup, stepId, { memoryBytes, maxProcesses: limits.maxProcesses });
+    }
+    if (!cgroup?.dirs.memory && caps.prlimit) {
       // RLIMIT_NPROC would count the server user's processes too, so it is no pids limit here.
       argv = [`--data=${memoryBytes}`, '--', file, ...argv];
       file = caps.prlimit;
     }
-    if (!pidsLimited) {
-      const pids = await createPidsCgroup(stepId, limits.maxProcesses);
-      if (pids) {
-        cgroups.push(pids);
-        joins.push(path.join(pids, 'cgroup.procs'));
-      }
-    }
-    for (const procs of joins.reverse()) {
-      argv = ['-c', JOIN_CGROUP_SCRIPT, 'ferry-build-step', procs, file, ...argv];
-      file = '/bin/sh';
-    }
+    if (cgroup) ({ file, args: argv } = cgroup.wrap(file, argv));
 
-    const replica = spawnReplica(file, argv, { ...WRAPPER_ENV }, '/', ['ignore', 'pipe', 'pipe'], envArgs);
+    const stepCgroup = cgroup;
+    const replica = spawnReplica({
+      file,
+      args: argv,
+      env: { ...WRAPPER_ENV },
+      cwd: '/',
+      stdio: ['ignore', 'pipe', 'pipe'],
+      argsBlob,
+      runtimeFiles: [],
+      hostSocketPath: null,
+      killAll: stepCgroup ? () => stepCgroup.kill() : undefined,
+    });
     const exit = await new Promise<ChildExit>((resolve, reject) => {
       const { child } = replica;
       let settled = false;
@@ -252,11 +239,11 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
       // Aborted while the cgroups and the network were being set up: the event has already fired.
       if (ctx.signal.aborted) onAbort();
     });
-    const oomKilled = cgroups.length > 0 && caps.cgroup ? await readOomKilled(caps.cgroup.version, cgroups[0]!) : false;
+    const oomKilled = cgroup ? await cgroup.oomKilled() : false;
     return { ...exit, oomKilled };
   } finally {
     // Removing a cgroup kills whatever is left in it (a daemon the step started and detached).
-    for (const dir of cgroups) await removeCgroup(dir).catch(() => {});
+    await cgroup?.remove().catch(() => {});
     await lease.release();
   }
 }
@@ -280,64 +267,4 @@ export function describeStepExit(exit: StepExit, limits: BuildLimits): string {
   if (exit.oomKilled) return `was killed: it ran out of memory (the limit is ${limits.memoryMiB} MiB)`;
   if (exit.code === null) return `was killed by ${exit.signal ?? 'a signal'}`;
   return `failed (exit code ${exit.code})`;
-}
-
-// ---- the pids cgroup ----
-
-async function setPidsMax(dir: string, max: number): Promise<boolean> {
-  try {
-    await fs.writeFile(path.join(dir, 'pids.max'), String(max), { flag: 'r+' });
-    return true;
-  } catch {
-    return false;
-  }
-}
-
-let pidsParent: Promise<string | null> | undefined;
-
-/** This process's own cgroup in a cgroup v1 pids hierarchy, when it is mounted and writable. */
-function findPidsParent(): Promise<string | null> {
-  pidsParent ??= (async () => {
-    const [mountinfo, own] = await Promise.all([
-      fs.readFile('/proc/self/mountinfo', 'utf8').catch(() => ''),
-      fs.readFile('/proc/self/cgroup', 'utf8').catch(() => ''),
-    ]);
-    const cgroupPath = /^\d+:(?:[^:]*,)?pids(?:,[^:]*)?:(.*)$/m.exec(own)?.[1];
-    if (cgroupPath === undefined) return null;
-    for (const line of mountinfo.split('\n')) {
-      const [left, right] = line.split(' - ');
-      if (!left || !right) continue;
-      const [fstype, , options = ''] = right.split(' ');
-      if (fstype !== 'cgroup' || !options.split(',').includes('pids')) continue;
-      const fields = left.split(' ');
-      const root = fields[3] ?? '/';
-      const mountPoint = fields[4] ?? '';
-      if (root !== '/' && cgroupPath !== root && !cgroupPath.startsWith(`${root}/`)) continue;
-      const dir = path.join(mountPoint, cgroupPath.slice(root === '/' ? 0 : root.length));
-      try {
-        await fs.access(path.join(dir, 'cgroup.procs'), fs.constants.W_OK);
-        return dir;
-      } catch {
-        return null;
-      }
-    }
-    return null;
-  })();
-  return pidsParent;
-}
-
-async function createPidsCgroup(stepId: string, max: number): Promise<string | null> {
-  const parent = await findPidsParent();
-  if (parent === null) return null;
-  const dir = path.join(parent, `ferry-${stepId}`);
-  try {
-    await fs.mkdir(dir);
-  } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== 'EEXIST') return null;
-  }
-  if (!(await setPidsMax(dir, max))) {
-    await removeCgroup(dir).catch(() => {});
-    return null;
-  }
-  return dir;
 }
