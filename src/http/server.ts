@@ -9,7 +9,9 @@ import Fastify, { LogController } from 'fastify';
 import { registerDashboardRoutes } from '../dashboard/routes.js';
 import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
+import { parseJsonBody, useJsonBodies } from './body-parsers.js';
 import { errorHandler } from './errors.js';
+import { assertFiniteNumbers, formatValidationErrors } from './validation.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
 import { registerRunRoutes } from './routes/run.js';
@@ -31,6 +33,9 @@ function createFastify(services: Services) {
     // Secret names may be 128 characters; Fastify's default of 100 would answer its own 414 first.
     routerOptions: { maxParamLength: 256 },
     ajv: { customOptions: { removeAdditional: false, coerceTypes: 'array', allErrors: false } },
+    schemaErrorFormatter: formatValidationErrors,
+    // Fastify answers a URL it cannot decode itself, in its own shape, unless told otherwise.
+    frameworkErrors: (err, request, reply) => errorHandler(err, request, reply),
     return503OnClosing: true,
     forceCloseConnections: 'idle',
   }).withTypeProvider<TypeBoxTypeProvider>();
@@ -69,10 +74,9 @@ export async function buildServer(services: Services): Promise<FerryServer> {
     );
   });
 
-  // Deploys send the archive as the raw body; the handler streams it to disk itself.
-  app.addContentTypeParser(['application/zip', 'application/x-zip-compressed'], (_request, payload, done) =>
-    done(null, payload),
-  );
+  useJsonBodies(app, parseJsonBody, services.config.maxBodyBytes);
+  // After validation, before any handler (a route's own preHandler hooks run after this one).
+  app.addHook('preHandler', async (request) => assertFiniteNumbers(request));
 
   const { httpRequests, httpDuration } = services.metrics;
   app.addHook('onResponse', async (request, reply) => {

@@ -17,6 +17,7 @@ import type { Services } from '../../services.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
 import type { TypedServer } from '../server.js';
+import { useJsonBodies } from '../body-parsers.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
 
 declare module 'fastify' {
@@ -50,7 +51,10 @@ function parseRunBody(raw: Buffer): RawJson {
   try {
     value = JSON.parse(raw.toString('utf8'));
   } catch {
-    throw new FerryError('FERRY_INVALID_JSON');
+    throw new FerryError(
+      'FERRY_INVALID_JSON',
+      'The request body is not valid JSON (a body sent without Content-Type or as text/plain is read as JSON too)',
+    );
   }
   if (value === null || typeof value !== 'object' || Array.isArray(value))
     throw new FerryError('FERRY_BODY_NOT_OBJECT');
@@ -240,19 +244,9 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
   attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
     resolveTarget(services, projectId, appName, authorization),
   );
-  // Its own scope, so the raw-body JSON parser applies to the run endpoint only.
+  // Its own scope, so the raw-body JSON parser (which keeps the bytes to forward) applies to the run endpoint only.
   void app.register(async function runEndpoint(scope: FastifyInstance) {
-    scope.addContentTypeParser(
-      'application/json',
-      { parseAs: 'buffer', bodyLimit: services.config.maxBodyBytes },
-      (_req, body, done) => {
-        try {
-          done(null, parseRunBody(body as Buffer));
-        } catch (err) {
-          done(err as Error, undefined);
-        }
-      },
-    );
+    useJsonBodies(scope, parseRunBody, services.config.maxBodyBytes);
 
     /**
      * Resolves the app (authenticating); a custom app is served here and now, before Fastify reads the body,
