@@ -7,7 +7,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import * as esbuild from 'esbuild';
 import { isFile, PROXY_ENV, runInstallStep, throwIfAborted } from './run-child.js';
-import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
+import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
 
 /** Entry files the Node builder accepts, in the order they are looked for. */
 export const NODE_ENTRIES = ['main.ts', 'main.js', 'main.mjs'] as const;
@@ -65,7 +65,7 @@ async function findEntry(ctx: BuildContext): Promise<string> {
   for (const candidate of NODE_ENTRIES) {
     if (await isFile(path.join(ctx.sourceDir, candidate))) return candidate;
   }
-  throw new BuildFailedError('No entry file: expected main.ts, main.js or main.mjs at the archive root');
+  throw noEntryError();
 }
 
 async function installDependencies(ctx: BuildContext, npmCommand: string): Promise<void> {
