@@ -11,7 +11,6 @@ import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
 import { parseJsonBody, useJsonBodies } from './body-parsers.js';
 import { errorHandler } from './errors.js';
-import { assertFiniteNumbers, formatValidationErrors } from './validation.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
 import { registerRunRoutes } from './routes/run.js';
@@ -20,6 +19,7 @@ import { registerSecretRoutes } from './routes/secrets.js';
 import { registerServiceAccountRoutes } from './routes/service-accounts.js';
 import { registerSystemRoutes } from './routes/system.js';
 import { registerWebhookRoutes } from './routes/webhooks.js';
+import { assertFiniteNumbers, formatValidationErrors } from './validation.js';
 
 export type FerryServer = TypedServer;
 export type TypedServer = ReturnType<typeof createFastify>;

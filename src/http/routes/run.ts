@@ -15,9 +15,9 @@ import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { newRunRow } from '../../runs/recorder.js';
 import type { Services } from '../../services.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
+import { useJsonBodies } from '../body-parsers.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
 import type { TypedServer } from '../server.js';
-import { useJsonBodies } from '../body-parsers.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
 
 declare module 'fastify' {
@@ -321,10 +321,15 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
         });
         const common = { runId, build: target.build, fn, body, signal: gone.signal, webhookUrl, webhookSecret };
 
+        // The run is recorded as cancelled (client_disconnected); the error handler logs it at debug level.
+        const orGone = (err: unknown): never => {
+          if (gone.signal.aborted && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
+          throw err;
+        };
         if (wantsEventStream(request.headers.accept)) {
-          return streamRun(services, request, reply, common);
+          return streamRun(services, request, reply, common).catch(orGone);
         }
-        const outcome = await services.invoker.invoke({ ...common, mode: 'sync' });
+        const outcome = await services.invoker.invoke({ ...common, mode: 'sync' }).catch(orGone);
         return reply
           .type('application/json; charset=utf-8')
           .send({ run_id: runId, result: outcome.result, run_time_ms: outcome.runTimeMs });
