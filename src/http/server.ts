@@ -11,6 +11,7 @@ import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
 import { parseJsonBody, useJsonBodies } from './body-parsers.js';
 import { errorHandler } from './errors.js';
+import { swaggerOptions } from './openapi.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
 import { registerRunRoutes } from './routes/run.js';
@@ -44,26 +45,7 @@ function createFastify(services: Services) {
 export async function buildServer(services: Services): Promise<FerryServer> {
   const app = createFastify(services);
 
-  await app.register(swagger, {
-    openapi: {
-      openapi: '3.1.0',
-      info: {
-        title: 'Ferry management API',
-        version: '1.0.0',
-        description:
-          'Projects, service accounts, apps and builds of a Ferry server. Run endpoints (/v4) are described in docs/api.md.',
-      },
-      components: {
-        securitySchemes: { bearer: { type: 'http', scheme: 'bearer', bearerFormat: 'JWT' } },
-      },
-      security: [{ bearer: [] }],
-    },
-    transform({ schema, url }) {
-      // Only the management API belongs in the document.
-      const hide = !url.startsWith('/v2/') || url === '/v2/openapi.json';
-      return { schema: hide ? { ...schema, hide: true } : schema, url };
-    },
-  });
+  await app.register(swagger, swaggerOptions);
 
   app.setErrorHandler(errorHandler);
   app.setNotFoundHandler((request, reply) => {
