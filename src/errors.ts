@@ -17,6 +17,9 @@ export const ERRORS = {
   FERRY_UNSUPPORTED_MEDIA_TYPE: { status: 415, message: 'Unsupported Content-Type' },
   FERRY_BODY_TOO_LARGE: { status: 413, message: 'The request body is too large' },
   FERRY_BAD_URL: { status: 400, message: 'The request URL is not valid' },
+  FERRY_BAD_REQUEST: { status: 400, message: 'The request is not valid HTTP' },
+  FERRY_HEADERS_TOO_LARGE: { status: 431, message: 'The request headers are larger than the server allows' },
+  FERRY_REQUEST_TIMEOUT: { status: 408, message: 'The request was not received in time' },
   FERRY_INTERNAL: { status: 500, message: 'Internal error' },
 
   // Authentication and authorization

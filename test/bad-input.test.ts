@@ -4,6 +4,7 @@
  * coded 4xx in Ferry's shape now.
  */
 import assert from 'node:assert/strict';
+import { connect } from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { zipFiles } from './helpers/app-zip.js';
 import { deployFiles, http, startServer, type TestServer } from './helpers/ferry.js';
@@ -14,6 +15,20 @@ function assertFerryError(res: { status: number; json: unknown; text: string }, 
   const body = res.json as { error?: { code?: unknown; message?: unknown } };
   assert.equal(body?.error?.code, code, res.text);
   assert.equal(typeof body.error?.message, 'string');
+}
+
+/** Writes `bytes` on a fresh connection and reads until the server closes it. */
+function rawExchange(url: string, bytes: string): Promise<string> {
+  const { hostname, port } = new URL(url);
+  return new Promise((resolve, reject) => {
+    const socket = connect(Number(port), hostname, () => socket.end(bytes));
+    let text = '';
+    socket.setEncoding('utf8');
+    socket.on('data', (d: string) => (text += d));
+    socket.on('close', () => resolve(text));
+    socket.on('error', reject);
+    socket.setTimeout(30_000, () => socket.destroy(new Error('timed out')));
+  });
 }
 
 describe('bad input answers a coded 4xx', () => {
@@ -92,5 +107,22 @@ describe('bad input answers a coded 4xx', () => {
       [`${'a'.repeat(255)}`]: 'x',
       [`${Array.from({ length: 9 }, () => 'b'.repeat(100)).join('/')}/c.txt`]: 'x',
     });
+  });
+
+  it('answers what Node’s HTTP parser refuses (not HTTP, headers too large) in Ferry’s shape', async () => {
+    const cases: Array<[string, number, string]> = [
+      ['NOT HTTP AT ALL\r\n\r\n', 400, 'FERRY_BAD_REQUEST'],
+      [`GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ${'b'.repeat(20_000)}\r\n\r\n`, 431, 'FERRY_HEADERS_TOO_LARGE'],
+    ];
+    for (const [bytes, status, code] of cases) {
+      const answer = await rawExchange(server.url, bytes);
+      const [head = '', body = ''] = answer.split('\r\n\r\n');
+      assert.match(head, new RegExp(`^HTTP/1.1 ${status} `));
+      assert.match(head, /content-type: application\/json/i);
+      const json = JSON.parse(body);
+      assert.deepEqual(Object.keys(json), ['error']);
+      assert.equal(json.error.code, code);
+      if (status === 431) assert.match(json.error.message, /16384 bytes/);
+    }
   });
 });

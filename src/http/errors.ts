@@ -3,6 +3,8 @@
  * Fastify's own errors (validation, content type, body size, bad JSON, bad URL) become the matching Ferry
  * code; anything else is a logged 500 whose body says nothing about the cause.
  */
+import { maxHeaderSize, STATUS_CODES } from 'node:http';
+import type { Socket } from 'node:net';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import { type ErrorCode, FerryError } from '../errors.js';
 import { acceptedType, bodyTooLarge, unsupportedMediaType } from './body-parsers.js';
@@ -57,4 +59,29 @@ export function errorHandler(err: unknown, request: FastifyRequest, reply: Fasti
   const body: Record<string, unknown> = ferry.toJSON();
   if (runId) body.run_id = runId;
   void reply.code(ferry.status).headers(ferry.headers).type('application/json; charset=utf-8').send(body);
+}
+
+/**
+ * Requests Node's HTTP parser refuses before Fastify sees them (not HTTP, headers over the limit, too slow):
+ * answered on the socket, in Ferry's shape like every other error, then the connection is closed.
+ */
+export function clientErrorHandler(err: Error & { code?: string }, socket: Socket): void {
+  if (err.code === 'ECONNRESET' || socket.destroyed) return;
+  const ferry =
+    err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+      ? new FerryError('FERRY_REQUEST_TIMEOUT')
+      : err.code === 'HPE_HEADER_OVERFLOW'
+        ? new FerryError(
+            'FERRY_HEADERS_TOO_LARGE',
+            `The request headers are larger than the limit of ${maxHeaderSize} bytes (all headers together)`,
+          )
+        : new FerryError('FERRY_BAD_REQUEST');
+  const body = JSON.stringify(ferry.toJSON());
+  if (socket.writable) {
+    socket.write(
+      `HTTP/1.1 ${ferry.status} ${STATUS_CODES[ferry.status]}\r\nContent-Type: application/json; charset=utf-8\r\n` +
+        `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`,
+    );
+  }
+  socket.destroy();
 }

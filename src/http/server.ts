@@ -10,7 +10,7 @@ import { registerDashboardRoutes } from '../dashboard/routes.js';
 import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
 import { parseJsonBody, useJsonBodies } from './body-parsers.js';
-import { errorHandler } from './errors.js';
+import { clientErrorHandler, errorHandler } from './errors.js';
 import { swaggerOptions } from './openapi.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
@@ -37,6 +37,7 @@ function createFastify(services: Services) {
     schemaErrorFormatter: formatValidationErrors,
     // Fastify answers a URL it cannot decode itself, in its own shape, unless told otherwise.
     frameworkErrors: (err, request, reply) => errorHandler(err, request, reply),
+    clientErrorHandler,
     return503OnClosing: true,
     forceCloseConnections: 'idle',
   }).withTypeProvider<TypeBoxTypeProvider>();
