@@ -16,6 +16,10 @@ export const ERRORS = {
   FERRY_BODY_NOT_OBJECT: { status: 400, message: 'The request body must be a JSON object' },
   FERRY_UNSUPPORTED_MEDIA_TYPE: { status: 415, message: 'Unsupported Content-Type' },
   FERRY_BODY_TOO_LARGE: { status: 413, message: 'The request body is too large' },
+  FERRY_BAD_URL: { status: 400, message: 'The request URL is not valid' },
+  FERRY_BAD_REQUEST: { status: 400, message: 'The request is not valid HTTP' },
+  FERRY_HEADERS_TOO_LARGE: { status: 431, message: 'The request headers are larger than the server allows' },
+  FERRY_REQUEST_TIMEOUT: { status: 408, message: 'The request was not received in time' },
   FERRY_INTERNAL: { status: 500, message: 'Internal error' },
 
   // Authentication and authorization
@@ -43,6 +47,7 @@ export const ERRORS = {
   FERRY_ZIP_EMPTY: { status: 400, message: 'The archive has no files' },
   FERRY_ZIP_ABSOLUTE_PATH: { status: 400, message: 'An archive entry has an absolute path' },
   FERRY_ZIP_PATH_TRAVERSAL: { status: 400, message: 'An archive entry path leaves the archive folder' },
+  FERRY_ZIP_PATH_TOO_LONG: { status: 400, message: 'An archive entry path is longer than the file system allows' },
   FERRY_ZIP_SYMLINK: { status: 400, message: 'An archive entry is a symbolic link' },
   FERRY_ZIP_SPECIAL_FILE: { status: 400, message: 'An archive entry is a device, FIFO or socket' },
   FERRY_ZIP_DUPLICATE_ENTRY: { status: 400, message: 'Two archive entries have the same path' },

@@ -1,11 +1,13 @@
 /**
  * Structured JSON logs (pino); human-readable (pino-pretty) when stdout is a terminal.
  */
-import { type Logger, pino } from 'pino';
+import { type DestinationStream, type Logger, pino } from 'pino';
 
-export function createLogger(options: { level?: string; pretty?: boolean } = {}): Logger {
+export function createLogger(
+  options: { level?: string; pretty?: boolean; destination?: DestinationStream } = {},
+): Logger {
   const pretty = options.pretty ?? (process.stdout.isTTY === true && process.env.FERRY_LOG_FORMAT !== 'json');
-  return pino({
+  const settings = {
     name: 'ferry',
     level: options.level ?? 'info',
     ...(pretty
@@ -16,5 +18,7 @@ export function createLogger(options: { level?: string; pretty?: boolean } = {})
           },
         }
       : {}),
-  });
+  };
+  // A destination (tests capture the log with one) writes plain JSON lines, never through pino-pretty.
+  return options.destination ? pino({ ...settings, transport: undefined }, options.destination) : pino(settings);
 }

@@ -115,7 +115,10 @@ describe('node builder: bundling', () => {
       'index.ts': 'export const run = () => 1;\n',
     });
     const outcome = await runBuild(ws);
-    assertFailed(outcome, /^No entry file: expected main\.ts, main\.js or main\.mjs at the archive root$/);
+    assertFailed(
+      outcome,
+      /^No entry file: expected main\.ts, main\.js or main\.mjs \(TypeScript\/JavaScript\) or main\.py \(Python\) at the archive root$/,
+    );
     assert.deepEqual(await fs.readdir(ws.outputDir), []);
   });
 

@@ -170,7 +170,10 @@ describe('python builder: checks', () => {
 
   it('fails clearly when there is no main.py', async () => {
     const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "py-empty"\n', 'app.py': 'def run(): pass\n' });
-    assertFailed(await runBuild(ws), /^No entry file: expected main\.py at the archive root$/);
+    assertFailed(
+      await runBuild(ws),
+      /^No entry file: expected main\.ts, main\.js or main\.mjs \(TypeScript\/JavaScript\) or main\.py \(Python\) at the archive root$/,
+    );
   });
 
   it('is the builder the server picks for main.py', async () => {

@@ -284,6 +284,16 @@ describe('zip-archive: refusal rules', () => {
     await assertRefused([{ name: 'fine.txt' }, { name: './.' }], 'FERRY_ZIP_PATH_TRAVERSAL', ['"./."']);
   });
 
+  it('names over 255 bytes and paths over 1024 bytes, before extraction (the file system would say ENAMETOOLONG)', async () => {
+    await assertRefused([{ name: 'fine.txt' }, { name: `${'n'.repeat(300)}.txt` }], 'FERRY_ZIP_PATH_TOO_LONG', [
+      'name of 304 bytes',
+    ]);
+    // 128 two-byte characters: 256 bytes, though only 128 characters.
+    await assertRefused([{ name: `${'é'.repeat(128)}` }], 'FERRY_ZIP_PATH_TOO_LONG', ['256 bytes']);
+    const deep = Array.from({ length: 50 }, () => 'd'.repeat(100)).join('/');
+    await assertRefused([{ name: 'fine.txt' }, { name: `${deep}/x.txt` }], 'FERRY_ZIP_PATH_TOO_LONG', ['path of']);
+  });
+
   it('symbolic links', async () => {
     await assertRefused(
       [

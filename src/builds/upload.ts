@@ -12,6 +12,7 @@ import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { AppConfigError, parseAppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
+import { bodyTooLarge } from '../http/body-parsers.js';
 import { nowIso, uuidv7 } from '../ids.js';
 import type { Store } from '../store/index.js';
 import type { Build } from '../store/schema.js';
@@ -35,7 +36,7 @@ async function receiveToFile(body: Readable, file: string, maxBytes: number): Pr
     transform(chunk: Buffer, _encoding, callback) {
       bytes += chunk.length;
       if (bytes > maxBytes) {
-        callback(new FerryError('FERRY_BODY_TOO_LARGE', `The archive is larger than the limit of ${maxBytes} bytes`));
+        callback(bodyTooLarge(maxBytes, 'The archive'));
         return;
       }
       callback(null, chunk);

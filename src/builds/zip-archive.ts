@@ -65,6 +65,10 @@ const S_IFLNK = 0o120000;
 const UNIX_HOSTS = new Set([3, 19]);
 const DOS_EPOCH = '1980-01-01T00:00:00.000Z';
 const MAX_LABEL_CHARS = 200;
+/** NAME_MAX of Linux file systems: the longest file or folder name, in bytes. */
+export const MAX_NAME_BYTES = 255;
+/** The longest entry path taken, in bytes: well under PATH_MAX (4096) once below a build folder. */
+export const MAX_PATH_BYTES = 1024;
 
 /** Quotes an entry name for a message: control characters escaped so a hostile name cannot forge log lines. */
 function quote(name: string): string {
@@ -121,6 +125,19 @@ function checkName(name: string, label: string): { path: string; isDir: boolean 
   const normalized = normalizeName(name);
   if (normalized.path === '' && !normalized.isDir) {
     throw new FerryError('FERRY_ZIP_PATH_TRAVERSAL', `Archive entry ${label} has no file name`);
+  }
+  const long = normalized.path.split('/').find((part) => Buffer.byteLength(part) > MAX_NAME_BYTES);
+  if (long !== undefined) {
+    throw new FerryError(
+      'FERRY_ZIP_PATH_TOO_LONG',
+      `Archive entry ${label} has a name of ${Buffer.byteLength(long)} bytes; the limit is ${MAX_NAME_BYTES} bytes per file or folder name`,
+    );
+  }
+  if (Buffer.byteLength(normalized.path) > MAX_PATH_BYTES) {
+    throw new FerryError(
+      'FERRY_ZIP_PATH_TOO_LONG',
+      `Archive entry ${label} has a path of ${Buffer.byteLength(normalized.path)} bytes; the limit is ${MAX_PATH_BYTES} bytes`,
+    );
   }
   return normalized;
 }
@@ -356,6 +373,16 @@ function extractionError(err: unknown, item: CheckedEntry): unknown {
       'FERRY_ZIP_DUPLICATE_ENTRY',
       `Archive entry ${item.label} collides with another entry on this file system`,
       { cause: err },
+    );
+  }
+  // The checks before extraction keep paths short; a file system with smaller limits still gets a 400.
+  if (code === 'ENAMETOOLONG') {
+    return new FerryError(
+      'FERRY_ZIP_PATH_TOO_LONG',
+      `Archive entry ${item.label} is too long a path for this file system`,
+      {
+        cause: err,
+      },
     );
   }
   if (isSystemError(err)) return err;

@@ -1,10 +1,13 @@
 /**
  * Turns anything a route throws into Ferry's error body. Known errors keep their code and status;
- * Fastify's own errors (validation, content type, body size, bad JSON) become the matching Ferry code;
- * anything else is a logged 500 whose body says nothing about the cause.
+ * Fastify's own errors (validation, content type, body size, bad JSON, bad URL) become the matching Ferry
+ * code; anything else is a logged 500 whose body says nothing about the cause.
  */
+import { maxHeaderSize, STATUS_CODES } from 'node:http';
+import type { Socket } from 'node:net';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import { type ErrorCode, FerryError } from '../errors.js';
+import { acceptedType, bodyTooLarge, unsupportedMediaType } from './body-parsers.js';
 
 const FASTIFY_CODES: Record<string, ErrorCode> = {
   FST_ERR_CTP_INVALID_MEDIA_TYPE: 'FERRY_UNSUPPORTED_MEDIA_TYPE',
@@ -13,10 +16,14 @@ const FASTIFY_CODES: Record<string, ErrorCode> = {
   FST_ERR_CTP_EMPTY_JSON_BODY: 'FERRY_INVALID_JSON',
   FST_ERR_CTP_INVALID_JSON_BODY: 'FERRY_INVALID_JSON',
   FST_ERR_CTP_INVALID_TYPE: 'FERRY_VALIDATION',
+  FST_ERR_BAD_URL: 'FERRY_BAD_URL',
 };
 
-/** Maps any thrown value to a FerryError (internal errors become FERRY_INTERNAL). */
-export function toFerryError(err: unknown): FerryError {
+/**
+ * Maps any thrown value to a FerryError (internal errors become FERRY_INTERNAL). With the request, a 415
+ * names the type the route takes and a 413 states the route's limit.
+ */
+export function toFerryError(err: unknown, request?: FastifyRequest): FerryError {
   if (err instanceof FerryError) return err;
   const fe = err as Partial<FastifyError> & { validation?: unknown; statusCode?: number };
   if (fe && typeof fe === 'object') {
@@ -24,9 +31,14 @@ export function toFerryError(err: unknown): FerryError {
       return new FerryError('FERRY_VALIDATION', `Invalid request: ${fe.message ?? 'validation failed'}`);
     const mapped = fe.code ? FASTIFY_CODES[fe.code] : undefined;
     if (mapped === 'FERRY_UNSUPPORTED_MEDIA_TYPE') {
-      return new FerryError(mapped, 'Unsupported Content-Type for this route');
+      return unsupportedMediaType(request?.headers['content-type'], request ? acceptedType(request) : undefined);
     }
-    if (mapped === 'FERRY_INVALID_JSON') return new FerryError(mapped);
+    if (mapped === 'FERRY_BODY_TOO_LARGE' && request?.routeOptions.bodyLimit) {
+      return bodyTooLarge(request.routeOptions.bodyLimit);
+    }
+    if (mapped === 'FERRY_BAD_URL') {
+      return new FerryError(mapped, 'The request URL is not valid: a %-escape does not decode to UTF-8');
+    }
     if (mapped) return new FerryError(mapped);
     // JSON.parse errors from the body parser arrive as SyntaxError with status 400.
     if (err instanceof SyntaxError && fe.statusCode === 400) return new FerryError('FERRY_INVALID_JSON');
@@ -37,11 +49,39 @@ export function toFerryError(err: unknown): FerryError {
   return new FerryError('FERRY_INTERNAL', undefined, { cause: err });
 }
 
+/** The one renderer of Ferry's JSON error body for a Fastify reply. */
 export function errorHandler(err: unknown, request: FastifyRequest, reply: FastifyReply): void {
-  const ferry = toFerryError(err);
-  if (ferry.code === 'FERRY_INTERNAL') request.log.error({ err }, 'unhandled error');
+  const ferry = toFerryError(err, request);
+  const runId = request.runId;
+  if (ferry.code === 'FERRY_INTERNAL') request.log.error({ err, runId }, 'unhandled error');
+  // The caller hung up on a run: an everyday event, and nobody is left to answer.
+  if (ferry.code === 'FERRY_CLIENT_GONE') request.log.debug({ runId }, 'the caller disconnected before the run ended');
   const body: Record<string, unknown> = ferry.toJSON();
-  const runId = (request as { runId?: string }).runId;
   if (runId) body.run_id = runId;
   void reply.code(ferry.status).headers(ferry.headers).type('application/json; charset=utf-8').send(body);
+}
+
+/**
+ * Requests Node's HTTP parser refuses before Fastify sees them (not HTTP, headers over the limit, too slow):
+ * answered on the socket, in Ferry's shape like every other error, then the connection is closed.
+ */
+export function clientErrorHandler(err: Error & { code?: string }, socket: Socket): void {
+  if (err.code === 'ECONNRESET' || socket.destroyed) return;
+  const ferry =
+    err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+      ? new FerryError('FERRY_REQUEST_TIMEOUT')
+      : err.code === 'HPE_HEADER_OVERFLOW'
+        ? new FerryError(
+            'FERRY_HEADERS_TOO_LARGE',
+            `The request headers are larger than the limit of ${maxHeaderSize} bytes (all headers together)`,
+          )
+        : new FerryError('FERRY_BAD_REQUEST');
+  const body = JSON.stringify(ferry.toJSON());
+  if (socket.writable) {
+    socket.write(
+      `HTTP/1.1 ${ferry.status} ${STATUS_CODES[ferry.status]}\r\nContent-Type: application/json; charset=utf-8\r\n` +
+        `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`,
+    );
+  }
+  socket.destroy();
 }

@@ -9,7 +9,9 @@ import Fastify, { LogController } from 'fastify';
 import { registerDashboardRoutes } from '../dashboard/routes.js';
 import { FerryError } from '../errors.js';
 import type { Services } from '../services.js';
-import { errorHandler } from './errors.js';
+import { parseJsonBody, useJsonBodies } from './body-parsers.js';
+import { clientErrorHandler, errorHandler } from './errors.js';
+import { swaggerOptions } from './openapi.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
 import { registerRunRoutes } from './routes/run.js';
@@ -18,6 +20,7 @@ import { registerSecretRoutes } from './routes/secrets.js';
 import { registerServiceAccountRoutes } from './routes/service-accounts.js';
 import { registerSystemRoutes } from './routes/system.js';
 import { registerWebhookRoutes } from './routes/webhooks.js';
+import { assertFiniteNumbers, formatValidationErrors } from './validation.js';
 
 export type FerryServer = TypedServer;
 export type TypedServer = ReturnType<typeof createFastify>;
@@ -31,6 +34,10 @@ function createFastify(services: Services) {
     // Secret names may be 128 characters; Fastify's default of 100 would answer its own 414 first.
     routerOptions: { maxParamLength: 256 },
     ajv: { customOptions: { removeAdditional: false, coerceTypes: 'array', allErrors: false } },
+    schemaErrorFormatter: formatValidationErrors,
+    // Fastify answers a URL it cannot decode itself, in its own shape, unless told otherwise.
+    frameworkErrors: (err, request, reply) => errorHandler(err, request, reply),
+    clientErrorHandler,
     return503OnClosing: true,
     forceCloseConnections: 'idle',
   }).withTypeProvider<TypeBoxTypeProvider>();
@@ -39,26 +46,7 @@ function createFastify(services: Services) {
 export async function buildServer(services: Services): Promise<FerryServer> {
   const app = createFastify(services);
 
-  await app.register(swagger, {
-    openapi: {
-      openapi: '3.1.0',
-      info: {
-        title: 'Ferry management API',
-        version: '1.0.0',
-        description:
-          'Projects, service accounts, apps and builds of a Ferry server. Run endpoints (/v4) are described in docs/api.md.',
-      },
-      components: {
-        securitySchemes: { bearer: { type: 'http', scheme: 'bearer', bearerFormat: 'JWT' } },
-      },
-      security: [{ bearer: [] }],
-    },
-    transform({ schema, url }) {
-      // Only the management API belongs in the document.
-      const hide = !url.startsWith('/v2/') || url === '/v2/openapi.json';
-      return { schema: hide ? { ...schema, hide: true } : schema, url };
-    },
-  });
+  await app.register(swagger, swaggerOptions);
 
   app.setErrorHandler(errorHandler);
   app.setNotFoundHandler((request, reply) => {
@@ -69,10 +57,9 @@ export async function buildServer(services: Services): Promise<FerryServer> {
     );
   });
 
-  // Deploys send the archive as the raw body; the handler streams it to disk itself.
-  app.addContentTypeParser(['application/zip', 'application/x-zip-compressed'], (_request, payload, done) =>
-    done(null, payload),
-  );
+  useJsonBodies(app, parseJsonBody, services.config.maxBodyBytes);
+  // After validation, before any handler (a route's own preHandler hooks run after this one).
+  app.addHook('preHandler', async (request) => assertFiniteNumbers(request));
 
   const { httpRequests, httpDuration } = services.metrics;
   app.addHook('onResponse', async (request, reply) => {

@@ -7,6 +7,7 @@ import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import type { DestinationStream } from 'pino';
 import { bootstrapProject } from '../../src/auth/service-accounts.js';
 import { resolveServerConfig, type ServerConfig } from '../../src/config.js';
 import { buildServer, type FerryServer } from '../../src/http/server.js';
@@ -32,11 +33,18 @@ export interface TestServer {
 
 /** Starts Ferry in this process on 127.0.0.1 with a fresh data dir (or the given one). */
 export async function startServer(
-  overrides: Partial<ServerConfig> & { env?: NodeJS.ProcessEnv } = {},
+  overrides: Partial<ServerConfig> & {
+    env?: NodeJS.ProcessEnv;
+    /** Capture the server's log: JSON lines at `level` written to `destination`. */
+    log?: { level: string; destination: DestinationStream };
+  } = {},
 ): Promise<TestServer> {
+  const { log, ...configOverrides } = overrides;
   const dataDir = overrides.dataDir ?? (await tempDir());
-  const config = { ...resolveServerConfig({ dataDir, port: 0 }, overrides.env ?? {}), ...overrides, dataDir };
-  const logger = createLogger({ level: process.env.FERRY_TEST_LOG ?? 'silent', pretty: false });
+  const config = { ...resolveServerConfig({ dataDir, port: 0 }, overrides.env ?? {}), ...configOverrides, dataDir };
+  const logger = log
+    ? createLogger({ level: log.level, pretty: false, destination: log.destination })
+    : createLogger({ level: process.env.FERRY_TEST_LOG ?? 'silent', pretty: false });
   const services = await createServices(config, logger);
   const app = await buildServer(services);
   await services.pipeline.recover();

@@ -18,7 +18,7 @@ import {
   stepPaths,
   toolMounts,
 } from './sandboxed-step.js';
-import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
+import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
 
 /** Entry files the Node builder accepts, in the order they are looked for. */
 export const NODE_ENTRIES = ['main.ts', 'main.js', 'main.mjs'] as const;
@@ -79,7 +79,7 @@ async function findEntry(ctx: BuildContext): Promise<string> {
   for (const candidate of NODE_ENTRIES) {
     if (await isFile(path.join(ctx.sourceDir, candidate))) return candidate;
   }
-  throw new BuildFailedError('No entry file: expected main.ts, main.js or main.mjs at the archive root');
+  throw noEntryError();
 }
 
 /**

@@ -12,7 +12,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from './sandboxed-step.js';
-import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
+import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
 
 export const PYTHON_ENTRY = 'main.py';
 /** The oldest Python the bootstrap runs on. */
@@ -295,11 +295,8 @@ async function findEntry(ctx: BuildContext): Promise<string> {
     throw new BuildFailedError(`The Python builder runs ${PYTHON_ENTRY}, not ${configured} (app.entry in ferry.toml)`);
   }
   if (!(await isFile(path.join(ctx.sourceDir, PYTHON_ENTRY)))) {
-    throw new BuildFailedError(
-      configured === undefined
-        ? `No entry file: expected ${PYTHON_ENTRY} at the archive root`
-        : `Entry file ${PYTHON_ENTRY} (app.entry in ferry.toml) is not at the archive root`,
-    );
+    if (configured === undefined) throw noEntryError();
+    throw new BuildFailedError(`Entry file ${PYTHON_ENTRY} (app.entry in ferry.toml) is not at the archive root`);
   }
   return PYTHON_ENTRY;
 }

@@ -47,3 +47,10 @@ export class BuildFailedError extends Error {
     this.name = 'BuildFailedError';
   }
 }
+
+/** A cortex app with no entry file: either runtime's entry would do, so the message names both. */
+export function noEntryError(): BuildFailedError {
+  return new BuildFailedError(
+    'No entry file: expected main.ts, main.js or main.mjs (TypeScript/JavaScript) or main.py (Python) at the archive root',
+  );
+}

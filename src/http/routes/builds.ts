@@ -3,6 +3,7 @@
  * archive listing of spec section 4.1 (`.../builds/{build_id}/zip-contents`).
  */
 import type { Readable } from 'node:stream';
+import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import { Type } from 'typebox';
 import { findApp } from '../../apps/apps.js';
 import { findBuild, listBuilds, viewBuild } from '../../builds/builds.js';
@@ -12,59 +13,70 @@ import { listZip } from '../../builds/zip-archive.js';
 import { FerryError } from '../../errors.js';
 import type { Services } from '../../services.js';
 import { requireScope } from '../auth.js';
+import { bodyTooLarge, unsupportedMediaType } from '../body-parsers.js';
 import { AppParams, Build, BuildParams, errors, ZipContents } from '../schemas.js';
 import type { TypedServer } from '../server.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
 
+const ZIP = 'application/zip';
 const LogLine = Type.Object({ seq: Type.Integer(), at: Type.String(), line: Type.String() });
 
 export function registerBuildRoutes(app: TypedServer, services: Services): void {
   const manage = requireScope(services, 'manage');
   const { store } = services;
 
-  app.post(
-    '/v2/projects/:project_id/apps/:app_id/builds',
-    {
-      onRequest: manage,
-      bodyLimit: services.config.maxUploadBytes,
-      schema: {
-        summary: 'Deploy: upload a ZIP of the app folder as a new build',
-        description:
-          'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code.',
-        params: AppParams,
-        response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415) },
-      },
-    },
-    async (request, reply) => {
-      const declared = Number(request.headers['content-length'] ?? Number.NaN);
-      if (declared > services.config.maxUploadBytes) {
-        throw new FerryError(
-          'FERRY_BODY_TOO_LARGE',
-          `The archive is larger than the limit of ${services.config.maxUploadBytes} bytes`,
-        );
-      }
-      const body = request.body as Readable | undefined;
-      if (!body || typeof (body as Readable).pipe !== 'function') {
-        throw new FerryError('FERRY_UNSUPPORTED_MEDIA_TYPE', 'Send the archive with Content-Type: application/zip');
-      }
-      const build = await receiveBuild(
-        {
-          store,
-          artifacts: services.artifacts,
-          tmpDir: services.dataDir.tmp,
-          buildsDir: services.dataDir.builds,
-          maxUploadBytes: services.config.maxUploadBytes,
-          zipLimits: services.config.zipLimits,
+  // Its own scope: deploys read the archive as a stream of application/zip, and refuse any other body unread.
+  void app.register(async function deployScope(plain) {
+    const scope = plain.withTypeProvider<TypeBoxTypeProvider>();
+    scope.removeAllContentTypeParsers();
+    scope.addContentTypeParser(['application/zip', 'application/x-zip-compressed'], (_request, payload, done) =>
+      done(null, payload),
+    );
+    scope.addContentTypeParser('*', (request, _payload, done) =>
+      done(unsupportedMediaType(request.headers['content-type'], ZIP)),
+    );
+    scope.post(
+      '/v2/projects/:project_id/apps/:app_id/builds',
+      {
+        onRequest: manage,
+        bodyLimit: services.config.maxUploadBytes,
+        config: { accepts: ZIP },
+        schema: {
+          summary: 'Deploy: upload a ZIP of the app folder as a new build',
+          description:
+            'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code.',
+          params: AppParams,
+          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415) },
         },
-        request.params.project_id,
-        request.params.app_id,
-        body,
-      );
-      services.pipeline.enqueue(build);
-      request.log.info({ buildId: build.id, app: build.app_id, bytes: build.archive_bytes }, 'build received');
-      return reply.code(201).send(viewBuild(build));
-    },
-  );
+      },
+      async (request, reply) => {
+        const declared = Number(request.headers['content-length'] ?? Number.NaN);
+        if (declared > services.config.maxUploadBytes) {
+          throw bodyTooLarge(services.config.maxUploadBytes, 'The archive');
+        }
+        const body = request.body as Readable | undefined;
+        if (!body || typeof (body as Readable).pipe !== 'function') {
+          throw unsupportedMediaType(request.headers['content-type'], ZIP);
+        }
+        const build = await receiveBuild(
+          {
+            store,
+            artifacts: services.artifacts,
+            tmpDir: services.dataDir.tmp,
+            buildsDir: services.dataDir.builds,
+            maxUploadBytes: services.config.maxUploadBytes,
+            zipLimits: services.config.zipLimits,
+          },
+          request.params.project_id,
+          request.params.app_id,
+          body,
+        );
+        services.pipeline.enqueue(build);
+        request.log.info({ buildId: build.id, app: build.app_id, bytes: build.archive_bytes }, 'build received');
+        return reply.code(201).send(viewBuild(build));
+      },
+    );
+  });
 
   app.get(
     '/v2/projects/:project_id/apps/:app_id/builds',

@@ -16,6 +16,7 @@ import { newRunRow } from '../../runs/recorder.js';
 import type { ReplayStream, StreamEndState, StreamReader } from '../../runs/stream-replay.js';
 import type { Services } from '../../services.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
+import { useJsonBodies } from '../body-parsers.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
 import type { TypedServer } from '../server.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
@@ -51,7 +52,10 @@ function parseRunBody(raw: Buffer): RawJson {
   try {
     value = JSON.parse(raw.toString('utf8'));
   } catch {
-    throw new FerryError('FERRY_INVALID_JSON');
+    throw new FerryError(
+      'FERRY_INVALID_JSON',
+      'The request body is not valid JSON (a body sent without Content-Type or as text/plain is read as JSON too)',
+    );
   }
   if (value === null || typeof value !== 'object' || Array.isArray(value))
     throw new FerryError('FERRY_BODY_NOT_OBJECT');
@@ -357,19 +361,9 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
   attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
     resolveTarget(services, projectId, appName, authorization),
   );
-  // Its own scope, so the raw-body JSON parser applies to the run endpoint only.
+  // Its own scope, so the raw-body JSON parser (which keeps the bytes to forward) applies to the run endpoint only.
   void app.register(async function runEndpoint(scope: FastifyInstance) {
-    scope.addContentTypeParser(
-      'application/json',
-      { parseAs: 'buffer', bodyLimit: services.config.maxBodyBytes },
-      (_req, body, done) => {
-        try {
-          done(null, parseRunBody(body as Buffer));
-        } catch (err) {
-          done(err as Error, undefined);
-        }
-      },
-    );
+    useJsonBodies(scope, parseRunBody, services.config.maxBodyBytes);
 
     /**
      * Resolves the app (authenticating); a custom app is served here and now, before Fastify reads the body,
@@ -450,7 +444,12 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
         reply.raw.on('close', () => {
           if (!reply.raw.writableFinished) gone.abort(new Error('client disconnected'));
         });
-        const outcome = await services.invoker.invoke({ ...common, signal: gone.signal, mode: 'sync' });
+        // The run is recorded as cancelled (client_disconnected); the error handler logs it at debug level.
+        const orGone = (err: unknown): never => {
+          if (gone.signal.aborted && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
+          throw err;
+        };
+        const outcome = await services.invoker.invoke({ ...common, signal: gone.signal, mode: 'sync' }).catch(orGone);
         return reply
           .type('application/json; charset=utf-8')
           .send({ run_id: runId, result: outcome.result, run_time_ms: outcome.runTimeMs });
