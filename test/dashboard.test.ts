@@ -337,7 +337,10 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     await receiver.waitForRequests(1);
     await go(`#/apps/hello/runs/${ids.hook}`, /^Run /);
     const attempts = page.getByRole('region', { name: 'Webhook attempts' });
-    await attempts.locator('tbody tr .badge.state-success', { hasText: '200' }).first().waitFor({ timeout: PAGE_WAIT_MS });
+    await attempts
+      .locator('tbody tr .badge.state-success', { hasText: '200' })
+      .first()
+      .waitFor({ timeout: PAGE_WAIT_MS });
     await page.getByRole('button', { name: 'Redeliver' }).click();
     await receiver.waitForRequests(2);
     await waitFor(async () => (await attempts.locator('tbody tr').count()) === 2, 15_000, 'the second attempt');
