@@ -227,7 +227,8 @@ function withoutLogs(result: CallResult): Frame[] {
   return result.frames.filter((f) => f.type !== 'log');
 }
 
-async function waitFor(what: string, check: () => Promise<boolean> | boolean, ms = 5_000): Promise<void> {
+/** Polls `check`; the default bound only keeps a hang from running on (idle, conditions hold within ms). */
+async function waitFor(what: string, check: () => Promise<boolean> | boolean, ms = 15_000): Promise<void> {
   const deadline = Date.now() + ms;
   while (!(await check())) {
     if (Date.now() > deadline) assert.fail(`Timed out waiting for ${what}`);

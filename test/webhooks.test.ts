@@ -636,10 +636,12 @@ async function defaultLookup(host: string) {
 
 describe('durability, redelivery and the secret purge', () => {
   it('a delivery waiting for its retry completes after the deliverer is replaced', async (t) => {
-    const h = await harness(t, { retryDelaysMs: [800, 800] });
+    // A retry delay no test step can outlast, so the retry is surely still waiting when the deliverer closes
+    // (800 ms could pass on a busy machine before the close); after the restart it is made due at once.
+    const h = await harness(t, { retryDelaysMs: [60_000, 60_000] });
     const r = await receiver(t, [404, 200]);
     const { runId } = await h.add(`${r.url}/`, { secret: 's3cret' });
-    await waitFor(async () => r.requests.length === 1, 5_000, 'first attempt');
+    await waitFor(async () => r.requests.length === 1, 15_000, 'first attempt');
     await waitFor(
       async () =>
         (
@@ -649,7 +651,7 @@ describe('durability, redelivery and the secret purge', () => {
             .where('run_id', '=', runId)
             .executeTakeFirst()
         )?.attempts === 1,
-      5_000,
+      15_000,
       'first attempt recorded',
     );
     await h.deliverer.close();
@@ -660,6 +662,7 @@ describe('durability, redelivery and the secret purge', () => {
       .executeTakeFirstOrThrow();
     assert.equal(row.state, 'pending');
     h.restart();
+    await h.due(runId);
     assert.deepEqual(await h.settled(runId), { state: 'delivered', attempts: 2 });
     assert.deepEqual(
       (await h.attempts(runId)).map((a) => [a.attempt, a.status_code]),

@@ -31,7 +31,7 @@ function open(url: string, headers?: Record<string, string>): Promise<WebSocket>
 /** Sends a message and resolves with the next one received. */
 function echo(ws: WebSocket, message: string | Uint8Array): Promise<string | ArrayBuffer> {
   return new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error('no echo within 5 s')), 5000);
+    const timer = setTimeout(() => reject(new Error('no echo within 15 s')), 15_000);
     ws.addEventListener(
       'message',
       (event) => {
@@ -115,7 +115,7 @@ describe('websockets', () => {
     const back = await echo(ws, big);
     assert.ok(back instanceof ArrayBuffer);
     assert.deepEqual(new Uint8Array(back), big);
-    const done = closed(ws, 5000);
+    const done = closed(ws, 15_000);
     ws.close(1000, 'bye');
     assert.equal((await done).code, 1000);
   });
