@@ -42,8 +42,10 @@ describe('async runs', () => {
     server = await startServer({ env: { FERRY_MAX_ASYNC_BACKLOG: '3' } });
     auth = await server.bootstrap();
     await deployFiles(server, auth, 'jobs', {
+      // The grace period also covers waiting for the one slot and for a cold start (the timeout below retires
+      // the replica): 6 s leaves room for those on a busy machine.
       'ferry.toml':
-        '[app]\nname = "jobs"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 1\nresponse_grace_period = 2\n',
+        '[app]\nname = "jobs"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 1\nresponse_grace_period = 6\n',
       'main.ts': `
 export async function work({ ms = 10, value = 1 }: { ms?: number; value?: number }) { await new Promise((r) => setTimeout(r, ms)); return { doubled: value * 2 }; }
 export function boom() { throw new RangeError('out of range'); }
@@ -106,15 +108,19 @@ export function boom() { throw new RangeError('out of range'); }
     assert.equal(failed.state, 'failure');
     assert.equal(failed.error.code, 'FERRY_FUNCTION_ERROR');
     assert.match(failed.error.message, /RangeError: out of range/);
-    const slow = await settled('jobs', (await call('jobs', 'work', { ms: 5000 })).json.run_id);
+    // Far past the grace period; the timed-out replica is retired, so nothing waits for the sleep to end.
+    const slow = await settled('jobs', (await call('jobs', 'work', { ms: 60_000 })).json.run_id);
     assert.equal(slow.state, 'timeout');
     assert.equal(slow.error.code, 'FERRY_RUN_TIMEOUT');
   });
 
   it('answers 429 with Retry-After past the async backlog, storing nothing', async () => {
-    // max 1 replica × concurrency 1: these runs wait in the backlog (limit 3).
+    // Runs of earlier tests count until their worker lets go of them, a moment after their state is final.
+    await waitFor(async () => server.services.asyncWorker.backlog === 0, 10_000, 'an empty backlog');
+    // max 1 replica × concurrency 1: these runs wait in the backlog (limit 3). The first holds the one slot
+    // for 2 s, so the backlog stays full while the next calls are made, however slowly (idle: a few ms each).
     const accepted = [];
-    for (let i = 0; i < 3; i++) accepted.push(await call('jobs', 'work', { ms: 600 }));
+    for (const ms of [2000, 1, 1]) accepted.push(await call('jobs', 'work', { ms }));
     for (const r of accepted) assert.equal(r.status, 202, r.text);
     const before = await countRuns();
     const refused = await call('jobs', 'work', { ms: 1 });

@@ -84,15 +84,19 @@ describe('authentication', () => {
   });
 
   it('refuses an expired token (401)', async () => {
+    // 4 s of life: room for the first call below to be made in time on a busy machine (idle: a few ms), even
+    // with the token's expiry rounded down to the second.
+    const expiresAt = Date.now() + 4_000;
     const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
-      body: { name: 'short', expires_at: new Date(Date.now() + 1500).toISOString() },
+      body: { name: 'short', expires_at: new Date(expiresAt).toISOString() },
     });
     assert.equal(created.status, 201, created.text);
     const res = await http(`${server.url}${routes()[0]!.path}`, { token: created.json.token });
     assert.equal(res.status, 200);
-    await new Promise((r) => setTimeout(r, 2100));
+    // Then wait until it has surely expired: waiting longer never makes this pass wrongly.
+    await new Promise((r) => setTimeout(r, expiresAt + 100 - Date.now()));
     for (const route of routes())
       await expectError(route.path, `Bearer ${created.json.token}`, 401, 'FERRY_TOKEN_EXPIRED');
   });

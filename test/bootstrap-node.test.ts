@@ -137,6 +137,28 @@ async function startReplica(entry: string, opts: { bootstrap?: string } = {}): P
   return replica;
 }
 
+/** Milliseconds from spawn until a bare `node` that only listens on a Unix socket accepts: node's own start-up now. */
+async function bareNodeReadyMs(): Promise<number> {
+  socketCounter += 1;
+  const socketPath = path.join(tmpRoot, `bare-${socketCounter}.sock`);
+  const started = performance.now();
+  const child = spawn(
+    process.execPath,
+    ['-e', `require('node:net').createServer().listen(${JSON.stringify(socketPath)})`],
+    { stdio: 'ignore' },
+  );
+  try {
+    const deadline = Date.now() + 10_000;
+    while (!(await canConnect(socketPath))) {
+      if (child.exitCode !== null || Date.now() > deadline) throw new Error('a bare node did not listen');
+      await sleep(1);
+    }
+    return performance.now() - started;
+  } finally {
+    child.kill('SIGKILL');
+  }
+}
+
 function canConnect(socketPath: string): Promise<boolean> {
   return new Promise((resolve) => {
     const socket = net.connect(socketPath);
@@ -205,7 +227,8 @@ function withoutLogs(result: CallResult): Frame[] {
   return result.frames.filter((f) => f.type !== 'log');
 }
 
-async function waitFor(what: string, check: () => Promise<boolean> | boolean, ms = 5_000): Promise<void> {
+/** Polls `check`; the default bound only keeps a hang from running on (idle, conditions hold within ms). */
+async function waitFor(what: string, check: () => Promise<boolean> | boolean, ms = 15_000): Promise<void> {
   const deadline = Date.now() + ms;
   while (!(await check())) {
     if (Date.now() > deadline) assert.fail(`Timed out waiting for ${what}`);
@@ -222,8 +245,9 @@ async function exists(file: string): Promise<boolean> {
   }
 }
 
-describe('Node bootstrap', { timeout: TIMEOUT }, () => {
-  it('lists the public functions only', { timeout: 10_000 }, async () => {
+// The whole suite's bound: about 10 s on a busy machine; this only keeps a hang from running forever.
+describe('Node bootstrap', { timeout: 10 * TIMEOUT }, () => {
+  it('lists the public functions only', { timeout: TIMEOUT }, async () => {
     const { status, body } = await get(app, '/_ferry/health');
     assert.equal(status, 200);
     const health = body as { protocol: number; functions: string[] };
@@ -247,6 +271,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
       'failString',
       'failType',
       'failsMidway',
+      'gated',
       'handMade',
       'nothing',
       'slow',
@@ -257,7 +282,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.deepEqual([...health.functions].sort(), expected.sort());
   });
 
-  it('sends the result of sync and async functions as the final frame', { timeout: 10_000 }, async () => {
+  it('sends the result of sync and async functions as the final frame', { timeout: TIMEOUT }, async () => {
     const sync = await call(app, 'add', { a: 2, b: 3 });
     assert.equal(sync.status, 200);
     assert.equal(sync.contentType, 'application/x-ndjson');
@@ -273,14 +298,14 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.deepEqual(array.frames, [{ type: 'result', data: [1, 2, 3] }], 'an array is a result, not a stream');
   });
 
-  it('treats an empty body as {} and undefined as null', { timeout: 10_000 }, async () => {
+  it('treats an empty body as {} and undefined as null', { timeout: TIMEOUT }, async () => {
     const empty = await call(app, 'echo');
     assert.deepEqual(empty.frames, [{ type: 'result', data: {} }]);
     const nothing = await call(app, 'nothing', {});
     assert.deepEqual(nothing.frames, [{ type: 'result', data: null }]);
   });
 
-  it('turns what a function throws into an error frame', { timeout: 10_000 }, async () => {
+  it('turns what a function throws into an error frame', { timeout: TIMEOUT }, async () => {
     const typeError = await call(app, 'failType', {});
     assert.equal(typeError.frames.length, 1);
     const [frame] = typeError.frames;
@@ -302,7 +327,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.equal(nul.frames[0]?.error?.message, 'null');
   });
 
-  it('sends a SerializationError for results that are not JSON', { timeout: 10_000 }, async () => {
+  it('sends a SerializationError for results that are not JSON', { timeout: TIMEOUT }, async () => {
     for (const name of ['bigint', 'cyclic']) {
       const result = await call(app, name, {});
       assert.equal(result.frames.length, 1, name);
@@ -312,8 +337,10 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     }
   });
 
-  it('streams generator items as they are produced', { timeout: 10_000 }, async () => {
-    const ticks = await call(app, 'ticker', { n: 4, ms: 150 });
+  it('streams generator items as they are produced', { timeout: TIMEOUT }, async () => {
+    // Items 300 ms apart, checked for gaps of 100 ms: a test process kept off the CPU for up to 200 ms still
+    // sees them apart, while a replica that buffered them would deliver them together.
+    const ticks = await call(app, 'ticker', { n: 4, ms: 300 });
     assert.deepEqual(ticks.frames, [
       { type: 'item', data: { i: 0 } },
       { type: 'item', data: { i: 1 } },
@@ -331,7 +358,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
       assert.ok(b - a >= 100, `items arrive apart (${b - a} ms)`);
     }
 
-    const sync = await call(app, 'delayedSync', { n: 3, ms: 150 });
+    const sync = await call(app, 'delayedSync', { n: 3, ms: 300 });
     assert.deepEqual(sync.frames, [
       { type: 'item', data: 'item 0' },
       { type: 'item', data: 'item 1' },
@@ -342,7 +369,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.ok(syncTimes[3] - syncTimes[0] >= 250, 'a sync generator yielding promises streams too');
   });
 
-  it('streams sync generators and hand-made iterators, and ends with end', { timeout: 10_000 }, async () => {
+  it('streams sync generators and hand-made iterators, and ends with end', { timeout: TIMEOUT }, async () => {
     const countdown = await call(app, 'countdown', { from: 3 });
     assert.deepEqual(countdown.frames, [
       { type: 'item', data: 3 },
@@ -359,7 +386,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     ]);
   });
 
-  it('ends a generator that throws with an error frame after its items', { timeout: 10_000 }, async () => {
+  it('ends a generator that throws with an error frame after its items', { timeout: TIMEOUT }, async () => {
     const result = await call(app, 'failsMidway', {});
     assert.equal(result.frames.length, 2);
     assert.deepEqual(result.frames[0], { type: 'item', data: 1 });
@@ -368,7 +395,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.equal(result.frames[1]?.error?.message, 'midway');
   });
 
-  it('stops a generator whose item is not JSON and runs its finally', { timeout: 10_000 }, async () => {
+  it('stops a generator whose item is not JSON and runs its finally', { timeout: TIMEOUT }, async () => {
     const result = await call(app, 'badItem', { id: 'bad-item' });
     assert.equal(result.frames.length, 2);
     assert.deepEqual(result.frames[0], { type: 'item', data: 1 });
@@ -377,7 +404,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.ok(await exists(path.join(markerDir, 'bad-item.done')), 'finally ran before the final frame');
   });
 
-  it('runs the finally of a generator whose client goes away', { timeout: 10_000 }, async () => {
+  it('runs the finally of a generator whose client goes away', { timeout: TIMEOUT }, async () => {
     for (const [name, id] of [
       ['endless', 'abort-async'],
       ['endlessSync', 'abort-sync'],
@@ -405,7 +432,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.equal(health.status, 200);
   });
 
-  it('keeps the logs of concurrent runs apart', { timeout: 10_000 }, async () => {
+  it('keeps the logs of concurrent runs apart', { timeout: TIMEOUT }, async () => {
     const [a, b] = await Promise.all([
       call(app, 'chatty', { tag: 'A', n: 5 }),
       call(app, 'chatty', { tag: 'B', n: 5 }),
@@ -430,7 +457,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.doesNotMatch(app.stderr(), /[AB] err/);
   });
 
-  it('decodes binary writes split inside a character', { timeout: 10_000 }, async () => {
+  it('decodes binary writes split inside a character', { timeout: TIMEOUT }, async () => {
     const result = await call(app, 'binaryLog', {});
     assert.deepEqual(logs(result), [
       ['stdout', 'héllo'],
@@ -450,7 +477,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.equal(app.stdout().split('module loaded\n').length - 1, 1);
   });
 
-  it('keeps serving after a stray exception or rejection', { timeout: 10_000 }, async () => {
+  it('keeps serving after a stray exception or rejection', { timeout: TIMEOUT }, async () => {
     const result = await call(app, 'stray', {});
     assert.deepEqual(withoutLogs(result), [{ type: 'result', data: 'ok' }]);
     await waitFor('the stray errors in the replica log', () => {
@@ -463,7 +490,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.deepEqual(add.frames, [{ type: 'result', data: 2 }]);
   });
 
-  it('answers 404 for unknown or private functions and other routes', { timeout: 10_000 }, async () => {
+  it('answers 404 for unknown or private functions and other routes', { timeout: TIMEOUT }, async () => {
     for (const name of ['nope', '_private', '_alsoPrivate', 'VERSION', 'Thing', 'default', 'has%2Fslash', '%E0%A4%A']) {
       const result = await call(app, name, {});
       assert.equal(result.status, 404, name);
@@ -483,7 +510,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     }
   });
 
-  it('answers 400 for a body that is not a JSON object', { timeout: 10_000 }, async () => {
+  it('answers 400 for a body that is not a JSON object', { timeout: TIMEOUT }, async () => {
     for (const raw of ['{"a":', 'not json', '[1,2]', '42', 'null']) {
       const result = await call(app, 'echo', undefined, { raw });
       assert.equal(result.status, 400, raw);
@@ -491,7 +518,7 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     }
   });
 
-  it('exits with code 3 without listening when the module throws while loading', { timeout: 10_000 }, async () => {
+  it('exits with code 3 without listening when the module throws while loading', { timeout: TIMEOUT }, async () => {
     const entry = await bundle('bootstrap-load-error', 'main.mjs');
     const socketPath = path.join(tmpRoot, 'load-error.sock');
     const proc = spawnBootstrap({ PATH: process.env.PATH, FERRY_SOCKET: socketPath, FERRY_ENTRY: entry });
@@ -507,31 +534,33 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     assert.equal(await exists(socketPath), false);
   });
 
-  it('exits with code 2 when its environment is incomplete', { timeout: 10_000 }, async () => {
+  it('exits with code 2 when its environment is incomplete', { timeout: TIMEOUT }, async () => {
     const proc = spawnBootstrap({ PATH: process.env.PATH, FERRY_ENTRY: appEntry });
     const { code } = await proc.exited;
     assert.equal(code, 2);
     assert.match(proc.stderr(), /FERRY_SOCKET/);
   });
 
-  it('on SIGTERM stops accepting, finishes the calls in flight, then exits 0', { timeout: 10_000 }, async () => {
+  it('on SIGTERM stops accepting, finishes the calls in flight, then exits 0', { timeout: 30_000 }, async () => {
     const replica = await startReplica(appEntry);
-    // The replica sends the headers as soon as a call starts, so this resolves while the call is in flight.
-    const res = await request('http://localhost/_ferry/call/slow', {
+    // The replica sends the headers as soon as a call starts, so this resolves while the call is in flight;
+    // the call ends only when the test opens its gate, so its answer cannot race the checks below.
+    const res = await request('http://localhost/_ferry/call/gated', {
       method: 'POST',
       dispatcher: replica.agent,
       headers: { 'content-type': 'application/json' },
-      body: JSON.stringify({ ms: 800 }),
+      body: JSON.stringify({ id: 'sigterm' }),
     });
     assert.equal(res.statusCode, 200);
     replica.child.kill('SIGTERM');
-    await waitFor('the socket to close', async () => !(await canConnect(replica.socketPath)), 1_000);
+    await waitFor('the socket to close', async () => !(await canConnect(replica.socketPath)), 10_000);
     assert.equal(replica.child.exitCode, null, 'still running while the call is in flight');
-    assert.equal(await res.body.text(), '{"type":"result","data":{"slept":800}}\n');
+    await fs.writeFile(path.join(markerDir, 'sigterm.go'), '');
+    assert.equal(await res.body.text(), '{"type":"result","data":{"released":"sigterm"}}\n');
     assert.deepEqual(await replica.exited, { code: 0, signal: null });
   });
 
-  it('runs as a lone file outside the package and starts listening quickly', { timeout: 10_000 }, async (t) => {
+  it('runs as a lone file outside the package and starts listening quickly', { timeout: TIMEOUT }, async (t) => {
     // In the sandbox only the compiled file is bound: no package.json, no node_modules beside it.
     const loneDir = path.join(tmpRoot, 'lone');
     await fs.mkdir(loneDir);
@@ -540,7 +569,10 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
     const entry = await bundle('bootstrap-trivial', 'main.mjs');
 
     const times: number[] = [];
+    const bare: number[] = [];
     for (let i = 0; i < 3; i++) {
+      // Measured side by side, so both see the same load on the machine.
+      bare.push(await bareNodeReadyMs());
       const replica = await startReplica(entry, { bootstrap: lone });
       times.push(replica.readyMs);
       const result = await call(replica, 'ping', {});
@@ -550,7 +582,11 @@ describe('Node bootstrap', { timeout: TIMEOUT }, () => {
       assert.equal(replica.stderr(), '');
     }
     t.diagnostic(`spawn to listening: ${times.map((ms) => ms.toFixed(0)).join(', ')} ms`);
-    // Generous: this is node's own start-up plus ours, on a loaded CI machine.
-    assert.ok(Math.min(...times) < 1_000, `cold start took ${Math.min(...times)} ms`);
+    t.diagnostic(`a bare node, for comparison: ${bare.map((ms) => ms.toFixed(0)).join(', ')} ms`);
+    // Relative to node's own start-up measured beside it, since a busy machine stretches both (both were
+    // 500-800 ms with a load average of 15 on 2 cores): a bootstrap that does slow work while starting still
+    // fails, and an idle machine keeps the old 1 s bound.
+    const limit = Math.max(1_000, 4 * Math.min(...bare));
+    assert.ok(Math.min(...times) < limit, `cold start took ${Math.min(...times)} ms (limit ${limit} ms)`);
   });
 });

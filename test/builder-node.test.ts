@@ -27,6 +27,15 @@ import {
 } from './helpers/builds.js';
 
 const TIMEOUT = 60_000;
+/**
+ * How long a cancelled build may take to end after the abort. Idle, npm ends well under a second after it;
+ * esbuild only notices a cancel between its phases, so the big parse below runs to its end first (about
+ * 1 s idle, 7 s seen with a load average of 14 on 2 cores). Generous on purpose: what proves that a cancel
+ * landed is the abort reason plus no process left (npm would otherwise wait minutes on a registry that never
+ * answers) or no main.mjs (esbuild would otherwise finish and write it); the bound only keeps a cancel that
+ * hangs from passing, and the test's own timeout stays above it.
+ */
+const CANCEL_BOUND_MS = 30_000;
 
 const h = buildHarness('node', () => createNodeBuilder());
 const { workspace, runBuild } = h;
@@ -240,7 +249,7 @@ describe('node builder: cancellation', () => {
       assert.ok(abortedAt > 0, `npm never asked the registry; log:\n${outcome.lines.join('\n')}`);
       assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
       const afterAbort = Date.now() - abortedAt;
-      assert.ok(afterAbort < 4_000, `took ${afterAbort} ms after the abort`);
+      assert.ok(afterAbort < CANCEL_BOUND_MS, `took ${afterAbort} ms after the abort`);
       assert.deepEqual(await processesIn(ws.sourceDir), [], 'no npm process left behind');
       assert.deepEqual(await fs.readdir(ws.outputDir), []);
     } finally {
@@ -276,7 +285,7 @@ describe('node builder: cancellation', () => {
     assert.ok(found.length > 0, `the sleep was never seen running; log:\n${outcome.lines.join('\n')}`);
     assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
     assert.ok(!(outcome.error instanceof BuildFailedError));
-    assert.ok(outcome.ms < 10_000, `took ${outcome.ms} ms`);
+    assert.ok(outcome.ms < CANCEL_BOUND_MS, `took ${outcome.ms} ms`);
     // Killed with the sandbox; the kernel may still be finishing its exit when the build returns.
     await waitUntilGone(found);
     assert.deepEqual(await processesWithArgs(['sleep', marker]), []);
@@ -300,7 +309,7 @@ describe('node builder: cancellation', () => {
     assert.ok(!outcome.lines.some((l) => l.startsWith('Bundle: ')), 'the bundle step did not finish');
   });
 
-  it('cancels esbuild in the middle of a slow bundle', { timeout: TIMEOUT }, async () => {
+  it('cancels esbuild in the middle of a slow bundle', { timeout: TIMEOUT }, async (t) => {
     // Big enough that esbuild needs about a second, so the abort lands while rebuild() is running.
     const lines = Array.from({ length: 200_000 }, (_, i) => `export const v${i} = ${i} * 2 + Math.random();`);
     const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "node-big"\n', 'main.js': lines.join('\n') });
@@ -319,8 +328,10 @@ describe('node builder: cancellation', () => {
     });
     assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
     const afterAbort = Date.now() - abortedAt;
-    assert.ok(afterAbort < 4_000, `took ${afterAbort} ms after the abort`);
-    // esbuild writes nothing for a cancelled build; a finished-then-discarded one would leave main.mjs.
+    t.diagnostic(`the build ended ${afterAbort} ms after the abort`);
+    assert.ok(afterAbort < CANCEL_BOUND_MS, `took ${afterAbort} ms after the abort`);
+    // The proof that the cancel landed inside esbuild: it writes nothing for a cancelled build, while a
+    // finished-then-discarded one would leave main.mjs.
     assert.deepEqual(await fs.readdir(ws.outputDir), []);
   });
 

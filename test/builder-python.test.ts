@@ -29,6 +29,12 @@ import {
 import { LEFTPAD_WHEEL, leftpadWheel } from './helpers/python-wheel.js';
 
 const TIMEOUT = 60_000;
+/**
+ * How long a cancelled build may take to end after the abort: idle, pip ends well under a second after it.
+ * Generous on purpose (a busy 2-core machine stretches that several times), yet below the 15 s read timeout
+ * the builder gives pip: a pip that was never stopped, and gave up on the silent index by itself, still fails.
+ */
+const CANCEL_BOUND_MS = 12_000;
 
 const h = buildHarness('python', () => createPythonBuilder());
 const { workspace, runBuild } = h;
@@ -311,7 +317,7 @@ describe('python builder: cancellation', () => {
       assert.ok(abortedAt > 0, `pip never asked the index; log:\n${outcome.lines.join('\n')}`);
       assert.equal(outcome.error, reason, `expected the abort reason, got ${String(outcome.error)}`);
       const afterAbort = Date.now() - abortedAt;
-      assert.ok(afterAbort < 4_000, `took ${afterAbort} ms after the abort`);
+      assert.ok(afterAbort < CANCEL_BOUND_MS, `took ${afterAbort} ms after the abort`);
       assert.deepEqual(await processesIn(ws.sourceDir), [], 'no pip process left behind');
     } finally {
       index.closeAllConnections();
@@ -349,7 +355,7 @@ describe('python builder: cancellation', () => {
     assert.ok(found.length > 0, `the sleep was never seen running; log:\n${outcome.lines.join('\n')}`);
     assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
     assert.ok(!(outcome.error instanceof BuildFailedError));
-    assert.ok(outcome.ms < 10_000, `took ${outcome.ms} ms`);
+    assert.ok(outcome.ms < CANCEL_BOUND_MS, `took ${outcome.ms} ms`);
     // Killed with the sandbox; the kernel may still be finishing its exit when the build returns.
     await waitUntilGone(found);
     assert.deepEqual(await processesWithArgs(['sleep', marker]), []);

@@ -32,6 +32,12 @@ declare const document: any, navigator: any, sessionStorage: any, localStorage: 
 
 const CHROMIUM = '/usr/bin/chromium';
 const SHOTS = path.join(REPO_ROOT, 'test-output', 'screenshots');
+/**
+ * How long to wait for something to show on a page (Playwright's own default): idle, pages render in well
+ * under a second, and a busy machine slows Chromium several times over; only a page that never shows it
+ * runs into this.
+ */
+const PAGE_WAIT_MS = 30_000;
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/;
 
 describe('dashboard files', () => {
@@ -130,7 +136,8 @@ describe('dashboard links printed by the CLI', () => {
   });
 });
 
-describe('dashboard in Chromium', { timeout: 120_000 }, () => {
+// A hang guard for the whole suite: about 30 s on a busy machine.
+describe('dashboard in Chromium', { timeout: 300_000 }, () => {
   let server: TestServer;
   let auth: { projectId: string; token: string };
   let receiver: Receiver;
@@ -283,14 +290,14 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
 
     const syncRow = page.locator(`tr[data-run-id="${ids.sync}"]`);
     const asyncRow = page.locator(`tr[data-run-id="${ids.async}"]`);
-    await syncRow.waitFor({ timeout: 10_000 });
-    await asyncRow.waitFor({ timeout: 10_000 });
+    await syncRow.waitFor({ timeout: PAGE_WAIT_MS });
+    await asyncRow.waitFor({ timeout: PAGE_WAIT_MS });
     assert.equal(await syncRow.getAttribute('data-mode'), 'sync');
     assert.equal(await asyncRow.getAttribute('data-mode'), 'async');
     assert.equal((await asyncRow.locator('.mode-async').textContent())?.trim(), 'async');
     assert.equal(await syncRow.locator('.mode-async').count(), 0);
     assert.equal(await syncRow.getAttribute('data-state'), 'success');
-    await page.locator(`tr[data-run-id="${ids.async}"][data-state="success"]`).waitFor({ timeout: 15_000 });
+    await page.locator(`tr[data-run-id="${ids.async}"][data-state="success"]`).waitFor({ timeout: PAGE_WAIT_MS });
     assert.equal((await asyncRow.locator('.state-success').textContent())?.trim(), 'success');
     // Newest first.
     const order = await page
@@ -332,7 +339,10 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     await receiver.waitForRequests(1);
     await go(`#/apps/hello/runs/${ids.hook}`, /^Run /);
     const attempts = page.getByRole('region', { name: 'Webhook attempts' });
-    await attempts.locator('tbody tr .badge.state-success', { hasText: '200' }).first().waitFor({ timeout: 10_000 });
+    await attempts
+      .locator('tbody tr .badge.state-success', { hasText: '200' })
+      .first()
+      .waitFor({ timeout: PAGE_WAIT_MS });
     await page.getByRole('button', { name: 'Redeliver' }).click();
     await receiver.waitForRequests(2);
     await waitFor(async () => (await attempts.locator('tbody tr').count()) === 2, 15_000, 'the second attempt');
@@ -357,7 +367,7 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     await tree.locator('li.file[data-path="lib/words.ts"]').waitFor();
     assert.ok(await tree.getByText('lib/').isVisible(), 'folders are shown as folders');
     assert.match((await page.locator('pre[aria-label="ferry.toml"]').textContent()) ?? '', /name = "hello"/);
-    await page.getByText(/Complete log\. The build is ready\./).waitFor({ timeout: 10_000 });
+    await page.getByText(/Complete log\. The build is ready\./).waitFor({ timeout: PAGE_WAIT_MS });
     assert.ok(((await page.locator('pre[aria-label="Build log"]').textContent()) ?? '').length > 0);
     await assertLabelled('build');
     await shot('build');
@@ -467,7 +477,7 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     await page.getByRole('heading', { level: 1, name: 'Runs of hello' }).waitFor();
     // The heading shows before the page's data calls end; focus moves once the page has rendered.
     const focusMoved = await page
-      .waitForFunction(() => document.activeElement?.tagName === 'H1', undefined, { timeout: 5000 })
+      .waitForFunction(() => document.activeElement?.tagName === 'H1', undefined, { timeout: PAGE_WAIT_MS })
       .then(() => true)
       .catch(() => false);
     assert.ok(
@@ -489,7 +499,7 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
       method: 'DELETE',
       token: other.json.token,
     });
-    await page.getByRole('heading', { level: 1, name: 'Sign in to Ferry' }).waitFor({ timeout: 10_000 });
+    await page.getByRole('heading', { level: 1, name: 'Sign in to Ferry' }).waitFor({ timeout: PAGE_WAIT_MS });
     await page.getByText(/FERRY_TOKEN_REVOKED/).waitFor();
     assert.equal(await page.evaluate(() => sessionStorage.getItem('ferry.token')), null);
   });

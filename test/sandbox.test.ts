@@ -321,8 +321,9 @@ describe('replica sandbox', () => {
             text += chunk;
           });
           socket.on('end', () => resolve(text));
+          // Up to 30 s of attempts: idle, the sandboxed node listens within a second; a busy machine is slower.
           socket.on('error', (err) => {
-            if (attempt > 200) reject(err);
+            if (attempt > 1_200) reject(err);
             else setTimeout(() => tryConnect(attempt + 1), 25);
           });
         };

@@ -60,7 +60,9 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
     const elapsed = Date.now() - started;
     assert.equal(res.status, 200);
     assert.deepEqual(res.json.result, { x: 7 });
-    assert.ok(elapsed < 2000, `the caller waited ${elapsed} ms on a receiver that hangs`);
+    // A caller held up by the delivery would wait a whole attempt against the hanging receiver: at least the
+    // 10 s attempt timeout (FERRY_WEBHOOK_TIMEOUT_MS's default). Idle, the call takes a few ms.
+    assert.ok(elapsed < 10_000, `the caller waited ${elapsed} ms on a receiver that hangs`);
     const [first] = await receiver.waitForRequests(1, 10_000);
     assert.ok(first);
     assert.equal(first.method, 'POST');
@@ -79,13 +81,15 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
   });
 
   it('forwards an async call, with the error of a failed run, unsigned without a secret', async () => {
-    const before = receiver.requests.length;
     receiver.script([200]);
     const res = await call('fail', `async=true&webhookEndpoint=${hook('/async')}`);
     assert.equal(res.status, 202);
-    const got = await receiver.waitForRequests(before + 1, 15_000);
-    const delivery = got.find((r) => r.path === '/async');
-    assert.ok(delivery);
+    // Found by path: the retry of the first test's hanging attempt may reach the receiver meanwhile.
+    const delivery = await waitFor(
+      async () => receiver.requests.find((r) => r.path === '/async'),
+      15_000,
+      'the /async delivery',
+    );
     const body = JSON.parse(delivery.body.toString('utf8'));
     assert.equal(body.run_id, res.json.run_id);
     assert.equal(body.status_code, 500);
@@ -107,7 +111,6 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
   });
 
   it("sends a streaming call's items as the webhook result", async () => {
-    const before = receiver.requests.length;
     receiver.script([200]);
     const res = await fetch(`${server.url}/v4/${auth.projectId}/hooked/items?webhookEndpoint=${hook('/stream')}`, {
       method: 'POST',
@@ -120,16 +123,20 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
     });
     const runId = String(res.headers.get('x-request-id'));
     assert.equal(await res.text(), streamWire(runId, ['a', '{"b":2}', endEvent(runId)]));
-    const got = await receiver.waitForRequests(before + 1, 15_000);
-    const delivery = got.find((r) => r.path === '/stream');
-    assert.ok(delivery);
+    const delivery = await waitFor(
+      async () => receiver.requests.find((r) => r.path === '/stream'),
+      15_000,
+      'the /stream delivery',
+    );
     assert.deepEqual(JSON.parse(delivery.body.toString('utf8')).result, ['a', { b: 2 }]);
   });
 
   it('redelivers on request', async () => {
     receiver.script([200]);
     const res = await call('run', `webhookEndpoint=${hook('/again')}`);
-    await receiver.waitForRequests(receiver.requests.length + 1, 15_000);
+    // Waited for by path: counting requests would race the delivery, which may arrive before the call returns,
+    // and the retry of the first test's hanging attempt.
+    await waitFor(async () => receiver.requests.some((r) => r.path === '/again') || undefined, 15_000, 'the delivery');
     const count = receiver.requests.filter((r) => r.path === '/again').length;
     receiver.script([200]);
     const redo = await http(

@@ -187,6 +187,11 @@ async function receiver(t: TestContext, steps: Step[] = [], host?: string): Prom
 }
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+/**
+ * How long to watch for an attempt that must not come (after a delivery ended): five times the longest FAST
+ * delay, so a wrongly scheduled retry has long reached the receiver even on a busy machine.
+ */
+const QUIET_MS = 5 * FAST[1];
 const gaps = (reqs: Received[]) => reqs.slice(1).map((r, i) => r.at - reqs[i]!.at);
 
 /** A loopback port nothing listens on. */
@@ -235,7 +240,7 @@ describe('delivery outcomes against a real receiver', () => {
     const r = await receiver(t, [200]);
     const { runId, payload } = await h.add(`${r.url}/hook?x=1`);
     assert.deepEqual(await h.settled(runId), { state: 'delivered', attempts: 1 });
-    await sleep(400);
+    await sleep(QUIET_MS);
     assert.equal(r.requests.length, 1);
     const [req] = r.requests;
     assert.equal(req!.method, 'POST');
@@ -281,7 +286,7 @@ describe('delivery outcomes against a real receiver', () => {
     const r = await receiver(t, [404, 404, 404, 200]);
     const { runId } = await h.add(`${r.url}/`);
     assert.deepEqual(await h.settled(runId), { state: 'failed', attempts: 3 });
-    await sleep(500);
+    await sleep(QUIET_MS);
     assert.equal(r.requests.length, 3, 'no fourth attempt');
     const warn = h.logs.find((l) => l.level === 40 && l.runId === runId);
     assert.ok(warn, 'a warning names the run');
@@ -299,7 +304,7 @@ describe('delivery outcomes against a real receiver', () => {
     );
     for (const c of cases)
       assert.deepEqual(await h.settled(c.runId), { state: 'failed', attempts: 1 }, String(c.status));
-    await sleep(600);
+    await sleep(QUIET_MS);
     for (const c of cases) {
       assert.equal(c.r.requests.length, 1, `${c.status} was retried`);
       assert.equal((await h.attempts(c.runId))[0]?.status_code, c.status);
@@ -313,7 +318,7 @@ describe('delivery outcomes against a real receiver', () => {
     r.fallback = { status: 302, headers: { location: `${r.url}/elsewhere` } };
     const { runId } = await h.add(`${r.url}/hook`);
     assert.deepEqual(await h.settled(runId), { state: 'failed', attempts: 3 });
-    await sleep(300);
+    await sleep(QUIET_MS);
     assert.deepEqual(
       r.requests.map((q) => q.path),
       ['/hook', '/hook', '/hook'],
@@ -373,11 +378,14 @@ describe('signatures on real deliveries', () => {
     const h = await harness(t, { retryDelaysMs: undefined });
     const r = await receiver(t, [404, 404, 200]);
     const { runId, payload } = await h.add(`${r.url}/signed`, { secret });
-    assert.deepEqual(await h.settled(runId, 15_000), { state: 'delivered', attempts: 3 });
+    assert.deepEqual(await h.settled(runId, 30_000), { state: 'delivered', attempts: 3 });
     const reqs = r.requests;
     assert.equal(reqs.length, 3);
     const [g1, g2] = gaps(reqs);
-    assert.ok(g1! >= 1_000 - 5 && g1! <= MAX_RETRY_DELAY_MS, `gap 1 was ${g1} ms`);
+    // A timer never fires early, so the delays are exact lower bounds. Above them, 2 s of room for a late
+    // wake-up on a busy machine (idle: a few ms): that still tells the 1 s delay from the 3 s one, and the
+    // second gap stays within the 5 s cap.
+    assert.ok(g1! >= 1_000 - 5 && g1! < 1_000 + 2_000, `gap 1 was ${g1} ms`);
     assert.ok(g2! >= 3_000 - 5 && g2! <= MAX_RETRY_DELAY_MS, `gap 2 was ${g2} ms`);
 
     const stamps = reqs.map((q) => Number(q.headers['x-service-webhook-timestamp']));
@@ -593,7 +601,7 @@ describe('address guard', () => {
       assert.match(a?.error ?? '', run.why, run.url);
       assert.equal(a?.status_code, null);
     }
-    await sleep(300);
+    await sleep(QUIET_MS);
     assert.equal(v4.requests.length + v6.requests.length, 0, 'no request reached a receiver');
   });
 
@@ -628,10 +636,12 @@ async function defaultLookup(host: string) {
 
 describe('durability, redelivery and the secret purge', () => {
   it('a delivery waiting for its retry completes after the deliverer is replaced', async (t) => {
-    const h = await harness(t, { retryDelaysMs: [800, 800] });
+    // A retry delay no test step can outlast, so the retry is surely still waiting when the deliverer closes
+    // (800 ms could pass on a busy machine before the close); after the restart it is made due at once.
+    const h = await harness(t, { retryDelaysMs: [60_000, 60_000] });
     const r = await receiver(t, [404, 200]);
     const { runId } = await h.add(`${r.url}/`, { secret: 's3cret' });
-    await waitFor(async () => r.requests.length === 1, 5_000, 'first attempt');
+    await waitFor(async () => r.requests.length === 1, 15_000, 'first attempt');
     await waitFor(
       async () =>
         (
@@ -641,7 +651,7 @@ describe('durability, redelivery and the secret purge', () => {
             .where('run_id', '=', runId)
             .executeTakeFirst()
         )?.attempts === 1,
-      5_000,
+      15_000,
       'first attempt recorded',
     );
     await h.deliverer.close();
@@ -652,6 +662,7 @@ describe('durability, redelivery and the secret purge', () => {
       .executeTakeFirstOrThrow();
     assert.equal(row.state, 'pending');
     h.restart();
+    await h.due(runId);
     assert.deepEqual(await h.settled(runId), { state: 'delivered', attempts: 2 });
     assert.deepEqual(
       (await h.attempts(runId)).map((a) => [a.attempt, a.status_code]),
@@ -848,7 +859,10 @@ describe('the redeliver route on a real server', () => {
 
 describe('throughput', () => {
   it('delivers a burst to a loopback receiver quickly, each exactly once', async (t) => {
-    const h = await harness(t);
+    // An attempt that times out is sent again (at least once delivery), though the receiver may have had it:
+    // exactly once holds only while none does. The receiver shares this process, and on a busy machine 64
+    // concurrent requests can take longer than the harness's 2 s, so attempts here get a timeout no run reaches.
+    const h = await harness(t, { attemptTimeoutMs: 60_000 });
     const r = await receiver(t, []);
     const n = 2_000;
     const now = new Date().toISOString();
@@ -882,7 +896,7 @@ describe('throughput', () => {
           .executeTakeFirstOrThrow();
         return Number(row.n) === n;
       },
-      30_000,
+      120_000,
       'the burst',
     );
     const seconds = (performance.now() - t0) / 1000;
@@ -890,7 +904,10 @@ describe('throughput', () => {
     t.diagnostic(`${n} deliveries in ${seconds.toFixed(2)} s: ${rate}/s`);
     assert.equal(r.requests.length, n, 'each delivery sent exactly once');
     assert.equal(new Set(r.requests.map((q) => q.headers['x-request-id'])).size, n);
-    // A floor well under the 1,000/s target, so a loaded CI machine does not flake; the figure is reported.
-    assert.ok(rate >= 250, `only ${rate} deliveries/s`);
+    // The figure is reported; bench/webhooks.mjs is where throughput is measured. This floor only catches a
+    // collapse (say, one delivery per timer wake-up): 76-97/s were measured with a load average of 15 on 2
+    // cores plus a busy loop, where plain concurrent POSTs to this receiver made 165/s, so the old 250/s
+    // floor failed there; 25/s stays well below that.
+    assert.ok(rate >= 25, `only ${rate} deliveries/s`);
   });
 });

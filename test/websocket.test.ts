@@ -31,7 +31,7 @@ function open(url: string, headers?: Record<string, string>): Promise<WebSocket>
 /** Sends a message and resolves with the next one received. */
 function echo(ws: WebSocket, message: string | Uint8Array): Promise<string | ArrayBuffer> {
   return new Promise((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error('no echo within 5 s')), 5000);
+    const timer = setTimeout(() => reject(new Error('no echo within 15 s')), 15_000);
     ws.addEventListener(
       'message',
       (event) => {
@@ -115,7 +115,7 @@ describe('websockets', () => {
     const back = await echo(ws, big);
     assert.ok(back instanceof ArrayBuffer);
     assert.deepEqual(new Uint8Array(back), big);
-    const done = closed(ws, 5000);
+    const done = closed(ws, 15_000);
     ws.close(1000, 'bye');
     assert.equal((await done).code, 1000);
   });
@@ -163,16 +163,19 @@ describe('websockets', () => {
 
   it('keeps a live socket through scale-down, and closes one silent past websocket_idle_timeout', async () => {
     const ws = await open(wsUrl('ws-idle'), { authorization: `Bearer ${auth.token}` });
-    const done = closed(ws, 15_000);
-    // cooldown = 0 and the reaper runs every second: an idle replica would stop now. Talking every 0.5 s
-    // for 3 s (past the 2 s idle timeout too) keeps the socket and its replica.
-    for (let i = 0; i < 6; i++) {
+    // Idle, it closes about 5 s after opening; the bound only keeps a socket that is never closed from hanging.
+    const done = closed(ws, 30_000);
+    // cooldown = 0 and the reaper runs every second: an idle replica would stop now. Talking every 0.25 s
+    // for 3 s (past the 2 s idle timeout too) keeps the socket and its replica; the short pauses leave a
+    // busy machine 1.75 s of lateness per message before the idle timeout could strike.
+    for (let i = 0; i < 12; i++) {
       assert.equal(await echo(ws, `ping ${i}`), `ping ${i}`);
-      await new Promise((r) => setTimeout(r, 500));
+      await new Promise((r) => setTimeout(r, 250));
     }
-    // Then silence: Ferry closes it after the idle timeout.
+    // Then silence: Ferry closes it after the idle timeout. The last echo came back at least 11 pauses
+    // (2.75 s) after opening, so a close that waited for 2 s of silence comes at 4.75 s or later.
     const { at } = await done;
-    assert.ok(at >= 3000 + 1500, `closed ${at} ms after opening, expected after the 2 s of silence`);
+    assert.ok(at >= 2750 + 1500, `closed ${at} ms after opening, expected after the 2 s of silence`);
     const runs = await call(`${server.url}/v2/projects/${auth.projectId}/apps/ws-idle/runs`, { token: auth.token });
     const run = runs.json.runs[0];
     assert.equal(run.function, 'WEBSOCKET /');

@@ -10,7 +10,10 @@ export interface Arrival {
   text: string;
 }
 
-/** POSTs with node:http (no transparent decompression) and records when each chunk arrives, decoded. */
+/**
+ * POSTs with node:http (no transparent decompression) and records when each chunk arrives, decoded. Fails
+ * when the connection stays silent for 30 s.
+ */
 export function streamRequest(
   url: string,
   token: string,
@@ -39,6 +42,8 @@ export function streamRequest(
         source.on('error', reject);
       },
     );
+    // A hang guard only (a stream that sends nothing for this long has failed): busy machines stay well under it.
+    req.setTimeout(30_000, () => req.destroy(new Error(`no data from ${url} for 30 s`)));
     req.on('error', reject);
     req.end(JSON.stringify(body));
   });
