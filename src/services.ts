@@ -22,7 +22,8 @@ import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
-import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
+import { createSandboxNetwork } from './sandbox/choose-network.js';
+import type { SandboxNetwork } from './sandbox/network.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openSqliteStore, type Store } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
@@ -68,11 +69,17 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
   const sandbox = await detectSandbox();
-  const network = createLoopbackOnlyNetwork();
   const appLog = createAppLog({ linesPerApp: config.appLogLines });
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
+  const network = await createSandboxNetwork({
+    egress: config.egress,
+    sandbox,
+    dataDir: dataDir.root,
+    runDir,
+    logger: logger.child({ component: 'network' }),
+  });
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
@@ -83,6 +90,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       buildsDir: dataDir.builds,
       runDir,
       sandbox,
+      network,
       secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
     }),
     onColdStart(build, ms) {
