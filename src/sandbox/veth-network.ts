@@ -14,7 +14,8 @@
  *   - to the host itself from a sandbox link: DNS to the forwarder only.
  *
  * Setting a namespace up costs two `ip -batch` processes (one in the host namespace, one in the new
- * one: `ip -batch` cannot switch namespaces between lines), and releasing it one.
+ * one: `ip -batch` cannot switch namespaces between lines), and releasing it one. SPARES namespaces are
+ * kept set up ahead, so a replica's cold start does not wait for them.
  *
  * Slots (one /30 of the pool each) are claimed machine-wide through the host link's name, `fy<slot>`:
  * the kernel refuses a second link of the same name, so two servers sharing a pool never share an
@@ -54,6 +55,8 @@ const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin',
 const TOOL_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
 const TOOL_TIMEOUT_MS = 15_000;
 const SLOT_ATTEMPTS = 32;
+/** Namespaces kept set up ahead of need. */
+const SPARES = 2;
 
 /**
  * Whether this machine can give sandboxes the veth network: root, and `ip`, `nft` and `nsenter` found.
@@ -152,9 +155,30 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     return { host, sandbox };
   }
 
+  // Namespaces set up ahead, so a cold start finds one ready instead of waiting for `ip` twice.
+  const spares: Array<Promise<SandboxNetworkLease | null>> = [];
+  const refill = () => {
+    while (!closed && spares.length < SPARES) {
+      spares.push(
+        createLease().catch((err: unknown) => {
+          // At close a signal may have killed `ip` half-way: nothing worth a warning then.
+          if (!closed) logger.warn({ err }, 'setting up a spare sandbox network failed');
+          return null;
+        }),
+      );
+    }
+  };
+
   async function acquire(id: string): Promise<SandboxNetworkLease> {
     if (closed) throw new Error('the sandbox network is closed');
     if (!/^[A-Za-z0-9_-]{1,100}$/.test(id)) throw new Error(`Invalid sandbox id ${JSON.stringify(id)}`);
+    const spare = spares.shift();
+    refill();
+    const lease = spare ? await spare : null;
+    return lease ?? createLease();
+  }
+
+  async function createLease(): Promise<SandboxNetworkLease> {
     for (let attempt = 0; attempt < SLOT_ATTEMPTS; attempt++) {
       const slot = nextSlot();
       used.add(slot);
@@ -174,7 +198,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
         resolver = await dns.listen(addresses.host);
         await fs.writeFile(
           resolvConf,
-          `# Ferry's resolver for sandbox ${id}\nnameserver ${addresses.host}\noptions timeout:2 attempts:2\n`,
+          `# Ferry's resolver, on the host end of this sandbox's link\nnameserver ${addresses.host}\noptions timeout:2 attempts:2\n`,
           { mode: 0o644 },
         );
       } catch (err) {
@@ -221,6 +245,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     throw new Error(`every address of the sandbox pool ${options.pool} (FERRY_EGRESS_POOL) is in use`);
   }
 
+  refill();
   return {
     mode: 'veth',
     describe: () =>
@@ -228,6 +253,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     acquire,
     async close() {
       closed = true;
+      await Promise.all(spares.splice(0));
       await Promise.all([...active].map((lease) => lease.release()));
       const result = await runTool(tools.nft, ['delete', 'table', 'inet', table], '');
       if (result.code !== 0) logger.warn({ table, stderr: result.stderr.trim() }, 'removing the egress rules failed');

@@ -12,6 +12,7 @@
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
+import net from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { deployFiles, http, REPO_ROOT, startServer, type TestServer } from '../helpers/ferry.js';
@@ -32,6 +33,41 @@ interface Outcome extends Target {
   error?: string;
 }
 
+/** A TCP echo server on every host address (0.0.0.0), as a careless host service would listen. */
+async function startHostListener(): Promise<{ port: number; close(): Promise<void> }> {
+  const sockets = new Set<net.Socket>();
+  const server = net.createServer((socket) => {
+    sockets.add(socket);
+    socket.on('error', () => {});
+    socket.on('close', () => sockets.delete(socket));
+    socket.pipe(socket);
+  });
+  await new Promise<void>((resolve) => server.listen(0, '0.0.0.0', resolve));
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    close: () => {
+      for (const socket of sockets) socket.destroy();
+      return new Promise((resolve) => server.close(() => resolve()));
+    },
+  };
+}
+
+/** Whether this process (on the host) can open a TCP connection to `host`:`port`. */
+function reachableFromHost(host: string, port: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const socket = net.connect({ host, port, timeout: 5000 });
+    socket.once('connect', () => {
+      socket.destroy();
+      resolve(true);
+    });
+    socket.once('timeout', () => {
+      socket.destroy();
+      resolve(false);
+    });
+    socket.once('error', () => resolve(false));
+  });
+}
+
 async function fixtureFiles(name: string): Promise<Record<string, string>> {
   const dir = path.join(FIXTURES, name);
   const files: Record<string, string> = {};
@@ -44,11 +80,11 @@ type Auth = { projectId: string; token: string };
 /** Asks one app (by runtime) to try `targets`; returns one outcome per target. */
 async function probe(server: TestServer, auth: Auth, app: string, targets: Target[]): Promise<Outcome[]> {
   const body = { targets, timeoutMs: CONNECT_TIMEOUT_MS };
-  const url =
-    app === 'egress-custom'
-      ? `${server.url}/v4/${auth.projectId}/${app}/connect`
-      : `${server.url}/v4/${auth.projectId}/${app}/connect`;
-  const res = await http(url, { method: 'POST', token: auth.token, body });
+  const res = await http(`${server.url}/v4/${auth.projectId}/${app}/connect`, {
+    method: 'POST',
+    token: auth.token,
+    body,
+  });
   assert.equal(res.status, 200, `${app}: ${res.text}`);
   const outcomes = (app === 'egress-custom' ? res.json : res.json.result) as Outcome[];
   assert.equal(outcomes.length, targets.length);
@@ -78,8 +114,10 @@ describe('sandbox egress', { timeout: TIMEOUT }, () => {
   let integrity: string;
   let server: TestServer;
   let auth: Auth;
+  let hostListener: Awaited<ReturnType<typeof startHostListener>>;
 
   before(async () => {
+    hostListener = await startHostListener();
     outside = await createOutsideNetwork();
     const started = await outside.start([process.execPath, path.join(FIXTURES, 'outside-server.mjs'), outside.address]);
     outsideLines = started.lines;
@@ -96,6 +134,7 @@ describe('sandbox egress', { timeout: TIMEOUT }, () => {
   after(async () => {
     await server?.close();
     await outside?.close();
+    await hostListener?.close();
   });
 
   for (const app of APPS) {
@@ -111,7 +150,13 @@ describe('sandbox egress', { timeout: TIMEOUT }, () => {
         { host: '169.254.169.254', port: 80 },
       ];
       for (const address of hostIpv4Addresses()) {
-        denied.push({ host: address, port: 5432 }, { host: address, port: ferryPort }, { host: address, port: 6379 });
+        // The control: the listener does answer on this address, from the host.
+        assert.ok(await reachableFromHost(address, hostListener.port), `host listener on ${address}`);
+        denied.push(
+          { host: address, port: hostListener.port },
+          { host: address, port: 5432 },
+          { host: address, port: ferryPort },
+        );
       }
       const outcomes = await probe(server, auth, app, denied);
       for (const outcome of outcomes) {
@@ -169,6 +214,46 @@ describe('sandbox egress', { timeout: TIMEOUT }, () => {
     assert.equal(res.status, 200, res.text);
     assert.equal(res.json.result, 'installed from the outside registry');
     assert.ok(outsideLines.some((line) => line.startsWith('http GET /egress-dep/-/egress-dep-1.0.0.tgz')));
+  });
+});
+
+describe('sandbox egress policy precedence', { timeout: TIMEOUT }, () => {
+  let outside: OutsideNetwork;
+
+  before(async () => {
+    outside = await createOutsideNetwork();
+    await outside.start([process.execPath, path.join(FIXTURES, 'outside-server.mjs'), outside.address]);
+  });
+
+  after(async () => {
+    await outside?.close();
+  });
+
+  /** Starts a server with `env`, deploys the TS probe, and returns whether it reached the outside echo. */
+  async function reachesOutside(env: NodeJS.ProcessEnv): Promise<Outcome> {
+    const server = await startServer({ env });
+    try {
+      assert.equal(server.services.network.mode, 'veth', server.services.network.describe());
+      const auth = await server.bootstrap();
+      await deployFiles(server, auth, 'egress-ts', await fixtureFiles('egress-ts'));
+      const [outcome] = await probe(server, auth, 'egress-ts', [{ host: outside.address, port: 7000 }]);
+      return outcome!;
+    } finally {
+      await server.close();
+    }
+  }
+
+  it('a private address is denied unless FERRY_EGRESS_ALLOW lists it', async () => {
+    const outcome = await reachesOutside({});
+    assert.equal(outcome.ok, false, JSON.stringify(outcome));
+  });
+
+  it('FERRY_EGRESS_DENY wins over FERRY_EGRESS_ALLOW', async () => {
+    const outcome = await reachesOutside({
+      FERRY_EGRESS_ALLOW: outside.cidr,
+      FERRY_EGRESS_DENY: `${outside.address}/32`,
+    });
+    assert.equal(outcome.ok, false, JSON.stringify(outcome));
   });
 });
 
