@@ -101,6 +101,8 @@ export async function createSandboxNetwork(options: CreateNetworkOptions): Promi
     }
   }
   if (plan.warning) logger.warn(plan.warning);
-  logger.info({ network: network.mode }, `Sandbox network: ${network.describe()}`);
+  // The plan says why (FERRY_EGRESS=off, no bwrap); the veth provider knows its table and nameservers.
+  const description = network.mode !== 'veth' && network.mode === plan.mode ? plan.description : network.describe();
+  logger.info({ network: network.mode }, `Sandbox network: ${description}`);
   return network;
 }
