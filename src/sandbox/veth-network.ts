@@ -44,13 +44,14 @@ export interface VethNetworkOptions {
   pool: string;
   /** Data directory: names the nftables table and the namespaces, and holds the resolv.conf files. */
   dataDir: string;
-  /** Where the generated resolv.conf files go (readable by sandboxes). */
+  /** Where the generated resolv.conf files go when /run/ferry-egress/<tag> cannot be made. */
   runDir: string;
   dns: DnsForwarder;
   logger: Logger;
 }
 
 const NETNS_DIR = '/run/netns';
+const RESOLV_ROOT = '/run/ferry-egress';
 const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
 const TOOL_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
 const TOOL_TIMEOUT_MS = 15_000;
@@ -91,8 +92,15 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
   // Interface groups are 32-bit; this server's links share one, which the rules match on.
   const group = (Number.parseInt(tag.slice(0, 7), 16) | 0x10000000) >>> 0;
   const nsPrefix = `ferry-${tag}-`;
-  const resolvDir = path.join(options.runDir, 'resolv');
-  await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
+  // Outside the data directory: the path shows in the sandbox's own command line (bwrap's argv).
+  let resolvDir = path.join(RESOLV_ROOT, tag);
+  try {
+    await fs.rm(resolvDir, { recursive: true, force: true });
+    await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
+  } catch {
+    resolvDir = path.join(options.runDir, 'resolv');
+    await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
+  }
 
   await removeStaleNamespaces(tools.ip, nsPrefix);
   await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
@@ -108,6 +116,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
   const active = new Set<SandboxNetworkLease>();
   let cursor = randomInt(slots);
   let closed = false;
+  let dnsWarned = false;
 
   async function setUp(slot: number): Promise<'taken' | { host: string; sandbox: string }> {
     const base = poolBase + slot * 4;
@@ -195,7 +204,18 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
       let resolver: { close(): Promise<void> } | null = null;
       const resolvConf = path.join(resolvDir, `${slot}.conf`);
       try {
-        resolver = await dns.listen(addresses.host);
+        resolver = await dns.listen(addresses.host).catch((err: NodeJS.ErrnoException) => {
+          // Another DNS server listening on every address (dnsmasq on 0.0.0.0:53) holds the port; it
+          // then answers the sandbox itself, which is the best there is. Said once, not per sandbox.
+          if (!dnsWarned) {
+            dnsWarned = true;
+            logger.warn(
+              { err },
+              `Ferry's resolver for sandboxes cannot listen on port 53 of the links (${err.code ?? err.message}): sandboxes ask whatever DNS server holds it`,
+            );
+          }
+          return null;
+        });
         await fs.writeFile(
           resolvConf,
           `# Ferry's resolver, on the host end of this sandbox's link\nnameserver ${addresses.host}\noptions timeout:2 attempts:2\n`,
@@ -255,6 +275,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
       closed = true;
       await Promise.all(spares.splice(0));
       await Promise.all([...active].map((lease) => lease.release()));
+      await fs.rm(resolvDir, { recursive: true, force: true });
       const result = await runTool(tools.nft, ['delete', 'table', 'inet', table], '');
       if (result.code !== 0) logger.warn({ table, stderr: result.stderr.trim() }, 'removing the egress rules failed');
     },

@@ -92,6 +92,7 @@ describe('egress settings', () => {
     }
     assert.doesNotMatch(nftTables(), new RegExp(`ferry_${tag}\\b`));
     assert.deepEqual(await namespacesOf(tag), []);
+    await assert.rejects(fs.stat(`/run/ferry-egress/${tag}`), { code: 'ENOENT' });
   });
 
   it('ferry serve warns loudly when sandboxes would share the host network', { timeout: TIMEOUT }, async () => {
