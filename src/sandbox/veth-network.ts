@@ -25,6 +25,7 @@ import { spawn } from 'node:child_process';
 import { createHash, randomInt } from 'node:crypto';
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
+import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import type { DnsForwarder } from './dns-forwarder.js';
@@ -102,6 +103,10 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
   }
 
+  const clash = hostAddressIn(poolBase, poolPrefix);
+  if (clash) {
+    throw new Error(`the sandbox pool ${options.pool} (FERRY_EGRESS_POOL) holds the host's own address ${clash}`);
+  }
   await removeStaleNamespaces(tools.ip, nsPrefix);
   await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
   const ruleset = nftRuleset(table, group, options.pool, policy);
@@ -335,6 +340,18 @@ ${set('blocked', DEFAULT_DENY.v4)}
   }
 }
 `;
+}
+
+/** A host address inside the pool, other than the sandbox links' own (`fy*`, this or another server's). */
+function hostAddressIn(base: number, prefix: number): string | undefined {
+  const mask = prefix === 0 ? 0 : (~0 << (32 - prefix)) >>> 0;
+  for (const [name, addresses] of Object.entries(os.networkInterfaces())) {
+    if (name.startsWith('fy')) continue;
+    for (const entry of addresses ?? []) {
+      if (entry.family === 'IPv4' && (ipv4ToNumber(entry.address) & mask) >>> 0 === base) return entry.address;
+    }
+  }
+  return undefined;
 }
 
 async function removeStaleNamespaces(ip: string, prefix: string): Promise<void> {

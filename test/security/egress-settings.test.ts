@@ -12,7 +12,8 @@ import path from 'node:path';
 import { describe, it } from 'node:test';
 import { resolveServerConfig } from '../../src/config.js';
 import { normalizeCidr } from '../../src/sandbox/egress-policy.js';
-import { runCli, spawnServe, tempDir } from '../helpers/ferry.js';
+import { runCli, spawnServe, startServer, tempDir } from '../helpers/ferry.js';
+import { hostIpv4Addresses } from '../helpers/netns.js';
 
 const TIMEOUT = 120_000;
 
@@ -93,6 +94,17 @@ describe('egress settings', () => {
     assert.doesNotMatch(nftTables(), new RegExp(`ferry_${tag}\\b`));
     assert.deepEqual(await namespacesOf(tag), []);
     await assert.rejects(fs.stat(`/run/ferry-egress/${tag}`), { code: 'ENOENT' });
+  });
+
+  it("falls back to loopback only when the pool holds one of the host's addresses", { timeout: TIMEOUT }, async () => {
+    const address = hostIpv4Addresses().find((a) => !a.startsWith('127.') && !a.startsWith('10.21'));
+    assert.ok(address, 'the host has a non-loopback address');
+    const server = await startServer({ env: { FERRY_EGRESS_POOL: `${address}/30` } });
+    try {
+      assert.equal(server.services.network.mode, 'none');
+    } finally {
+      await server.close();
+    }
   });
 
   it('ferry serve warns loudly when sandboxes would share the host network', { timeout: TIMEOUT }, async () => {
