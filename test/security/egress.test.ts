@@ -15,8 +15,9 @@ import fs from 'node:fs/promises';
 import net from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { deployFiles, http, REPO_ROOT, startServer, type TestServer } from '../helpers/ferry.js';
+import { deployFiles, http, REPO_ROOT, startServer, type TestServer, tempDir } from '../helpers/ferry.js';
 import { createOutsideNetwork, hostIpv4Addresses, type OutsideNetwork } from '../helpers/netns.js';
+import { buildWheel } from '../helpers/python-wheel.js';
 
 const FIXTURES = path.join(REPO_ROOT, 'test/fixtures/security');
 const TIMEOUT = 240_000;
@@ -120,6 +121,7 @@ async function lookup(server: TestServer, auth: Auth, app: string, name: string)
 }
 
 const APPS = ['egress-ts', 'egress-py', 'egress-custom'] as const;
+const WHEEL = 'egress_pydep-1.0.0-py3-none-any.whl';
 
 describe('sandbox egress', { timeout: TIMEOUT }, () => {
   let outside: OutsideNetwork;
@@ -128,11 +130,27 @@ describe('sandbox egress', { timeout: TIMEOUT }, () => {
   let server: TestServer;
   let auth: Auth;
   let hostListener: Awaited<ReturnType<typeof startHostListener>>;
+  let wheelSource: string | undefined;
+  let wheelDir: string | undefined;
 
   before(async () => {
     hostListener = await startHostListener();
+    // A wheel for the outside registry to serve (the Python build installs it from there).
+    wheelSource = await tempDir('ferry-egress-wheel-');
+    await fs.mkdir(path.join(wheelSource, 'egress_pydep'));
+    await fs.writeFile(
+      path.join(wheelSource, 'egress_pydep', '__init__.py'),
+      "WHERE = 'installed from the outside index'\n",
+    );
+    wheelDir = await tempDir('ferry-egress-files-');
+    await fs.writeFile(path.join(wheelDir, WHEEL), await buildWheel(wheelSource, 'egress_pydep', '1.0.0'));
     outside = await createOutsideNetwork();
-    const started = await outside.start([process.execPath, path.join(FIXTURES, 'outside-server.mjs'), outside.address]);
+    const started = await outside.start([
+      process.execPath,
+      path.join(FIXTURES, 'outside-server.mjs'),
+      outside.address,
+      wheelDir,
+    ]);
     outsideLines = started.lines;
     integrity = outsideLines.find((line) => line.startsWith('integrity '))!.slice('integrity '.length);
     server = await startServer({
@@ -148,6 +166,7 @@ describe('sandbox egress', { timeout: TIMEOUT }, () => {
     await server?.close();
     await outside?.close();
     await hostListener?.close();
+    for (const dir of [wheelSource, wheelDir]) if (dir) await fs.rm(dir, { recursive: true, force: true });
   });
 
   for (const app of APPS) {
@@ -231,6 +250,24 @@ describe('sandbox egress', { timeout: TIMEOUT }, () => {
     assert.equal(res.status, 200, res.text);
     assert.equal(res.json.result, 'installed from the outside registry');
     assert.ok(outsideLines.some((line) => line.startsWith('http GET /egress-dep/-/egress-dep-1.0.0.tgz')));
+  });
+
+  it('installs a pip requirement from the allowed outside network (the deploy path)', async () => {
+    // Like the npm case: behind the sandbox's policy once builds run in the sandbox (issue 10 item 1).
+    const files = {
+      'ferry.toml': '[app]\nname = "egress-pip"\n',
+      'main.py': 'import egress_pydep\n\n\ndef run() -> str:\n    return egress_pydep.WHERE\n',
+      'requirements.txt': `egress-pydep @ http://${outside.address}:8080/files/${WHEEL}\n`,
+    };
+    await deployFiles(server, auth, 'egress-pip', files);
+    const res = await http(`${server.url}/v4/${auth.projectId}/egress-pip/run`, {
+      method: 'POST',
+      token: auth.token,
+      body: {},
+    });
+    assert.equal(res.status, 200, res.text);
+    assert.equal(res.json.result, 'installed from the outside index');
+    assert.ok(outsideLines.some((line) => line.startsWith(`http GET /files/${WHEEL}`)));
   });
 });
 
