@@ -53,6 +53,8 @@ export interface VethNetworkOptions {
 
 const NETNS_DIR = '/run/netns';
 const RESOLV_ROOT = '/run/ferry-egress';
+/** In /run/ferry-egress/<tag>/: the pid and start time of the server that owns the tag's namespaces. */
+const OWNER_FILE = 'owner';
 const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
 const TOOL_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
 const TOOL_TIMEOUT_MS = 15_000;
@@ -108,6 +110,8 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     throw new Error(`the sandbox pool ${options.pool} (FERRY_EGRESS_POOL) holds the host's own address ${clash}`);
   }
   await removeStaleNamespaces(tools.ip, nsPrefix);
+  await removeDeadServers(tools, tag);
+  await fs.writeFile(path.join(resolvDir, OWNER_FILE), await processIdentity(process.pid)).catch(() => {});
   await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
   const ruleset = nftRuleset(table, group, options.pool, policy);
   const loaded = await runTool(
@@ -352,6 +356,32 @@ function hostAddressIn(base: number, prefix: number): string | undefined {
     }
   }
   return undefined;
+}
+
+/**
+ * What a server killed hard (SIGKILL, a crash) left behind: its namespaces, its nftables table and its
+ * folder under /run/ferry-egress, found through the owner file of every other tag whose process is gone.
+ * A server restarted on the same data directory cleans its own tag anyway (removeStaleNamespaces).
+ */
+async function removeDeadServers(tools: VethTools, ownTag: string): Promise<void> {
+  const tags = await fs.readdir(RESOLV_ROOT).catch(() => [] as string[]);
+  for (const tag of tags) {
+    if (tag === ownTag || !/^[0-9a-f]{8}$/.test(tag)) continue;
+    const owner = await fs.readFile(path.join(RESOLV_ROOT, tag, OWNER_FILE), 'utf8').catch(() => null);
+    if (owner === null) continue; // a server still setting up, or not one of ours
+    const pid = Number(owner.split(' ')[0]);
+    if (Number.isInteger(pid) && pid > 0 && (await processIdentity(pid)) === owner) continue;
+    await removeStaleNamespaces(tools.ip, `ferry-${tag}-`);
+    await runTool(tools.nft, ['delete', 'table', 'inet', `ferry_${tag}`], '');
+    await fs.rm(path.join(RESOLV_ROOT, tag), { recursive: true, force: true });
+  }
+}
+
+/** `<pid> <start time>`: tells a live owner from a new process that got the same pid. */
+async function processIdentity(pid: number): Promise<string> {
+  const stat = await fs.readFile(`/proc/${pid}/stat`, 'utf8').catch(() => '');
+  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+  return `${pid} ${fields[19] ?? 'gone'}`;
 }
 
 async function removeStaleNamespaces(ip: string, prefix: string): Promise<void> {

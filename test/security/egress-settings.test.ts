@@ -96,6 +96,29 @@ describe('egress settings', () => {
     await assert.rejects(fs.stat(`/run/ferry-egress/${tag}`), { code: 'ENOENT' });
   });
 
+  it('a server killed hard leaves rules and namespaces that the next server to start removes', {
+    timeout: TIMEOUT,
+  }, async () => {
+    const dataDir = await tempDir();
+    const tag = createHash('sha256').update(path.resolve(dataDir)).digest('hex').slice(0, 8);
+    const serve = await spawnServe(dataDir);
+    const deadline = Date.now() + 30_000;
+    while ((await namespacesOf(tag)).length === 0 && Date.now() < deadline) {
+      await new Promise((resolve) => setTimeout(resolve, 100));
+    }
+    await serve.stop('SIGKILL');
+    assert.ok((await namespacesOf(tag)).length > 0, 'the killed server could not clean up');
+    assert.match(nftTables(), new RegExp(`ferry_${tag}\\b`));
+    const next = await startServer();
+    try {
+      assert.deepEqual(await namespacesOf(tag), []);
+      assert.doesNotMatch(nftTables(), new RegExp(`ferry_${tag}\\b`));
+      await assert.rejects(fs.stat(`/run/ferry-egress/${tag}`), { code: 'ENOENT' });
+    } finally {
+      await next.close();
+    }
+  });
+
   it("falls back to loopback only when the pool holds one of the host's addresses", { timeout: TIMEOUT }, async () => {
     const address = hostIpv4Addresses().find((a) => !a.startsWith('127.') && !a.startsWith('10.21'));
     assert.ok(address, 'the host has a non-loopback address');
