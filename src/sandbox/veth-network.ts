@@ -95,6 +95,10 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
   // Interface groups are 32-bit; this server's links share one, which the rules match on.
   const group = (Number.parseInt(tag.slice(0, 7), 16) | 0x10000000) >>> 0;
   const nsPrefix = `ferry-${tag}-`;
+  const clash = hostAddressIn(poolBase, poolPrefix);
+  if (clash) {
+    throw new Error(`the sandbox pool ${options.pool} (FERRY_EGRESS_POOL) holds the host's own address ${clash}`);
+  }
   // Outside the data directory: the path shows in the sandbox's own command line (bwrap's argv).
   let resolvDir = path.join(RESOLV_ROOT, tag);
   try {
@@ -105,21 +109,22 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
   }
 
-  const clash = hostAddressIn(poolBase, poolPrefix);
-  if (clash) {
-    throw new Error(`the sandbox pool ${options.pool} (FERRY_EGRESS_POOL) holds the host's own address ${clash}`);
+  try {
+    await removeStaleNamespaces(tools.ip, nsPrefix);
+    await removeDeadServers(tools, tag);
+    await fs.writeFile(path.join(resolvDir, OWNER_FILE), await processIdentity(process.pid)).catch(() => {});
+    await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
+    const ruleset = nftRuleset(table, group, options.pool, policy);
+    const loaded = await runTool(
+      tools.nft,
+      ['-f', '-'],
+      `add table inet ${table}\ndelete table inet ${table}\n${ruleset}`,
+    );
+    if (loaded.code !== 0) throw new Error(`nft could not load the egress rules: ${loaded.stderr.trim()}`);
+  } catch (err) {
+    await fs.rm(resolvDir, { recursive: true, force: true });
+    throw err;
   }
-  await removeStaleNamespaces(tools.ip, nsPrefix);
-  await removeDeadServers(tools, tag);
-  await fs.writeFile(path.join(resolvDir, OWNER_FILE), await processIdentity(process.pid)).catch(() => {});
-  await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
-  const ruleset = nftRuleset(table, group, options.pool, policy);
-  const loaded = await runTool(
-    tools.nft,
-    ['-f', '-'],
-    `add table inet ${table}\ndelete table inet ${table}\n${ruleset}`,
-  );
-  if (loaded.code !== 0) throw new Error(`nft could not load the egress rules: ${loaded.stderr.trim()}`);
 
   const used = new Set<number>();
   const active = new Set<SandboxNetworkLease>();
