@@ -12,6 +12,8 @@
  *     masqueraded (egress-policy.ts has the order); IPv6 is dropped (sandboxes have IPv4 only);
  *   - into a sandbox link: replies only;
  *   - to the host itself from a sandbox link: DNS to the forwarder only.
+ * A refused connection is answered (TCP reset, else ICMP admin-prohibited) rather than dropped, so a
+ * sandbox's client (npm, pip, a function) fails at once instead of waiting for its own timeout.
  *
  * Setting a namespace up costs two `ip -batch` processes (one in the host namespace, one in the new
  * one: `ip -batch` cannot switch namespaces between lines), and releasing it one. SPARES namespaces are
@@ -326,12 +328,16 @@ ${set('blocked', DEFAULT_DENY.v4)}
   }
   chain egress {
     meta nfproto != ipv4 drop
-    ip daddr ${pool} drop
-    ip daddr @deny drop
+    ip daddr ${pool} jump refuse
+    ip daddr @deny jump refuse
     ip daddr @allow accept
-    ip daddr @blocked drop
-    fib daddr type { local, broadcast, multicast } drop
+    ip daddr @blocked jump refuse
+    fib daddr type { local, broadcast, multicast } jump refuse
     accept
+  }
+  chain refuse {
+    meta l4proto tcp reject with tcp reset
+    reject with icmpx type admin-prohibited
   }
   chain input {
     type filter hook input priority filter; policy accept;
@@ -341,7 +347,7 @@ ${set('blocked', DEFAULT_DENY.v4)}
     ct state established,related accept
     ip daddr ${pool} udp dport 53 accept
     ip daddr ${pool} tcp dport 53 accept
-    drop
+    jump refuse
   }
   chain postrouting {
     type nat hook postrouting priority srcnat; policy accept;
