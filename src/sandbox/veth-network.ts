@@ -63,6 +63,8 @@ const TOOL_TIMEOUT_MS = 15_000;
 const SLOT_ATTEMPTS = 32;
 /** Namespaces kept set up ahead of need. */
 const SPARES = 2;
+/** How long after a spare is taken the next one is set up. */
+const REFILL_DELAY_MS = 250;
 
 /**
  * Whether this machine can give sandboxes the veth network: root, and `ip`, `nft` and `nsenter` found.
@@ -194,11 +196,17 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     }
   };
 
+  let refillTimer: NodeJS.Timeout | undefined;
+
   async function acquire(id: string): Promise<SandboxNetworkLease> {
     if (closed) throw new Error('the sandbox network is closed');
     if (!/^[A-Za-z0-9_-]{1,100}$/.test(id)) throw new Error(`Invalid sandbox id ${JSON.stringify(id)}`);
     const spare = spares.shift();
-    refill();
+    // Later, not now: on a small machine the `ip` processes would compete with the replica starting.
+    refillTimer ??= setTimeout(() => {
+      refillTimer = undefined;
+      refill();
+    }, REFILL_DELAY_MS);
     const lease = spare ? await spare : null;
     return lease ?? createLease();
   }
@@ -289,6 +297,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     acquire,
     async close() {
       closed = true;
+      clearTimeout(refillTimer);
       await Promise.all(spares.splice(0));
       await Promise.all([...active].map((lease) => lease.release()));
       await fs.rm(resolvDir, { recursive: true, force: true });
