@@ -223,6 +223,8 @@ export function runCommand(file, args, options = {}) {
 function ferryEnv(extra = {}) {
   const env = { PATH: process.env.PATH, HOME: process.env.HOME, FERRY_LOG_FORMAT: 'json', ...extra };
   if (process.env.FERRY_SANDBOX !== undefined) env.FERRY_SANDBOX = process.env.FERRY_SANDBOX;
+  // FERRY_EGRESS=off compares cold starts without the sandbox's network namespace (docs/operations.md).
+  if (process.env.FERRY_EGRESS !== undefined) env.FERRY_EGRESS = process.env.FERRY_EGRESS;
   return env;
 }
 

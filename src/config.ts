@@ -4,6 +4,8 @@
  */
 import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './builds/builders/sandboxed-step.js';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
+import { type Nameserver, parseNameservers } from './sandbox/dns-forwarder.js';
+import { DEFAULT_EGRESS_POOL, type EgressPolicy, normalizeCidr, parseEgressPolicy } from './sandbox/egress-policy.js';
 import { parseAllowList } from './webhooks/address-guard.js';
 
 /** Validates the webhook allow-list at start, so a typo is an error now rather than refused deliveries later. */
@@ -51,6 +53,19 @@ export interface ServerConfig {
   streamReplayTotalBytes: number;
   /** How long a streaming run goes on after its last client went away, waiting for a reconnect, seconds. */
   streamResumeGraceSeconds: number;
+  /** The network sandboxes get (docs/operations.md, "Sandbox network"). */
+  egress: EgressConfig;
+}
+
+export interface EgressConfig {
+  /** `FERRY_EGRESS=off` gives every sandbox loopback only. */
+  enabled: boolean;
+  /** `FERRY_EGRESS_ALLOW` / `FERRY_EGRESS_DENY` (and the flags), validated. */
+  policy: EgressPolicy;
+  /** `FERRY_EGRESS_POOL`: the IPv4 range the sandboxes' /30 links come from. */
+  pool: string;
+  /** `FERRY_EGRESS_DNS`: where the sandboxes' resolver forwards queries (default: /etc/resolv.conf's). */
+  nameservers: Nameserver[];
 }
 
 export const DEFAULTS = {
@@ -85,6 +100,27 @@ export interface ConfigFlags {
   port?: string | number | undefined;
   dataDir?: string | undefined;
   webhookAllow?: string | undefined;
+  egressAllow?: string | undefined;
+  egressDeny?: string | undefined;
+}
+
+function resolveEgress(flags: ConfigFlags, env: NodeJS.ProcessEnv): EgressConfig {
+  const mode = (env.FERRY_EGRESS ?? 'on').trim().toLowerCase();
+  if (mode !== 'on' && mode !== 'off') throw new Error(`FERRY_EGRESS must be "on" or "off", not "${env.FERRY_EGRESS}"`);
+  const pool = normalizeCidr((env.FERRY_EGRESS_POOL ?? '').trim() || DEFAULT_EGRESS_POOL, 'FERRY_EGRESS_POOL');
+  const prefix = Number(pool.split('/')[1]);
+  if (pool.includes(':') || prefix < 8 || prefix > 30) {
+    throw new Error(`FERRY_EGRESS_POOL must be an IPv4 range from /8 to /30, not "${env.FERRY_EGRESS_POOL}"`);
+  }
+  return {
+    enabled: mode === 'on',
+    policy: parseEgressPolicy(
+      flags.egressAllow ?? env.FERRY_EGRESS_ALLOW ?? '',
+      flags.egressDeny ?? env.FERRY_EGRESS_DENY ?? '',
+    ),
+    pool,
+    nameservers: parseNameservers(env.FERRY_EGRESS_DNS),
+  };
 }
 
 /** Resolves the server's settings; throws an Error with a readable message for a bad value. */
@@ -149,5 +185,6 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     streamResumeGraceSeconds:
       intFrom(env.FERRY_STREAM_RESUME_GRACE_SECONDS, 'FERRY_STREAM_RESUME_GRACE_SECONDS', 0, 3600) ??
       DEFAULTS.streamResumeGraceSeconds,
+    egress: resolveEgress(flags, env),
   };
 }

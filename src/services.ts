@@ -24,7 +24,8 @@ import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
-import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
+import { createSandboxNetwork } from './sandbox/choose-network.js';
+import type { SandboxNetwork } from './sandbox/network.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openSqliteStore, type Store } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
@@ -72,7 +73,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
   const sandbox = await detectSandbox();
-  const network = createLoopbackOnlyNetwork();
   const appLog = createAppLog({ linesPerApp: config.appLogLines });
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
@@ -80,6 +80,13 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
   const views = sandbox.bwrap ? await createBuildViews({ buildsDir: dataDir.builds }) : undefined;
   if (views?.reason) logger.warn(views.reason);
+  const network = await createSandboxNetwork({
+    egress: config.egress,
+    sandbox,
+    dataDir: dataDir.root,
+    runDir,
+    logger: logger.child({ component: 'network' }),
+  });
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
@@ -91,6 +98,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       runDir,
       sandbox,
       views,
+      network,
       secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
     }),
     onColdStart(build, ms) {

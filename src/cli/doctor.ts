@@ -6,7 +6,9 @@
 
 import { execFile } from 'node:child_process';
 import { findPython } from '../builds/builders/python.js';
+import { resolveServerConfig } from '../config.js';
 import { probeSandbox, type SandboxCapabilities } from '../replicas/sandbox.js';
+import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 
 export interface DoctorOptions {
   json?: boolean;
@@ -22,8 +24,10 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
     pythonPath ? commandVersion(pythonPath, ['--version']) : Promise.resolve(undefined),
   ]);
   const python = pythonPath && pythonVersion ? pythonVersion : undefined;
+  const network = networkPlan(caps);
   if (options.json) {
-    process.stdout.write(`${JSON.stringify(caps, null, 2)}\n`);
+    const { tools: _tools, ...plan } = network;
+    process.stdout.write(`${JSON.stringify({ ...caps, network: plan }, null, 2)}\n`);
     return;
   }
   const row = (label: string, value: string) => `  ${label.padEnd(17)}${value}`;
@@ -43,9 +47,11 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   lines.push(row('Memory limits', describeMemory(caps)));
   lines.push(row('Process limits', describeController(caps, 'pids', 'max_processes')));
   lines.push(row('CPU limits', describeController(caps, 'cpu', 'cpu')));
+  lines.push(row('Network', network.description));
   lines.push(row('Python', python ?? 'no usable python3 (3.9+) found: Python apps cannot build or run'));
 
   const warnings = sandboxWarnings(caps);
+  if (network.warning) warnings.push(network.warning);
   if (warnings.length > 0) {
     lines.push('', 'Warnings:', ...warnings.map((warning) => `  ! ${warning}`));
   }
@@ -93,6 +99,16 @@ function describeController(caps: SandboxCapabilities, controller: 'pids' | 'cpu
   const dir = caps.cgroup?.controllers[controller];
   if (dir) return `cgroup v${caps.cgroup!.version} ${controller} at ${dir} ([resources].${key})`;
   return `NONE: [resources].${key} is not enforced`;
+}
+
+/** What `ferry serve` would give sandboxes with the environment's settings (FERRY_EGRESS and friends). */
+function networkPlan(caps: SandboxCapabilities): NetworkPlan {
+  try {
+    return planSandboxNetwork(resolveServerConfig({}, process.env).egress, caps);
+  } catch (err) {
+    const message = `the server settings are invalid: ${(err as Error).message}`;
+    return { mode: 'none', description: message, warning: message, tools: null };
+  }
 }
 
 function describeMemory(caps: SandboxCapabilities): string {

@@ -44,6 +44,18 @@ export function createProgram(): Command {
         'comma-separated CIDRs webhooks may reach although internal, e.g. 127.0.0.0/8,::1/128 (env FERRY_WEBHOOK_ALLOW)',
       ),
     )
+    .addOption(
+      new Option(
+        '--egress-allow <cidrs>',
+        'comma-separated CIDRs sandboxes may reach although denied by default, e.g. 10.20.0.0/16 (env FERRY_EGRESS_ALLOW)',
+      ),
+    )
+    .addOption(
+      new Option(
+        '--egress-deny <cidrs>',
+        'comma-separated CIDRs sandboxes may never reach; wins over --egress-allow (env FERRY_EGRESS_DENY)',
+      ),
+    )
     .action(serveCommand);
 
   program

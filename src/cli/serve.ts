@@ -18,6 +18,8 @@ export interface ServeOptions {
   port?: string;
   dataDir?: string;
   webhookAllow?: string;
+  egressAllow?: string;
+  egressDeny?: string;
 }
 
 export async function serveCommand(options: ServeOptions): Promise<void> {

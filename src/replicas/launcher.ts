@@ -9,6 +9,7 @@ import net from 'node:net';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { findPython } from '../builds/builders/python.js';
+import type { SandboxNetwork } from '../sandbox/network.js';
 import type { Store } from '../store/index.js';
 import type { BuildViews } from './build-view.js';
 import type { PoolBuild } from './pool.js';
@@ -36,6 +37,8 @@ export interface LauncherDeps {
   sandbox: SandboxCapabilities;
   /** Where sandboxed replicas find their build (a path that does not name the data directory; build-view.ts). */
   views?: BuildViews;
+  /** Gives each replica a network namespace of its own (acquired before spawn, released in cleanup). */
+  network: SandboxNetwork;
   /** The project's secrets, decrypted, for the replica's environment. */
   secrets(projectId: string): Promise<Record<string, string>>;
 }
@@ -56,7 +59,7 @@ interface RuntimeLaunch {
   defaultEntry: string;
   command(bootstrapPath: string, build: PoolBuild): Promise<string[]>;
   env: Record<string, string>;
-  /** Custom runtime: its own network namespace, its variables, and the app folder as working folder. */
+  /** Custom runtime: its variables, and the app folder as working folder. */
   custom?: true;
 }
 
@@ -154,25 +157,34 @@ export function createLauncher(deps: LauncherDeps) {
       FERRY_ENTRY: `${paths.appDir}/${row.entry ?? runtime.defaultEntry}`,
       ...custom,
     };
-    const prepared = await prepareLaunch(
-      {
-        ...layout,
-        replicaId,
-        memoryMiB: build.config.resources.memory,
-        maxProcesses: build.config.resources.max_processes,
-        cpu: build.config.resources.cpu,
-        command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build),
-        env,
-        ...(runtime.custom ? { network: 'isolated' as const, cwd: row.entry ?? runtime.defaultEntry } : {}),
-      },
-      deps.sandbox,
-    );
+    const lease = sandboxed ? await deps.network.acquire(replicaId) : null;
+    let prepared: Awaited<ReturnType<typeof prepareLaunch>>;
+    try {
+      prepared = await prepareLaunch(
+        {
+          ...layout,
+          replicaId,
+          memoryMiB: build.config.resources.memory,
+          maxProcesses: build.config.resources.max_processes,
+          cpu: build.config.resources.cpu,
+          command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build),
+          env,
+          ...(lease ? { network: lease } : {}),
+          ...(runtime.custom ? { cwd: row.entry ?? runtime.defaultEntry } : {}),
+        },
+        deps.sandbox,
+      );
+    } catch (err) {
+      await lease?.release();
+      throw err;
+    }
     return {
       spawn: () => prepared.spawn(['ignore', 'pipe', 'pipe']),
       sandboxed: prepared.sandboxed,
       wasOomKilled: () => prepared.wasOomKilled(),
       async cleanup() {
         await prepared.cleanup();
+        await lease?.release();
         await fs.rm(socketDir, { recursive: true, force: true });
       },
     };

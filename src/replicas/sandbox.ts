@@ -51,6 +51,7 @@ import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
+import type { SandboxNetworkLease } from '../sandbox/network.js';
 import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
 import { runQuiet, WRAPPER_ENV } from './run-quiet.js';
 
@@ -108,10 +109,12 @@ export interface ReplicaLaunch extends SandboxLayout {
   cwd?: string;
   /**
    * `host` (default): the replica shares the server's network. `isolated`: under bwrap it gets its own
-   * network namespace with only a loopback interface, so replicas can all listen on one port without
-   * clashing (custom runtime) and reach nothing outside. Without bwrap this has no effect.
+   * network namespace with only a loopback interface. A lease (sandbox/network.ts): bwrap starts inside
+   * the lease's namespace (`nsenter --net`), or in a fresh loopback-only one when its netnsPath is null,
+   * with the lease's resolv.conf at /etc/resolv.conf. Either way replicas can all listen on one port
+   * without clashing (custom runtime). Without bwrap this has no effect.
    */
-  network?: 'host' | 'isolated';
+  network?: 'host' | 'isolated' | Pick<SandboxNetworkLease, 'netnsPath' | 'resolvConf'>;
 }
 
 /** Paths as the replica sees them: sandbox paths under bwrap, the host paths themselves without it. */
@@ -380,10 +383,16 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   let args: string[];
   let env: Record<string, string>;
   let bwrapArgs: string[] = [];
+  const network = launch.network ?? 'host';
+  const netnsPath = typeof network === 'object' ? network.netnsPath : null;
   if (sandboxed) {
     const size = (bytes: number) => (caps.bwrapFeatures.tmpfsSize ? ['--size', String(bytes)] : []);
     bwrapArgs = [
-      ...(await baseBwrapArgs(caps.bwrapFeatures, launch.network ?? 'host')),
+      ...(await baseBwrapArgs(
+        caps.bwrapFeatures,
+        typeof network === 'object' ? (netnsPath ? 'host' : 'isolated') : network,
+      )),
+      ...(typeof network === 'object' && network.resolvConf ? await resolvConfArgs(network.resolvConf) : []),
       // bwrap's --dev has no shm mount of its own: /dev/shm would be a folder of the unbounded /dev tmpfs.
       ...size(memoryBytes),
       '--tmpfs',
@@ -410,6 +419,11 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
     file = caps.bwrap!;
     // bwrap takes the command only on its command line; it is built from sandbox paths (sandboxPaths()).
     args = ['--args', '4', '--', ...launch.command];
+    if (netnsPath) {
+      // The namespace is joined outside bwrap, so the sandbox holds no capability over it.
+      args = [`--net=${netnsPath}`, '--', file, ...args];
+      file = await nsenterPath();
+    }
     env = { ...WRAPPER_ENV };
   } else {
     file = launch.command[0]!;
@@ -609,6 +623,27 @@ function firstChild(pid: number): number | undefined {
 }
 
 // ---- bwrap arguments ----
+
+let nsenterFound: Promise<string> | undefined;
+
+function nsenterPath(): Promise<string> {
+  nsenterFound ??= findExecutable('nsenter', WRAPPER_ENV).then((file) => {
+    if (!file) throw new Error('nsenter (util-linux) not found: cannot join the sandbox network');
+    return file;
+  });
+  return nsenterFound;
+}
+
+/**
+ * Binds the lease's resolv.conf over /etc/resolv.conf; where that is a symlink (systemd-resolved's stub
+ * file), over the file it points to, since bwrap cannot mount over a dangling symlink.
+ */
+export async function resolvConfArgs(resolvConf: string): Promise<string[]> {
+  let target = '/etc/resolv.conf';
+  const stat = await fs.lstat(target).catch(() => null);
+  if (stat?.isSymbolicLink()) target = path.resolve('/etc', await fs.readlink(target));
+  return ['--ro-bind', resolvConf, target];
+}
 
 /** Everything but the replica's own folders: namespaces, the system folders, and /etc's masked entries. */
 export async function baseBwrapArgs(

@@ -47,3 +47,14 @@ export function createLoopbackOnlyNetwork(): SandboxNetwork {
     close: async () => {},
   };
 }
+
+/** No sandbox at all (bwrap missing or off): replicas are plain processes on the host's network. */
+export function createHostNetwork(): SandboxNetwork {
+  const lease: SandboxNetworkLease = { netnsPath: null, resolvConf: null, release: async () => {} };
+  return {
+    mode: 'host',
+    describe: () => "host: NO SANDBOX, replicas share the host's network (they reach everything the server reaches)",
+    acquire: async () => lease,
+    close: async () => {},
+  };
+}

@@ -24,7 +24,13 @@ import path from 'node:path';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
 import { createReplicaCgroup, type ReplicaCgroup } from '../../replicas/cgroups.js';
-import { baseBwrapArgs, type SandboxCapabilities, spawnReplica, WRAPPER_ENV } from '../../replicas/sandbox.js';
+import {
+  baseBwrapArgs,
+  resolvConfArgs,
+  type SandboxCapabilities,
+  spawnReplica,
+  WRAPPER_ENV,
+} from '../../replicas/sandbox.js';
 import type { SandboxNetwork } from '../../sandbox/network.js';
 import { abortError, type ChildExit, runChild, throwIfAborted } from './run-child.js';
 import type { BuildContext } from './types.js';
@@ -165,7 +171,7 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
       path.resolve(cacheHost),
       STEP_CACHE_DIR,
     ];
-    if (lease.resolvConf !== null) options.push('--ro-bind', lease.resolvConf, '/etc/resolv.conf');
+    if (lease.resolvConf !== null) options.push(...(await resolvConfArgs(lease.resolvConf)));
     for (const mount of step.writable ?? []) {
       checkTarget(mount.sandbox, true);
       options.push('--bind', path.resolve(mount.host), mount.sandbox);
