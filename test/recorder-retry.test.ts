@@ -9,7 +9,10 @@ import assert from 'node:assert/strict';
 import { type ChildProcess, spawn } from 'node:child_process';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { deployFiles, http, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+import { createLogger } from '../src/logger.js';
+import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
+import { openSqliteStore } from '../src/store/index.js';
+import { deployFiles, http, REPO_ROOT, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
 
 const ASYNC_RUNS = 8;
@@ -154,5 +157,79 @@ export async function run({ i, ms }: { i: number; ms: number }) {
     const arrived = await receiver.waitForRequests(all.length, 60_000);
     const hooked = new Set(arrived.map((r) => (JSON.parse(r.body.toString('utf8')) as { run_id: string }).run_id));
     for (const id of all) assert.ok(hooked.has(id), `the webhook of ${id} arrived`);
+  });
+});
+
+describe('recorder memory while the store is locked', () => {
+  it('drops log lines past its memory bound, saying so, and keeps the run and its webhook', {
+    timeout: 120_000,
+  }, async () => {
+    const dataDir = await tempDir();
+    const store = await openSqliteStore({ dataDir });
+    const logged: Array<{ msg?: string; droppedLogLines?: number }> = [];
+    const logger = createLogger({
+      level: 'info',
+      pretty: false,
+      destination: { write: (line: string) => void logged.push(JSON.parse(line)) },
+    });
+    const LINE = 'x'.repeat(50);
+    // Room for 20 lines of 50 bytes.
+    const recorder = createRunRecorder({ store, logger, limits: { maxBufferedLogBytes: 1000 } });
+    try {
+      const lock = await holdLock(path.join(dataDir, 'ferry.db'), HOLD_MS);
+      const row = newRunRow({
+        id: '01a20000-0000-7000-8000-000000000001',
+        build: { projectId: 'p', appId: 'a', buildId: 'b' },
+        fn: 'run',
+        mode: 'sync',
+        input: '{}',
+      });
+      recorder.start(row);
+      for (let i = 1; i <= 10; i++) recorder.log(row.id, 'stdout', `${i} ${LINE}`);
+      await recorder.flush();
+      assert.ok(
+        logged.some((l) => l.msg?.startsWith('writing run records failed')),
+        'the first write failed under the lock',
+      );
+      for (let i = 11; i <= 100; i++) recorder.log(row.id, 'stdout', `${i} ${LINE}`);
+      recorder.finish(
+        row.id,
+        { state: 'success', status_code: 200, finished_at: new Date().toISOString() },
+        { runId: row.id, url: 'http://127.0.0.1:9/hook', payload: '{}' },
+      );
+      const dropped = logged.find((l) => l.msg?.startsWith('run log lines dropped'));
+      assert.ok(dropped, 'dropping log lines is logged');
+      await lock.released;
+
+      const stored = await waitFor(
+        async () => {
+          const run = await store.selectFrom('runs').select('state').where('id', '=', row.id).executeTakeFirst();
+          return run?.state === 'success' ? run : undefined;
+        },
+        60_000,
+        'the run row',
+      );
+      assert.equal(stored.state, 'success');
+      const lines = await store
+        .selectFrom('run_log_lines')
+        .select(['seq', 'line'])
+        .where('run_id', '=', row.id)
+        .orderBy('seq')
+        .execute();
+      // The lines that fitted, in order and without a gap; the rest were dropped.
+      assert.ok(lines.length >= 10 && lines.length < 100, `${lines.length} lines kept`);
+      assert.deepEqual(
+        lines.map((l) => l.seq),
+        Array.from({ length: lines.length }, (_, k) => k + 1),
+      );
+      const outbox = await store.selectFrom('webhook_deliveries').select('run_id').execute();
+      assert.deepEqual(
+        outbox.map((o) => o.run_id),
+        [row.id],
+      );
+    } finally {
+      await recorder.close();
+      await store.destroy();
+    }
   });
 });

@@ -290,6 +290,7 @@ export function createRunRecorder(deps: {
   function flush(force = true, retry = false): Promise<void> {
     // While the store fails, only the back-off timer (and close) try again.
     if (failures > 0 && !retry) return writing;
+    if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return writing;
     if (timer) {
       clearTimeout(timer);
       timer = undefined;
