@@ -180,6 +180,7 @@ response_grace_period = 30
     // Phase (2) holds the receiver's answers until every run has finished: no attempt may time out meanwhile.
     FERRY_WEBHOOK_TIMEOUT_MS: '600000',
     FERRY_MAX_ASYNC_BACKLOG: String(Math.max(100_000, RUNS * 2)),
+    FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT: String(Math.max(100_000, RUNS * 2)),
   });
   const runPath = `/v4/${auth.projectId}/${APP}/run?async=true&webhookEndpoint=${encodeURIComponent(hookUrl)}`;
   const headers = {

@@ -35,8 +35,16 @@ export interface ServerConfig {
   maxQueuePerApp: number;
   /** How long a replica may take to start accepting on its socket. */
   replicaStartTimeoutMs: number;
-  /** Accepted async runs not yet finished, server-wide; past it `?async=true` answers 429. */
+  /**
+   * Async runs this process holds in its in-memory queue (accepted here, not finished); past it
+   * `?async=true` answers 429 FERRY_ASYNC_BACKLOG_FULL. A safety cap on the process's memory.
+   */
   maxAsyncBacklog: number;
+  /**
+   * Async runs of one project queued or running, counted from the store; past it the project's
+   * `?async=true` calls answer 429 FERRY_PROJECT_BACKLOG_FULL (other projects are not affected).
+   */
+  maxAsyncBacklogPerProject: number;
   /** `FERRY_WEBHOOK_ALLOW` / `--webhook-allow`: CIDRs webhooks may reach although they are internal. */
   webhookAllow: string;
   /** One webhook attempt's timeout. */
@@ -78,6 +86,7 @@ export const DEFAULTS = {
   maxQueuePerApp: 100,
   replicaStartTimeoutMs: 30_000,
   maxAsyncBacklog: 100_000,
+  maxAsyncBacklogPerProject: 10_000,
   webhookTimeoutMs: 10_000,
   maxStoredResultBytes: 256 * 1024,
   appLogLines: 2000,
@@ -167,6 +176,9 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     appLogLines: intFrom(env.FERRY_APP_LOG_LINES, 'FERRY_APP_LOG_LINES', 10, 1_000_000) ?? DEFAULTS.appLogLines,
     maxAsyncBacklog:
       intFrom(env.FERRY_MAX_ASYNC_BACKLOG, 'FERRY_MAX_ASYNC_BACKLOG', 0, 100_000_000) ?? DEFAULTS.maxAsyncBacklog,
+    maxAsyncBacklogPerProject:
+      intFrom(env.FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT, 'FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT', 0, 100_000_000) ??
+      DEFAULTS.maxAsyncBacklogPerProject,
     webhookAllow: checkAllowList(flags.webhookAllow ?? env.FERRY_WEBHOOK_ALLOW ?? ''),
     webhookTimeoutMs:
       intFrom(env.FERRY_WEBHOOK_TIMEOUT_MS, 'FERRY_WEBHOOK_TIMEOUT_MS', 100, 600_000) ?? DEFAULTS.webhookTimeoutMs,

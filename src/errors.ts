@@ -76,6 +76,10 @@ export const ERRORS = {
   FERRY_RUN_NOT_FOUND: { status: 404, message: 'No such run' },
   FERRY_CLIENT_GONE: { status: 499, message: 'The caller went away before the run finished' },
   FERRY_ASYNC_BACKLOG_FULL: { status: 429, message: 'Too many async runs are waiting; retry later' },
+  FERRY_PROJECT_BACKLOG_FULL: {
+    status: 429,
+    message: 'This project has too many async runs queued or running; retry later',
+  },
   FERRY_WEBHOOK_URL_INVALID: { status: 400, message: 'webhookEndpoint must be an absolute http or https URL' },
   FERRY_IDEMPOTENCY_KEY_INVALID: { status: 400, message: 'Idempotency-Key must be 1 to 255 visible ASCII characters' },
   FERRY_LAST_EVENT_ID_INVALID: {

@@ -21,6 +21,7 @@ import { createReplicaManager, type ReplicaManager } from './replicas/manager.js
 import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
 import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
+import { createProjectBacklog, type ProjectBacklog } from './runs/project-backlog.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
@@ -52,6 +53,8 @@ export interface Services {
   /** Brings the gauges (replicas, queue depth) up to date; called before /metrics is rendered. */
   refreshGauges(): void;
   asyncWorker: AsyncWorker;
+  /** Each project's async runs queued or running, from the store (FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT). */
+  projectBacklog: ProjectBacklog;
   /** Delivers webhook payloads from the durable outbox. */
   webhooks: WebhookDeliverer;
   /** Each app's active build, config and functions, as runs resolve them (cached for a second). */
@@ -191,6 +194,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     replicas,
     invoker,
     asyncWorker,
+    projectBacklog: createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject }),
     webhooks,
     runTargets,
     appLog,

@@ -72,9 +72,11 @@ export interface RunRecorder {
   start(row: RunRow): void;
   /**
    * Inserts a run and resolves once it is committed (async runs: nothing is acknowledged before it is
-   * durable). Concurrent calls share one transaction (group commit).
+   * durable). Concurrent calls share one transaction (group commit). Resolves with the id of the run that
+   * holds the row's idempotency key: the row's own, or, when another run took the key first (in this
+   * group or before it), that run's id and nothing is inserted.
    */
-  insertNow(row: RunRow): Promise<void>;
+  insertNow(row: RunRow): Promise<string>;
   update(runId: string, changes: RunChanges): void;
   /** Records the run's final state and its webhook delivery together, in one transaction. */
   finish(runId: string, changes: RunChanges, outbox?: OutboxEntry): void;
@@ -82,8 +84,12 @@ export interface RunRecorder {
   onOutbox?: () => void;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
-  /** Writes everything pending; resolves when it is committed. */
+  /**
+   * Writes everything pending; resolves when it is committed, or when the write failed (what failed stays
+   * pending and is retried with back-off; while the store fails, this does not try again before then).
+   */
   flush(force?: boolean): Promise<void>;
+  /** Writes what is pending, retrying for up to `closeRetryMs`; logs what could not be written. */
   close(): Promise<void>;
 }
 
@@ -93,34 +99,82 @@ const INSERT_CHUNK = 400;
 /** How long a run in progress may stay unwritten (see flush). */
 const HOLD_MS = 250;
 
-export function createRunRecorder(deps: { store: Store; logger: Logger; flushEveryMs?: number }): RunRecorder {
+export interface RecorderLimits {
+  /** First wait after a failed write; it doubles per failure up to `retryMaxMs`. */
+  retryFirstMs: number;
+  retryMaxMs: number;
+  /**
+   * Log-line bytes kept in memory while the store fails; past it new log lines are dropped (and counted in
+   * the log). Run records and webhook deliveries are never dropped: they are one per run.
+   */
+  maxBufferedLogBytes: number;
+  /** Runs waiting in memory past which each failed write is logged as an error with the counts. */
+  warnBufferedRuns: number;
+  /** How long `close` keeps retrying a failing store. */
+  closeRetryMs: number;
+}
+
+export const DEFAULT_RECORDER_LIMITS: RecorderLimits = {
+  retryFirstMs: 50,
+  retryMaxMs: 5000,
+  maxBufferedLogBytes: 64 * 1024 * 1024,
+  warnBufferedRuns: 10_000,
+  closeRetryMs: 15_000,
+};
+
+type LogRow = { run_id: string; seq: number; at: string; stream: string; line: string };
+
+export function createRunRecorder(deps: {
+  store: Store;
+  logger: Logger;
+  flushEveryMs?: number;
+  limits?: Partial<RecorderLimits>;
+}): RunRecorder {
   const { store, logger } = deps;
   const every = deps.flushEveryMs ?? 5;
+  const limits = { ...DEFAULT_RECORDER_LIMITS, ...deps.limits };
   let pending = new Map<string, Pending>();
-  let logs: Array<{ run_id: string; seq: number; at: string; stream: string; line: string }> = [];
+  let logs: LogRow[] = [];
+  let logBytes = 0;
   let outbox: OutboxEntry[] = [];
-  let durable: Array<{ row: RunRow; resolve(): void; reject(err: unknown): void }> = [];
+  let durable: Array<{ row: RunRow; resolve(id: string): void; reject(err: unknown): void }> = [];
   let durableScheduled = false;
   const seqs = new Map<string, number>();
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
+  /** Consecutive failed writes (0: the store is writing). */
+  let failures = 0;
+  let failingSince = 0;
+  let droppedLines = 0;
 
   function schedule(): void {
-    if (!timer) timer = setTimeout(() => void flush(false), every);
+    if (!timer) {
+      timer = setTimeout(() => {
+        timer = undefined;
+        void flush(false);
+      }, every);
+    }
   }
 
-  async function write(batch: Map<string, Pending>, lines: typeof logs, deliveries: OutboxEntry[]): Promise<void> {
+  function backoffMs(): number {
+    return Math.min(limits.retryMaxMs, limits.retryFirstMs * 2 ** Math.min(failures - 1, 20));
+  }
+
+  async function write(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): Promise<void> {
     const inserts: RunRow[] = [];
     const updates: Array<[string, RunChanges]> = [];
     for (const [id, p] of batch) {
       if (!p.inserted) inserts.push({ ...p.row, ...p.changes });
       else if (Object.keys(p.changes).length > 0) updates.push([id, p.changes]);
     }
+    // Every INSERT ignores rows already there: a retried batch whose earlier commit did happen (a lost
+    // connection after COMMIT) writes nothing twice and does not fail on its own rows.
     await store.transaction().execute(async (trx) => {
       for (let i = 0; i < inserts.length; i += INSERT_CHUNK) {
         await trx
           .insertInto('runs')
           .values(inserts.slice(i, i + INSERT_CHUNK))
+          .onConflict((oc) => oc.doNothing())
           .execute();
       }
       for (const [id, changes] of updates) await trx.updateTable('runs').set(changes).where('id', '=', id).execute();
@@ -128,6 +182,7 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
         await trx
           .insertInto('run_log_lines')
           .values(lines.slice(i, i + INSERT_CHUNK))
+          .onConflict((oc) => oc.doNothing())
           .execute();
       }
       if (deliveries.length > 0) {
@@ -146,23 +201,61 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
           await trx
             .insertInto('webhook_deliveries')
             .values(rows.slice(i, i + INSERT_CHUNK))
+            .onConflict((oc) => oc.doNothing())
             .execute();
         }
       }
     });
   }
 
-  /**
-   * Writes what is pending. The timer's flushes (`force` false) hold back runs that are not finished and
-   * not yet written while they are younger than HOLD_MS: most runs end by then, and are written once,
-   * final, instead of as an INSERT then an UPDATE. Readers (the API) flush with `force`.
-   */
-  function flush(force = true): Promise<void> {
-    if (timer) {
-      clearTimeout(timer);
-      timer = undefined;
+  /** Puts a batch whose write failed back in front of what came since, so the next write has it all. */
+  function requeue(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): void {
+    for (const [id, p] of batch) {
+      const since = pending.get(id);
+      pending.set(id, since ? { row: p.row, inserted: p.inserted, changes: { ...p.changes, ...since.changes } } : p);
     }
-    if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return writing;
+    logs = lines.concat(logs);
+    for (const l of lines) logBytes += l.line.length;
+    outbox = deliveries.concat(outbox);
+  }
+
+  function failed(err: unknown): void {
+    failures += 1;
+    if (failures === 1) failingSince = Date.now();
+    const wait = backoffMs();
+    const counts = {
+      err,
+      failures,
+      failingMs: Date.now() - failingSince,
+      runs: pending.size,
+      logLines: logs.length,
+      webhooks: outbox.length,
+      retryInMs: wait,
+    };
+    if (pending.size + outbox.length >= limits.warnBufferedRuns) {
+      logger.error(counts, 'writing run records failed; runs are piling up in memory until the store comes back');
+    } else {
+      // One line per attempt: the back-off keeps it to one every retryMaxMs while the store stays down.
+      logger.warn(counts, 'writing run records failed; kept in memory and retried');
+    }
+    if (timer) clearTimeout(timer);
+    timer = setTimeout(() => {
+      timer = undefined;
+      void flush(false, true);
+    }, wait);
+  }
+
+  function recovered(): void {
+    logger.info(
+      { failures, failingMs: Date.now() - failingSince, droppedLogLines: droppedLines },
+      'writing run records again',
+    );
+    failures = 0;
+    droppedLines = 0;
+  }
+
+  /** Takes what is to be written now out of the pending state (see flush for `force`). */
+  function takeBatch(force: boolean) {
     const batch = new Map<string, Pending>();
     const held = new Map<string, Pending>();
     const now = Date.now();
@@ -174,6 +267,8 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
     const lines = logs;
     const deliveries = outbox;
     outbox = [];
+    logs = [];
+    logBytes = 0;
     // Runs still in progress stay tracked (as inserted) so their next changes become UPDATEs.
     pending = held;
     for (const [id, p] of batch) {
@@ -181,14 +276,84 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
       if (!done) pending.set(id, { row: { ...p.row, ...p.changes }, inserted: true, changes: {} });
     }
     if (held.size > 0) schedule();
-    logs = [];
-    writing = writing
-      .then(() => write(batch, lines, deliveries))
-      .then(() => {
-        if (deliveries.length > 0) recorder.onOutbox?.();
-      })
-      .catch((err: unknown) => logger.error({ err, runs: batch.size }, 'writing run records failed'));
+    return { batch, lines, deliveries };
+  }
+
+  /**
+   * Writes what is pending. The timer's flushes (`force` false) hold back runs that are not finished and
+   * not yet written while they are younger than HOLD_MS: most runs end by then, and are written once,
+   * final, instead of as an INSERT then an UPDATE. Readers (the API) flush with `force`.
+   *
+   * The batch is taken when the write before it has ended, not when flush is called: a batch that failed
+   * is back in the pending state by then, so no later write can UPDATE a run whose INSERT has not happened.
+   */
+  function flush(force = true, retry = false): Promise<void> {
+    // While the store fails, only the back-off timer (and close) try again.
+    if (failures > 0 && !retry) return writing;
+    if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return writing;
+    if (timer) {
+      clearTimeout(timer);
+      timer = undefined;
+    }
+    writing = writing.then(async () => {
+      if (failures > 0 && !retry) return;
+      if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return;
+      const { batch, lines, deliveries } = takeBatch(force);
+      if (batch.size === 0 && lines.length === 0 && deliveries.length === 0) return;
+      try {
+        await write(batch, lines, deliveries);
+      } catch (err) {
+        requeue(batch, lines, deliveries);
+        failed(err);
+        return;
+      }
+      if (failures > 0) {
+        recovered();
+        // What came in while the retry ran found the back-off in force and was not scheduled.
+        if (pending.size > 0 || logs.length > 0 || outbox.length > 0) schedule();
+      }
+      if (deliveries.length > 0) recorder.onOutbox?.();
+    });
     return writing;
+  }
+
+  /** Inserts a group of async runs; a row whose idempotency key another run holds resolves to that run. */
+  async function insertGroup(group: typeof durable): Promise<void> {
+    const resolved = new Map<string, string>();
+    await store.transaction().execute(async (trx) => {
+      const inserted = new Set<string>();
+      const rows = group.map((g) => g.row);
+      for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
+        // Per row, not per group: one clash on the idempotency key must not roll back the others.
+        const ids = await trx
+          .insertInto('runs')
+          .values(rows.slice(i, i + INSERT_CHUNK))
+          .onConflict((oc) => oc.doNothing())
+          .returning('id')
+          .execute();
+        for (const { id } of ids) inserted.add(id);
+      }
+      for (const row of rows) {
+        if (inserted.has(row.id)) {
+          resolved.set(row.id, row.id);
+          continue;
+        }
+        if (row.idempotency_key === null) continue;
+        const winner = await trx
+          .selectFrom('runs')
+          .select('id')
+          .where('project_id', '=', row.project_id)
+          .where('app_id', '=', row.app_id)
+          .where('idempotency_key', '=', row.idempotency_key)
+          .executeTakeFirst();
+        if (winner) resolved.set(row.id, winner.id);
+      }
+    });
+    for (const g of group) {
+      const id = resolved.get(g.row.id);
+      if (id) g.resolve(id);
+      else g.reject(new Error(`run ${g.row.id} was not inserted and holds no idempotency key another run has`));
+    }
   }
 
   function flushDurable(): void {
@@ -196,21 +361,20 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
     const group = durable;
     durable = [];
     writing = writing
-      .then(async () => {
-        await store.transaction().execute(async (trx) => {
-          const rows = group.map((g) => g.row);
-          for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
-            await trx
-              .insertInto('runs')
-              .values(rows.slice(i, i + INSERT_CHUNK))
-              .execute();
-          }
-        });
-        for (const g of group) g.resolve();
-      })
+      .then(() => insertGroup(group))
       .catch((err: unknown) => {
         for (const g of group) g.reject(err);
       });
+  }
+
+  function dropLine(): void {
+    droppedLines += 1;
+    if (droppedLines === 1 || droppedLines % 10_000 === 0) {
+      logger.error(
+        { droppedLogLines: droppedLines, bufferedBytes: logBytes, maxBufferedLogBytes: limits.maxBufferedLogBytes },
+        'run log lines dropped: the store is failing and the lines kept in memory reached their limit',
+      );
+    }
   }
 
   const recorder: RunRecorder = {
@@ -219,13 +383,13 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
       schedule();
     },
     insertNow(row) {
-      return new Promise<void>((resolve, reject) => {
+      return new Promise<string>((resolve, reject) => {
         durable.push({
           row,
-          resolve: () => {
+          resolve: (id) => {
             // Later changes to the run are UPDATEs of the committed row.
-            if (!pending.has(row.id)) pending.set(row.id, { row, inserted: true, changes: {} });
-            resolve();
+            if (id === row.id && !pending.has(row.id)) pending.set(row.id, { row, inserted: true, changes: {} });
+            resolve(id);
           },
           reject,
         });
@@ -249,20 +413,36 @@ export function createRunRecorder(deps: { store: Store; logger: Logger; flushEve
     log(runId, stream, text) {
       const seq = (seqs.get(runId) ?? 0) + 1;
       if (seq > MAX_LINES_PER_RUN) return;
-      seqs.set(runId, seq);
       const line =
         seq === MAX_LINES_PER_RUN
           ? `(log cut: a run keeps at most ${MAX_LINES_PER_RUN} lines)`
           : text.length > MAX_LINE
             ? `${text.slice(0, MAX_LINE)}… (line cut)`
             : text;
+      if (logBytes + line.length > limits.maxBufferedLogBytes) return dropLine();
+      seqs.set(runId, seq);
       logs.push({ run_id: runId, seq, at: new Date().toISOString(), stream, line });
+      logBytes += line.length;
       schedule();
     },
     flush,
     async close() {
-      await flush();
+      const end = Date.now() + limits.closeRetryMs;
+      await flush(true, true);
       await writing;
+      while (failures > 0 && Date.now() < end) {
+        await new Promise((r) => setTimeout(r, Math.min(backoffMs(), Math.max(0, end - Date.now()))));
+        await flush(true, true);
+        await writing;
+      }
+      if (timer) clearTimeout(timer);
+      timer = undefined;
+      if (failures > 0) {
+        logger.error(
+          { runs: pending.size, logLines: logs.length, webhooks: outbox.length },
+          'closing with run records the store would not take: they are lost',
+        );
+      }
     },
   };
   return recorder;

@@ -171,6 +171,12 @@ const migrations: Record<string, Migration> = {
       await db.schema.alterTable('runs').addColumn('http_request', 'text').execute();
     },
   },
+  '0005_runs_project_backlog': {
+    async up(db: Kysely<unknown>) {
+      // The per-project async backlog counts a project's queued and running runs on the run endpoint.
+      await db.schema.createIndex('runs_project_state').on('runs').columns(['project_id', 'state', 'mode']).execute();
+    },
+  },
 };
 
 /** Hands Kysely's Migrator the migrations above. */

@@ -155,27 +155,25 @@ async function acceptAsync(
   if (services.asyncWorker.backlog >= services.config.maxAsyncBacklog) {
     throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
   }
-  try {
-    await services.recorder.insertNow(
-      newRunRow({
-        id: call.runId,
-        build,
-        fn: call.fn,
-        mode: 'async',
-        // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
-        input: call.input !== undefined ? call.input : call.body.toString('utf8'),
-        httpRequest: call.httpRequest,
-        webhookUrl: call.webhookUrl,
-        webhookSecret: call.webhookSecret,
-        idempotencyKey,
-      }),
-    );
-  } catch (err) {
-    // Two calls with one key at once: the unique index lets one in; the other answers its run id.
-    const winner = await replay();
-    if (winner) return send(winner);
-    throw err;
+  if (!(await services.projectBacklog.admit(build.projectId))) {
+    throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
   }
+  // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
+  const runId = await services.recorder.insertNow(
+    newRunRow({
+      id: call.runId,
+      build,
+      fn: call.fn,
+      mode: 'async',
+      // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
+      input: call.input !== undefined ? call.input : call.body.toString('utf8'),
+      httpRequest: call.httpRequest,
+      webhookUrl: call.webhookUrl,
+      webhookSecret: call.webhookSecret,
+      idempotencyKey,
+    }),
+  );
+  if (runId !== call.runId) return send(runId);
   services.asyncWorker.enqueue({ id: call.runId, projectId: build.projectId, appId: build.appId });
   return send(call.runId);
 }
