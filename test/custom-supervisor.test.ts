@@ -558,13 +558,16 @@ describe('custom runtime supervisor', () => {
   it('exits 1 when the server is not ready within the start timeout', async () => {
     const marker = path.join(root, 'timeout-marker');
     const run = await start({
-      env: { FERRY_CUSTOM_START_TIMEOUT_MS: '500', APP_DELAY_MS: '60000', APP_MARKER: marker },
+      // Long enough for the server's node to have started and installed its SIGTERM handler (which writes
+      // the marker) when the timeout runs out, however slowly node starts on a busy machine: with 0.5 s a
+      // loaded machine delivered the SIGTERM before the handler existed, and the marker was never written.
+      env: { FERRY_CUSTOM_START_TIMEOUT_MS: '5000', APP_DELAY_MS: '60000', APP_MARKER: marker },
     });
     assert.deepEqual(await within(run.exited, PATIENCE_MS, 'the supervisor to exit'), { code: 1, signal: null });
     assert.match(
       run.stderr(),
       new RegExp(
-        `\\[ferry\\] the server did not become ready within 0\\.5 s \\(connection to port ${run.port} refused\\)\\n`,
+        `\\[ferry\\] the server did not become ready within 5 s \\(connection to port ${run.port} refused\\)\\n`,
       ),
     );
     assert.equal(await fs.readFile(marker, 'utf8'), 'SIGTERM');
