@@ -103,6 +103,7 @@ export async function createSandboxNetwork(options: CreateNetworkOptions): Promi
       network = await createUserNetwork({
         tools: plan.userTools,
         policy: egress.policy,
+        nameservers: egress.nameservers,
         runDir: path.join(options.runDir, 'network'),
         logger,
       });

@@ -7,7 +7,8 @@
  *   holder:      `unshare --user --map-root-user --net` running `cat` on a pipe from Ferry (it exits
  *                when the pipe closes, so a killed Ferry leaves nothing behind);
  *   egress:      `slirp4netns --configure --disable-host-loopback` attached to the holder: tap0
- *                10.0.2.100/24, gateway 10.0.2.2 (refused: no host loopback), DNS forwarder 10.0.2.3;
+ *                10.0.2.100/24, gateway 10.0.2.2 (refused: no host loopback), DNS at 10.0.2.3 (the
+ *                namespace's nftables redirect it to the host's nameserver, pickUpstream);
  *   the policy:  one nftables table loaded by the namespace's root (nsenter into the holder's user and
  *                network namespaces) before the sandbox starts. The sandbox joins the two namespaces the
  *                same way, but bwrap then makes a user namespace of its own inside with every capability
@@ -23,10 +24,12 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
+import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
 import type { Logger } from 'pino';
+import type { Nameserver } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy } from './egress-policy.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
 
@@ -40,6 +43,8 @@ export interface UserNetTools {
 export interface UserNetworkOptions {
   tools: UserNetTools;
   policy: EgressPolicy;
+  /** The host's nameservers (FERRY_EGRESS_DNS, else /etc/resolv.conf): the first IPv4 one off loopback is used. */
+  nameservers: readonly Nameserver[];
   /** Holds the one resolv.conf every sandbox gets (outside the data directory's secrets). */
   runDir: string;
   logger: Logger;
@@ -79,8 +84,21 @@ export function findUserNetTools(): { tools: UserNetTools } | { reasons: string[
   return reasons.length > 0 ? { reasons } : { tools };
 }
 
-/** The nftables table loaded inside one sandbox's namespace. */
-export function userNftRuleset(policy: EgressPolicy, hostAddresses: string[]): string {
+/**
+ * The nameserver sandboxes' DNS goes to: the first IPv4 one not on loopback (a loopback one, such as
+ * systemd-resolved's stub, is out of reach of slirp4netns with host loopback disabled), or null to leave
+ * it to slirp4netns's own forwarder, which asks the first nameserver of the host's /etc/resolv.conf.
+ */
+export function pickUpstream(nameservers: readonly Nameserver[]): Nameserver | null {
+  return nameservers.find((server) => net.isIPv4(server.host) && !server.host.startsWith('127.')) ?? null;
+}
+
+/**
+ * The nftables table loaded inside one sandbox's namespace. With an `upstream`, DNS to slirp4netns's
+ * address is redirected to it (the namespace's own DNAT), and only that address and port are let through
+ * for DNS, whatever the deny-lists say: the sandbox resolves names as the host does.
+ */
+export function userNftRuleset(policy: EgressPolicy, hostAddresses: string[], upstream: Nameserver | null): string {
   const set = (name: string, cidrs: string[]) =>
     `  set ${name} {\n    type ipv4_addr; flags interval; auto-merge;${cidrs.length > 0 ? `\n    elements = { ${cidrs.join(', ')} }` : ''}\n  }`;
   return `table inet ferry {
@@ -88,13 +106,28 @@ ${set('deny', policy.deny.v4)}
 ${set('host', hostAddresses)}
 ${set('allow', policy.allow.v4)}
 ${set('blocked', DEFAULT_DENY.v4)}
-  chain output {
+${
+  upstream
+    ? `  chain dns {
+    type nat hook output priority -100; policy accept;
+    ip daddr ${SLIRP_DNS} udp dport 53 dnat ip to ${upstream.host}:${upstream.port}
+    ip daddr ${SLIRP_DNS} tcp dport 53 dnat ip to ${upstream.host}:${upstream.port}
+  }
+`
+    : ''
+}  chain output {
     type filter hook output priority filter; policy accept;
     oif lo accept
     meta nfproto != ipv4 jump refuse
-    ip daddr ${SLIRP_DNS} udp dport 53 accept
+${
+  upstream
+    ? `    ip daddr ${upstream.host} udp dport ${upstream.port} accept
+    ip daddr ${upstream.host} tcp dport ${upstream.port} accept
+`
+    : `    ip daddr ${SLIRP_DNS} udp dport 53 accept
     ip daddr ${SLIRP_DNS} tcp dport 53 accept
-    ip daddr ${SLIRP_NETWORK} jump refuse
+`
+}    ip daddr ${SLIRP_NETWORK} jump refuse
     ip daddr @deny jump refuse
     ip daddr @host jump refuse
     ip daddr @allow accept
@@ -120,11 +153,12 @@ function hostIpv4Addresses(): string[] {
 
 export async function createUserNetwork(options: UserNetworkOptions): Promise<SandboxNetwork> {
   const { tools, policy, logger } = options;
+  const upstream = pickUpstream(options.nameservers);
   await fs.mkdir(options.runDir, { recursive: true, mode: 0o755 });
   const resolvConf = path.join(options.runDir, 'resolv.conf');
   await fs.writeFile(
     resolvConf,
-    `# slirp4netns's DNS forwarder in this sandbox's own network\nnameserver ${SLIRP_DNS}\noptions timeout:2 attempts:2\n`,
+    `# DNS in this sandbox's own network (slirp4netns's address, redirected to the host's nameserver)\nnameserver ${SLIRP_DNS}\noptions timeout:2 attempts:2\n`,
     { mode: 0o644 },
   );
   const active = new Set<SandboxNetworkLease>();
@@ -155,7 +189,7 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
       const loaded = await runTool(
         tools.nsenter,
         [...join, tools.nft, '-f', '-'],
-        userNftRuleset(policy, hostIpv4Addresses()),
+        userNftRuleset(policy, hostIpv4Addresses(), upstream),
       );
       if (loaded.code !== 0) throw new Error(`nft could not load the egress rules: ${loaded.stderr.trim()}`);
 
@@ -202,7 +236,7 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
   return {
     mode: 'user',
     describe: () =>
-      `user: each sandbox has its own user and network namespace with egress through slirp4netns (Ferry is not root; policy in nftables inside the namespace, out of the sandbox's reach; host addresses denied); ${describePolicy(policy)}`,
+      `user: each sandbox has its own user and network namespace with egress through slirp4netns (Ferry is not root; policy in nftables inside the namespace, out of the sandbox's reach; host addresses denied; DNS to ${upstream ? `${upstream.host}:${upstream.port}` : "slirp4netns's forwarder (the host's /etc/resolv.conf)"}); ${describePolicy(policy)}`,
     acquire,
     async close() {
       closed = true;

@@ -112,6 +112,7 @@ describe('sandbox egress when Ferry is not root (slirp4netns)', { timeout: TIMEO
   let home: string;
   let dataDir: string;
   let outside: OutsideNetwork;
+  let outsideLines: string[];
   let hostListener: Awaited<ReturnType<typeof startHostListener>>;
   let serve: ServeProcess;
   let auth: Auth;
@@ -131,8 +132,13 @@ describe('sandbox egress when Ferry is not root (slirp4netns)', { timeout: TIMEO
     await fs.chown(dataDir, as.uid, as.gid);
     hostListener = await startHostListener();
     outside = await createOutsideNetwork();
-    await outside.start([process.execPath, path.join(FIXTURES, 'outside-server.mjs'), outside.address]);
-    serve = await spawnServe(dataDir, { HOME: home, FERRY_EGRESS_ALLOW: outside.cidr }, as);
+    const started = await outside.start([process.execPath, path.join(FIXTURES, 'outside-server.mjs'), outside.address]);
+    outsideLines = started.lines;
+    serve = await spawnServe(
+      dataDir,
+      { HOME: home, FERRY_EGRESS_ALLOW: outside.cidr, FERRY_EGRESS_DNS: outside.address },
+      as,
+    );
     const boot = await runCli(['admin', 'bootstrap', '--data-dir', dataDir, '--json'], { HOME: home }, 60_000, as);
     assert.equal(boot.code, 0, boot.stderr);
     const out = JSON.parse(boot.stdout) as { project_id: string; token: string };
@@ -190,6 +196,18 @@ describe('sandbox egress when Ferry is not root (slirp4netns)', { timeout: TIMEO
     for (const outcome of await probe(serve, auth, denied)) {
       assert.equal(outcome.connected, false, `reached ${outcome.host}:${outcome.port}: ${JSON.stringify(outcome)}`);
     }
+  });
+
+  it("resolves names through the host's nameserver (FERRY_EGRESS_DNS), via slirp4netns's DNS address", async () => {
+    const conf = (await run(serve, auth, 'egress-ts', 'resolvConf', {})) as string;
+    assert.match(conf, /^nameserver 10\.0\.2\.3$/m, conf);
+    const name = `rootless-${Date.now()}.egress.test`;
+    const found = await run(serve, auth, 'egress-ts', 'resolve', { name });
+    assert.deepEqual(found, { ok: true, address: outside.address });
+    assert.ok(
+      outsideLines.some((line) => line === `dns-query ${name}`),
+      `the query reached the outside responder: ${outsideLines.join('\n')}`,
+    );
   });
 
   it('the sandbox cannot flush the rules or take its link down; the policy still holds after trying', async () => {
