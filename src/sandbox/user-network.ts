@@ -56,6 +56,16 @@ const SLIRP_DNS = '10.0.2.3';
 const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
 const TOOL_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
 const SETUP_TIMEOUT_MS = 15_000;
+/** Namespaces kept set up ahead of need. */
+const SPARES = 2;
+/** How long after a spare is taken the next one is set up. */
+const REFILL_DELAY_MS = 250;
+
+interface Spare {
+  lease: SandboxNetworkLease;
+  /** The host addresses its rules deny, joined. */
+  hostAddresses: string;
+}
 
 /**
  * Whether this machine can give sandboxes the user network: `unshare`, `nsenter`, `nft` and `slirp4netns`
@@ -164,9 +174,38 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
   const active = new Set<SandboxNetworkLease>();
   let closed = false;
 
+  // Namespaces set up ahead, so a cold start does not wait for unshare, nft and slirp4netns.
+  const spares: Array<Promise<Spare | null>> = [];
+  let refillTimer: NodeJS.Timeout | undefined;
+  const refill = () => {
+    while (!closed && spares.length < SPARES) {
+      spares.push(
+        createLease().catch((err: unknown) => {
+          if (!closed) logger.warn({ err }, 'setting up a spare sandbox network failed');
+          return null;
+        }),
+      );
+    }
+  };
+
   async function acquire(id: string): Promise<SandboxNetworkLease> {
     if (closed) throw new Error('the sandbox network is closed');
     if (!/^[A-Za-z0-9_-]{1,100}$/.test(id)) throw new Error(`Invalid sandbox id ${JSON.stringify(id)}`);
+    const spare = spares.shift();
+    // Later, not now: on a small machine the set-up processes would compete with the sandbox starting.
+    refillTimer ??= setTimeout(() => {
+      refillTimer = undefined;
+      refill();
+    }, REFILL_DELAY_MS);
+    const ready = spare ? await spare : null;
+    // The host's addresses are in the rules: a spare made before they changed is not used.
+    if (ready && ready.hostAddresses === hostIpv4Addresses().join(',')) return ready.lease;
+    await ready?.lease.release();
+    return (await createLease()).lease;
+  }
+
+  async function createLease(): Promise<Spare> {
+    const hostAddresses = hostIpv4Addresses();
     const children: ChildProcess[] = [];
     const stop = async () => {
       await Promise.all(children.map(stopChild));
@@ -189,7 +228,7 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
       const loaded = await runTool(
         tools.nsenter,
         [...join, tools.nft, '-f', '-'],
-        userNftRuleset(policy, hostIpv4Addresses(), upstream),
+        userNftRuleset(policy, hostAddresses, upstream),
       );
       if (loaded.code !== 0) throw new Error(`nft could not load the egress rules: ${loaded.stderr.trim()}`);
 
@@ -226,13 +265,14 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
         },
       };
       active.add(lease);
-      return lease;
+      return { lease, hostAddresses: hostAddresses.join(',') };
     } catch (err) {
       await stop();
       throw err;
     }
   }
 
+  refill();
   return {
     mode: 'user',
     describe: () =>
@@ -240,6 +280,8 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
     acquire,
     async close() {
       closed = true;
+      clearTimeout(refillTimer);
+      await Promise.all(spares.splice(0));
       await Promise.all([...active].map((lease) => lease.release()));
       await fs.rm(resolvConf, { force: true }).catch((err: unknown) => logger.debug({ err }, 'resolv.conf'));
     },
