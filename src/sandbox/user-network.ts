@@ -272,6 +272,9 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
     }
   }
 
+  // The first one now, so a machine where this cannot work (user namespaces off, nft refused in them)
+  // makes createUserNetwork throw and the server fall back to loopback only, saying so, at start.
+  spares.push(Promise.resolve(await createLease()));
   refill();
   return {
     mode: 'user',
