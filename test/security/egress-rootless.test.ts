@@ -5,7 +5,7 @@
  * namespace (src/sandbox/user-network.ts). The outside network is a namespace this test makes (veth pair,
  * a /30 in 10.214.0.0/16, allowed with FERRY_EGRESS_ALLOW; test/helpers/netns.ts).
  *
- * A function reaches the allowed outside address and not the host's loopback services, its other
+ * A TypeScript function, a Python function and a custom server each reach the allowed outside address and not the host's loopback services, its other
  * addresses or 169.254.169.254; it cannot flush the rules or take the link down from inside the sandbox;
  * `ferry doctor` and the start-up log, as that user, name the mechanism. Needs root (to create the user
  * and the outside namespace), bubblewrap, unprivileged user namespaces, slirp4netns and nftables
@@ -95,14 +95,17 @@ async function fixtureFiles(name: string): Promise<Record<string, string>> {
 
 type Auth = { projectId: string; token: string };
 
+const APPS = ['egress-ts', 'egress-py', 'egress-custom'] as const;
+
+/** Calls `fn` of a function app, or POSTs to `/fn` of the custom server (which answers with the result). */
 async function run(serve: ServeProcess, auth: Auth, app: string, fn: string, body: unknown) {
   const res = await http(`${serve.url}/v4/${auth.projectId}/${app}/${fn}`, { method: 'POST', token: auth.token, body });
   assert.equal(res.status, 200, `${app}/${fn}: ${res.text}`);
-  return res.json.result;
+  return app === 'egress-custom' ? res.json : res.json.result;
 }
 
-async function probe(serve: ServeProcess, auth: Auth, targets: Target[], timeoutMs = DENIED_TIMEOUT_MS) {
-  const outcomes = (await run(serve, auth, 'egress-ts', 'connect', { targets, timeoutMs })) as Outcome[];
+async function probe(serve: ServeProcess, auth: Auth, app: string, targets: Target[], timeoutMs = DENIED_TIMEOUT_MS) {
+  const outcomes = (await run(serve, auth, app, 'connect', { targets, timeoutMs })) as Outcome[];
   assert.equal(outcomes.length, targets.length);
   return outcomes;
 }
@@ -143,7 +146,7 @@ describe('sandbox egress when Ferry is not root (slirp4netns)', { timeout: TIMEO
     assert.equal(boot.code, 0, boot.stderr);
     const out = JSON.parse(boot.stdout) as { project_id: string; token: string };
     auth = { projectId: out.project_id, token: out.token };
-    await deployFiles(serve, auth, 'egress-ts', await fixtureFiles('egress-ts'));
+    for (const app of APPS) await deployFiles(serve, auth, app, await fixtureFiles(app));
     await deployFiles(serve, auth, 'egress-tamper', await fixtureFiles('egress-tamper'));
   });
 
@@ -172,31 +175,37 @@ describe('sandbox egress when Ferry is not root (slirp4netns)', { timeout: TIMEO
     assert.equal(JSON.parse(json.stdout).network.mode, 'user', json.stdout);
   });
 
-  it('a function reaches the allowed outside address, and nothing of the host', async () => {
-    const allowed = await probe(serve, auth, [{ host: outside.address, port: 7000 }], ALLOWED_TIMEOUT_MS);
-    assert.equal(allowed[0]!.ok, true, `the allowed outside address: ${JSON.stringify(allowed)}`);
-    assert.equal(allowed[0]!.echoed, 'match');
+  for (const app of APPS) {
+    it(`${app}: reaches the allowed outside address, and nothing of the host`, async () => {
+      const allowed = await probe(serve, auth, app, [{ host: outside.address, port: 7000 }], ALLOWED_TIMEOUT_MS);
+      assert.equal(allowed[0]!.ok, true, `the allowed outside address: ${JSON.stringify(allowed)}`);
+      assert.equal(allowed[0]!.echoed, 'match');
 
-    const ferryPort = Number(new URL(serve.url).port);
-    const denied: Target[] = [
-      { host: '127.0.0.1', port: 5432 },
-      { host: '127.0.0.1', port: ferryPort },
-      { host: '169.254.169.254', port: 80 },
-      // slirp4netns's gateway is the host itself.
-      { host: '10.0.2.2', port: 5432 },
-      { host: '10.0.2.2', port: hostListener.port },
-    ];
-    for (const address of hostIpv4Addresses()) {
-      denied.push(
-        { host: address, port: hostListener.port },
-        { host: address, port: 5432 },
-        { host: address, port: ferryPort },
-      );
-    }
-    for (const outcome of await probe(serve, auth, denied)) {
-      assert.equal(outcome.connected, false, `reached ${outcome.host}:${outcome.port}: ${JSON.stringify(outcome)}`);
-    }
-  });
+      const ferryPort = Number(new URL(serve.url).port);
+      const denied: Target[] = [
+        { host: '127.0.0.1', port: 5432 },
+        { host: '127.0.0.1', port: ferryPort },
+        { host: '169.254.169.254', port: 80 },
+        // slirp4netns's gateway is the host itself.
+        { host: '10.0.2.2', port: 5432 },
+        { host: '10.0.2.2', port: hostListener.port },
+      ];
+      for (const address of hostIpv4Addresses()) {
+        denied.push(
+          { host: address, port: hostListener.port },
+          { host: address, port: 5432 },
+          { host: address, port: ferryPort },
+        );
+      }
+      for (const outcome of await probe(serve, auth, app, denied)) {
+        assert.equal(
+          outcome.connected,
+          false,
+          `${app} reached ${outcome.host}:${outcome.port}: ${JSON.stringify(outcome)}`,
+        );
+      }
+    });
+  }
 
   it("resolves names through the host's nameserver (FERRY_EGRESS_DNS), via slirp4netns's DNS address", async () => {
     const conf = (await run(serve, auth, 'egress-ts', 'resolvConf', {})) as string;
