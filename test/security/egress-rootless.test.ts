@@ -18,6 +18,7 @@ import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import { pickUpstream, userNftRuleset } from '../../src/sandbox/user-network.js';
 import {
   deployFiles,
   FERRY_BIN,
@@ -238,5 +239,33 @@ describe('sandbox egress when Ferry is not root (slirp4netns)', { timeout: TIMEO
     const [allowed, ...denied] = result.after;
     assert.equal(allowed!.connected, true, `the allowed outside address after tampering: ${JSON.stringify(allowed)}`);
     for (const outcome of denied) assert.equal(outcome.connected, false, JSON.stringify(outcome));
+  });
+});
+
+describe('user network rules', () => {
+  it("sends DNS to the first IPv4 nameserver off loopback, else leaves it to slirp4netns's forwarder", () => {
+    assert.deepEqual(
+      pickUpstream([
+        { host: '127.0.0.53', port: 53 },
+        { host: '2001:db8::53', port: 53 },
+        { host: '192.0.2.53', port: 5353 },
+      ]),
+      { host: '192.0.2.53', port: 5353 },
+    );
+    assert.equal(pickUpstream([{ host: '127.0.0.53', port: 53 }]), null);
+    const policy = { allow: { v4: ['10.214.0.0/30'], v6: [] }, deny: { v4: ['10.214.0.2/32'], v6: [] } };
+    const withUpstream = userNftRuleset(policy, ['192.0.2.2/32'], { host: '192.0.2.53', port: 5353 });
+    assert.match(withUpstream, /ip daddr 10\.0\.2\.3 udp dport 53 dnat ip to 192\.0\.2\.53:5353/);
+    assert.doesNotMatch(withUpstream, /ip daddr 10\.0\.2\.3 udp dport 53 accept/);
+    const own = userNftRuleset(policy, ['192.0.2.2/32'], null);
+    assert.doesNotMatch(own, /dnat/);
+    // Order matters (first match wins): deny, then the host's addresses, then allow, then the deny-list.
+    const order = ['@deny jump refuse', '@host jump refuse', '@allow accept', '@blocked jump refuse'].map((rule) =>
+      own.indexOf(`ip daddr ${rule}`),
+    );
+    assert.ok(
+      order.every((at, i) => at > 0 && (i === 0 || at > order[i - 1]!)),
+      own,
+    );
   });
 });
