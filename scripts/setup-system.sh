@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Ferry uses, when they are missing and we are root with apt-get.
 #   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; iproute2 and nftables, the
-#               sandboxes' own networks); run by `npm install`
+#               sandboxes' own networks; slirp4netns, their egress when Ferry is not root); run by
+#               `npm install`
 #   (default)   also what the tests use (Chromium for the dashboard's browser tests); run by .ci/run
 # Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
 # without these (`ferry doctor` says what is missing), and tests that need one say so.
@@ -11,6 +12,7 @@ command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
 has ip || need+=(iproute2)
 has nft || need+=(nftables)
+has slirp4netns || need+=(slirp4netns)
 if [ "${1:-}" != "--runtime" ]; then
   [ -x /usr/bin/chromium ] || need+=(chromium)
 fi

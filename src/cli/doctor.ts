@@ -26,7 +26,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   const python = pythonPath && pythonVersion ? pythonVersion : undefined;
   const network = networkPlan(caps);
   if (options.json) {
-    const { tools: _tools, ...plan } = network;
+    const { tools: _tools, userTools: _userTools, ...plan } = network;
     process.stdout.write(`${JSON.stringify({ ...caps, network: plan }, null, 2)}\n`);
     return;
   }

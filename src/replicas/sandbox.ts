@@ -51,7 +51,7 @@ import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
-import type { SandboxNetworkLease } from '../sandbox/network.js';
+import { joinNetworkArgs, type SandboxNetworkLease } from '../sandbox/network.js';
 import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
 import { runQuiet, WRAPPER_ENV } from './run-quiet.js';
 
@@ -114,7 +114,7 @@ export interface ReplicaLaunch extends SandboxLayout {
    * with the lease's resolv.conf at /etc/resolv.conf. Either way replicas can all listen on one port
    * without clashing (custom runtime). Without bwrap this has no effect.
    */
-  network?: 'host' | 'isolated' | Pick<SandboxNetworkLease, 'netnsPath' | 'resolvConf'>;
+  network?: 'host' | 'isolated' | Pick<SandboxNetworkLease, 'netnsPath' | 'usernsPath' | 'resolvConf'>;
 }
 
 /** Paths as the replica sees them: sandbox paths under bwrap, the host paths themselves without it. */
@@ -421,7 +421,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
     args = ['--args', '4', '--', ...launch.command];
     if (netnsPath) {
       // The namespace is joined outside bwrap, so the sandbox holds no capability over it.
-      args = [`--net=${netnsPath}`, '--', file, ...args];
+      if (typeof network === 'object') args = [...joinNetworkArgs(network), file, ...args];
       file = await nsenterPath();
     }
     env = { ...WRAPPER_ENV };

@@ -1,6 +1,7 @@
 /**
  * Chooses the sandbox network once, at start (services.ts): `veth` when Ferry can build one (root, ip,
- * nft, nsenter, egress on), else loopback only, else (no bubblewrap) the host's own network. What it
+ * nft, nsenter, egress on), `user` when Ferry is not root but has slirp4netns, unshare, nsenter and nft,
+ * else loopback only, else (no bubblewrap) the host's own network. What it
  * chose and why is said loudly: a sandbox without egress breaks apps, one on the host's network is open
  * to the host's services.
  */
@@ -16,6 +17,7 @@ import {
   type SandboxNetwork,
   type SandboxNetworkMode,
 } from './network.js';
+import { createUserNetwork, findUserNetTools, type UserNetTools } from './user-network.js';
 import { createVethNetwork, findVethTools, type VethTools } from './veth-network.js';
 
 export interface NetworkPlan {
@@ -25,6 +27,8 @@ export interface NetworkPlan {
   /** Set when sandboxes get less (or more) than the veth network, and why: to be logged at warn level. */
   warning: string | null;
   tools: VethTools | null;
+  /** Set for `user`: the tools of the non-root mechanism. */
+  userTools?: UserNetTools;
 }
 
 /** What `createSandboxNetwork` would choose on this machine, without changing anything. */
@@ -47,11 +51,25 @@ export function planSandboxNetwork(egress: EgressConfig, caps: SandboxCapabiliti
     };
   }
   const found = findVethTools();
+  const isRoot = typeof process.getuid === 'function' && process.getuid() === 0;
+  if ('reasons' in found && !isRoot) {
+    const user = findUserNetTools();
+    if ('tools' in user) {
+      return {
+        mode: 'user',
+        description: `user: each sandbox has its own user and network namespace with egress through slirp4netns (Ferry is not root); ${describePolicy(egress.policy)}`,
+        warning: null,
+        tools: null,
+        userTools: user.tools,
+      };
+    }
+    found.reasons.push(...user.reasons);
+  }
   if ('reasons' in found) {
     return {
       mode: 'none',
       description: 'none: sandboxes have loopback only (no egress)',
-      warning: `NO EGRESS: sandboxes have loopback only (no internet, no DNS) because ${found.reasons.join('; ')}. Run Ferry as root with iproute2 and nftables (scripts/setup-system.sh --runtime) for a network of each sandbox's own, or set FERRY_EGRESS=off to say this is intended.`,
+      warning: `NO EGRESS: sandboxes have loopback only (no internet, no DNS) because ${found.reasons.join('; ')}. Run Ferry as root with iproute2 and nftables, or as any user with slirp4netns (scripts/setup-system.sh --runtime), for a network of each sandbox's own, or set FERRY_EGRESS=off to say this is intended.`,
       tools: null,
     };
   }
@@ -80,7 +98,23 @@ export async function createSandboxNetwork(options: CreateNetworkOptions): Promi
   const plan = planSandboxNetwork(egress, options.sandbox);
   let network: SandboxNetwork;
   if (plan.mode === 'host') network = createHostNetwork();
-  else if (plan.mode === 'none' || !plan.tools) network = createLoopbackOnlyNetwork();
+  else if (plan.mode === 'user' && plan.userTools) {
+    try {
+      network = await createUserNetwork({
+        tools: plan.userTools,
+        policy: egress.policy,
+        nameservers: egress.nameservers,
+        runDir: path.join(options.runDir, 'network'),
+        logger,
+      });
+    } catch (err) {
+      logger.warn(
+        { err },
+        `NO EGRESS: sandboxes have loopback only (no internet, no DNS): setting up their network failed: ${(err as Error).message}`,
+      );
+      network = createLoopbackOnlyNetwork();
+    }
+  } else if (plan.mode === 'none' || !plan.tools) network = createLoopbackOnlyNetwork();
   else {
     try {
       network = await createVethNetwork({
@@ -102,7 +136,10 @@ export async function createSandboxNetwork(options: CreateNetworkOptions): Promi
   }
   if (plan.warning) logger.warn(plan.warning);
   // The plan says why (FERRY_EGRESS=off, no bwrap); the veth provider knows its table and nameservers.
-  const description = network.mode !== 'veth' && network.mode === plan.mode ? plan.description : network.describe();
+  const description =
+    network.mode !== 'veth' && network.mode !== 'user' && network.mode === plan.mode
+      ? plan.description
+      : network.describe();
   logger.info({ network: network.mode }, `Sandbox network: ${description}`);
   return network;
 }

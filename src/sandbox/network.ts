@@ -7,13 +7,15 @@
  *   - `veth`: a network namespace made by Ferry (root), with loopback and one veth pair to the host,
  *     egress NATed through the host under a policy enforced by nftables outside the sandbox, and a DNS
  *     resolver the sandbox can reach;
+ *   - `user`: the same for a Ferry that is not root: a user and network namespace per sandbox, egress
+ *     through slirp4netns, the policy in nftables inside that namespace (user-network.ts);
  *   - `none`: loopback only (FERRY_EGRESS=off, or no way to give egress on this machine);
  *   - `host`: no sandbox at all (bwrap missing); the process shares the host's network. Ferry says so loudly.
  *
  * The launcher asks for a lease per sandbox and releases it when the sandbox has exited.
  */
 
-export type SandboxNetworkMode = 'veth' | 'none' | 'host';
+export type SandboxNetworkMode = 'veth' | 'user' | 'none' | 'host';
 
 export interface SandboxNetworkLease {
   /**
@@ -21,6 +23,11 @@ export interface SandboxNetworkLease {
    * `--share-net`), or null for a fresh namespace with loopback only (bwrap `--unshare-net`).
    */
   readonly netnsPath: string | null;
+  /**
+   * The user namespace that owns `netnsPath`, to join with it (`nsenter --user --preserve-credentials`)
+   * when Ferry is not root and so has no capability over the network namespace otherwise; null for root.
+   */
+  readonly usernsPath?: string | null;
   /** A host file to bind read-only at /etc/resolv.conf inside the sandbox, or null to leave /etc's own. */
   readonly resolvConf: string | null;
   /** Gives the namespace (and its addresses) back. Call once the sandbox has exited; safe to call twice. */
@@ -57,4 +64,17 @@ export function createHostNetwork(): SandboxNetwork {
     acquire: async () => lease,
     close: async () => {},
   };
+}
+
+/**
+ * nsenter's arguments (before the command) that join a lease's namespaces. bwrap then makes its own
+ * user namespace inside with every capability dropped, so the sandbox holds none over the joined ones.
+ */
+export function joinNetworkArgs(lease: Pick<SandboxNetworkLease, 'netnsPath' | 'usernsPath'>): string[] {
+  if (!lease.netnsPath) return [];
+  return [
+    ...(lease.usernsPath ? [`--user=${lease.usernsPath}`, '--preserve-credentials'] : []),
+    `--net=${lease.netnsPath}`,
+    '--',
+  ];
 }

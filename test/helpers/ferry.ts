@@ -105,12 +105,29 @@ export interface CliResult {
   stderr: string;
 }
 
+/**
+ * Another user to run a child process as (the test runs as root), and optionally the `bin/ferry.js` to
+ * run: another path to the same checkout, for when that user cannot reach this one (a 0700 home above it).
+ */
+export interface RunAs {
+  uid: number;
+  gid: number;
+  bin?: string;
+}
+
 /** Runs the `ferry` command as a child process, with only the given environment (plus PATH and HOME). */
-export function runCli(args: string[], env: NodeJS.ProcessEnv = {}, timeoutMs = 120_000): Promise<CliResult> {
+export function runCli(
+  args: string[],
+  env: NodeJS.ProcessEnv = {},
+  timeoutMs = 120_000,
+  as?: RunAs,
+): Promise<CliResult> {
+  const { bin = FERRY_BIN, ...ids } = as ?? {};
   return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [FERRY_BIN, ...args], {
+    const child = spawn(process.execPath, [bin, ...args], {
       env: { PATH: process.env.PATH, HOME: process.env.HOME, ...env },
       stdio: ['ignore', 'pipe', 'pipe'],
+      ...ids,
     });
     let stdout = '';
     let stderr = '';
@@ -137,10 +154,12 @@ export interface ServeProcess {
 }
 
 /** Starts a real `ferry serve` child process on a free port and waits until it listens. */
-export async function spawnServe(dataDir: string, env: NodeJS.ProcessEnv = {}): Promise<ServeProcess> {
-  const child = spawn(process.execPath, [FERRY_BIN, 'serve', '--port', '0', '--data-dir', dataDir], {
+export async function spawnServe(dataDir: string, env: NodeJS.ProcessEnv = {}, as?: RunAs): Promise<ServeProcess> {
+  const { bin = FERRY_BIN, ...ids } = as ?? {};
+  const child = spawn(process.execPath, [bin, 'serve', '--port', '0', '--data-dir', dataDir], {
     env: { PATH: process.env.PATH, HOME: process.env.HOME, FERRY_LOG_FORMAT: 'json', ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
+    ...ids,
   });
   let out = '';
   const exited = new Promise<number | null>((resolve) => child.on('exit', (code) => resolve(code)));

@@ -31,7 +31,7 @@ import {
   spawnReplica,
   WRAPPER_ENV,
 } from '../../replicas/sandbox.js';
-import type { SandboxNetwork } from '../../sandbox/network.js';
+import { joinNetworkArgs, type SandboxNetwork } from '../../sandbox/network.js';
 import { abortError, type ChildExit, runChild, throwIfAborted } from './run-child.js';
 import type { BuildContext } from './types.js';
 
@@ -191,7 +191,7 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
     let file = caps.bwrap;
     let argv = ['--args', '4', '--', ...step.command];
     if (lease.netnsPath !== null) {
-      argv = [`--net=${lease.netnsPath}`, '--', file, ...argv];
+      argv = [...joinNetworkArgs(lease), file, ...argv];
       file = 'nsenter';
     }
     if (caps.cgroup) {
