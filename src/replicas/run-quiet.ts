@@ -1,6 +1,7 @@
 /**
- * Runs a short host command (a probe) with a bounded time and a minimal environment, and collects what it
- * printed. Never throws: a missing binary or a timeout is in the result.
+ * Runs a short host command (a probe, or a tool fed a script on stdin such as `ip -batch -` or `nft -f -`)
+ * with a bounded time and a minimal environment, and collects what it printed. Never throws: a missing
+ * binary or a timeout is in the result.
  */
 import { spawn } from 'node:child_process';
 
@@ -20,16 +21,21 @@ export function runQuiet(
   args: string[],
   timeoutMs: number,
   env: Record<string, string> = WRAPPER_ENV,
+  input?: string,
 ): Promise<QuietResult> {
   return new Promise((resolve) => {
-    const child = spawn(file, args, { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    const child = spawn(file, args, { env, stdio: [input === undefined ? 'ignore' : 'pipe', 'pipe', 'pipe'] });
+    if (input !== undefined) {
+      child.stdin?.on('error', () => {}); // the tool exited before reading it: its exit code says why
+      child.stdin?.end(input);
+    }
     let stdout = '';
     let stderr = '';
     let timedOut = false;
-    child.stdout.setEncoding('utf8').on('data', (chunk: string) => {
+    child.stdout?.setEncoding('utf8').on('data', (chunk: string) => {
       stdout += chunk;
     });
-    child.stderr.setEncoding('utf8').on('data', (chunk: string) => {
+    child.stderr?.setEncoding('utf8').on('data', (chunk: string) => {
       stderr += chunk;
     });
     const timer = setTimeout(() => {

@@ -29,6 +29,7 @@ import os from 'node:os';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
 import type { Logger } from 'pino';
+import { type QuietResult, runQuiet, WRAPPER_ENV } from '../replicas/run-quiet.js';
 import type { Nameserver } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy } from './egress-policy.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
@@ -54,7 +55,7 @@ export interface UserNetworkOptions {
 const SLIRP_NETWORK = '10.0.2.0/24';
 const SLIRP_DNS = '10.0.2.3';
 const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
-const TOOL_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
+
 const SETUP_TIMEOUT_MS = 15_000;
 /** Namespaces kept set up ahead of need. */
 const SPARES = 2;
@@ -215,7 +216,7 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
       const holder = spawn(
         tools.unshare,
         ['--user', '--map-root-user', '--net', '--', 'sh', '-c', 'echo ready; exec cat >/dev/null'],
-        { env: TOOL_ENV, stdio: ['pipe', 'pipe', 'pipe'] },
+        { env: WRAPPER_ENV, stdio: ['pipe', 'pipe', 'pipe'] },
       );
       children.push(holder);
       await waitForLine(holder, holder.stdout!, 'the namespace holder');
@@ -246,7 +247,7 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
           String(pid),
           'tap0',
         ],
-        { env: TOOL_ENV, stdio: ['ignore', 'ignore', 'pipe', 'pipe', 'pipe'] },
+        { env: WRAPPER_ENV, stdio: ['ignore', 'ignore', 'pipe', 'pipe', 'pipe'] },
       );
       children.push(slirp);
       await waitForLine(slirp, slirp.stdio[4] as Readable, 'slirp4netns', true);
@@ -336,23 +337,7 @@ async function stopChild(child: ChildProcess): Promise<void> {
   await exited;
 }
 
-function runTool(file: string, args: string[], input: string): Promise<{ code: number | null; stderr: string }> {
-  return new Promise((resolve) => {
-    const child = spawn(file, args, { env: TOOL_ENV, stdio: ['pipe', 'ignore', 'pipe'] });
-    let stderr = '';
-    const timer = setTimeout(() => child.kill('SIGKILL'), SETUP_TIMEOUT_MS);
-    child.stderr.setEncoding('utf8').on('data', (chunk: string) => {
-      stderr += chunk;
-    });
-    child.on('error', (err) => {
-      clearTimeout(timer);
-      resolve({ code: null, stderr: err.message });
-    });
-    child.on('close', (code) => {
-      clearTimeout(timer);
-      resolve({ code, stderr });
-    });
-    child.stdin.on('error', () => {});
-    child.stdin.end(input);
-  });
+/** Runs `ip`, `nft` and the like with a script on stdin; never throws (runQuiet). */
+function runTool(file: string, args: string[], input: string): Promise<QuietResult> {
+  return runQuiet(file, args, SETUP_TIMEOUT_MS, WRAPPER_ENV, input);
 }

@@ -23,13 +23,13 @@
  * the kernel refuses a second link of the same name, so two servers sharing a pool never share an
  * address; a server that finds a slot taken moves on to the next.
  */
-import { spawn } from 'node:child_process';
 import { createHash, randomInt } from 'node:crypto';
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
+import { type QuietResult, runQuiet, WRAPPER_ENV } from '../replicas/run-quiet.js';
 import type { DnsForwarder } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy, ipv4ToNumber, numberToIpv4 } from './egress-policy.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
@@ -58,7 +58,7 @@ const RESOLV_ROOT = '/run/ferry-egress';
 /** In /run/ferry-egress/<tag>/: the pid and start time of the server that owns the tag's namespaces. */
 const OWNER_FILE = 'owner';
 const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
-const TOOL_ENV = { PATH: '/usr/sbin:/usr/bin:/sbin:/bin' };
+
 const TOOL_TIMEOUT_MS = 15_000;
 const SLOT_ATTEMPTS = 32;
 /** Namespaces kept set up ahead of need. */
@@ -412,23 +412,7 @@ async function removeStaleNamespaces(ip: string, prefix: string): Promise<void> 
   await runTool(ip, ['-force', '-batch', '-'], stale.map((name) => `netns del ${name}`).join('\n'));
 }
 
-function runTool(file: string, args: string[], input: string): Promise<{ code: number | null; stderr: string }> {
-  return new Promise((resolve) => {
-    const child = spawn(file, args, { env: TOOL_ENV, stdio: ['pipe', 'ignore', 'pipe'] });
-    let stderr = '';
-    const timer = setTimeout(() => child.kill('SIGKILL'), TOOL_TIMEOUT_MS);
-    child.stderr.setEncoding('utf8').on('data', (chunk: string) => {
-      stderr += chunk;
-    });
-    child.on('error', (err) => {
-      clearTimeout(timer);
-      resolve({ code: null, stderr: err.message });
-    });
-    child.on('close', (code) => {
-      clearTimeout(timer);
-      resolve({ code, stderr });
-    });
-    child.stdin.on('error', () => {});
-    child.stdin.end(input);
-  });
+/** Runs `ip`, `nft` and the like with a script on stdin; never throws (runQuiet). */
+function runTool(file: string, args: string[], input: string): Promise<QuietResult> {
+  return runQuiet(file, args, TOOL_TIMEOUT_MS, WRAPPER_ENV, input);
 }
