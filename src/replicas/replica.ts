@@ -160,7 +160,8 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
         throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica did not start within ${timeoutMs} ms`);
       }
       await new Promise((r) => setTimeout(r, delay));
-      delay = Math.min(delay * 2, 25);
+      // Small steps: a cold start is mostly spent here, and each check is one stat (and a connect once it exists).
+      delay = Math.min(delay * 2, 5);
     }
     if (this.state !== 'ready') {
       const exit = await this.exited;
