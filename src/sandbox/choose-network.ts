@@ -99,40 +99,30 @@ export async function createSandboxNetwork(options: CreateNetworkOptions): Promi
   let network: SandboxNetwork;
   if (plan.mode === 'host') network = createHostNetwork();
   else if (plan.mode === 'user' && plan.userTools) {
-    try {
-      network = await createUserNetwork({
-        tools: plan.userTools,
+    const tools = plan.userTools;
+    network = await orLoopbackOnly(logger, () =>
+      createUserNetwork({
+        tools,
         policy: egress.policy,
         nameservers: egress.nameservers,
         runDir: path.join(options.runDir, 'network'),
         logger,
-      });
-    } catch (err) {
-      logger.warn(
-        { err },
-        `NO EGRESS: sandboxes have loopback only (no internet, no DNS): setting up their network failed: ${(err as Error).message}`,
-      );
-      network = createLoopbackOnlyNetwork();
-    }
+      }),
+    );
   } else if (plan.mode === 'none' || !plan.tools) network = createLoopbackOnlyNetwork();
   else {
-    try {
-      network = await createVethNetwork({
-        tools: plan.tools,
+    const tools = plan.tools;
+    network = await orLoopbackOnly(logger, () =>
+      createVethNetwork({
+        tools,
         policy: egress.policy,
         pool: egress.pool,
         dataDir: options.dataDir,
         runDir: path.join(options.runDir, 'network'),
         dns: createDnsForwarder(egress.nameservers),
         logger,
-      });
-    } catch (err) {
-      logger.warn(
-        { err },
-        `NO EGRESS: sandboxes have loopback only (no internet, no DNS): setting up their network failed: ${(err as Error).message}`,
-      );
-      network = createLoopbackOnlyNetwork();
-    }
+      }),
+    );
   }
   if (plan.warning) logger.warn(plan.warning);
   // The plan says why (FERRY_EGRESS=off, no bwrap); the veth provider knows its table and nameservers.
@@ -142,4 +132,17 @@ export async function createSandboxNetwork(options: CreateNetworkOptions): Promi
       : network.describe();
   logger.info({ network: network.mode }, `Sandbox network: ${description}`);
   return network;
+}
+
+/** A provider that could not be set up leaves sandboxes loopback only, said loudly, rather than failing the start. */
+async function orLoopbackOnly(logger: Logger, create: () => Promise<SandboxNetwork>): Promise<SandboxNetwork> {
+  try {
+    return await create();
+  } catch (err) {
+    logger.warn(
+      { err },
+      `NO EGRESS: sandboxes have loopback only (no internet, no DNS): setting up their network failed: ${(err as Error).message}`,
+    );
+    return createLoopbackOnlyNetwork();
+  }
 }

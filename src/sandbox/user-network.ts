@@ -22,7 +22,6 @@
  * admin-prohibited) so a client fails at once.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
-import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import net from 'node:net';
 import os from 'node:os';
@@ -32,6 +31,7 @@ import type { Logger } from 'pino';
 import { type QuietResult, runQuiet, WRAPPER_ENV } from '../replicas/run-quiet.js';
 import type { Nameserver } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy } from './egress-policy.js';
+import { findTool } from './find-tool.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
 
 export interface UserNetTools {
@@ -54,7 +54,6 @@ export interface UserNetworkOptions {
 /** slirp4netns's fixed layout for its default network (10.0.2.0/24). */
 const SLIRP_NETWORK = '10.0.2.0/24';
 const SLIRP_DNS = '10.0.2.3';
-const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
 
 const SETUP_TIMEOUT_MS = 15_000;
 /** Namespaces kept set up ahead of need. */
@@ -74,18 +73,7 @@ interface Spare {
  */
 export function findUserNetTools(): { tools: UserNetTools } | { reasons: string[] } {
   const reasons: string[] = [];
-  const find = (name: string, pkg: string) => {
-    const found = TOOL_DIRS.map((dir) => path.join(dir, name)).find((file) => {
-      try {
-        fsSync.accessSync(file, fsSync.constants.X_OK);
-        return true;
-      } catch {
-        return false;
-      }
-    });
-    if (!found) reasons.push(`${name} not found (apt-get install ${pkg})`);
-    return found ?? '';
-  };
+  const find = (name: string, pkg: string) => findTool(name, pkg, reasons);
   const tools = {
     unshare: find('unshare', 'util-linux'),
     nsenter: find('nsenter', 'util-linux'),

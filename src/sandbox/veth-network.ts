@@ -24,7 +24,6 @@
  * address; a server that finds a slot taken moves on to the next.
  */
 import { createHash, randomInt } from 'node:crypto';
-import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
@@ -32,6 +31,7 @@ import type { Logger } from 'pino';
 import { type QuietResult, runQuiet, WRAPPER_ENV } from '../replicas/run-quiet.js';
 import type { DnsForwarder } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy, ipv4ToNumber, numberToIpv4 } from './egress-policy.js';
+import { findTool } from './find-tool.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
 
 export interface VethTools {
@@ -57,7 +57,6 @@ const NETNS_DIR = '/run/netns';
 const RESOLV_ROOT = '/run/ferry-egress';
 /** In /run/ferry-egress/<tag>/: the pid and start time of the server that owns the tag's namespaces. */
 const OWNER_FILE = 'owner';
-const TOOL_DIRS = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
 
 const TOOL_TIMEOUT_MS = 15_000;
 const SLOT_ATTEMPTS = 32;
@@ -73,18 +72,7 @@ const REFILL_DELAY_MS = 250;
 export function findVethTools(): { tools: VethTools } | { reasons: string[] } {
   const reasons: string[] = [];
   if (typeof process.getuid !== 'function' || process.getuid() !== 0) reasons.push('Ferry does not run as root');
-  const find = (name: string, pkg: string) => {
-    const found = TOOL_DIRS.map((dir) => path.join(dir, name)).find((file) => {
-      try {
-        fsSync.accessSync(file, fsSync.constants.X_OK);
-        return true;
-      } catch {
-        return false;
-      }
-    });
-    if (!found) reasons.push(`${name} not found (apt-get install ${pkg})`);
-    return found ?? '';
-  };
+  const find = (name: string, pkg: string) => findTool(name, pkg, reasons);
   const tools = { ip: find('ip', 'iproute2'), nft: find('nft', 'nftables'), nsenter: find('nsenter', 'util-linux') };
   return reasons.length > 0 ? { reasons } : { tools };
 }

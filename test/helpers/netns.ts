@@ -6,6 +6,7 @@
  */
 import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import { randomInt } from 'node:crypto';
+import net from 'node:net';
 import readline from 'node:readline';
 
 export interface OutsideNetwork {
@@ -115,4 +116,35 @@ export async function createOutsideNetwork(): Promise<OutsideNetwork> {
 export function hostIpv4Addresses(): string[] {
   const out = spawnSync('ip', ['-4', '-o', 'addr', 'show'], { encoding: 'utf8' }).stdout ?? '';
   return [...out.matchAll(/\binet (\d+\.\d+\.\d+\.\d+)\//g)].map((match) => match[1]!);
+}
+
+/** Where a fixture function is asked to connect, and what it saw. */
+export interface Target {
+  host: string;
+  port: number;
+}
+export interface Outcome extends Target {
+  ok: boolean;
+  connected: boolean;
+  echoed?: string;
+  error?: string;
+}
+
+/** A TCP echo server on every host address (0.0.0.0), as a careless host service would listen. */
+export async function startHostListener(): Promise<{ port: number; close(): Promise<void> }> {
+  const sockets = new Set<net.Socket>();
+  const server = net.createServer((socket) => {
+    sockets.add(socket);
+    socket.on('error', () => {});
+    socket.on('close', () => sockets.delete(socket));
+    socket.pipe(socket);
+  });
+  await new Promise<void>((resolve) => server.listen(0, '0.0.0.0', resolve));
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    close: () => {
+      for (const socket of sockets) socket.destroy();
+      return new Promise((resolve) => server.close(() => resolve()));
+    },
+  };
 }

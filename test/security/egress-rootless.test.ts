@@ -14,7 +14,6 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import fs from 'node:fs/promises';
-import net from 'node:net';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
@@ -29,7 +28,14 @@ import {
   type ServeProcess,
   spawnServe,
 } from '../helpers/ferry.js';
-import { createOutsideNetwork, hostIpv4Addresses, type OutsideNetwork } from '../helpers/netns.js';
+import {
+  createOutsideNetwork,
+  hostIpv4Addresses,
+  type Outcome,
+  type OutsideNetwork,
+  startHostListener,
+  type Target,
+} from '../helpers/netns.js';
 
 const FIXTURES = path.join(REPO_ROOT, 'test/fixtures/security');
 const TIMEOUT = 240_000;
@@ -37,17 +43,6 @@ const USER = 'ferrytest';
 /** How long a probe waits for a target it should not reach; the assertions are on failure, not timing. */
 const DENIED_TIMEOUT_MS = 4000;
 const ALLOWED_TIMEOUT_MS = 15_000;
-
-interface Target {
-  host: string;
-  port: number;
-}
-interface Outcome extends Target {
-  ok: boolean;
-  connected: boolean;
-  echoed?: string;
-  error?: string;
-}
 
 /** The unprivileged user Ferry runs as, created (system user, no login) when this machine has none. */
 function ensureUser(): RunAs {
@@ -66,25 +61,6 @@ function ensureUser(): RunAs {
   const gid = Number(spawnSync('id', ['-g', USER], { encoding: 'utf8' }).stdout.trim());
   assert.ok(uid > 0 && gid > 0, `${USER} is not root`);
   return { uid, gid };
-}
-
-/** A TCP echo server on every host address (0.0.0.0), as a careless host service would listen. */
-async function startHostListener(): Promise<{ port: number; close(): Promise<void> }> {
-  const sockets = new Set<net.Socket>();
-  const server = net.createServer((socket) => {
-    sockets.add(socket);
-    socket.on('error', () => {});
-    socket.on('close', () => sockets.delete(socket));
-    socket.pipe(socket);
-  });
-  await new Promise<void>((resolve) => server.listen(0, '0.0.0.0', resolve));
-  return {
-    port: (server.address() as net.AddressInfo).port,
-    close: () => {
-      for (const socket of sockets) socket.destroy();
-      return new Promise((resolve) => server.close(() => resolve()));
-    },
-  };
 }
 
 async function fixtureFiles(name: string): Promise<Record<string, string>> {

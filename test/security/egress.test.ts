@@ -16,7 +16,14 @@ import net from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { deployFiles, http, REPO_ROOT, startServer, type TestServer, tempDir } from '../helpers/ferry.js';
-import { createOutsideNetwork, hostIpv4Addresses, type OutsideNetwork } from '../helpers/netns.js';
+import {
+  createOutsideNetwork,
+  hostIpv4Addresses,
+  type Outcome,
+  type OutsideNetwork,
+  startHostListener,
+  type Target,
+} from '../helpers/netns.js';
 import { buildWheel } from '../helpers/python-wheel.js';
 
 const FIXTURES = path.join(REPO_ROOT, 'test/fixtures/security');
@@ -29,36 +36,6 @@ const TIMEOUT = 240_000;
 const DENIED_TIMEOUT_MS = 4000;
 /** A target the sandbox should reach gets all the time a busy machine may need. */
 const ALLOWED_TIMEOUT_MS = 15_000;
-
-interface Target {
-  host: string;
-  port: number;
-}
-interface Outcome extends Target {
-  ok: boolean;
-  connected: boolean;
-  echoed?: string;
-  error?: string;
-}
-
-/** A TCP echo server on every host address (0.0.0.0), as a careless host service would listen. */
-async function startHostListener(): Promise<{ port: number; close(): Promise<void> }> {
-  const sockets = new Set<net.Socket>();
-  const server = net.createServer((socket) => {
-    sockets.add(socket);
-    socket.on('error', () => {});
-    socket.on('close', () => sockets.delete(socket));
-    socket.pipe(socket);
-  });
-  await new Promise<void>((resolve) => server.listen(0, '0.0.0.0', resolve));
-  return {
-    port: (server.address() as net.AddressInfo).port,
-    close: () => {
-      for (const socket of sockets) socket.destroy();
-      return new Promise((resolve) => server.close(() => resolve()));
-    },
-  };
-}
 
 /** Whether this process (on the host) can open a TCP connection to `host`:`port`. */
 function reachableFromHost(host: string, port: number): Promise<boolean> {
