@@ -33,6 +33,7 @@ import type { Nameserver } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy } from './egress-policy.js';
 import { findTool } from './find-tool.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
+import { createSparePool } from './spare-pool.js';
 
 export interface UserNetTools {
   unshare: string;
@@ -56,10 +57,6 @@ const SLIRP_NETWORK = '10.0.2.0/24';
 const SLIRP_DNS = '10.0.2.3';
 
 const SETUP_TIMEOUT_MS = 15_000;
-/** Namespaces kept set up ahead of need. */
-const SPARES = 2;
-/** How long after a spare is taken the next one is set up. */
-const REFILL_DELAY_MS = 250;
 
 interface Spare {
   lease: SandboxNetworkLease;
@@ -164,29 +161,12 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
   let closed = false;
 
   // Namespaces set up ahead, so a cold start does not wait for unshare, nft and slirp4netns.
-  const spares: Array<Promise<Spare | null>> = [];
-  let refillTimer: NodeJS.Timeout | undefined;
-  const refill = () => {
-    while (!closed && spares.length < SPARES) {
-      spares.push(
-        createLease().catch((err: unknown) => {
-          if (!closed) logger.warn({ err }, 'setting up a spare sandbox network failed');
-          return null;
-        }),
-      );
-    }
-  };
+  const spares = createSparePool(() => createLease(), logger);
 
   async function acquire(id: string): Promise<SandboxNetworkLease> {
     if (closed) throw new Error('the sandbox network is closed');
     if (!/^[A-Za-z0-9_-]{1,100}$/.test(id)) throw new Error(`Invalid sandbox id ${JSON.stringify(id)}`);
-    const spare = spares.shift();
-    // Later, not now: on a small machine the set-up processes would compete with the sandbox starting.
-    refillTimer ??= setTimeout(() => {
-      refillTimer = undefined;
-      refill();
-    }, REFILL_DELAY_MS);
-    const ready = spare ? await spare : null;
+    const ready = await spares.take();
     // The host's addresses are in the rules: a spare made before they changed is not used.
     if (ready && ready.hostAddresses === hostIpv4Addresses().join(',')) return ready.lease;
     await ready?.lease.release();
@@ -263,8 +243,8 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
 
   // The first one now, so a machine where this cannot work (user namespaces off, nft refused in them)
   // makes createUserNetwork throw and the server fall back to loopback only, saying so, at start.
-  spares.push(Promise.resolve(await createLease()));
-  refill();
+  spares.add(await createLease());
+  spares.fill();
   return {
     mode: 'user',
     describe: () =>
@@ -272,8 +252,7 @@ export async function createUserNetwork(options: UserNetworkOptions): Promise<Sa
     acquire,
     async close() {
       closed = true;
-      clearTimeout(refillTimer);
-      await Promise.all(spares.splice(0));
+      await spares.close();
       await Promise.all([...active].map((lease) => lease.release()));
       await fs.rm(resolvConf, { force: true }).catch((err: unknown) => logger.debug({ err }, 'resolv.conf'));
     },

@@ -16,8 +16,8 @@
  * sandbox's client (npm, pip, a function) fails at once instead of waiting for its own timeout.
  *
  * Setting a namespace up costs two `ip -batch` processes (one in the host namespace, one in the new
- * one: `ip -batch` cannot switch namespaces between lines), and releasing it one. SPARES namespaces are
- * kept set up ahead, so a replica's cold start does not wait for them.
+ * one: `ip -batch` cannot switch namespaces between lines), and releasing it one. two namespaces are
+ * kept set up ahead (spare-pool.ts), so a replica's cold start does not wait for them.
  *
  * Slots (one /30 of the pool each) are claimed machine-wide through the host link's name, `fy<slot>`:
  * the kernel refuses a second link of the same name, so two servers sharing a pool never share an
@@ -33,6 +33,7 @@ import type { DnsForwarder } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy, ipv4ToNumber, numberToIpv4 } from './egress-policy.js';
 import { findTool } from './find-tool.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
+import { createSparePool } from './spare-pool.js';
 
 export interface VethTools {
   ip: string;
@@ -60,10 +61,6 @@ const OWNER_FILE = 'owner';
 
 const TOOL_TIMEOUT_MS = 15_000;
 const SLOT_ATTEMPTS = 32;
-/** Namespaces kept set up ahead of need. */
-const SPARES = 2;
-/** How long after a spare is taken the next one is set up. */
-const REFILL_DELAY_MS = 250;
 
 /**
  * Whether this machine can give sandboxes the veth network: root, and `ip`, `nft` and `nsenter` found.
@@ -171,32 +168,12 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
   }
 
   // Namespaces set up ahead, so a cold start finds one ready instead of waiting for `ip` twice.
-  const spares: Array<Promise<SandboxNetworkLease | null>> = [];
-  const refill = () => {
-    while (!closed && spares.length < SPARES) {
-      spares.push(
-        createLease().catch((err: unknown) => {
-          // At close a signal may have killed `ip` half-way: nothing worth a warning then.
-          if (!closed) logger.warn({ err }, 'setting up a spare sandbox network failed');
-          return null;
-        }),
-      );
-    }
-  };
-
-  let refillTimer: NodeJS.Timeout | undefined;
+  const spares = createSparePool(() => createLease(), logger);
 
   async function acquire(id: string): Promise<SandboxNetworkLease> {
     if (closed) throw new Error('the sandbox network is closed');
     if (!/^[A-Za-z0-9_-]{1,100}$/.test(id)) throw new Error(`Invalid sandbox id ${JSON.stringify(id)}`);
-    const spare = spares.shift();
-    // Later, not now: on a small machine the `ip` processes would compete with the replica starting.
-    refillTimer ??= setTimeout(() => {
-      refillTimer = undefined;
-      refill();
-    }, REFILL_DELAY_MS);
-    const lease = spare ? await spare : null;
-    return lease ?? createLease();
+    return (await spares.take()) ?? createLease();
   }
 
   async function createLease(): Promise<SandboxNetworkLease> {
@@ -277,7 +254,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     throw new Error(`every address of the sandbox pool ${options.pool} (FERRY_EGRESS_POOL) is in use`);
   }
 
-  refill();
+  spares.fill();
   return {
     mode: 'veth',
     describe: () =>
@@ -285,8 +262,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
     acquire,
     async close() {
       closed = true;
-      clearTimeout(refillTimer);
-      await Promise.all(spares.splice(0));
+      await spares.close();
       await Promise.all([...active].map((lease) => lease.release()));
       await fs.rm(resolvDir, { recursive: true, force: true });
       const result = await runTool(tools.nft, ['delete', 'table', 'inet', table], '');
