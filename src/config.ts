@@ -2,11 +2,29 @@
  * Server settings: command-line flags, then environment variables, then defaults.
  * Every setting is documented in docs/operations.md.
  */
+import path from 'node:path';
 import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './builds/builders/sandboxed-step.js';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
 import { type Nameserver, parseNameservers } from './sandbox/dns-forwarder.js';
 import { DEFAULT_EGRESS_POOL, type EgressPolicy, normalizeCidr, parseEgressPolicy } from './sandbox/egress-policy.js';
 import { parseAllowList } from './webhooks/address-guard.js';
+
+/** A database URL must name PostgreSQL; anything else is a mistake to report at start, not at first query. */
+function checkDatabaseUrl(url: string | undefined): string | undefined {
+  if (url === undefined) return undefined;
+  let parsed: URL;
+  try {
+    parsed = new URL(url);
+  } catch {
+    throw new Error('--database-url / FERRY_DATABASE_URL must be a URL like postgres://user@host:5432/ferry');
+  }
+  if (parsed.protocol !== 'postgres:' && parsed.protocol !== 'postgresql:') {
+    throw new Error(
+      `--database-url / FERRY_DATABASE_URL must start with postgres:// (not ${parsed.protocol}//); leave it unset for the embedded SQLite store`,
+    );
+  }
+  return url;
+}
 
 /** Validates the webhook allow-list at start, so a typo is an error now rather than refused deliveries later. */
 function checkAllowList(text: string): string {
@@ -22,6 +40,18 @@ export interface ServerConfig {
   host: string;
   port: number;
   dataDir: string;
+  /**
+   * `--database-url` / `FERRY_DATABASE_URL`: a `postgres://` URL puts the store on PostgreSQL (several
+   * processes may share it); unset, the store is the embedded SQLite file in the data directory.
+   */
+  databaseUrl: string | undefined;
+  /** `--keys-dir` / `FERRY_KEYS_DIR`: the JWT and secrets keys (default `<data-dir>/keys`); shared by a fleet. */
+  keysDir: string;
+  /**
+   * `--artifacts-dir` / `FERRY_ARTIFACTS_DIR`: uploaded archives and build outputs (default
+   * `<data-dir>/artifacts`); several processes may share it.
+   */
+  artifactsDir: string;
   /** Largest accepted archive upload, bytes. */
   maxUploadBytes: number;
   /** Largest accepted JSON body (management API and run endpoint), bytes. */
@@ -108,6 +138,9 @@ export interface ConfigFlags {
   host?: string | undefined;
   port?: string | number | undefined;
   dataDir?: string | undefined;
+  databaseUrl?: string | undefined;
+  keysDir?: string | undefined;
+  artifactsDir?: string | undefined;
   webhookAllow?: string | undefined;
   egressAllow?: string | undefined;
   egressDeny?: string | undefined;
@@ -140,10 +173,14 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     0,
     65535,
   );
+  const dataDir = flags.dataDir ?? env.FERRY_DATA_DIR ?? DEFAULTS.dataDir;
   return {
     host: flags.host ?? env.FERRY_HOST ?? DEFAULTS.host,
     port: port ?? DEFAULTS.port,
-    dataDir: flags.dataDir ?? env.FERRY_DATA_DIR ?? DEFAULTS.dataDir,
+    dataDir,
+    databaseUrl: checkDatabaseUrl(flags.databaseUrl ?? (env.FERRY_DATABASE_URL || undefined)),
+    keysDir: path.resolve(flags.keysDir ?? (env.FERRY_KEYS_DIR || path.join(dataDir, 'keys'))),
+    artifactsDir: path.resolve(flags.artifactsDir ?? (env.FERRY_ARTIFACTS_DIR || path.join(dataDir, 'artifacts'))),
     maxUploadBytes:
       intFrom(env.FERRY_MAX_UPLOAD_BYTES, 'FERRY_MAX_UPLOAD_BYTES', 1024, 16 * 1024 ** 3) ?? DEFAULTS.maxUploadBytes,
     maxBodyBytes: intFrom(env.FERRY_MAX_BODY_BYTES, 'FERRY_MAX_BODY_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.maxBodyBytes,

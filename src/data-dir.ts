@@ -44,6 +44,21 @@ export function prepareDataDir(root: string): DataDir {
 }
 
 /**
+ * The keys folder (`--keys-dir`, default `<data-dir>/keys`), created 0700 when missing. Several processes
+ * of a fleet point at one shared folder so they sign and decrypt with the same keys.
+ */
+export function prepareKeysDir(dir: string): string {
+  fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+  return dir;
+}
+
+/** The artifacts folder (`--artifacts-dir`, default `<data-dir>/artifacts`), created 0700 when missing. */
+export function prepareArtifactsDir(dir: string): string {
+  fs.mkdirSync(dir, { recursive: true, mode: 0o700 });
+  return dir;
+}
+
+/**
  * Reads a 32-byte key file, creating it with mode 0600 when missing. Two processes starting at once
  * (serve and admin bootstrap) agree on one key: creation is exclusive, and the loser reads the winner's.
  */

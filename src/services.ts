@@ -13,7 +13,7 @@ import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import type { ServerConfig } from './config.js';
-import { type DataDir, loadOrCreateKey, prepareDataDir } from './data-dir.js';
+import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { createBuildViews } from './replicas/build-view.js';
 import { createLauncher } from './replicas/launcher.js';
@@ -28,7 +28,7 @@ import { createRunTargets, type RunTargets } from './runs/targets.js';
 import { createSandboxNetwork } from './sandbox/choose-network.js';
 import type { SandboxNetwork } from './sandbox/network.js';
 import { secretEnvironment } from './secrets/secrets.js';
-import { openSqliteStore, type Store } from './store/index.js';
+import { openStore, type Store } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
 
 export interface Services {
@@ -68,9 +68,10 @@ export interface Services {
 
 export async function createServices(config: ServerConfig, logger: Logger): Promise<Services> {
   const dataDir = prepareDataDir(config.dataDir);
-  const store = await openSqliteStore({ dataDir: dataDir.root });
-  const jwtKey = loadOrCreateKey(path.join(dataDir.keys, 'jwt.key'));
-  const secretsKey = loadOrCreateKey(path.join(dataDir.keys, 'secrets.key'));
+  const store = await openStore({ dataDir: dataDir.root, databaseUrl: config.databaseUrl });
+  const keys = prepareKeysDir(config.keysDir);
+  const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
+  const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
   const metrics = createMetrics();
   const buildLog = createBuildLog({ store });
   const runTargets = createRunTargets({ store });
@@ -183,7 +184,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     jwtKey,
     secretsKey,
     auth: createAuthenticator({ store, key: jwtKey }),
-    artifacts: createDiskArtifactStore(dataDir.artifacts),
+    artifacts: createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir)),
     buildLog,
     pipeline,
     metrics,

@@ -13,8 +13,8 @@
 import path from 'node:path';
 import { bootstrapProject, createServiceAccount, listServiceAccounts } from '../auth/service-accounts.js';
 import { resolveServerConfig, type ServerConfig } from '../config.js';
-import { loadOrCreateKey, prepareDataDir, readServerRecord } from '../data-dir.js';
-import { openSqliteStore, type Store } from '../store/index.js';
+import { loadOrCreateKey, prepareDataDir, prepareKeysDir, readServerRecord } from '../data-dir.js';
+import { openStore, type Store } from '../store/index.js';
 import { CliError, printJson } from './client.js';
 
 const PROJECT_NAME = /^[a-z0-9][a-z0-9-]{0,62}$/;
@@ -23,6 +23,8 @@ export const LOGIN_LINK_ACCOUNT = 'sign-in link';
 
 interface ServerAddressOptions {
   dataDir?: string;
+  databaseUrl?: string;
+  keysDir?: string;
   url?: string;
   host?: string;
   port?: string;
@@ -42,7 +44,13 @@ export interface LoginLinkOptions extends ServerAddressOptions {
 
 function loadConfig(options: ServerAddressOptions): ServerConfig {
   try {
-    return resolveServerConfig({ dataDir: options.dataDir, host: options.host, port: options.port });
+    return resolveServerConfig({
+      dataDir: options.dataDir,
+      databaseUrl: options.databaseUrl,
+      keysDir: options.keysDir,
+      host: options.host,
+      port: options.port,
+    });
   } catch (err) {
     throw new CliError((err as Error).message, 2);
   }
@@ -80,9 +88,9 @@ export function serverAddress(
 
 async function withStore<T>(config: ServerConfig, fn: (store: Store, key: Uint8Array, root: string) => Promise<T>) {
   const dataDir = prepareDataDir(config.dataDir);
-  const store = await openSqliteStore({ dataDir: dataDir.root });
+  const store = await openStore({ dataDir: dataDir.root, databaseUrl: config.databaseUrl });
   try {
-    return await fn(store, loadOrCreateKey(path.join(dataDir.keys, 'jwt.key')), dataDir.root);
+    return await fn(store, loadOrCreateKey(path.join(prepareKeysDir(config.keysDir), 'jwt.key')), dataDir.root);
   } finally {
     await store.destroy();
   }

@@ -38,6 +38,14 @@ export function createProgram(): Command {
     .addOption(new Option('--host <host>', 'address to listen on (env FERRY_HOST, default 127.0.0.1)'))
     .addOption(new Option('--port <port>', 'port to listen on (env FERRY_PORT, default 8000)'))
     .addOption(new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)'))
+    .addOption(databaseUrlOption())
+    .addOption(keysDirOption())
+    .addOption(
+      new Option(
+        '--artifacts-dir <dir>',
+        'uploaded archives and build outputs, shareable by several servers (env FERRY_ARTIFACTS_DIR, default <data-dir>/artifacts)',
+      ),
+    )
     .addOption(
       new Option(
         '--webhook-allow <cidrs>',
@@ -79,6 +87,8 @@ export function createProgram(): Command {
       .command('bootstrap')
       .description('create the project (if missing) and a new owner token; works without a running server')
       .addOption(dataDirOption())
+      .addOption(databaseUrlOption())
+      .addOption(keysDirOption())
       .option('--project-name <name>', 'project name', 'default')
       .option('--expires-in-days <days>', 'token lifetime in days (default 365)')
       .option('--json', 'print {"project_id", "token"} only'),
@@ -90,6 +100,8 @@ export function createProgram(): Command {
         'print a dashboard sign-in link for an existing project, without making another owner (a short-lived manage token)',
       )
       .addOption(dataDirOption())
+      .addOption(databaseUrlOption())
+      .addOption(keysDirOption())
       .option('--project-name <name>', 'project name', 'default')
       .option('--expires-in-minutes <minutes>', 'how long the link works, 5 to 1440 (default 60)')
       .option('--json', 'print {"project_id","service_account_id","url","link","expires_at"}'),
@@ -219,4 +231,17 @@ export function createProgram(): Command {
     .option('--json', 'print the revoked account')
     .action(tokensRevokeCommand);
   return program;
+}
+
+/** `--database-url`: the store on PostgreSQL (serve and the offline admin commands take the same). */
+function databaseUrlOption(): Option {
+  return new Option(
+    '--database-url <url>',
+    'PostgreSQL store, e.g. postgres://ferry@db:5432/ferry (env FERRY_DATABASE_URL; default: SQLite in the data directory)',
+  );
+}
+
+/** `--keys-dir`: the signing and secrets keys, one folder shared by every server of a fleet. */
+function keysDirOption(): Option {
+  return new Option('--keys-dir <dir>', 'JWT and secrets keys (env FERRY_KEYS_DIR, default <data-dir>/keys)');
 }

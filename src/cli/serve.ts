@@ -17,6 +17,9 @@ export interface ServeOptions {
   host?: string;
   port?: string;
   dataDir?: string;
+  databaseUrl?: string;
+  keysDir?: string;
+  artifactsDir?: string;
   webhookAllow?: string;
   egressAllow?: string;
   egressDeny?: string;

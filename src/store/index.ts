@@ -6,11 +6,36 @@
  */
 import path from 'node:path';
 import SqliteDatabase from 'better-sqlite3';
-import { Kysely, Migrator, SqliteDialect } from 'kysely';
+import { Kysely, Migrator, PostgresAdapter, SqliteDialect } from 'kysely';
 import { migrationProvider } from './migrations.js';
 import type { Database } from './schema.js';
 
 export type Store = Kysely<Database>;
+
+/** Which database is underneath a store (or a transaction of it). */
+export type StoreDialect = 'sqlite' | 'postgres';
+
+/**
+ * The dialect under `db` (a store or one of its transactions). Only `src/store/` may branch on it: business
+ * code asks for an operation (a claim, a lock) from this folder and never writes dialect-specific SQL.
+ */
+export function dialectOf(db: Kysely<Database>): StoreDialect {
+  return db.getExecutor().adapter instanceof PostgresAdapter ? 'postgres' : 'sqlite';
+}
+
+/**
+ * Opens the store the settings name: PostgreSQL when `databaseUrl` is set (`--database-url`,
+ * `FERRY_DATABASE_URL`), else the embedded SQLite file in the data directory.
+ */
+export async function openStore(options: OpenStoreOptions & { databaseUrl?: string | undefined }): Promise<Store> {
+  if (options.databaseUrl) return openPostgresStore({ databaseUrl: options.databaseUrl });
+  return openSqliteStore(options);
+}
+
+/** Opens the PostgreSQL store at `databaseUrl` and brings its schema up to date. */
+export async function openPostgresStore(_options: { databaseUrl: string }): Promise<Store> {
+  throw new Error('The PostgreSQL store is not built yet');
+}
 
 export interface OpenStoreOptions {
   /** The data directory; the SQLite file is `<dataDir>/ferry.db`. */
@@ -32,7 +57,7 @@ export async function openSqliteStore(options: OpenStoreOptions): Promise<Store>
   return db;
 }
 
-async function migrate(db: Kysely<Database>): Promise<void> {
+export async function migrate(db: Kysely<Database>): Promise<void> {
   const migrator = new Migrator({ db, provider: migrationProvider });
   const { error, results } = await migrator.migrateToLatest();
   const failed = results?.find((r) => r.status === 'Error');
