@@ -6,7 +6,8 @@
  */
 import path from 'node:path';
 import SqliteDatabase from 'better-sqlite3';
-import { Kysely, Migrator, PostgresAdapter, SqliteDialect } from 'kysely';
+import { Kysely, Migrator, PostgresAdapter, PostgresDialect, SqliteDialect } from 'kysely';
+import pg from 'pg';
 import { migrationProvider } from './migrations.js';
 import type { Database } from './schema.js';
 
@@ -32,9 +33,49 @@ export async function openStore(options: OpenStoreOptions & { databaseUrl?: stri
   return openSqliteStore(options);
 }
 
-/** Opens the PostgreSQL store at `databaseUrl` and brings its schema up to date. */
-export async function openPostgresStore(_options: { databaseUrl: string }): Promise<Store> {
-  throw new Error('The PostgreSQL store is not built yet');
+/** The OIDs of PostgreSQL's 64-bit integer type: `bigint` columns and every COUNT(*). */
+const INT8_OID = 20;
+
+/**
+ * Type parsers for the PostgreSQL driver: `bigint` (and COUNT) arrive as numbers, as they do from SQLite,
+ * so business code sees the same types on both. Ferry's bigints (byte counts, row counts) stay far below
+ * 2^53.
+ */
+const pgTypes = {
+  getTypeParser(oid: number, format?: 'text' | 'binary') {
+    if (oid === INT8_OID && format !== 'binary') return (value: string) => Number(value);
+    // biome-ignore lint/suspicious/noExplicitAny: pg's overloads take the format as a union only at runtime
+    return pg.types.getTypeParser(oid, format as any);
+  },
+} as pg.CustomTypesConfig;
+
+/**
+ * Opens the PostgreSQL store at `databaseUrl` and brings its schema up to date. Several processes may
+ * start at once: Kysely's migrator takes a lock in the database, so the migrations run exactly once.
+ *
+ * The driver is node-postgres (`pg`) in its pure-JavaScript mode, the driver Kysely's own PostgreSQL
+ * dialect is written for: see docs/scaling-out.md for why it and not postgres.js or libpq.
+ */
+export async function openPostgresStore(options: { databaseUrl: string; poolSize?: number }): Promise<Store> {
+  const pool = new pg.Pool({
+    connectionString: options.databaseUrl,
+    max: options.poolSize ?? 10,
+    types: pgTypes,
+    // A server that does not answer is reported (503) rather than waited on forever.
+    connectionTimeoutMillis: 10_000,
+    application_name: 'ferry',
+  });
+  // An idle connection that breaks (the server restarted) is dropped from the pool; the next query that
+  // needs one opens a new connection. Without a listener this event would end the process.
+  pool.on('error', () => {});
+  const db = new Kysely<Database>({ dialect: new PostgresDialect({ pool }) });
+  try {
+    await migrate(db);
+  } catch (err) {
+    await db.destroy();
+    throw err;
+  }
+  return db;
 }
 
 export interface OpenStoreOptions {
