@@ -93,6 +93,11 @@ export interface ServerConfig {
   streamResumeGraceSeconds: number;
   /** The network sandboxes get (docs/operations.md, "Sandbox network"). */
   egress: EgressConfig;
+  /**
+   * `FERRY_LEASE_SECONDS`: how long this process's hold on its work (async runs, webhook attempts, builds)
+   * lasts without renewal; past it, other processes sharing the store take the work over.
+   */
+  leaseMs: number;
 }
 
 export interface EgressConfig {
@@ -124,6 +129,7 @@ export const DEFAULTS = {
   streamReplayBytes: 1024 * 1024,
   streamReplayTotalBytes: 64 * 1024 * 1024,
   streamResumeGraceSeconds: 10,
+  leaseSeconds: 10,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -235,5 +241,6 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
       intFrom(env.FERRY_STREAM_RESUME_GRACE_SECONDS, 'FERRY_STREAM_RESUME_GRACE_SECONDS', 0, 3600) ??
       DEFAULTS.streamResumeGraceSeconds,
     egress: resolveEgress(flags, env),
+    leaseMs: (intFrom(env.FERRY_LEASE_SECONDS, 'FERRY_LEASE_SECONDS', 2, 3600) ?? DEFAULTS.leaseSeconds) * 1000,
   };
 }

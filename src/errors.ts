@@ -110,6 +110,10 @@ export const ERRORS = {
 
   // Webhooks
   FERRY_NO_WEBHOOK: { status: 409, message: 'The run has no webhook delivery to send' },
+  FERRY_WEBHOOK_IN_FLIGHT: {
+    status: 409,
+    message: 'Another Ferry server is sending this webhook right now; ask again when its attempt has ended',
+  },
   FERRY_WEBHOOK_EXPIRED: {
     status: 410,
     message: 'The run’s webhook delivery ended more than 7 days ago and can no longer be redelivered',

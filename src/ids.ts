@@ -51,3 +51,8 @@ export function uuidv7(now: number = Date.now()): string {
 export function nowIso(clock: () => number = Date.now): string {
   return new Date(clock()).toISOString();
 }
+
+/** `bytes` random bytes as lowercase hex (node ids, database names in tests). */
+export function randomHex(bytes: number): string {
+  return randomBytes(bytes).toString('hex');
+}

@@ -12,6 +12,8 @@ import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-s
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
+import { createNodeLease, type NodeLease } from './cluster/node.js';
+import { createRecovery, type Recovery, type RecoveryResult } from './cluster/recovery.js';
 import type { ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
 import { createMetrics, type Metrics } from './metrics.js';
@@ -33,6 +35,12 @@ import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/delive
 
 export interface Services {
   config: ServerConfig;
+  /** This process as a node of the store: the owner of the work it holds (cluster/node.ts). */
+  node: NodeLease;
+  /** Takes over the work of nodes whose lease ran out (cluster/recovery.ts). */
+  recovery: Recovery;
+  /** What the first recovery pass at start took over (logged by `ferry serve`). */
+  recovered: RecoveryResult;
   dataDir: DataDir;
   store: Store;
   jwtKey: Uint8Array;
@@ -72,10 +80,17 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const keys = prepareKeysDir(config.keysDir);
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
+  const node = createNodeLease({
+    store,
+    dataDir: dataDir.root,
+    ttlMs: config.leaseMs,
+    logger: logger.child({ component: 'cluster' }),
+  });
+  await node.start();
   const metrics = createMetrics();
   const buildLog = createBuildLog({ store });
   const runTargets = createRunTargets({ store });
-  const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
+  const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }), owner: node.id });
   const sandbox = await detectSandbox();
   const appLog = createAppLog({ linesPerApp: config.appLogLines });
   const runDir = path.join(dataDir.root, 'run');
@@ -131,6 +146,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     store,
     logger: logger.child({ component: 'webhooks' }),
     secretsKey,
+    owner: node.id,
     allow: config.webhookAllow,
     attemptTimeoutMs: config.webhookTimeoutMs,
     onAttempt(verdict, final) {
@@ -146,6 +162,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     invoker,
     recorder,
     logger: logger.child({ component: 'async' }),
+    owner: node.id,
   });
   const pipeline = createBuildPipeline({
     store,
@@ -157,6 +174,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     network,
     limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
+    owner: node.id,
     onFinished(build) {
       metrics.builds.inc({ state: build.state });
       if (build.started_at && build.finished_at) {
@@ -171,6 +189,22 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       }
     },
   });
+  const recovery = createRecovery({
+    store,
+    node,
+    logger: logger.child({ component: 'cluster' }),
+    onRecovered() {
+      webhooks.wake();
+      asyncWorker.wake();
+    },
+    onSwept() {
+      // Builds let go by a node that stopped (or taken over from one that died) are built by whoever is free.
+      void pipeline.recover().catch((err: unknown) => logger.warn({ err }, 'claiming free builds failed'));
+    },
+  });
+  // Before anything claims work: what a dead node (this data directory's last process included) left.
+  const recovered = await recovery.sweep();
+  recovery.start();
   const streams = createStreamReplay({
     keepMs: config.streamReplaySeconds * 1000,
     maxBytesPerRun: config.streamReplayBytes,
@@ -179,6 +213,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   return {
     config,
+    node,
+    recovery,
+    recovered,
     dataDir,
     store,
     jwtKey,
@@ -216,6 +253,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     async close() {
       // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
       streams.close();
+      await recovery.close();
       await pipeline.close();
       await asyncWorker.close();
       await replicas.close();
@@ -223,6 +261,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await recorder.close();
       await webhooks.close();
       await network.close();
+      // Last: ending the lease lets the others take over at once whatever this process still held.
+      await node.close();
       await store.destroy();
     },
   };

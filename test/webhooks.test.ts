@@ -16,6 +16,8 @@ import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import { describe, it, type TestContext } from 'node:test';
 import { pino } from 'pino';
+import { createNodeLease } from '../src/cluster/node.js';
+import { createRecovery } from '../src/cluster/recovery.js';
 import { FerryError } from '../src/errors.js';
 import { uuidv7 } from '../src/ids.js';
 import { openSqliteStore, type Store } from '../src/store/index.js';
@@ -675,7 +677,7 @@ describe('durability, redelivery and the secret purge', () => {
     assert.equal(verifyWebhook('s3cret', r.requests[1]!.headers, r.requests[1]!.body), true);
   });
 
-  it('an attempt cut short by close, or left `sending` by a dead process, is sent again after a restart', async (t) => {
+  it('an attempt cut short by close, or left `sending` by a dead node, is sent again; a live node keeps its own', async (t) => {
     const h = await harness(t, { closeGraceMs: 100 });
     const r = await receiver(t, ['hang']);
     const cut = await h.add(`${r.url}/cut`);
@@ -689,19 +691,48 @@ describe('durability, redelivery and the secret purge', () => {
     assert.deepEqual([row.state, row.attempts], ['pending', 0], 'back to pending, budget untouched');
     assert.equal((await h.attempts(cut.runId)).length, 0);
 
-    // As a process killed mid-attempt leaves it.
+    // As a process killed mid-attempt leaves it: `sending`, held by a node whose lease has run out.
     const dead = await h.add(`${r.url}/dead`);
+    const past = new Date(Date.now() - 60_000).toISOString();
+    await h.store
+      .insertInto('nodes')
+      .values({ id: 'killed-node', started_at: past, lease_until: past, info: '{}' })
+      .execute();
     await h.store
       .updateTable('webhook_deliveries')
-      .set({ state: 'sending' })
+      .set({ state: 'sending', owner: 'killed-node' })
       .where('run_id', '=', dead.runId)
+      .execute();
+    // And one held by a live node: nobody else may send it.
+    const alive = await h.add(`${r.url}/alive`);
+    const future = new Date(Date.now() + 3_600_000).toISOString();
+    await h.store
+      .insertInto('nodes')
+      .values({ id: 'live-node', started_at: past, lease_until: future, info: '{}' })
+      .execute();
+    await h.store
+      .updateTable('webhook_deliveries')
+      .set({ state: 'sending', owner: 'live-node' })
+      .where('run_id', '=', alive.runId)
       .execute();
 
     h.restart();
     assert.deepEqual(await h.settled(cut.runId), { state: 'delivered', attempts: 1 });
+    const logger = pino({ level: 'info' }, { write: (line: string) => void h.logs.push(JSON.parse(line)) });
+    const node = createNodeLease({ store: h.store, dataDir: await tempDir('ferry-node-'), logger });
+    await node.start();
+    const recovery = createRecovery({ store: h.store, node, logger, onRecovered: () => h.deliverer.wake() });
+    assert.equal((await recovery.sweep()).deliveries, 1);
     assert.deepEqual(await h.settled(dead.runId), { state: 'delivered', attempts: 1 });
     assert.deepEqual(r.requests.map((q) => q.path).sort(), ['/cut', '/cut', '/dead']);
-    assert.ok(h.logs.some((l) => /cut short by the last stop/.test(l.msg ?? '')));
+    assert.ok(h.logs.some((l) => /lease ran out/.test(l.msg ?? '')));
+    const held = await h.store
+      .selectFrom('webhook_deliveries')
+      .select(['state', 'owner'])
+      .where('run_id', '=', alive.runId)
+      .executeTakeFirstOrThrow();
+    assert.deepEqual(held, { state: 'sending', owner: 'live-node' }, 'a live node keeps what it holds');
+    await node.close();
   });
 
   it('redeliver: a fresh budget of 3 attempts, numbered on; 404, 409 and 410 when it cannot', async (t) => {

@@ -25,6 +25,7 @@ const AppSection = Type.Object(
     include: Type.Optional(Type.Array(Type.String({ minLength: 1 }))),
     exclude: Type.Optional(Type.Array(Type.String({ minLength: 1 }))),
     disable_auth: Type.Optional(Type.Boolean()),
+    retry_interrupted: Type.Optional(Type.Boolean()),
   },
   { additionalProperties: false },
 );
@@ -88,6 +89,11 @@ export interface AppConfig {
     include: string[];
     exclude: string[];
     disable_auth: boolean;
+    /**
+     * An async run whose server died while it ran is queued again (up to MAX_RUN_STARTS starts in all)
+     * instead of ending `failure`, reason `interrupted`. For functions that are safe to run twice.
+     */
+    retry_interrupted: boolean;
   };
   runtime: {
     custom?: {
@@ -234,6 +240,7 @@ function withDefaults(raw: RawConfig): AppConfig {
       include: raw.app.include ?? DEFAULT_INCLUDE,
       exclude: raw.app.exclude ?? DEFAULT_EXCLUDE,
       disable_auth: raw.app.disable_auth ?? false,
+      retry_interrupted: raw.app.retry_interrupted ?? false,
     },
     runtime: custom
       ? {

@@ -3,7 +3,11 @@
  *
  * A build goes `pending → building → ready | failed | cancelled`. When a build becomes ready it becomes
  * the app's active build unless a newer one already is; a failed build leaves the active build alone.
- * Builds interrupted by a stop or crash are run again when the server starts (`recover`).
+ *
+ * A build is held by one node (its `owner`): the node that received the upload, from the start. It moves
+ * to `building` only while this node still holds it (store/claims.ts), and its final state is written only
+ * then too. A build whose node stopped or died is pending and free again (cluster/recovery.ts): `recover`
+ * claims free builds and runs them here, from the start.
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
@@ -13,6 +17,7 @@ import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
 import type { SandboxCapabilities } from '../replicas/sandbox.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
+import { claimFreeBuilds, startBuild } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
 import type { BuildLog } from './build-log.js';
@@ -36,13 +41,15 @@ export interface BuildPipelineDeps {
   logger: Logger;
   /** Told about every build that reaches a final state (metrics, replica pools). */
   onFinished?: (build: Build) => void;
+  /** This node's id (cluster/node.ts). */
+  owner: string;
 }
 
 export interface BuildPipeline {
   enqueue(build: Build): void;
   /** Cancels a pending or running build; answers FERRY_BUILD_NOT_CANCELLABLE when it has finished. */
   cancel(projectId: string, appId: string, buildId: string): Promise<Build>;
-  /** Queues again every build left pending or building by an earlier process. */
+  /** Claims the builds no node holds (their node stopped or died) and queues them here; returns how many. */
   recover(): Promise<number>;
   /** Stops running builds without marking them (they are redone at the next start) and waits for the queues. */
   close(): Promise<void>;
@@ -59,19 +66,16 @@ export function buildFolder(buildsDir: string, buildId: string): { root: string;
 class BuildTimeLimitError extends BuildFailedError {}
 
 export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
-  const { store, buildLog, logger } = deps;
+  const { store, buildLog, logger, owner } = deps;
   const limits = deps.limits ?? DEFAULT_BUILD_LIMITS;
   const queues = new Map<string, Promise<void>>();
   const running = new Map<string, AbortController>();
   let closing = false;
 
-  async function setState(id: string, values: Partial<Build>): Promise<void> {
-    await store.updateTable('builds').set(values).where('id', '=', id).execute();
-  }
-
   async function runOne(build: Build): Promise<void> {
-    const current = await store.selectFrom('builds').select('state').where('id', '=', build.id).executeTakeFirst();
-    if (current?.state !== 'pending' || closing) return;
+    if (closing) return;
+    // Only while this node still holds it: it may have been cancelled, or taken over after a lost lease.
+    if (!(await startBuild(store, owner, build.id, nowIso()))) return;
     const controller = new AbortController();
     running.set(build.id, controller);
     const started = Date.now();
@@ -88,7 +92,6 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     let error: string | null = null;
     let result: { runtime: string; entry: string; functions?: string[] | undefined } | undefined;
     try {
-      await setState(build.id, { state: 'building', started_at: nowIso() });
       log(`Building ${build.app_id} (build ${build.id})`);
       if (deps.sandbox.bwrap === null) {
         log('WARNING: this build is NOT sandboxed: npm, pip and esbuild run as plain processes of the server,');
@@ -119,8 +122,15 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       } else if (controller.signal.aborted) {
         if (closing) {
           // Not the app's fault and not the user's choice: leave it for recover() at the next start.
-          log('Build interrupted by a server stop; it will run again at the next start');
-          await setState(build.id, { state: 'pending', started_at: null });
+          log('Build interrupted by a server stop; it will run again from the start');
+          // Free for any node (or this one's next start) to build again.
+          await store
+            .updateTable('builds')
+            .set({ state: 'pending', started_at: null, owner: null })
+            .where('id', '=', build.id)
+            .where('owner', '=', owner)
+            .where('state', '=', 'building')
+            .execute();
           await buildLog.flush(build.id);
           return;
         }
@@ -143,8 +153,8 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       await fs.rm(buildCacheDir(deps.cacheDir, build.id), { recursive: true, force: true }).catch(() => {});
     }
     await buildLog.flush(build.id);
-    await store.transaction().execute(async (trx) => {
-      await trx
+    const recorded = await store.transaction().execute(async (trx) => {
+      const changed = await trx
         .updateTable('builds')
         .set({
           state: finalState,
@@ -155,7 +165,11 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
           functions: result?.functions ? JSON.stringify(result.functions) : null,
         })
         .where('id', '=', build.id)
-        .execute();
+        .where('owner', '=', owner)
+        .where('state', '=', 'building')
+        .executeTakeFirst();
+      // Another node holds the build now (this one lost its lease): its outcome is that node's to write.
+      if (Number(changed.numUpdatedRows) === 0) return false;
       if (finalState === 'ready') {
         // Build ids are time-ordered: never let an older build replace a newer active one.
         const app = await trx
@@ -173,7 +187,15 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
             .execute();
         }
       }
+      return true;
     });
+    if (!recorded) {
+      logger.warn(
+        { buildId: build.id, state: finalState },
+        'build outcome not written: another node holds the build now',
+      );
+      return;
+    }
     if (finalState !== 'ready') await fs.rm(folder.out, { recursive: true, force: true }).catch(() => {});
     logger.info(
       { buildId: build.id, app: build.app_id, state: finalState, ms: Date.now() - started },
@@ -233,20 +255,13 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       return after;
     },
     async recover() {
-      const left = await store
-        .selectFrom('builds')
-        .selectAll()
-        .where('state', 'in', ['pending', 'building'])
-        .orderBy('id')
-        .execute();
-      for (const build of left) {
-        if (build.state === 'building') {
-          await setState(build.id, { state: 'pending', started_at: null });
-          buildLog.append(build.id, 'The server stopped during this build; building again');
-        }
-        enqueue({ ...build, state: 'pending' });
+      if (closing) return 0;
+      const free = await claimFreeBuilds(store, owner, 100);
+      for (const build of free) {
+        buildLog.append(build.id, `Picked up by ${owner} (the server that held it stopped); building from the start`);
+        enqueue(build);
       }
-      return left.length;
+      return free.length;
     },
     async close() {
       closing = true;

@@ -27,6 +27,8 @@ export interface ReceiveBuildDeps {
   buildsDir: string;
   maxUploadBytes: number;
   zipLimits: ZipLimits;
+  /** This node (cluster/node.ts): it holds the new build and builds it, unless it dies first. */
+  owner?: string;
 }
 
 /** Streams `body` to a file, refusing with FERRY_BODY_TOO_LARGE once it passes `maxBytes`. */
@@ -98,6 +100,7 @@ export async function receiveBuild(
       file_count: files.length,
       functions: null,
       error: null,
+      owner: deps.owner ?? null,
       created_at: now,
       started_at: null,
       finished_at: null,

@@ -46,10 +46,13 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   for (const warning of sandboxWarnings(services.sandbox)) logger.warn(warning);
   const app = await buildServer(services);
   const recovered = await services.pipeline.recover();
-  if (recovered > 0) logger.info({ builds: recovered }, 'resuming builds left unfinished by the last run');
-  const runs = await services.asyncWorker.start();
-  if (runs.interrupted > 0) {
-    logger.warn({ runs: runs.interrupted }, 'runs left in progress by the last run were marked failed (interrupted)');
+  if (recovered > 0) logger.info({ builds: recovered }, 'resuming builds left unfinished by a stopped server');
+  await services.asyncWorker.start();
+  if (services.recovered.interrupted > 0) {
+    logger.warn(
+      { runs: services.recovered.interrupted },
+      'runs left in progress by a stopped server were marked failed (interrupted)',
+    );
   }
   await services.replicas.warmUp();
 

@@ -1,28 +1,47 @@
 /**
  * The async worker: performs the internal synchronous call of every accepted async run (spec 4.3).
  *
- * Runs come from the run endpoint (already committed to the store) and, at start, from the store itself:
- * queued runs left by an earlier process run now; runs that were running when it died end `failure` with
- * reason `interrupted` (invariant 1). Each app gets at most as many runs in flight as its replicas can take
- * (max_replicas × replica_concurrency), so a burst waits here, durably, instead of overflowing the app's
- * in-memory queue.
+ * Runs are shared work: every Ferry process on the store may run any queued async run, and a run is
+ * performed by the node that holds it (its `owner`, cluster/node.ts):
+ * - A run accepted here is held by this node from its insert when this node has room for it (`ownerFor`),
+ *   and queued here at once; otherwise it is inserted free.
+ * - Free queued runs (inserted free, or freed by recovery after their node died) are claimed in batches by
+ *   one statement (store/claims.ts), oldest first, leaving out apps this node already holds enough of, so
+ *   one app's backlog does not fill a node while other apps wait.
+ * - A held run is marked `running` (one more start) only once a replica slot is taken (`claim` in
+ *   runs/invoke.ts): from then on a crash of this node makes it `interrupted` (cluster/recovery.ts), never
+ *   a silent second run.
+ *
+ * Each app gets at most as many runs in flight here as its replicas can take (max_replicas ×
+ * replica_concurrency), so a burst waits in the store or in this node's queue instead of overflowing the
+ * app's in-memory queue. Nothing is reset at start: work of a node that died is recovered by lease expiry.
  */
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
+import { nowIso } from '../ids.js';
 import type { PoolBuild } from '../replicas/pool.js';
+import { claimQueuedRuns, releaseQueuedRuns, startRun } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
-import type { Invoker } from './invoke.js';
+import { type Invoker, RunNotClaimedError } from './invoke.js';
 import type { RunRecorder } from './recorder.js';
 import type { RunTargets } from './targets.js';
 
 export interface AsyncWorker {
-  /** Queues a committed async run. */
+  /**
+   * The owner to insert an async run of this app with, when it is accepted here: this node when it has room
+   * to queue it now (then `enqueue` it), or null to leave it free for whichever node has room first.
+   */
+  ownerFor(projectId: string, appId: string): string | null;
+  /** Queues a committed async run this node holds. */
   enqueue(run: { id: string; projectId: string; appId: string }): void;
-  /** Async runs accepted and not finished. */
+  /** Looks for free queued runs now (a run was accepted free, or recovery freed some). */
+  wake(): void;
+  /** Async runs this node holds and has not finished (queued here or running). */
   readonly backlog: number;
-  /** Ends runs an earlier process left unfinished, re-queues its queued async runs, and starts working. */
-  start(): Promise<{ requeued: number; interrupted: number }>;
+  /** Starts claiming free queued runs (now, then every poll interval and whenever woken). */
+  start(): Promise<void>;
+  /** Stops; runs in flight finish, runs queued here are let go for any node to take. */
   close(): Promise<void>;
 }
 
@@ -32,24 +51,45 @@ interface Queued {
   appId: string;
 }
 
+/** Runs this node holds queued, in all: past it, new runs are left free for other nodes. */
+const MAX_HELD = 1000;
+/** Runs per app this node holds queued, in units of the app's capacity (and at least MIN_HELD_PER_APP). */
+const HELD_PER_CAPACITY = 2;
+const MIN_HELD_PER_APP = 16;
+const CLAIM_BATCH = 100;
+
 export function createAsyncWorker(deps: {
   store: Store;
   targets: RunTargets;
   invoker: Invoker;
   recorder: RunRecorder;
   logger: Logger;
+  /** This node's id (cluster/node.ts). */
+  owner: string;
   /** When a run finds its app at capacity, how long before it is tried again. */
   retryDelayMs?: number;
+  /** How often free queued runs are looked for when nothing wakes the worker. Default 1 s. */
+  pollIntervalMs?: number;
 }): AsyncWorker {
-  const { store, invoker, recorder, logger } = deps;
+  const { store, invoker, recorder, logger, owner } = deps;
+  const pollMs = deps.pollIntervalMs ?? 1000;
   const queues = new Map<string, Queued[]>();
   const inflight = new Map<string, number>();
+  /** Apps' capacity (max_replicas × replica_concurrency) as last seen, for how many runs to hold. */
+  const capacities = new Map<string, number>();
   const running = new Set<Promise<void>>();
+  let held = 0;
   let backlog = 0;
+  let started = false;
   let closed = false;
+  let pollTimer: NodeJS.Timeout | undefined;
+  let pulling: Promise<void> | undefined;
+  let pullAgain = false;
   const abort = new AbortController();
 
   const keyOf = (q: { projectId: string; appId: string }) => `${q.projectId}/${q.appId}`;
+  const heldLimit = (key: string) =>
+    Math.max(MIN_HELD_PER_APP, HELD_PER_CAPACITY * (capacities.get(key) ?? MIN_HELD_PER_APP));
 
   async function target(q: Queued): Promise<PoolBuild | undefined> {
     const found = await deps.targets.get(q.projectId, q.appId);
@@ -60,10 +100,10 @@ export function createAsyncWorker(deps: {
   async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry'> {
     const run = await store
       .selectFrom('runs')
-      .select(['input', 'function_name', 'webhook_endpoint', 'state', 'http_request'])
+      .select(['input', 'function_name', 'webhook_endpoint', 'state', 'owner', 'http_request'])
       .where('id', '=', q.id)
       .executeTakeFirst();
-    if (run?.state !== 'queued') return 'done';
+    if (run?.state !== 'queued' || run.owner !== owner) return 'done';
     const common = {
       runId: q.id,
       build,
@@ -72,6 +112,7 @@ export function createAsyncWorker(deps: {
       recorded: true,
       webhookUrl: run.webhook_endpoint ?? undefined,
       signal: abort.signal,
+      claim: () => startRun(store, owner, q.id, nowIso()),
     };
     try {
       if (run.http_request) {
@@ -84,7 +125,7 @@ export function createAsyncWorker(deps: {
           body_base64: string;
         };
         if (build.config.app.runtime !== 'custom') {
-          failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a cortex app before this HTTP request ran');
+          await failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a cortex app before this HTTP request ran');
           return 'done';
         }
         const body = Buffer.from(stored.body_base64, 'base64');
@@ -93,7 +134,7 @@ export function createAsyncWorker(deps: {
           http: { method: stored.method, path: stored.path, headers: stored.headers, body: body.length ? body : null },
         });
       } else if (build.config.app.runtime === 'custom') {
-        failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a custom app before this function call ran');
+        await failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a custom app before this function call ran');
         return 'done';
       } else {
         await invoker.invoke({ ...common, body: Buffer.from(run.input ?? '{}') });
@@ -101,6 +142,8 @@ export function createAsyncWorker(deps: {
     } catch (err) {
       // The app is at capacity (its other callers filled it): wait here rather than fail an accepted run.
       if (err instanceof FerryError && err.code === 'FERRY_QUEUE_FULL') return 'retry';
+      // Cancelled, or taken over by another node: not ours to run.
+      if (err instanceof RunNotClaimedError) return 'done';
       // Every other outcome is already recorded on the run by the invoker.
     }
     return 'done';
@@ -137,18 +180,22 @@ export function createAsyncWorker(deps: {
       const build = await target(head);
       if (!build) {
         queue.shift();
+        held -= 1;
         backlog -= 1;
-        failWithoutBuild(head);
+        await failRun(head, 'FERRY_NO_READY_BUILD', 'The app has no ready build (it was removed or never built)');
         continue;
       }
       const capacity = build.config.scaling.max_replicas * build.config.scaling.replica_concurrency;
+      capacities.set(key, capacity);
       if ((inflight.get(key) ?? 0) >= capacity) return;
       queue.shift();
+      held -= 1;
       inflight.set(key, (inflight.get(key) ?? 0) + 1);
       const task: Promise<void> = execute(head, build)
         .then(async (outcome) => {
           if (outcome === 'retry') {
             queue.unshift(head);
+            held += 1;
             await new Promise<void>((r) => setTimeout(r, deps.retryDelayMs ?? 200));
             return;
           }
@@ -162,123 +209,133 @@ export function createAsyncWorker(deps: {
           inflight.set(key, (inflight.get(key) ?? 1) - 1);
           running.delete(task);
           pumpApp(key);
+          // Room was made: other nodes' free runs may be waiting.
+          if (held < MAX_HELD / 2) schedulePull();
         });
       running.add(task);
     }
     if (queue.length === 0 && (inflight.get(key) ?? 0) === 0) queues.delete(key);
   }
 
-  function failWithoutBuild(q: Queued): void {
-    failRun(q, 'FERRY_NO_READY_BUILD', 'The app has no ready build (it was removed or never built)');
-  }
-
-  /** Ends a run the worker cannot perform, with its webhook (if any) told why. */
-  function failRun(q: Queued, code: 'FERRY_NO_READY_BUILD' | 'FERRY_CORTEX_CALL', message: string): void {
+  /** Ends a held run the worker cannot perform, with its webhook (if any) told why. */
+  async function failRun(
+    q: Queued,
+    code: 'FERRY_NO_READY_BUILD' | 'FERRY_CORTEX_CALL',
+    message: string,
+  ): Promise<void> {
     const now = Date.now();
     const status = code === 'FERRY_NO_READY_BUILD' ? 503 : 405;
-    void store
-      .selectFrom('runs')
-      .select('webhook_endpoint')
-      .where('id', '=', q.id)
-      .executeTakeFirst()
-      .then((run) => {
-        recorder.finish(
-          q.id,
-          {
-            state: 'failure',
-            status_code: status,
-            error_code: code,
-            error_message: message,
-            finished_at: new Date(now).toISOString(),
-          },
-          run?.webhook_endpoint
-            ? {
-                runId: q.id,
-                url: run.webhook_endpoint,
-                payload: buildWebhookPayload({
-                  runId: q.id,
-                  finishedAt: now,
-                  statusCode: status,
-                  runTimeMs: null,
-                  error: { code, message },
-                }),
-              }
-            : undefined,
-        );
-      });
+    const run = await store.selectFrom('runs').select('webhook_endpoint').where('id', '=', q.id).executeTakeFirst();
+    recorder.finish(
+      q.id,
+      {
+        state: 'failure',
+        status_code: status,
+        error_code: code,
+        error_message: message,
+        finished_at: new Date(now).toISOString(),
+      },
+      run?.webhook_endpoint
+        ? {
+            runId: q.id,
+            url: run.webhook_endpoint,
+            payload: buildWebhookPayload({
+              runId: q.id,
+              finishedAt: now,
+              statusCode: status,
+              runTimeMs: null,
+              error: { code, message },
+            }),
+          }
+        : undefined,
+    );
+  }
+
+  function hold(run: Queued): void {
+    held += 1;
+    backlog += 1;
+    const key = keyOf(run);
+    const queue = queues.get(key);
+    if (queue) queue.push(run);
+    else queues.set(key, [run]);
+  }
+
+  /** Claims free queued runs while this node has room; one pass at a time. */
+  function pull(): Promise<void> {
+    if (!started || closed) return Promise.resolve();
+    if (pulling) {
+      pullAgain = true;
+      return pulling;
+    }
+    pulling = (async () => {
+      try {
+        do {
+          pullAgain = false;
+          const room = Math.min(CLAIM_BATCH, MAX_HELD - held);
+          if (room <= 0) break;
+          const full = [...queues.entries()]
+            .filter(([key, queue]) => queue.length >= heldLimit(key))
+            .map(([key]) => {
+              const [projectId = '', appId = ''] = key.split('/');
+              return { projectId, appId };
+            });
+          const claimed = await claimQueuedRuns(store, owner, room, full);
+          for (const run of claimed) hold({ id: run.id, projectId: run.project_id, appId: run.app_id });
+          if (claimed.length > 0) pump();
+          if (claimed.length === room) pullAgain = true;
+        } while (pullAgain && !closed);
+      } catch (err) {
+        logger.warn({ err }, 'claiming queued async runs failed; retrying');
+      } finally {
+        pulling = undefined;
+      }
+    })();
+    return pulling;
+  }
+
+  let pullScheduled = false;
+  function schedulePull(): void {
+    if (pullScheduled || !started || closed) return;
+    pullScheduled = true;
+    setTimeout(() => {
+      pullScheduled = false;
+      void pull();
+    }, 50).unref();
   }
 
   return {
+    ownerFor(projectId, appId) {
+      if (closed || held >= MAX_HELD) return null;
+      const key = `${projectId}/${appId}`;
+      return (queues.get(key)?.length ?? 0) < heldLimit(key) ? owner : null;
+    },
     enqueue(run) {
-      backlog += 1;
-      const key = keyOf(run);
-      const queue = queues.get(key);
-      if (queue) queue.push(run);
-      else queues.set(key, [run]);
+      hold(run);
       pump();
+    },
+    wake() {
+      void pull();
     },
     get backlog() {
       return backlog;
     },
     async start() {
-      const now = Date.now();
-      // Async runs that were running, and sync or stream runs in any unfinished state (their caller is gone),
-      // cannot finish now: they end `failure`, reason `interrupted`, and their webhooks say so.
-      const interruptedRuns = await store
-        .selectFrom('runs')
-        .select(['id', 'webhook_endpoint', 'started_at'])
-        .where((eb) =>
-          eb.or([
-            eb.and([eb('mode', '=', 'async'), eb('state', '=', 'running')]),
-            eb.and([eb('mode', '!=', 'async'), eb('state', 'in', ['queued', 'running'])]),
-          ]),
-        )
-        .execute();
-      const message = 'The server stopped while the run was in progress';
-      for (const run of interruptedRuns) {
-        const runTimeMs = run.started_at ? now - Date.parse(run.started_at) : null;
-        recorder.finish(
-          run.id,
-          {
-            state: 'failure',
-            status_code: 502,
-            reason: 'interrupted',
-            error_code: 'FERRY_REPLICA_DIED',
-            error_message: message,
-            finished_at: new Date(now).toISOString(),
-          },
-          run.webhook_endpoint
-            ? {
-                runId: run.id,
-                url: run.webhook_endpoint,
-                payload: buildWebhookPayload({
-                  runId: run.id,
-                  finishedAt: now,
-                  statusCode: 502,
-                  runTimeMs,
-                  error: { code: 'FERRY_REPLICA_DIED', message },
-                }),
-              }
-            : undefined,
-        );
-      }
-      await recorder.flush();
-      const queued = await store
-        .selectFrom('runs')
-        .select(['id', 'project_id', 'app_id'])
-        .where('mode', '=', 'async')
-        .where('state', '=', 'queued')
-        .orderBy('id')
-        .execute();
-      for (const run of queued) this.enqueue({ id: run.id, projectId: run.project_id, appId: run.app_id });
-      if (interruptedRuns.length > 0 || queued.length > 0) {
-        logger.info({ requeued: queued.length, interrupted: interruptedRuns.length }, 'recovered async runs');
-      }
-      return { requeued: queued.length, interrupted: interruptedRuns.length };
+      started = true;
+      pollTimer = setInterval(() => void pull(), pollMs);
+      pollTimer.unref();
+      await pull();
     },
     async close() {
       closed = true;
-      // Runs in flight finish (their replicas get the grace period); queued ones stay queued for the next start.
+      if (pollTimer) clearInterval(pollTimer);
+      await pulling;
+      // Runs queued here and not started: any node (or this one's next start) may take them.
+      const left = [...queues.values()].flat().map((q) => q.id);
+      queues.clear();
+      await releaseQueuedRuns(store, owner, left).catch((err: unknown) =>
+        logger.warn({ err, runs: left.length }, 'could not let go of queued runs; they are freed when the lease ends'),
+      );
+      // Runs in flight finish (their replicas get the grace period).
       await Promise.allSettled([...running]);
     },
   };

@@ -41,6 +41,21 @@ export interface RunRequestBase {
   onStarted?: (() => void) | undefined;
   /** No response_grace_period deadline (a WebSocket session lives as long as both sides want). */
   noDeadline?: boolean;
+  /**
+   * Async runs: called once a replica slot is taken, before the call; marks the run started in the store
+   * (store/claims.ts startRun). False: the run is not this node's to run any more, nothing is called or
+   * recorded, and the invoke rejects with RunNotClaimedError. While it has not been called, an app at
+   * capacity (FERRY_QUEUE_FULL) is not recorded on the run either: the caller tries again later.
+   */
+  claim?: (() => Promise<boolean>) | undefined;
+}
+
+/** The run was not this node's to perform (see RunRequestBase.claim): nothing was called or recorded. */
+export class RunNotClaimedError extends Error {
+  constructor(readonly runId: string) {
+    super(`run ${runId} is no longer this node's to perform`);
+    this.name = 'RunNotClaimedError';
+  }
 }
 
 export interface InvokeRequest extends RunRequestBase {
@@ -177,10 +192,15 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     let coldStart = false;
     let started = 0;
     let slot: Slot | undefined;
+    let claimed = false;
     try {
       // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
       const pool = deps.replicas.pool(build);
       slot = await pool.acquire(signal);
+      if (request.claim) {
+        if (!(await request.claim())) throw new RunNotClaimedError(runId);
+        claimed = true;
+      }
       coldStart = slot.coldStart;
       started = Date.now();
       recorder.update(runId, {
@@ -217,6 +237,9 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       );
       return { result, runTimeMs, coldStart, streamed: outcome.streamed, statusCode: outcome.statusCode };
     } catch (caught) {
+      if (caught instanceof RunNotClaimedError) throw caught;
+      // Not started, and the app is only busy: the async worker tries again later, nothing to record.
+      if (request.claim && !claimed && caught instanceof FerryError && caught.code === 'FERRY_QUEUE_FULL') throw caught;
       const timedOut = caught === timeout || signal.reason === timeout;
       const err = timedOut
         ? new FerryError(

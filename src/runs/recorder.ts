@@ -9,9 +9,9 @@
  */
 import type { Logger } from 'pino';
 import type { Store } from '../store/index.js';
-import type { RunsTable } from '../store/schema.js';
+import type { Run } from '../store/schema.js';
 
-export type RunRow = RunsTable;
+export type RunRow = Run;
 
 /** A new run record, state `queued`: what the caller knows at acceptance; the rest starts empty. */
 export function newRunRow(fields: {
@@ -24,6 +24,8 @@ export function newRunRow(fields: {
   webhookSecret?: string | undefined;
   idempotencyKey?: string | undefined;
   httpRequest?: string | undefined;
+  /** The node that holds the run (cluster/node.ts); sync and stream runs are stamped by the recorder. */
+  owner?: string | null | undefined;
   createdAt?: number;
 }): RunRow {
   return {
@@ -45,6 +47,9 @@ export function newRunRow(fields: {
     webhook_secret: fields.webhookSecret ?? null,
     idempotency_key: fields.idempotencyKey ?? null,
     http_request: fields.httpRequest ?? null,
+    owner: fields.owner ?? null,
+    // A sync or stream run starts once, when it is called; an async run counts its starts (startRun).
+    attempts: fields.mode === 'async' ? 0 : 1,
     created_at: new Date(fields.createdAt ?? Date.now()).toISOString(),
     started_at: null,
     finished_at: null,
@@ -127,10 +132,16 @@ type LogRow = { run_id: string; seq: number; at: string; stream: string; line: s
 export function createRunRecorder(deps: {
   store: Store;
   logger: Logger;
+  /**
+   * This node's id (cluster/node.ts). Runs started here are stamped with it, and every change the recorder
+   * writes is fenced by it: a run another node took over (this one lost its lease) is left alone, and so
+   * is its webhook.
+   */
+  owner?: string;
   flushEveryMs?: number;
   limits?: Partial<RecorderLimits>;
 }): RunRecorder {
-  const { store, logger } = deps;
+  const { store, logger, owner } = deps;
   const every = deps.flushEveryMs ?? 5;
   const limits = { ...DEFAULT_RECORDER_LIMITS, ...deps.limits };
   let pending = new Map<string, Pending>();
@@ -169,6 +180,7 @@ export function createRunRecorder(deps: {
     }
     // Every INSERT ignores rows already there: a retried batch whose earlier commit did happen (a lost
     // connection after COMMIT) writes nothing twice and does not fail on its own rows.
+    const fenced = new Set<string>();
     await store.transaction().execute(async (trx) => {
       for (let i = 0; i < inserts.length; i += INSERT_CHUNK) {
         await trx
@@ -177,7 +189,12 @@ export function createRunRecorder(deps: {
           .onConflict((oc) => oc.doNothing())
           .execute();
       }
-      for (const [id, changes] of updates) await trx.updateTable('runs').set(changes).where('id', '=', id).execute();
+      for (const [id, changes] of updates) {
+        let update = trx.updateTable('runs').set(changes).where('id', '=', id);
+        if (owner !== undefined) update = update.where('owner', '=', owner);
+        const changed = await update.executeTakeFirst();
+        if (Number(changed.numUpdatedRows) === 0) fenced.add(id);
+      }
       for (let i = 0; i < lines.length; i += INSERT_CHUNK) {
         await trx
           .insertInto('run_log_lines')
@@ -185,9 +202,17 @@ export function createRunRecorder(deps: {
           .onConflict((oc) => oc.doNothing())
           .execute();
       }
-      if (deliveries.length > 0) {
+      // A run this node no longer holds is finished by whoever took it over, webhook included.
+      const mine = fenced.size === 0 ? deliveries : deliveries.filter((d) => !fenced.has(d.runId));
+      if (fenced.size > 0) {
+        logger.warn(
+          { runs: [...fenced].slice(0, 20), count: fenced.size },
+          'run changes not written: another node holds these runs now',
+        );
+      }
+      if (mine.length > 0) {
         const now = new Date().toISOString();
-        const rows = deliveries.map((d) => ({
+        const rows = mine.map((d) => ({
           run_id: d.runId,
           url: d.url,
           payload: d.payload,
@@ -379,6 +404,7 @@ export function createRunRecorder(deps: {
 
   const recorder: RunRecorder = {
     start(row) {
+      if (owner !== undefined && row.owner === null) row.owner = owner;
       pending.set(row.id, { row, inserted: false, changes: {} });
       schedule();
     },

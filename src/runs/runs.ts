@@ -21,6 +21,8 @@ export interface RunView {
   run_time_ms: number | null;
   error: { code: string; message: string } | null;
   reason: string | null;
+  /** How many times the run was started (an interrupted async run may start again: retry_interrupted). */
+  attempts: number;
   /** Only on a single run: the stored input and result (JSON), when they were small enough to keep. */
   input?: unknown;
   result?: unknown;
@@ -52,6 +54,7 @@ export function viewRun(run: Run, full = false): RunView {
     run_time_ms: run.run_time_ms,
     error: run.error_code ? { code: run.error_code, message: run.error_message ?? '' } : null,
     reason: run.reason,
+    attempts: run.attempts,
     ...(full ? { input: parse(run.input), result: parse(run.result) } : {}),
   };
 }

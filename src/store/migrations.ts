@@ -177,6 +177,29 @@ const migrations: Record<string, Migration> = {
       await db.schema.createIndex('runs_project_state').on('runs').columns(['project_id', 'state', 'mode']).execute();
     },
   },
+  '0006_leases': {
+    async up(db: Kysely<unknown>) {
+      // Every Ferry process sharing the store is a node with a lease it renews; work it holds (an async run
+      // it claimed or runs, a webhook attempt it sends, a build it builds) names it as `owner`. Work whose
+      // owner's lease ran out is taken over; nothing is reset at start.
+      await db.schema
+        .createTable('nodes')
+        .addColumn('id', 'text', (c) => c.primaryKey())
+        .addColumn('started_at', 'text', (c) => c.notNull())
+        .addColumn('lease_until', 'text', (c) => c.notNull())
+        .addColumn('info', 'text', (c) => c.notNull())
+        .execute();
+      await db.schema.alterTable('runs').addColumn('owner', 'text').execute();
+      // How many times the run was started (an interrupted async run may start again, see retry_interrupted).
+      await db.schema
+        .alterTable('runs')
+        .addColumn('attempts', 'integer', (c) => c.notNull().defaultTo(0))
+        .execute();
+      await db.schema.createIndex('runs_owner_state').on('runs').columns(['owner', 'state']).execute();
+      await db.schema.alterTable('webhook_deliveries').addColumn('owner', 'text').execute();
+      await db.schema.alterTable('builds').addColumn('owner', 'text').execute();
+    },
+  },
 };
 
 /** Hands Kysely's Migrator the migrations above. */

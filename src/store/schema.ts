@@ -4,7 +4,10 @@
  * Portable on purpose: timestamps are ISO-8601 UTC text (they sort as text), booleans are 0/1 integers,
  * JSON is text. The same queries run on SQLite (embedded default) and PostgreSQL (scaled out).
  */
-import type { Selectable } from 'kysely';
+import type { ColumnType, Generated, Selectable } from 'kysely';
+
+/** A nullable column that inserts may leave out (it starts NULL). */
+type Optional<T> = ColumnType<T | null, T | null | undefined, T | null>;
 
 export interface ProjectsTable {
   id: string;
@@ -57,6 +60,8 @@ export interface BuildsTable {
   /** JSON array of exported names found at build time (null: unknown until a replica loads it). */
   functions: string | null;
   error: string | null;
+  /** The node that will build it or is building it (null: any node may claim it). */
+  owner: Optional<string>;
   created_at: string;
   started_at: string | null;
   finished_at: string | null;
@@ -92,6 +97,10 @@ export interface RunsTable {
   idempotency_key: string | null;
   /** Custom runtime: the HTTP request of an async run, as JSON ({method, path, headers, body_base64}). */
   http_request: string | null;
+  /** The node (Ferry process) holding the run: running it, or having claimed it to run. Null: nobody. */
+  owner: Optional<string>;
+  /** How many times the run was started. */
+  attempts: Generated<number>;
   created_at: string;
   started_at: string | null;
   finished_at: string | null;
@@ -113,6 +122,8 @@ export interface WebhookDeliveriesTable {
   state: string;
   attempts: number;
   next_attempt_at: string | null;
+  /** The node sending the current attempt (state `sending`). */
+  owner: Optional<string>;
   created_at: string;
   updated_at: string;
 }
@@ -124,6 +135,16 @@ export interface WebhookAttemptsTable {
   status_code: number | null;
   error: string | null;
   duration_ms: number;
+}
+
+/** A Ferry process sharing the store, alive while `lease_until` is in the future. */
+export interface NodesTable {
+  id: string;
+  started_at: string;
+  /** ISO time; the node renews it. Past it, the node is taken for dead and its work is taken over. */
+  lease_until: string;
+  /** JSON: {hostname, pid, version, data_dir}. */
+  info: string;
 }
 
 export interface SecretsTable {
@@ -146,6 +167,7 @@ export interface Database {
   webhook_deliveries: WebhookDeliveriesTable;
   webhook_attempts: WebhookAttemptsTable;
   secrets: SecretsTable;
+  nodes: NodesTable;
 }
 
 export type Project = Selectable<ProjectsTable>;

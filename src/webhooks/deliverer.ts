@@ -8,10 +8,13 @@
  *
  *   pending ──claim──▶ sending ──attempt──▶ delivered | failed | pending (retry at next_attempt_at)
  *
- * A row is `sending` while this process has an attempt in flight; that state is what keeps one delivery
- * from being sent twice at once. Rows a dead process left `sending` go back to `pending` at `start()`,
- * so such a delivery may reach its receiver twice (spec section 6 rule 9: receivers are idempotent).
- * The attempt that was cut short is not recorded and does not count towards the 3 attempts.
+ * A row is `sending`, owned by this node (cluster/node.ts), while it has an attempt in flight; that state
+ * is what keeps one delivery from being sent twice at once, by this process or any other sharing the
+ * store. Rows are claimed in one statement (store/claims.ts) and their outcome is written only while this
+ * node still owns them. Rows a dead node left `sending` go back to `pending` once its lease has run out
+ * (cluster/recovery.ts), so such a delivery may reach its receiver twice (spec section 6 rule 9:
+ * receivers are idempotent). The attempt that was cut short is not recorded and does not count towards
+ * the 3 attempts.
  *
  * Throughput: due rows are claimed in batches (one transaction), sent concurrently (up to
  * `concurrency`), and the outcomes of every attempt that finished since the last write are written in
@@ -24,8 +27,9 @@ import { performance } from 'node:perf_hooks';
 import type { Logger } from 'pino';
 import { type Dispatcher, request } from 'undici';
 import { FerryError } from '../errors.js';
-import { nowIso } from '../ids.js';
+import { nowIso, randomHex } from '../ids.js';
 import { findRun } from '../runs/runs.js';
+import { claimDueDeliveries } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import { type AllowList, createGuardedAgent, parseAllowList } from './address-guard.js';
 import {
@@ -74,12 +78,14 @@ export interface WebhookDelivererOptions {
   closeGraceMs?: number;
   /** Told about every recorded attempt, and the delivery's final state when it has one (metrics). */
   onAttempt?: (verdict: Verdict, final: 'delivered' | 'failed' | undefined) => void;
+  /** This node's id (cluster/node.ts): the owner of the rows it sends. Default: a random one. */
+  owner?: string;
   /** For tests of the address guard: the resolver used instead of the system's. */
   lookup?: (hostname: string) => Promise<Array<{ address: string; family: number }>>;
 }
 
 export interface WebhookDeliverer {
-  /** Puts deliveries an earlier process left `sending` back to `pending`, then starts the loop. */
+  /** Starts the loop (deliveries a dead node left `sending` are recovered by cluster/recovery.ts). */
   start(): void;
   /** New outbox rows are committed: look now rather than at the next poll. */
   wake(): void;
@@ -134,6 +140,7 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
   const pollMs = options.pollIntervalMs ?? 1_000;
   const purgeMs = options.purgeIntervalMs ?? 3600 * 1000;
   const graceMs = options.closeGraceMs ?? 1_000;
+  const owner = options.owner ?? `deliverer-${randomHex(6)}`;
   const agent: Dispatcher = createGuardedAgent({ allow, connectTimeoutMs: timeoutMs, lookup: options.lookup });
 
   const inFlight = new Map<string, InFlight>();
@@ -206,39 +213,25 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
   }
 
   async function claim(limit: number): Promise<Job[]> {
-    const now = nowIso(clock);
-    return store.transaction().execute(async (trx) => {
-      const rows = await trx
-        .selectFrom('webhook_deliveries as d')
-        .leftJoin('runs as r', 'r.id', 'd.run_id')
-        .select(['d.run_id', 'd.url', 'd.payload', 'd.attempts', 'r.webhook_secret'])
-        .select((eb) =>
-          eb
-            .selectFrom('webhook_attempts as a')
-            .whereRef('a.run_id', '=', 'd.run_id')
-            .select((e) => e.fn.max('a.attempt').as('m'))
-            .as('last_attempt'),
-        )
-        .where('d.state', '=', 'pending')
-        .where('d.next_attempt_at', '<=', now)
-        .orderBy('d.next_attempt_at')
-        .limit(limit)
-        .execute();
-      const jobs = rows.filter((r) => !inFlight.has(r.run_id)) as Job[];
-      if (jobs.length > 0) {
-        await trx
-          .updateTable('webhook_deliveries')
-          .set({ state: 'sending', updated_at: now })
-          .where(
-            'run_id',
-            'in',
-            jobs.map((j) => j.run_id),
-          )
-          .where('state', '=', 'pending')
-          .execute();
-      }
-      return jobs;
-    });
+    const claimed = await claimDueDeliveries(store, owner, nowIso(clock), limit);
+    if (claimed.length === 0) return [];
+    const ids = claimed.map((c) => c.run_id);
+    const [secrets, last] = await Promise.all([
+      store.selectFrom('runs').select(['id', 'webhook_secret']).where('id', 'in', ids).execute(),
+      store
+        .selectFrom('webhook_attempts')
+        .select((eb) => ['run_id', eb.fn.max('attempt').as('m')])
+        .where('run_id', 'in', ids)
+        .groupBy('run_id')
+        .execute(),
+    ]);
+    const secretOf = new Map(secrets.map((r) => [r.id, r.webhook_secret]));
+    const lastOf = new Map(last.map((r) => [r.run_id, Number(r.m)]));
+    return claimed.map((c) => ({
+      ...c,
+      webhook_secret: secretOf.get(c.run_id) ?? null,
+      last_attempt: lastOf.get(c.run_id) ?? null,
+    }));
   }
 
   function launch(job: Job): void {
@@ -338,14 +331,26 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
       }));
     try {
       await store.transaction().execute(async (trx) => {
-        if (attemptRows.length > 0) await trx.insertInto('webhook_attempts').values(attemptRows).execute();
+        if (attemptRows.length > 0) {
+          await trx
+            .insertInto('webhook_attempts')
+            .values(attemptRows)
+            .onConflict((oc) => oc.doNothing())
+            .execute();
+        }
         for (const o of batch) {
           const reset = inFlight.get(o.job.run_id)?.reset === true;
-          let set: { state: DeliveryState; attempts: number; next_attempt_at: string | null; updated_at: string };
+          let set: {
+            state: DeliveryState;
+            attempts: number;
+            next_attempt_at: string | null;
+            updated_at: string;
+            owner: null;
+          };
           if (reset) {
-            set = { state: 'pending', attempts: 0, next_attempt_at: now, updated_at: now };
+            set = { state: 'pending', attempts: 0, next_attempt_at: now, updated_at: now, owner: null };
           } else if (o.interrupted) {
-            set = { state: 'pending', attempts: o.job.attempts, next_attempt_at: now, updated_at: now };
+            set = { state: 'pending', attempts: o.job.attempts, next_attempt_at: now, updated_at: now, owner: null };
           } else {
             const made = o.job.attempts + 1;
             const next = nextStep(o.verdict, made, delays);
@@ -358,14 +363,17 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
                     attempts: made,
                     next_attempt_at: nowIso(() => clock() + next.delayMs),
                     updated_at: now,
+                    owner: null,
                   }
-                : { state: next.state, attempts: made, next_attempt_at: null, updated_at: now };
+                : { state: next.state, attempts: made, next_attempt_at: null, updated_at: now, owner: null };
           }
           await trx
             .updateTable('webhook_deliveries')
             .set(set)
             .where('run_id', '=', o.job.run_id)
             .where('state', '=', 'sending')
+            // Only while this node still holds it: after a lost lease another node sends it.
+            .where('owner', '=', owner)
             .execute();
         }
       });
@@ -432,26 +440,10 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
     start() {
       if (started || closed) return;
       started = true;
-      const now = nowIso(clock);
-      void store
-        .updateTable('webhook_deliveries')
-        .set({ state: 'pending', next_attempt_at: now, updated_at: now })
-        .where('state', '=', 'sending')
-        .executeTakeFirst()
-        .then(
-          (result) => {
-            const n = Number(result.numUpdatedRows);
-            if (n > 0)
-              logger.warn({ deliveries: n }, 'webhook deliveries cut short by the last stop will be sent again');
-          },
-          (err: unknown) => logger.error({ err }, 'resetting interrupted webhook deliveries failed'),
-        )
-        .then(() => {
-          runPurge();
-          purgeTimer = setInterval(runPurge, purgeMs);
-          purgeTimer.unref();
-          return tick();
-        });
+      runPurge();
+      purgeTimer = setInterval(runPurge, purgeMs);
+      purgeTimer.unref();
+      void tick();
     },
 
     wake: kick,
@@ -485,11 +477,13 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
         return;
       }
       const now = nowIso(clock);
-      await store
+      const changed = await store
         .updateTable('webhook_deliveries')
-        .set({ state: 'pending', attempts: 0, next_attempt_at: now, updated_at: now })
+        .set({ state: 'pending', attempts: 0, next_attempt_at: now, updated_at: now, owner: null })
         .where('run_id', '=', runId)
-        .execute();
+        .where((eb) => eb.or([eb('state', '!=', 'sending'), eb('owner', 'is', null)]))
+        .executeTakeFirst();
+      if (Number(changed.numUpdatedRows) === 0) throw new FerryError('FERRY_WEBHOOK_IN_FLIGHT');
       kick();
     },
 

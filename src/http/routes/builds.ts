@@ -66,6 +66,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
             buildsDir: services.dataDir.builds,
             maxUploadBytes: services.config.maxUploadBytes,
             zipLimits: services.config.zipLimits,
+            owner: services.node.id,
           },
           request.params.project_id,
           request.params.app_id,

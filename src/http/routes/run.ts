@@ -158,6 +158,8 @@ async function acceptAsync(
   if (!(await services.projectBacklog.admit(build.projectId))) {
     throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
   }
+  // Held by this node when it has room to run it soon; otherwise free for whichever node has room first.
+  const owner = services.asyncWorker.ownerFor(build.projectId, build.appId);
   // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
   const runId = await services.recorder.insertNow(
     newRunRow({
@@ -171,10 +173,12 @@ async function acceptAsync(
       webhookUrl: call.webhookUrl,
       webhookSecret: call.webhookSecret,
       idempotencyKey,
+      owner,
     }),
   );
   if (runId !== call.runId) return send(runId);
-  services.asyncWorker.enqueue({ id: call.runId, projectId: build.projectId, appId: build.appId });
+  if (owner) services.asyncWorker.enqueue({ id: call.runId, projectId: build.projectId, appId: build.appId });
+  else services.asyncWorker.wake();
   return send(call.runId);
 }
 

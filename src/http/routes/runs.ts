@@ -33,7 +33,16 @@ const Run = Type.Object({
   finished_at: Nullable(Type.String({ format: 'date-time' })),
   run_time_ms: Nullable(Type.Integer()),
   error: Nullable(Type.Object({ code: Type.String(), message: Type.String() })),
-  reason: Nullable(Type.String()),
+  reason: Nullable(
+    Type.String({
+      description:
+        'Why it ended as it did: `interrupted` when the server running it stopped mid-run (see retry_interrupted)',
+    }),
+  ),
+  attempts: Type.Integer({
+    description:
+      'How many times the run was started: 1 for a run that ran once; more when an interrupted async run of an app with retry_interrupted ran again; 0 while queued',
+  }),
   input: Type.Optional(Type.Unknown({ description: 'The arguments (when at most 64 KiB; async runs: always)' })),
   result: Type.Optional(Type.Unknown({ description: 'The result (when at most 256 KiB)' })),
   webhook: Type.Optional(Type.Union([WebhookViewSchema, Type.Null()])),

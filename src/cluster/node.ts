@@ -1,0 +1,124 @@
+/**
+ * This process as a node of the store: a row in `nodes` with a lease it renews.
+ *
+ * Work a process holds (an async run it claimed or runs, a webhook attempt it sends, a build it builds)
+ * names the node as `owner`. One lease per node rather than one per row: renewing it is one UPDATE every
+ * `ttl / 3` whatever the amount of work held, and all of a node's work is taken over together once its
+ * lease has run out (cluster/recovery.ts). Writes that end a piece of work are fenced by `owner = <this
+ * node>`, so a node that was paused past its lease and comes back cannot overwrite what another took over.
+ *
+ * A data directory is served by one process at a time (data-dir.ts takes a lock), so the node that served
+ * it before this one is certainly dead: its lease is ended at once at start, and its work is recovered
+ * without waiting for the lease to run out. That keeps a restart of the embedded default as quick to
+ * recover as it always was.
+ */
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import type { Logger } from 'pino';
+import { randomHex } from '../ids.js';
+import type { Store } from '../store/index.js';
+
+/** `FERRY_LEASE_SECONDS` default: how long a node's work stays its own without a renewal. */
+export const DEFAULT_LEASE_MS = 10_000;
+const EPOCH = new Date(0).toISOString();
+
+export interface NodeLease {
+  /** This node's id: the `owner` of the work it holds. */
+  readonly id: string;
+  readonly ttlMs: number;
+  /** Ends the previous incarnation's lease (same data directory), registers this node and starts renewing. */
+  start(): Promise<void>;
+  /** Stops renewing and removes the node's row: what it still holds is taken over at the next sweep. */
+  close(): Promise<void>;
+}
+
+export function createNodeLease(deps: {
+  store: Store;
+  /** Where the id of the node serving this data directory is kept (`<data-dir>/node-id`). */
+  dataDir: string;
+  ttlMs?: number;
+  logger: Logger;
+  clock?: () => number;
+}): NodeLease {
+  const { store, logger } = deps;
+  const ttlMs = deps.ttlMs ?? DEFAULT_LEASE_MS;
+  const clock = deps.clock ?? Date.now;
+  const id = `${os.hostname().slice(0, 40)}-${process.pid}-${randomHex(4)}`;
+  const idFile = path.join(deps.dataDir, 'node-id');
+  let timer: NodeJS.Timeout | undefined;
+  let renewing: Promise<void> = Promise.resolve();
+  let closed = false;
+  let lost = false;
+
+  const until = () => new Date(clock() + ttlMs).toISOString();
+
+  async function register(): Promise<void> {
+    const now = new Date(clock()).toISOString();
+    const info = JSON.stringify({ hostname: os.hostname(), pid: process.pid, data_dir: deps.dataDir });
+    await store
+      .insertInto('nodes')
+      .values({ id, started_at: now, lease_until: until(), info })
+      .onConflict((oc) => oc.column('id').doUpdateSet({ lease_until: until() }))
+      .execute();
+  }
+
+  async function renew(): Promise<void> {
+    try {
+      const result = await store
+        .updateTable('nodes')
+        .set({ lease_until: until() })
+        .where('id', '=', id)
+        .executeTakeFirst();
+      if (Number(result.numUpdatedRows) === 0) {
+        // Another node found this one's lease run out (this process was paused, or could not reach the
+        // store for longer than the lease) and took its work over; writes ending that work are refused by
+        // the owner fence. Carry on as a node again for new work.
+        if (!lost) logger.error({ node: id }, 'this process lost its lease: work it held was taken over by others');
+        lost = true;
+        await register();
+      } else {
+        lost = false;
+      }
+    } catch (err) {
+      logger.warn({ err, node: id }, 'renewing the node lease failed; retrying');
+    }
+  }
+
+  return {
+    id,
+    ttlMs,
+    async start() {
+      let previous: string | undefined;
+      try {
+        previous = fs.readFileSync(idFile, 'utf8').trim() || undefined;
+      } catch {
+        previous = undefined;
+      }
+      if (previous && previous !== id) {
+        await store.updateTable('nodes').set({ lease_until: EPOCH }).where('id', '=', previous).execute();
+      }
+      await register();
+      fs.writeFileSync(`${idFile}.tmp`, `${id}\n`, { mode: 0o600 });
+      fs.renameSync(`${idFile}.tmp`, idFile);
+      const every = Math.max(100, Math.floor(ttlMs / 3));
+      timer = setInterval(() => {
+        if (!closed) renewing = renew();
+      }, every);
+      timer.unref();
+    },
+    async close() {
+      if (closed) return;
+      closed = true;
+      if (timer) clearInterval(timer);
+      await renewing;
+      // Ending the lease (rather than waiting for it to run out) lets the others take over at once.
+      await store
+        .updateTable('nodes')
+        .set({ lease_until: EPOCH })
+        .where('id', '=', id)
+        .execute()
+        .catch((err: unknown) => logger.warn({ err }, 'could not end the node lease; it runs out by itself'));
+    },
+  };
+}

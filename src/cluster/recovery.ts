@@ -1,0 +1,236 @@
+/**
+ * Recovery by lease expiry: takes over the work of nodes whose lease ran out (cluster/node.ts), and only
+ * theirs. Nothing is reset because a process started: a second process joining the store leaves the first
+ * one's work alone.
+ *
+ * What a dead node held, and what becomes of it:
+ *   async run, claimed but not started   → queued again, free for any node (it never started)
+ *   async run, running                   → `failure`, reason `interrupted` (its webhook says so); or, when
+ *                                          the app has `retry_interrupted = true` and the run has started
+ *                                          fewer than MAX_RUN_STARTS times, queued again
+ *   sync or stream run, unfinished       → `failure`, reason `interrupted` (its caller is gone)
+ *   webhook attempt in flight (sending)  → pending again (that attempt did not count; the receiver may see
+ *                                          the payload twice: spec section 6 rule 9)
+ *   build, building or pending           → pending and free: another node builds it from the start
+ *
+ * Work held by no node in a state that needs one (left by a Ferry before leases) is treated the same way.
+ * Every change is conditional on the row still being the dead node's, so two nodes sweeping at once
+ * change each row once.
+ */
+import type { Logger } from 'pino';
+import type { AppConfig } from '../apps/app-config.js';
+import type { Store } from '../store/index.js';
+import { buildWebhookPayload } from '../webhooks/payload.js';
+import type { NodeLease } from './node.js';
+
+/** An interrupted async run of an app with `retry_interrupted` starts at most this many times in all. */
+export const MAX_RUN_STARTS = 3;
+
+export interface RecoveryResult {
+  /** Runs ended `failure`, reason `interrupted`. */
+  interrupted: number;
+  /** Runs queued again for any node (claimed but never started, or retried by policy). */
+  requeued: number;
+  /** Webhook deliveries whose attempt was cut short, pending again. */
+  deliveries: number;
+  /** Builds pending again for any node. */
+  builds: number;
+}
+
+export interface Recovery {
+  /** One pass over every dead node; resolves with what was taken over. */
+  sweep(): Promise<RecoveryResult>;
+  /** Sweeps every `intervalMs` until closed. */
+  start(): void;
+  close(): Promise<void>;
+}
+
+const INTERRUPTED_MESSAGE = 'The server running this run stopped while the run was in progress';
+
+export function createRecovery(deps: {
+  store: Store;
+  node: NodeLease;
+  logger: Logger;
+  intervalMs?: number;
+  clock?: () => number;
+  /** Told after a sweep that took anything over (wakes the webhook deliverer and the async worker). */
+  onRecovered?: (result: RecoveryResult) => void;
+  /** Told after every periodic sweep (the build pipeline looks for free builds then). */
+  onSwept?: () => void;
+}): Recovery {
+  const { store, node, logger } = deps;
+  const clock = deps.clock ?? Date.now;
+  const intervalMs = deps.intervalMs ?? Math.max(500, Math.floor(node.ttlMs / 3));
+  let timer: NodeJS.Timeout | undefined;
+  let sweeping: Promise<RecoveryResult> | undefined;
+  let closed = false;
+  let orphansDone = false;
+
+  /** Takes over what `owner` (a dead node, or null for work no node holds) left unfinished. */
+  async function takeOver(owner: string | null): Promise<RecoveryResult> {
+    const result: RecoveryResult = { interrupted: 0, requeued: 0, deliveries: 0, builds: 0 };
+    const nowMs = clock();
+    const now = new Date(nowMs).toISOString();
+    await store.transaction().execute(async (trx) => {
+      // Claimed but never started: free again (never counts as an attempt).
+      if (owner !== null) {
+        const freed = await trx
+          .updateTable('runs')
+          .set({ owner: null })
+          .where('owner', '=', owner)
+          .where('state', '=', 'queued')
+          .where('mode', '=', 'async')
+          .executeTakeFirst();
+        result.requeued += Number(freed.numUpdatedRows);
+      }
+      const unfinished = await trx
+        .selectFrom('runs')
+        .leftJoin('builds', 'builds.id', 'runs.build_id')
+        .select([
+          'runs.id',
+          'runs.mode',
+          'runs.state',
+          'runs.attempts',
+          'runs.started_at',
+          'runs.webhook_endpoint',
+          'builds.config_json',
+        ])
+        .where((eb) => (owner === null ? eb('runs.owner', 'is', null) : eb('runs.owner', '=', owner)))
+        .where((eb) =>
+          eb.or([
+            eb('runs.state', '=', 'running'),
+            eb.and([eb('runs.mode', '!=', 'async'), eb('runs.state', '=', 'queued')]),
+          ]),
+        )
+        .execute();
+      for (const run of unfinished) {
+        const retry =
+          run.mode === 'async' && run.attempts < MAX_RUN_STARTS && retriesInterrupted(run.config_json ?? null);
+        const fence = trx
+          .updateTable('runs')
+          .where('id', '=', run.id)
+          .where((eb) => (owner === null ? eb('owner', 'is', null) : eb('owner', '=', owner)))
+          .where('state', '=', run.state);
+        if (retry) {
+          const changed = await fence.set({ state: 'queued', owner: null, started_at: null }).executeTakeFirst();
+          result.requeued += Number(changed.numUpdatedRows);
+          continue;
+        }
+        const runTimeMs = run.started_at ? nowMs - Date.parse(run.started_at) : null;
+        const changed = await fence
+          .set({
+            state: 'failure',
+            status_code: 502,
+            reason: 'interrupted',
+            error_code: 'FERRY_REPLICA_DIED',
+            error_message: INTERRUPTED_MESSAGE,
+            finished_at: now,
+            run_time_ms: runTimeMs,
+          })
+          .executeTakeFirst();
+        if (Number(changed.numUpdatedRows) === 0) continue;
+        result.interrupted += 1;
+        if (run.webhook_endpoint) {
+          await trx
+            .insertInto('webhook_deliveries')
+            .values({
+              run_id: run.id,
+              url: run.webhook_endpoint,
+              payload: buildWebhookPayload({
+                runId: run.id,
+                finishedAt: nowMs,
+                statusCode: 502,
+                runTimeMs,
+                error: { code: 'FERRY_REPLICA_DIED', message: INTERRUPTED_MESSAGE },
+              }),
+              state: 'pending',
+              attempts: 0,
+              next_attempt_at: now,
+              created_at: now,
+              updated_at: now,
+            })
+            .onConflict((oc) => oc.doNothing())
+            .execute();
+        }
+      }
+      const deliveries = await trx
+        .updateTable('webhook_deliveries')
+        .set({ state: 'pending', owner: null, next_attempt_at: now, updated_at: now })
+        .where((eb) => (owner === null ? eb('owner', 'is', null) : eb('owner', '=', owner)))
+        .where('state', '=', 'sending')
+        .executeTakeFirst();
+      result.deliveries += Number(deliveries.numUpdatedRows);
+      const builds = await trx
+        .updateTable('builds')
+        .set({ state: 'pending', owner: null, started_at: null })
+        .where((eb) => (owner === null ? eb('owner', 'is', null) : eb('owner', '=', owner)))
+        .where('state', owner === null ? '=' : 'in', owner === null ? 'building' : ['pending', 'building'])
+        .executeTakeFirst();
+      result.builds += Number(builds.numUpdatedRows);
+      if (owner !== null) {
+        await trx.deleteFrom('nodes').where('id', '=', owner).where('lease_until', '<', now).execute();
+      }
+    });
+    return result;
+  }
+
+  async function sweepOnce(): Promise<RecoveryResult> {
+    const total: RecoveryResult = { interrupted: 0, requeued: 0, deliveries: 0, builds: 0 };
+    const now = new Date(clock()).toISOString();
+    const dead = await store
+      .selectFrom('nodes')
+      .select('id')
+      .where('lease_until', '<', now)
+      .where('id', '!=', node.id)
+      .execute();
+    // Work held by no node in a state that needs one exists only in a store written before leases (or by
+    // hand): looked for once, at the first sweep.
+    const owners = orphansDone ? dead.map((d) => d.id) : [null, ...dead.map((d) => d.id)];
+    orphansDone = true;
+    for (const owner of owners) {
+      const r = await takeOver(owner);
+      total.interrupted += r.interrupted;
+      total.requeued += r.requeued;
+      total.deliveries += r.deliveries;
+      total.builds += r.builds;
+      if (owner !== null) logger.info({ node: owner, ...r }, 'took over the work of a node whose lease ran out');
+    }
+    if (total.interrupted + total.requeued + total.deliveries + total.builds > 0) deps.onRecovered?.(total);
+    return total;
+  }
+
+  function sweep(): Promise<RecoveryResult> {
+    sweeping ??= sweepOnce().finally(() => {
+      sweeping = undefined;
+    });
+    return sweeping;
+  }
+
+  return {
+    sweep,
+    start() {
+      timer = setInterval(() => {
+        if (closed) return;
+        sweep().then(
+          () => deps.onSwept?.(),
+          (err: unknown) => logger.warn({ err }, 'recovery sweep failed; retrying'),
+        );
+      }, intervalMs);
+      timer.unref();
+    },
+    async close() {
+      closed = true;
+      if (timer) clearInterval(timer);
+      await sweeping?.catch(() => undefined);
+    },
+  };
+}
+
+function retriesInterrupted(configJson: string | null): boolean {
+  if (!configJson) return false;
+  try {
+    return (JSON.parse(configJson) as AppConfig).app.retry_interrupted === true;
+  } catch {
+    return false;
+  }
+}

@@ -1,0 +1,158 @@
+/**
+ * Claiming shared work: each operation is one statement that picks free rows, stamps this node as their
+ * `owner` and returns them, so two nodes can never take the same row (graphile-worker's way).
+ *
+ * On PostgreSQL the picking subquery locks with `FOR UPDATE SKIP LOCKED`: concurrent claimers skip each
+ * other's rows instead of queueing behind them. SQLite has one writer at a time, so the statement is
+ * atomic there as it stands. This is the only place that knows the difference.
+ *
+ * Claims are polled, so each first looks (a plain read, which never waits for a writer) and writes only
+ * when there is something to take: an idle server does not take the write lock every second.
+ */
+import type { Kysely, SelectQueryBuilder } from 'kysely';
+import { dialectOf } from './index.js';
+import type { Build, Database } from './schema.js';
+
+type Db = Kysely<Database>;
+
+/** The subquery's rows locked for this claim, skipping rows another claimer holds (PostgreSQL only). */
+function lockForClaim<TB extends keyof Database, O>(
+  db: Db,
+  query: SelectQueryBuilder<Database, TB, O>,
+): SelectQueryBuilder<Database, TB, O> {
+  return dialectOf(db) === 'postgres' ? query.forUpdate().skipLocked() : query;
+}
+
+export interface ClaimedRun {
+  id: string;
+  project_id: string;
+  app_id: string;
+}
+
+/**
+ * Takes up to `limit` queued async runs nobody holds, oldest first, leaving out the apps in `skipApps`
+ * (`project/app` keys this node has enough of already). They stay `queued` until `startRun`.
+ */
+export async function claimQueuedRuns(
+  db: Db,
+  owner: string,
+  limit: number,
+  skipApps: ReadonlyArray<{ projectId: string; appId: string }> = [],
+): Promise<ClaimedRun[]> {
+  if (limit <= 0) return [];
+  let pick = db
+    .selectFrom('runs')
+    .select('id')
+    .where('state', '=', 'queued')
+    .where('mode', '=', 'async')
+    .where('owner', 'is', null)
+    .orderBy('id')
+    .limit(limit);
+  if (skipApps.length > 0) {
+    pick = pick.where((eb) =>
+      eb.not(eb.or(skipApps.map((a) => eb.and([eb('project_id', '=', a.projectId), eb('app_id', '=', a.appId)])))),
+    );
+  }
+  if ((await pick.execute()).length === 0) return [];
+  return db
+    .updateTable('runs')
+    .set({ owner })
+    .where('id', 'in', lockForClaim(db, pick))
+    .where('owner', 'is', null)
+    .where('state', '=', 'queued')
+    .returning(['id', 'project_id', 'app_id'])
+    .execute();
+}
+
+/**
+ * Marks a claimed run `running` (one more start) before it is performed, so a crash from here on is an
+ * interruption, never a silent second run. False when the run is no longer this node's queued run (it was
+ * cancelled, or this node lost its lease and another took it).
+ */
+export async function startRun(db: Db, owner: string, runId: string, startedAt: string): Promise<boolean> {
+  const result = await db
+    .updateTable('runs')
+    .set((eb) => ({ state: 'running', started_at: startedAt, attempts: eb('attempts', '+', 1) }))
+    .where('id', '=', runId)
+    .where('owner', '=', owner)
+    .where('state', '=', 'queued')
+    .executeTakeFirst();
+  return Number(result.numUpdatedRows) === 1;
+}
+
+/** Lets go of queued runs this node claimed but will not start (it is stopping): any node may take them. */
+export async function releaseQueuedRuns(db: Db, owner: string, runIds: readonly string[]): Promise<void> {
+  if (runIds.length === 0) return;
+  await db
+    .updateTable('runs')
+    .set({ owner: null })
+    .where('id', 'in', runIds)
+    .where('owner', '=', owner)
+    .where('state', '=', 'queued')
+    .execute();
+}
+
+export interface ClaimedDelivery {
+  run_id: string;
+  url: string;
+  payload: string;
+  attempts: number;
+}
+
+/** Takes up to `limit` webhook deliveries due by `now`, earliest first: `pending` → `sending`, owned. */
+export async function claimDueDeliveries(
+  db: Db,
+  owner: string,
+  now: string,
+  limit: number,
+): Promise<ClaimedDelivery[]> {
+  if (limit <= 0) return [];
+  const pick = db
+    .selectFrom('webhook_deliveries')
+    .select('run_id')
+    .where('state', '=', 'pending')
+    .where('next_attempt_at', '<=', now)
+    .orderBy('next_attempt_at')
+    .limit(limit);
+  if ((await pick.execute()).length === 0) return [];
+  return db
+    .updateTable('webhook_deliveries')
+    .set({ state: 'sending', owner, updated_at: now })
+    .where('run_id', 'in', lockForClaim(db, pick))
+    .where('state', '=', 'pending')
+    .returning(['run_id', 'url', 'payload', 'attempts'])
+    .execute();
+}
+
+/** Starts building a pending build this node holds: `pending` → `building`. False when it is not one. */
+export async function startBuild(db: Db, owner: string, buildId: string, startedAt: string): Promise<boolean> {
+  const result = await db
+    .updateTable('builds')
+    .set({ state: 'building', started_at: startedAt })
+    .where('id', '=', buildId)
+    .where('owner', '=', owner)
+    .where('state', '=', 'pending')
+    .executeTakeFirst();
+  return Number(result.numUpdatedRows) === 1;
+}
+
+/** Takes up to `limit` pending builds nobody holds (their node died or stopped), oldest first. */
+export async function claimFreeBuilds(db: Db, owner: string, limit: number): Promise<Build[]> {
+  const pick = db
+    .selectFrom('builds')
+    .select('id')
+    .where('state', '=', 'pending')
+    .where('owner', 'is', null)
+    .orderBy('id')
+    .limit(limit);
+  if ((await pick.execute()).length === 0) return [];
+  const rows = await db
+    .updateTable('builds')
+    .set({ owner })
+    .where('id', 'in', lockForClaim(db, pick))
+    .where('owner', 'is', null)
+    .where('state', '=', 'pending')
+    .returningAll()
+    .execute();
+  return rows.sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+}
