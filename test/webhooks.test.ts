@@ -719,8 +719,11 @@ describe('durability, redelivery and the secret purge', () => {
     h.restart();
     assert.deepEqual(await h.settled(cut.runId), { state: 'delivered', attempts: 1 });
     const logger = pino({ level: 'info' }, { write: (line: string) => void h.logs.push(JSON.parse(line)) });
-    const node = createNodeLease({ store: h.store, dataDir: await tempDir('ferry-node-'), logger });
+    // A short lease, and a wait past it: a node judges others' leases only once its own renewals have been
+    // steady for a whole lease.
+    const node = createNodeLease({ store: h.store, dataDir: await tempDir('ferry-node-'), logger, ttlMs: 200 });
     await node.start();
+    await waitFor(async () => node.canJudge(), 10_000, 'a steady lease');
     const recovery = createRecovery({ store: h.store, node, logger, onRecovered: () => h.deliverer.wake() });
     assert.equal((await recovery.sweep()).deliveries, 1);
     assert.deepEqual(await h.settled(dead.runId), { state: 'delivered', attempts: 1 });

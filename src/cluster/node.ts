@@ -21,7 +21,8 @@ import type { Store } from '../store/index.js';
 
 /** `FERRY_LEASE_SECONDS` default: how long a node's work stays its own without a renewal. */
 export const DEFAULT_LEASE_MS = 10_000;
-const EPOCH = new Date(0).toISOString();
+/** The `lease_until` of a lease ended on purpose: its node stopped, or a later process of its data directory started. */
+export const LEASE_ENDED = new Date(0).toISOString();
 
 export interface NodeLease {
   /** This node's id: the `owner` of the work it holds. */
@@ -29,8 +30,14 @@ export interface NodeLease {
   readonly ttlMs: number;
   /** Ends the previous incarnation's lease (same data directory), registers this node and starts renewing. */
   start(): Promise<void>;
-  /** Stops renewing and removes the node's row: what it still holds is taken over at the next sweep. */
+  /** Stops renewing and ends the lease: what it still holds is taken over at the next sweep. */
   close(): Promise<void>;
+  /**
+   * May this node judge other nodes dead by their lease? Only once its own renewals have gone through
+   * without a break for a whole lease: after a store outage every node's lease looks run out, and a node
+   * that got the store back first must not take over the work of others that have not renewed yet.
+   */
+  canJudge(): boolean;
 }
 
 export function createNodeLease(deps: {
@@ -50,6 +57,8 @@ export function createNodeLease(deps: {
   let renewing: Promise<void> = Promise.resolve();
   let closed = false;
   let lost = false;
+  /** Since when renewals have gone through without a break (undefined: the last one failed). */
+  let steadySince: number | undefined;
 
   const until = () => new Date(clock() + ttlMs).toISOString();
 
@@ -80,7 +89,9 @@ export function createNodeLease(deps: {
       } else {
         lost = false;
       }
+      steadySince ??= clock();
     } catch (err) {
+      steadySince = undefined;
       logger.warn({ err, node: id }, 'renewing the node lease failed; retrying');
     }
   }
@@ -96,9 +107,10 @@ export function createNodeLease(deps: {
         previous = undefined;
       }
       if (previous && previous !== id) {
-        await store.updateTable('nodes').set({ lease_until: EPOCH }).where('id', '=', previous).execute();
+        await store.updateTable('nodes').set({ lease_until: LEASE_ENDED }).where('id', '=', previous).execute();
       }
       await register();
+      steadySince = clock();
       fs.writeFileSync(`${idFile}.tmp`, `${id}\n`, { mode: 0o600 });
       fs.renameSync(`${idFile}.tmp`, idFile);
       const every = Math.max(100, Math.floor(ttlMs / 3));
@@ -106,6 +118,9 @@ export function createNodeLease(deps: {
         if (!closed) renewing = renew();
       }, every);
       timer.unref();
+    },
+    canJudge() {
+      return steadySince !== undefined && clock() - steadySince >= ttlMs;
     },
     async close() {
       if (closed) return;
@@ -115,7 +130,7 @@ export function createNodeLease(deps: {
       // Ending the lease (rather than waiting for it to run out) lets the others take over at once.
       await store
         .updateTable('nodes')
-        .set({ lease_until: EPOCH })
+        .set({ lease_until: LEASE_ENDED })
         .where('id', '=', id)
         .execute()
         .catch((err: unknown) => logger.warn({ err }, 'could not end the node lease; it runs out by itself'));

@@ -21,7 +21,7 @@ import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import type { Store } from '../store/index.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
-import type { NodeLease } from './node.js';
+import { LEASE_ENDED, type NodeLease } from './node.js';
 
 /** An interrupted async run of an app with `retry_interrupted` starts at most this many times in all. */
 export const MAX_RUN_STARTS = 3;
@@ -177,10 +177,12 @@ export function createRecovery(deps: {
   async function sweepOnce(): Promise<RecoveryResult> {
     const total: RecoveryResult = { interrupted: 0, requeued: 0, deliveries: 0, builds: 0 };
     const now = new Date(clock()).toISOString();
+    // A lease ended on purpose (a node that stopped, or the last process of this data directory) is over
+    // for sure; one that ran out is judged only by a node whose own renewals have been steady (node.ts).
     const dead = await store
       .selectFrom('nodes')
       .select('id')
-      .where('lease_until', '<', now)
+      .where((eb) => (node.canJudge() ? eb('lease_until', '<', now) : eb('lease_until', '=', LEASE_ENDED)))
       .where('id', '!=', node.id)
       .execute();
     // Work held by no node in a state that needs one exists only in a store written before leases (or by
