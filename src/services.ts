@@ -10,8 +10,12 @@ import { type AppLog, createAppLog } from './apps/app-log.js';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
 import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-store.js';
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
+import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
+import { applyChanges } from './cluster/apply-changes.js';
+import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
+import { createPgChangeFeed } from './cluster/pg-change-feed.js';
 import type { ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
 import { createMetrics, type Metrics } from './metrics.js';
@@ -39,6 +43,10 @@ export interface Services {
   secretsKey: Uint8Array;
   auth: Authenticator;
   artifacts: ArtifactStore;
+  /** Build folders shared through the artifacts folder, so any process can run any build. */
+  buildOutput: BuildOutput;
+  /** Tells every process sharing the store about a change (in-process, or PostgreSQL LISTEN/NOTIFY). */
+  changes: ChangeFeed;
   buildLog: BuildLog;
   pipeline: BuildPipeline;
   metrics: Metrics;
@@ -73,6 +81,18 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
   const metrics = createMetrics();
+  const artifacts = createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir));
+  const buildOutput = await createBuildOutput({
+    buildsDir: dataDir.builds,
+    artifactsDir: config.artifactsDir,
+    artifacts,
+    zipLimits: config.zipLimits,
+    logger: logger.child({ component: 'builds' }),
+  });
+  const changes = config.databaseUrl
+    ? await createPgChangeFeed({ databaseUrl: config.databaseUrl, logger: logger.child({ component: 'changes' }) })
+    : createLocalChangeFeed({ logger: logger.child({ component: 'changes' }) });
+  const auth = createAuthenticator({ store, key: jwtKey });
   const buildLog = createBuildLog({ store });
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }) });
@@ -103,6 +123,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       sandbox,
       views,
       network,
+      ensureLocal: (buildId) => buildOutput.ensureLocal(buildId),
       secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
     }),
     onColdStart(build, ms) {
@@ -157,20 +178,25 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     network,
     limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
+    output: buildOutput,
     onFinished(build) {
       metrics.builds.inc({ state: build.state });
       if (build.started_at && build.finished_at) {
         const seconds = (Date.parse(build.finished_at) - Date.parse(build.started_at)) / 1000;
         metrics.buildDuration.observe({ state: build.state }, seconds);
       }
+      // Every process (this one at once) forgets the app's run target and switches its replicas.
       if (build.state === 'ready') {
-        runTargets.forget(build.project_id, build.app_id);
-        void replicas.activate(build.project_id, build.app_id).catch((err: unknown) => {
-          logger.error({ err, buildId: build.id }, 'switching replicas to the new build failed');
+        void changes.publish({
+          type: 'build.activated',
+          projectId: build.project_id,
+          appId: build.app_id,
+          buildId: build.id,
         });
       }
     },
   });
+  applyChanges(changes, { auth, runTargets, replicas, logger: logger.child({ component: 'changes' }) });
   const streams = createStreamReplay({
     keepMs: config.streamReplaySeconds * 1000,
     maxBytesPerRun: config.streamReplayBytes,
@@ -183,8 +209,10 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     store,
     jwtKey,
     secretsKey,
-    auth: createAuthenticator({ store, key: jwtKey }),
-    artifacts: createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir)),
+    auth,
+    artifacts,
+    buildOutput,
+    changes,
     buildLog,
     pipeline,
     metrics,
@@ -214,6 +242,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       }
     },
     async close() {
+      // First: a change arriving now must not start replicas that are about to be stopped.
+      await changes.close();
       // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
       streams.close();
       await pipeline.close();
