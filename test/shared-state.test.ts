@@ -21,6 +21,7 @@ import { BuildFailedError } from '../src/builds/builders/types.js';
 import { DEFAULT_ZIP_LIMITS } from '../src/builds/zip-archive.js';
 import type { ChangeEvent, FeedEvent } from '../src/cluster/change-feed.js';
 import { createPgChangeFeed, LISTENER_APPLICATION_NAME } from '../src/cluster/pg-change-feed.js';
+import type { FerryError } from '../src/errors.js';
 import { createLogger } from '../src/logger.js';
 import { helloApp } from './helpers/app-zip.js';
 import { deployFiles, http, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
@@ -226,6 +227,22 @@ describe('several processes on one PostgreSQL, keys folder and artifacts folder'
     } finally {
       stop();
     }
+  });
+
+  it('answers 502 FERRY_REPLICA_START_FAILED on B, not a 500, when the published build is gone', async () => {
+    const build = await deployFiles(a, auth, 'shared-gone', {
+      'ferry.toml': helloToml('shared-gone'),
+      'main.ts': 'export function run() { return 1; }\n',
+    });
+    await fs.rm(path.join(artifactsDir, 'builds', build.id), { recursive: true });
+    const res = await http(`${b.url}/v4/${auth.projectId}/shared-gone/run`, {
+      method: 'POST',
+      token: auth.token,
+      body: {},
+    });
+    assert.equal(res.status, 502, res.text);
+    assert.equal(res.json.error.code, 'FERRY_REPLICA_START_FAILED');
+    assert.doesNotMatch(res.text, new RegExp(artifactsDir), 'no server path in the answer');
   });
 
   // It stops A's build pipeline: keep it after the tests that deploy through A.
@@ -474,7 +491,12 @@ describe('build outputs in the artifacts folder', () => {
   it('refuses a build that is nowhere, and leaves no staging folder when a copy fails half-way', async () => {
     const { root, artifactsDir, make } = await setup();
     const runner = await make('b');
-    await assert.rejects(runner.output.ensureLocal(buildId), /neither in this data directory nor in the artifacts/);
+    await assert.rejects(runner.output.ensureLocal(buildId), (err: FerryError) => {
+      assert.equal(err.code, 'FERRY_REPLICA_START_FAILED');
+      assert.doesNotMatch(err.message, /\//, 'no server path in what a caller sees');
+      return true;
+    });
+    assert.ok(runner.lines.some((l) => l.includes('neither in this data directory nor in the artifacts folder')));
     await assert.rejects(runner.output.ensureLocal('../escape'), /Invalid build id/);
 
     // A path that fits under the build folder but not under the (longer) staging folder: the copy fails

@@ -140,7 +140,17 @@ export async function createBuildOutput(deps: BuildOutputDeps): Promise<BuildOut
       if (complete.has(buildId)) return Promise.resolve();
       let pending = fetching.get(buildId);
       if (!pending) {
-        pending = fetch(buildId).finally(() => fetching.delete(buildId));
+        pending = fetch(buildId)
+          .catch((err: unknown) => {
+            // The caller is a replica start, answered to a run: a coded 502 without server paths.
+            logger.error({ err, buildId }, 'cannot get the build from the artifacts folder');
+            throw new FerryError(
+              'FERRY_REPLICA_START_FAILED',
+              'This server process cannot get the build from the shared artifacts folder (see its log)',
+              { cause: err },
+            );
+          })
+          .finally(() => fetching.delete(buildId));
         fetching.set(buildId, pending);
       }
       return pending;
