@@ -1,7 +1,8 @@
 /**
  * Wires Ferry's parts together from the server settings: data directory, store, keys, auth, artifact
- * store and build outputs, change feed, build log and pipeline. `ferry serve` and the tests both start from here, so they run the same
- * objects; each part still takes its dependencies explicitly and can be built alone.
+ * store and build outputs, change feed, build log and pipeline. `ferry serve` and the tests both start
+ * from here, so they run the same objects; each part still takes its dependencies explicitly and can be
+ * built alone.
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
