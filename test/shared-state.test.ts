@@ -242,7 +242,7 @@ describe('several processes on one PostgreSQL, keys folder and artifacts folder'
     });
     assert.equal(res.status, 502, res.text);
     assert.equal(res.json.error.code, 'FERRY_REPLICA_START_FAILED');
-    assert.doesNotMatch(res.text, new RegExp(artifactsDir), 'no server path in the answer');
+    assert.equal(res.text.includes(artifactsDir), false, 'no server path in the answer');
   });
 
   // It stops A's build pipeline: keep it after the tests that deploy through A.
