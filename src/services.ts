@@ -1,7 +1,8 @@
 /**
  * Wires Ferry's parts together from the server settings: data directory, store, keys, auth, artifact
- * store, build log and pipeline. `ferry serve` and the tests both start from here, so they run the same
- * objects; each part still takes its dependencies explicitly and can be built alone.
+ * store and build outputs, change feed, build log and pipeline. `ferry serve` and the tests both start
+ * from here, so they run the same objects; each part still takes its dependencies explicitly and can be
+ * built alone.
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
@@ -10,9 +11,13 @@ import { type AppLog, createAppLog } from './apps/app-log.js';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
 import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-store.js';
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
+import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
+import { applyChanges } from './cluster/apply-changes.js';
+import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
 import { createNodeLease, type NodeLease } from './cluster/node.js';
+import { createPgChangeFeed } from './cluster/pg-change-feed.js';
 import { createRecovery, type Recovery, type RecoveryResult } from './cluster/recovery.js';
 import type { ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
@@ -47,6 +52,10 @@ export interface Services {
   secretsKey: Uint8Array;
   auth: Authenticator;
   artifacts: ArtifactStore;
+  /** Build folders shared through the artifacts folder, so any process can run any build. */
+  buildOutput: BuildOutput;
+  /** Tells every process sharing the store about a change (in-process, or PostgreSQL LISTEN/NOTIFY). */
+  changes: ChangeFeed;
   buildLog: BuildLog;
   pipeline: BuildPipeline;
   metrics: Metrics;
@@ -88,6 +97,18 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   await node.start();
   const metrics = createMetrics();
+  const artifacts = createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir));
+  const buildOutput = await createBuildOutput({
+    buildsDir: dataDir.builds,
+    artifactsDir: config.artifactsDir,
+    artifacts,
+    zipLimits: config.zipLimits,
+    logger: logger.child({ component: 'builds' }),
+  });
+  const changes = config.databaseUrl
+    ? await createPgChangeFeed({ databaseUrl: config.databaseUrl, logger: logger.child({ component: 'changes' }) })
+    : createLocalChangeFeed({ logger: logger.child({ component: 'changes' }) });
+  const auth = createAuthenticator({ store, key: jwtKey });
   const buildLog = createBuildLog({ store });
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }), owner: node.id });
@@ -118,6 +139,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       sandbox,
       views,
       network,
+      ensureLocal: (buildId) => buildOutput.ensureLocal(buildId),
       secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
     }),
     onColdStart(build, ms) {
@@ -175,16 +197,20 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
     owner: node.id,
+    output: buildOutput,
     onFinished(build) {
       metrics.builds.inc({ state: build.state });
       if (build.started_at && build.finished_at) {
         const seconds = (Date.parse(build.finished_at) - Date.parse(build.started_at)) / 1000;
         metrics.buildDuration.observe({ state: build.state }, seconds);
       }
+      // Every process (this one at once) forgets the app's run target and switches its replicas.
       if (build.state === 'ready') {
-        runTargets.forget(build.project_id, build.app_id);
-        void replicas.activate(build.project_id, build.app_id).catch((err: unknown) => {
-          logger.error({ err, buildId: build.id }, 'switching replicas to the new build failed');
+        void changes.publish({
+          type: 'build.activated',
+          projectId: build.project_id,
+          appId: build.app_id,
+          buildId: build.id,
         });
       }
     },
@@ -205,6 +231,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Before anything claims work: what a dead node (this data directory's last process included) left.
   const recovered = await recovery.sweep();
   recovery.start();
+  applyChanges(changes, { auth, runTargets, replicas, logger: logger.child({ component: 'changes' }) });
   const streams = createStreamReplay({
     keepMs: config.streamReplaySeconds * 1000,
     maxBytesPerRun: config.streamReplayBytes,
@@ -220,8 +247,10 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     store,
     jwtKey,
     secretsKey,
-    auth: createAuthenticator({ store, key: jwtKey }),
-    artifacts: createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir)),
+    auth,
+    artifacts,
+    buildOutput,
+    changes,
     buildLog,
     pipeline,
     metrics,
@@ -251,6 +280,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       }
     },
     async close() {
+      // First: a change arriving now must not start replicas that are about to be stopped.
+      await changes.close();
       // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
       streams.close();
       await recovery.close();

@@ -165,7 +165,7 @@ export function fail() { throw new Error('no'); }
     const op = doc.paths['/v2/projects/{project_id}/apps/{app_id}/stats']?.get;
     assert.ok(op, 'documented');
     const schema = op.responses['200'].content['application/json'].schema;
-    assert.deepEqual(Object.keys(schema.properties).sort(), ['replicas', 'series']);
+    assert.deepEqual(Object.keys(schema.properties).sort(), ['node', 'replicas', 'series']);
     assert.deepEqual(Object.keys(schema.properties.series.items.properties).sort(), [
       'cancelled',
       'failure',

@@ -21,6 +21,7 @@ import { claimFreeBuilds, startBuild } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
 import type { BuildLog } from './build-log.js';
+import type { BuildOutput } from './build-output.js';
 import { selectBuilder } from './builders/index.js';
 import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from './builders/sandboxed-step.js';
 import { type Builder, BuildFailedError } from './builders/types.js';
@@ -43,6 +44,8 @@ export interface BuildPipelineDeps {
   onFinished?: (build: Build) => void;
   /** This node's id (cluster/node.ts). */
   owner: string;
+  /** Shares builds through the artifacts folder (build-output.ts): source in when missing, output out when ready. */
+  output?: Pick<BuildOutput, 'ensureSource' | 'publish'>;
 }
 
 export interface BuildPipeline {
@@ -97,6 +100,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         log('WARNING: this build is NOT sandboxed: npm, pip and esbuild run as plain processes of the server,');
         log('WARNING: with its user and its view of files and network (bubblewrap is missing or FERRY_SANDBOX=off)');
       }
+      await deps.output?.ensureSource(build);
       await fs.rm(folder.out, { recursive: true, force: true });
       await fs.mkdir(folder.out, { recursive: true });
       const config = JSON.parse(build.config_json) as AppConfig;
@@ -112,6 +116,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         log,
         signal: controller.signal,
       });
+      await deps.output?.publish(build.id);
       finalState = 'ready';
       log(`Build ready in ${((Date.now() - started) / 1000).toFixed(1)} s`);
     } catch (err) {

@@ -39,6 +39,8 @@ export interface LauncherDeps {
   views?: BuildViews;
   /** Gives each replica a network namespace of its own (acquired before spawn, released in cleanup). */
   network: SandboxNetwork;
+  /** Makes `<buildsDir>/<build>` complete here, from the artifacts folder when another process built it. */
+  ensureLocal?: (buildId: string) => Promise<void>;
   /** The project's secrets, decrypted, for the replica's environment. */
   secrets(projectId: string): Promise<Record<string, string>>;
 }
@@ -128,6 +130,7 @@ export function createLauncher(deps: LauncherDeps) {
       .executeTakeFirstOrThrow();
     const runtime = row.runtime ? RUNTIMES[row.runtime] : undefined;
     if (!runtime) throw new Error(`runtime ${row.runtime} is not supported by this server yet`);
+    await deps.ensureLocal?.(build.buildId);
     const buildDir =
       deps.sandbox.bwrap !== null && deps.views
         ? await deps.views.viewOf(build.buildId)

@@ -1,6 +1,7 @@
 /** `/v2/projects/{project_id}/apps`: list and get apps. Apps are created by their first deploy. */
 import { Type } from 'typebox';
 import { getApp, listApps } from '../../apps/apps.js';
+import { NODE_NAME } from '../../cluster/node-name.js';
 import type { Services } from '../../services.js';
 import { requireScope } from '../auth.js';
 import { App, AppParams, errors, ProjectParams } from '../schemas.js';
@@ -38,7 +39,8 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
       schema: {
         summary: 'The app log: what its replicas printed outside runs, and their starts, crashes and restarts',
         description:
-          'Kept in memory by the server that ran the replicas (the newest FERRY_APP_LOG_LINES lines per app). ' +
+          'Kept in memory by the server process that ran the replicas (the newest FERRY_APP_LOG_LINES lines per app): ' +
+          'with several processes sharing a store, this shows what the answering process (`node`) saw, not the others. ' +
           'Page with `after` = the last `seq` seen.',
         params: AppParams,
         querystring: Type.Object({
@@ -48,6 +50,7 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
         response: {
           200: Type.Object({
             app_id: Type.String(),
+            node: Type.String({ description: 'The process that answered (hostname:pid); the log is its own' }),
             lines: Type.Array(
               Type.Object({
                 seq: Type.Integer(),
@@ -66,7 +69,7 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
       const { project_id, app_id } = request.params;
       await getApp(services.store, project_id, app_id);
       const { after = 0, limit = 1000 } = request.query;
-      return { app_id, lines: services.appLog.read(project_id, app_id, after, limit) };
+      return { app_id, node: NODE_NAME, lines: services.appLog.read(project_id, app_id, after, limit) };
     },
   );
 }

@@ -76,14 +76,12 @@ export function registerSecretRoutes(app: TypedServer, services: Services): void
         response: { 200: Secret, ...errors(400, 401, 403, 404) },
       },
     },
-    async (request) =>
-      setSecret(
-        services.store,
-        services.secretsKey,
-        request.params.project_id,
-        request.params.name,
-        request.body.value,
-      ),
+    async (request) => {
+      const { project_id, name } = request.params;
+      const secret = await setSecret(services.store, services.secretsKey, project_id, name, request.body.value);
+      await services.changes.publish({ type: 'secrets.changed', projectId: project_id });
+      return secret;
+    },
   );
 
   app.get(
@@ -129,6 +127,7 @@ export function registerSecretRoutes(app: TypedServer, services: Services): void
     },
     async (request, reply) => {
       await deleteSecret(services.store, request.params.project_id, request.params.name);
+      await services.changes.publish({ type: 'secrets.changed', projectId: request.params.project_id });
       return reply.code(204).send(null);
     },
   );

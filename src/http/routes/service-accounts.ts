@@ -121,7 +121,12 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         request.params.project_id,
         request.params.service_account_id,
       );
-      services.auth.invalidate();
+      // Every process forgets its cached token checks (this one before answering).
+      await services.changes.publish({
+        type: 'service-account.changed',
+        projectId: account.project_id,
+        serviceAccountId: account.id,
+      });
       return account;
     },
   );

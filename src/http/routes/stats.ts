@@ -7,6 +7,7 @@
 import { Type } from 'typebox';
 import type { AppConfig } from '../../apps/app-config.js';
 import { findApp } from '../../apps/apps.js';
+import { NODE_NAME } from '../../cluster/node-name.js';
 import { HISTORY_MINUTES, minuteOf, type ReplicaHistory } from '../../dashboard/replica-history.js';
 import type { Services } from '../../services.js';
 import type { RunState } from '../../store/schema.js';
@@ -21,6 +22,9 @@ export const STATS_MAX_RUNS = 100_000;
 const Count = (description: string) => Type.Integer({ minimum: 0, description });
 
 const Stats = Type.Object({
+  node: Type.String({
+    description: "The process that answered (hostname:pid): `replicas` and the series' `replicas` are what it saw",
+  }),
   replicas: Type.Object(
     {
       starting: Count('Replicas starting now'),
@@ -30,7 +34,10 @@ const Stats = Type.Object({
       min: Nullable(Type.Integer({ description: 'min_replicas of the active build (null: no active build)' })),
       max: Nullable(Type.Integer({ description: 'max_replicas of the active build (null: no active build)' })),
     },
-    { description: 'Live counts over every replica pool of the app (including one draining after a redeploy)' },
+    {
+      description:
+        'Live counts over every replica pool of the app in the answering process (including one draining after a redeploy)',
+    },
   ),
   series: Type.Array(
     Type.Object({
@@ -80,7 +87,9 @@ export function registerStatsRoutes(app: TypedServer, services: Services, histor
           'For the dashboard. `replicas` is live; `series` has one entry per minute of the last `minutes` minutes, ' +
           'counting the runs created in that minute by final state (runs still queued or running are not counted), ' +
           'their p50 and p95 run time (`run_time_ms`, or finished minus started when the run has none), and the ' +
-          'most replicas the server saw in that minute (sampled every 10 seconds, kept in memory for a day).',
+          'most replicas the server saw in that minute (sampled every 10 seconds, kept in memory for a day). ' +
+          'Run counts and times come from the store, so they cover every process sharing it; replica counts are ' +
+          "the answering process's own (`node`).",
         params: AppParams,
         querystring: Type.Object({
           minutes: Type.Optional(
@@ -167,7 +176,7 @@ export function registerStatsRoutes(app: TypedServer, services: Services, histor
           replicas: replicas[i] ?? null,
         };
       });
-      return { replicas: { ...live, ...limits }, series };
+      return { node: NODE_NAME, replicas: { ...live, ...limits }, series };
     },
   );
 }

@@ -1,0 +1,58 @@
+/**
+ * What this process does when a change reaches it through the change feed (change-feed.ts), whichever
+ * process made it: the same as the process that made it does, so every process acts alike.
+ *
+ * - a service account changed: forget every cached token check (auth), so a revoked token is refused;
+ * - a build activated: forget the app's cached run target and switch its replicas to the build now
+ *   (old replicas drain; an app scaled to zero switches on its next run);
+ * - a project's secrets changed: nothing to forget. Replicas read the project's secrets from the store
+ *   when they start, so new replicas get the change and running ones keep the environment they started
+ *   with until they are replaced (as on one process: see the secrets routes);
+ * - resync (the feed may have lost events): all of the above for everything this process holds.
+ */
+import type { Logger } from 'pino';
+import type { Authenticator } from '../auth/authenticate.js';
+import type { ReplicaManager } from '../replicas/manager.js';
+import type { RunTargets } from '../runs/targets.js';
+import type { ChangeFeed, FeedEvent } from './change-feed.js';
+
+export interface ApplyChangesDeps {
+  auth: Pick<Authenticator, 'invalidate'>;
+  runTargets: Pick<RunTargets, 'forget'>;
+  replicas: Pick<ReplicaManager, 'activate' | 'pools' | 'warmUp'>;
+  logger: Logger;
+}
+
+/** Subscribes this process's caches and replicas to `feed`; returns the function that stops it. */
+export function applyChanges(feed: ChangeFeed, deps: ApplyChangesDeps): () => void {
+  const { auth, runTargets, replicas, logger } = deps;
+
+  function activate(projectId: string, appId: string): void {
+    runTargets.forget(projectId, appId);
+    void replicas.activate(projectId, appId).catch((err: unknown) => {
+      logger.error({ err, project: projectId, app: appId }, 'switching replicas to the new build failed');
+    });
+  }
+
+  return feed.subscribe(function onChange(event: FeedEvent) {
+    switch (event.type) {
+      case 'service-account.changed':
+        auth.invalidate();
+        return;
+      case 'build.activated':
+        activate(event.projectId, event.appId);
+        return;
+      case 'secrets.changed':
+        return;
+      case 'resync': {
+        auth.invalidate();
+        // Apps with replicas here switch if their active build changed; run targets of other apps
+        // expire within a second on their own; warmUp starts (on the newest build) apps with a minimum.
+        const apps = new Map(replicas.pools().map((p) => [`${p.build.projectId}/${p.build.appId}`, p.build]));
+        for (const build of apps.values()) activate(build.projectId, build.appId);
+        void replicas.warmUp().catch((err: unknown) => logger.error({ err }, 'warming replicas after a resync failed'));
+        return;
+      }
+    }
+  });
+}
