@@ -259,8 +259,11 @@ describe('several processes on one PostgreSQL, keys folder and artifacts folder'
     assert.equal(await exists(path.join(a.dataDir, 'builds', id, 'source', 'main.ts')), true);
     assert.equal(await exists(path.join(b.dataDir, 'builds', id)), false);
     const row = await b.services.store.selectFrom('builds').selectAll().where('id', '=', id).executeTakeFirstOrThrow();
-    assert.equal(row.state, 'pending');
-    b.services.pipeline.enqueue(row);
+    assert.deepEqual([row.state, row.owner], ['pending', a.services.node.id], 'A holds what it received');
+    // A lets go of its work as a stopping process does (its lease ends); B takes the build over.
+    await a.services.node.close();
+    assert.equal((await b.services.recovery.sweep()).builds, 1);
+    assert.equal(await b.services.pipeline.recover(), 1);
     const built = await waitFor(
       async () => {
         const res = await http(`${b.url}/v2/projects/${auth.projectId}/apps/built-on-b/builds/${id}`, {
