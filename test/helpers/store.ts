@@ -10,6 +10,7 @@
 import { randomBytes } from 'node:crypto';
 import pg from 'pg';
 import { openPostgresStore, openSqliteStore, type Store } from '../../src/store/index.js';
+import { withoutPassword } from '../../src/store/outage.js';
 
 export type TestStoreKind = 'sqlite' | 'postgres';
 
@@ -47,7 +48,7 @@ export async function withAdminClient<T>(fn: (client: pg.Client) => Promise<T>):
     await client.connect();
   } catch (err) {
     throw new Error(
-      `FERRY_TEST_STORE=postgres needs a PostgreSQL at ${redact(adminUrl)} (FERRY_TEST_PG_ADMIN_URL), and it ` +
+      `FERRY_TEST_STORE=postgres needs a PostgreSQL at ${withoutPassword(adminUrl)} (FERRY_TEST_PG_ADMIN_URL), and it ` +
         `cannot be reached: ${(err as Error).message}. Start it with: bash scripts/start-services.sh`,
       { cause: err },
     );
@@ -124,15 +125,4 @@ export async function openTestStore(dataDir: string, options: CreateTestDatabase
       await database.drop();
     },
   };
-}
-
-/** The URL without its password, for messages. */
-function redact(url: string): string {
-  try {
-    const u = new URL(url);
-    if (u.password) u.password = '***';
-    return u.toString();
-  } catch {
-    return '(not a URL)';
-  }
 }
