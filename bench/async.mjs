@@ -5,12 +5,19 @@
  * next to synchronous calls of the same function measured in the same run. Prints figures and the
  * targets of issue 4; asserts nothing about timing (shared, noisy machines).
  *
+ * On the embedded SQLite store, and with `--database-url <url>` (or FERRY_DATABASE_URL) also on
+ * PostgreSQL, one store after the other, then both side by side. The URL names any database of the
+ * PostgreSQL server the user may create databases on (e.g. postgres://postgres@127.0.0.1:5432/postgres):
+ * the bench creates its own database there, runs Ferry on it and drops it at the end.
+ *
  *   npm run build && npm run bench:async
+ *   npm run bench:async -- --database-url postgres://postgres@127.0.0.1:5432/postgres
  *   BENCH_DURATION=10 BENCH_WARMUP=2 BENCH_CONNECTIONS=32 BENCH_SYNC_DURATION=5 npm run bench:async
  */
 import autocannon from 'autocannon';
 import {
   cpuMs,
+  createDatabase,
   envInt,
   fetchMetrics,
   fmt,
@@ -18,6 +25,7 @@ import {
   loadAverage,
   machineReport,
   metricSum,
+  pgDatabaseStats,
   replicaGauges,
   requireDist,
   runMain,
@@ -168,15 +176,32 @@ async function syncLoad(url, headers) {
   };
 }
 
-async function main() {
-  requireDist();
-  console.log('Ferry bench: async runs of a no-op function, accepted and completed per second\n');
-  console.log(machineReport());
+/** The PostgreSQL server to measure on too: `--database-url <url>`, `--database-url=<url>` or FERRY_DATABASE_URL. */
+function databaseUrlArgument() {
+  const args = process.argv.slice(2);
+  for (let i = 0; i < args.length; i++) {
+    if (args[i] === '--database-url') return args[i + 1];
+    if (args[i].startsWith('--database-url=')) return args[i].slice('--database-url='.length);
+    console.error(`unknown argument ${args[i]} (the bench takes --database-url <postgres://...> only)`);
+    process.exit(2);
+  }
+  return process.env.FERRY_DATABASE_URL || undefined;
+}
 
-  const { auth, ferry } = await startDeployed('async', APP, APP_FILES, {
+/** The whole bench on one store: prints its tables and returns the figures for the side-by-side table. */
+async function measure(store) {
+  console.log(`\n=== Store: ${store.name} ===\n`);
+  const env = {
     FERRY_MAX_ASYNC_BACKLOG: String(MAX_ASYNC_BACKLOG),
     FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT: String(MAX_ASYNC_BACKLOG),
-  });
+  };
+  if (store.adminUrl) {
+    env.FERRY_DATABASE_URL = await createDatabase(store.adminUrl, 'ferry_bench_');
+    console.log(
+      `database: ${new URL(env.FERRY_DATABASE_URL).pathname.slice(1)} (created for this run, dropped at the end)`,
+    );
+  }
+  const { auth, ferry } = await startDeployed(`async-${store.key}`, APP, APP_FILES, env);
   console.log(
     `FERRY_MAX_ASYNC_BACKLOG=FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT=${MAX_ASYNC_BACKLOG} (so 429s do not cap the accept rate)`,
   );
@@ -240,6 +265,7 @@ async function main() {
       latencies.push(ms);
     }
   });
+  const pg0 = env.FERRY_DATABASE_URL ? await pgDatabaseStats(env.FERRY_DATABASE_URL) : undefined;
   const cpu0 = { ferry: cpuMs(ferry.child.pid), replicas: replicaCpu(ferry), self: process.cpuUsage() };
   const t0 = performance.now();
   const result = await instance;
@@ -382,6 +408,28 @@ async function main() {
     ]),
   );
   console.log('(Ferry per run in the load phase: CPU / 202s, though it also completed runs during the load.)');
+  let pgWork;
+  if (pg0) {
+    // pg_stat_database is published about once a second: wait for the figures of the drain to arrive.
+    await sleep(1500);
+    const pg1 = await pgDatabaseStats(env.FERRY_DATABASE_URL);
+    const per = (n) => fmt(n / committed, 2);
+    pgWork = {
+      commitsPerRun: (pg1.commits - pg0.commits) / committed,
+      updatedPerRun: (pg1.updated - pg0.updated) / committed,
+      backendCpuPerRunUs: ((pg1.backendCpuMs - pg0.backendCpuMs) / committed) * 1000,
+      backendCpuPct: ((pg1.backendCpuMs - pg0.backendCpuMs) / (totalSeconds * 1000)) * 100,
+    };
+    console.log(
+      `\nPostgreSQL, load start -> empty (${fmt(totalSeconds, 1)} s, ${committed} runs): ` +
+        `${pg1.commits - pg0.commits} transactions committed (${per(pg1.commits - pg0.commits)} per run), ` +
+        `rows inserted ${pg1.inserted - pg0.inserted} (${per(pg1.inserted - pg0.inserted)}), ` +
+        `updated ${pg1.updated - pg0.updated} (${per(pg1.updated - pg0.updated)}), ` +
+        `fetched ${pg1.fetched - pg0.fetched} (${per(pg1.fetched - pg0.fetched)}); ` +
+        `its ${pg1.backends} backends for Ferry: ${fmt(pgWork.backendCpuPct, 0)}% of a core, ` +
+        `${fmt(pgWork.backendCpuPerRunUs, 0)} µs per run`,
+    );
+  }
 
   const valid =
     !drainError &&
@@ -391,7 +439,7 @@ async function main() {
     committed >= acceptedCount &&
     succeeded === committed;
   const verdict = (met) => (valid ? (met ? 'met' : 'NOT met') : 'not judged (errors, or runs not finished)');
-  console.log('\nTargets (issue 4)\n');
+  console.log(`\nTargets (issue 4; set for SQLite, the embedded default, and shown for ${store.name})\n`);
   console.log(
     table([
       ['figure', 'value', 'target', 'verdict'],
@@ -412,7 +460,7 @@ async function main() {
     ]),
   );
   console.log(
-    '\nNotes: an async call is answered 202 only once its run is committed to SQLite (group commit); the' +
+    `\nNotes: an async call is answered 202 only once its run is committed to ${store.name} (group commit); the` +
       ' runs are executed by the same server while it accepts more, so (a) and (b) share its one event loop.' +
       ' Completions are read from ferry_runs_total every ' +
       `${SAMPLE_MS} ms (the drain's end has that resolution); the backlog is confirmed empty through the API.`,
@@ -420,6 +468,78 @@ async function main() {
   console.log(`sandbox: ${sandbox.observed}; ferry doctor: ${sandbox.doctor}`);
   console.log(`load average at end: ${loadAverage()}`);
   if (drainError) throw drainError;
+  // The next store gets the machine to itself (this server's cleanup stays registered; stopping twice is fine).
+  await ferry.stop();
+  return {
+    store: store.name,
+    valid,
+    sync,
+    acceptRate,
+    acceptP50: lat.median,
+    acceptP99: lat.p99,
+    duringLoad: endedInLoad / accSeconds,
+    completedRate,
+    drainSeconds,
+    peakBacklog,
+    cpuPerRunUs: ((cpu1.ferry - cpu0.ferry) / acceptedCount) * 1000,
+    ferryCpuPct: ((cpu1.ferry - cpu0.ferry) / (accSeconds * 1000)) * 100,
+    pgWork,
+  };
+}
+
+/** One row per figure, one column per store, and the ratio of the second store to the first. */
+function sideBySide(results) {
+  const [a, b] = results;
+  const row = (label, pick, digits = 0) => [
+    label,
+    ...results.map((r) => fmt(pick(r), digits)),
+    b ? fmt(pick(b) / pick(a), 2) : '-',
+  ];
+  return table([
+    ['figure', ...results.map((r) => r.store), b ? `${b.store} / ${a.store}` : ''],
+    row('(s) sync calls/s', (r) => r.sync.rate),
+    row('(a) async accepted (202)/s', (r) => r.acceptRate),
+    row('(a) 202 latency p50 ms', (r) => r.acceptP50, 2),
+    row('(a) 202 latency p99 ms', (r) => r.acceptP99, 2),
+    row('(b) async completed/s during the load', (r) => r.duringLoad),
+    row('(d) async completed/s, start -> empty', (r) => r.completedRate),
+    row('drain after the load, s', (r) => r.drainSeconds, 1),
+    row('peak backlog (runs)', (r) => r.peakBacklog),
+    row('Ferry CPU in the load, % of a core', (r) => r.ferryCpuPct),
+    row('Ferry CPU per 202, µs', (r) => r.cpuPerRunUs),
+  ]);
+}
+
+/** PostgreSQL's own work per run, when it was measured. */
+function databaseWork(results) {
+  const rows = results.filter((r) => r.pgWork);
+  if (rows.length === 0) return '';
+  return table([
+    ['database work per run (load start -> empty)', ...rows.map((r) => r.store)],
+    ['transactions committed', ...rows.map((r) => fmt(r.pgWork.commitsPerRun, 2))],
+    ['rows updated', ...rows.map((r) => fmt(r.pgWork.updatedPerRun, 2))],
+    ['backends CPU, µs', ...rows.map((r) => fmt(r.pgWork.backendCpuPerRunUs, 0))],
+    ['backends CPU, % of a core', ...rows.map((r) => fmt(r.pgWork.backendCpuPct, 0))],
+  ]);
+}
+
+async function main() {
+  requireDist();
+  console.log('Ferry bench: async runs of a no-op function, accepted and completed per second\n');
+  console.log(machineReport());
+  const adminUrl = databaseUrlArgument();
+  const stores = [{ key: 'sqlite', name: 'SQLite' }];
+  if (adminUrl) stores.push({ key: 'postgres', name: 'PostgreSQL', adminUrl });
+  else console.log('(SQLite only: pass --database-url postgres://... to measure PostgreSQL side by side)');
+  const results = [];
+  for (const store of stores) results.push(await measure(store));
+  console.log(`\n=== Side by side (${results.map((r) => r.store).join(', ')}; one after the other, same knobs) ===\n`);
+  console.log(sideBySide(results));
+  const work = databaseWork(results);
+  if (work) console.log(`\n${work}`);
+  const invalid = results.filter((r) => !r.valid).map((r) => r.store);
+  if (invalid.length > 0) console.log(`\nnot judged (errors, or runs not finished) on: ${invalid.join(', ')}`);
+  console.log(`load average at end: ${loadAverage()}`);
 }
 
 await runMain(main);

@@ -2,10 +2,11 @@
  * Shared helpers of the benches (bench/run-sync.mjs, cold-start.mjs, async.mjs, stream.mjs, webhooks.mjs):
  * a real `ferry serve` child process on a temp data dir, bootstrap and deploy through the CLI and the HTTP
  * API, cleanup that also runs on Ctrl-C and errors, nginx (installed with apt-get when missing), metrics
- * from GET /metrics, and small statistics and table helpers. Plain ESM on node:* built-ins plus yazl and
- * undici (dependencies of Ferry itself).
+ * from GET /metrics, a throwaway PostgreSQL database, and small statistics and table helpers. Plain ESM on
+ * node:* built-ins plus yazl, undici and pg (dependencies of Ferry itself).
  */
 import { execFileSync, spawn, spawnSync } from 'node:child_process';
+import crypto from 'node:crypto';
 import fs from 'node:fs';
 import fsp from 'node:fs/promises';
 import net from 'node:net';
@@ -217,6 +218,62 @@ export function runCommand(file, args, options = {}) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// PostgreSQL
+
+/**
+ * Creates a fresh database `<prefix><random hex>` on the PostgreSQL server of `adminUrl` (any database
+ * there the user may create databases from) and returns its URL; the cleanup drops it, after the Ferry
+ * started later has stopped (cleanups run last-registered first).
+ */
+export async function createDatabase(adminUrl, prefix) {
+  const { default: pg } = await import('pg');
+  const name = `${prefix}${crypto.randomBytes(6).toString('hex')}`;
+  const admin = async (statement) => {
+    const client = new pg.Client({ connectionString: adminUrl, connectionTimeoutMillis: 10_000 });
+    client.on('error', () => {});
+    await client.connect();
+    try {
+      await client.query(statement);
+    } finally {
+      await client.end().catch(() => {});
+    }
+  };
+  await admin(`CREATE DATABASE "${name}"`);
+  onCleanup(() => admin(`DROP DATABASE IF EXISTS "${name}" WITH (FORCE)`));
+  const url = new URL(adminUrl);
+  url.pathname = `/${name}`;
+  return url.toString();
+}
+
+/**
+ * What PostgreSQL did for the database of `databaseUrl` so far: transactions committed and rows written
+ * (pg_stat_database; the server publishes these about once a second), and the CPU time of the backends
+ * connected to it now (from /proc: the bench runs on the database's machine).
+ */
+export async function pgDatabaseStats(databaseUrl) {
+  const { default: pg } = await import('pg');
+  const name = new URL(databaseUrl).pathname.slice(1);
+  const client = new pg.Client({ connectionString: databaseUrl, connectionTimeoutMillis: 10_000 });
+  client.on('error', () => {});
+  await client.connect();
+  try {
+    const stats = await client.query(
+      'select xact_commit::float8 as commits, tup_inserted::float8 as inserted, tup_updated::float8 as updated,' +
+        ' tup_fetched::float8 as fetched from pg_stat_database where datname = $1',
+      [name],
+    );
+    const backends = await client.query(
+      'select pid from pg_stat_activity where datname = $1 and pid <> pg_backend_pid()',
+      [name],
+    );
+    const cpu = backends.rows.map((r) => cpuMs(r.pid)).filter((ms) => !Number.isNaN(ms));
+    return { ...stats.rows[0], backends: cpu.length, backendCpuMs: cpu.reduce((a, b) => a + b, 0) };
+  } finally {
+    await client.end().catch(() => {});
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Ferry
 
 /** The environment for Ferry's processes: only what they need, plus the sandbox switch when set. */
@@ -228,10 +285,13 @@ function ferryEnv(extra = {}) {
   return env;
 }
 
-/** `ferry admin bootstrap --json` on the data dir: the project id and an owner token (manage + run). */
-export async function bootstrapProject(dataDir) {
+/**
+ * `ferry admin bootstrap --json` on the data dir: the project id and an owner token (manage + run).
+ * `env`: the server's settings (FERRY_DATABASE_URL among them, so it bootstraps the same store).
+ */
+export async function bootstrapProject(dataDir, env = {}) {
   const res = await runCommand(process.execPath, [FERRY_BIN, 'admin', 'bootstrap', '--data-dir', dataDir, '--json'], {
-    env: ferryEnv(),
+    env: ferryEnv(env),
   });
   if (res.code !== 0) throw new Error(`ferry admin bootstrap failed (${res.code}):\n${res.stdout}${res.stderr}`);
   const { project_id: projectId, token } = JSON.parse(res.stdout);
@@ -687,7 +747,7 @@ export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
  */
 export async function startDeployed(label, app, files, env = {}) {
   const dataDir = await tempDir(`ferry-bench-${label}-`);
-  const auth = await bootstrapProject(dataDir);
+  const auth = await bootstrapProject(dataDir, env);
   const ferry = await startFerry(dataDir, { env });
   const settings = Object.entries(env).map(([name, value]) => `${name}=${value}`);
   console.log(

@@ -3,10 +3,15 @@ import { spawnSync } from 'node:child_process';
 // Runs the compiled test files under dist/test with Node's own test runner (spec reporter, so the run
 // ends with its summary). `npm test` builds first. Pass file name fragments to run only some:
 //   npm run test:only -- zip auth
+// The files under dist/test/postgres/ run tests again on PostgreSQL (test/helpers/store.ts). When they are
+// selected and PostgreSQL's port is closed, scripts/start-services.sh starts it first; if it cannot, the
+// tests still run and the PostgreSQL ones fail saying why (they never skip).
 import { readdirSync } from 'node:fs';
+import net from 'node:net';
 import path from 'node:path';
 
-const root = path.resolve(import.meta.dirname, '..', 'dist', 'test');
+const repo = path.resolve(import.meta.dirname, '..');
+const root = path.join(repo, 'dist', 'test');
 const filters = process.argv.slice(2);
 const files = readdirSync(root, { recursive: true })
   .map(String)
@@ -18,6 +23,33 @@ if (files.length === 0) {
   console.error('no test files matched');
   process.exit(1);
 }
+
+/** Whether something accepts TCP connections at host:port (within 2 s). */
+function portOpen(host, port) {
+  return new Promise((resolve) => {
+    const socket = net.connect({ host, port, timeout: 2000 });
+    const done = (open) => {
+      socket.destroy();
+      resolve(open);
+    };
+    socket.once('connect', () => done(true));
+    socket.once('timeout', () => done(false));
+    socket.once('error', () => done(false));
+  });
+}
+
+if (files.some((f) => f.includes(`${path.sep}postgres${path.sep}`))) {
+  const admin = new URL(process.env.FERRY_TEST_PG_ADMIN_URL || 'postgres://postgres@127.0.0.1:5432/postgres');
+  if (!(await portOpen(admin.hostname, Number(admin.port || 5432)))) {
+    console.log(
+      `PostgreSQL does not answer at ${admin.hostname}:${admin.port || 5432}: running scripts/start-services.sh`,
+    );
+    const started = spawnSync('bash', [path.join(repo, 'scripts', 'start-services.sh')], { stdio: 'inherit' });
+    if (started.status !== 0)
+      console.error('\nscripts/start-services.sh failed: the PostgreSQL tests will fail (see above why)\n');
+  }
+}
+
 const result = spawnSync(
   process.execPath,
   ['--enable-source-maps', '--test', '--test-reporter=spec', '--test-concurrency=2', ...files],

@@ -1,7 +1,8 @@
 /**
  * Invariants 1 and 2 under a real crash: a `ferry serve` process accepts 200 async runs carrying webhooks,
  * is killed with SIGKILL while they are queued and running, and starts again. Every accepted run must
- * reach a terminal state and every run's webhook must be delivered at least once.
+ * reach a terminal state and every run's webhook must be delivered at least once. On PostgreSQL
+ * (test/postgres/) both processes and the CLI use one fresh database.
  */
 import assert from 'node:assert/strict';
 import http from 'node:http';
@@ -9,6 +10,7 @@ import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { http as call, REPO_ROOT, runCli, type ServeProcess, spawnServe, tempDir, waitFor } from './helpers/ferry.js';
+import { createTestDatabase, type TestDatabase, testStoreKind } from './helpers/store.js';
 
 const RUNS = 200;
 
@@ -18,10 +20,15 @@ describe('durability across SIGKILL', () => {
   let receiver: http.Server;
   let hookUrl: string;
   const delivered = new Map<string, { status_code: number; error?: { code: string } }>();
-  const env = { FERRY_WEBHOOK_ALLOW: '127.0.0.0/8' };
+  let database: TestDatabase | undefined;
+  const env: NodeJS.ProcessEnv = { FERRY_WEBHOOK_ALLOW: '127.0.0.0/8' };
 
   before(async () => {
     dataDir = await tempDir();
+    if (testStoreKind() === 'postgres') {
+      database = await createTestDatabase();
+      env.FERRY_DATABASE_URL = database.url;
+    }
     receiver = http.createServer((req, res) => {
       const chunks: Buffer[] = [];
       req.on('data', (c: Buffer) => chunks.push(c));
@@ -38,10 +45,12 @@ describe('durability across SIGKILL', () => {
   after(async () => {
     await serve?.stop('SIGKILL');
     receiver.close();
+    await database?.drop();
   });
 
   it('finishes every accepted run and delivers every webhook after a crash', { timeout: 240_000 }, async () => {
-    const boot = await runCli(['admin', 'bootstrap', '--data-dir', dataDir, '--json']);
+    const boot = await runCli(['admin', 'bootstrap', '--data-dir', dataDir, '--json'], env);
+    assert.equal(boot.code, 0, boot.stderr);
     const { project_id: projectId, token } = JSON.parse(boot.stdout);
     const cliEnv = { FERRY_URL: serve.url, FERRY_TOKEN: token, FERRY_PROJECT: projectId };
     const app = await tempDir('ferry-app-');

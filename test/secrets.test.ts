@@ -1,6 +1,6 @@
 /**
  * Secrets: the four routes on a real server, the auth matrix, name and value rules, encryption at rest
- * (checked in the store and in the raw SQLite files), AAD binding, `secretEnvironment`, and the CLI with
+ * (checked in every table of the store, and in the raw SQLite files on SQLite), AAD binding, `secretEnvironment`, and the CLI with
  * the value piped on stdin.
  */
 import assert from 'node:assert/strict';
@@ -9,6 +9,7 @@ import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import { sql } from 'kysely';
 import { decryptSecret, encryptSecret, secretEnvironment, setSecret } from '../src/secrets/secrets.js';
 import { FERRY_BIN, http, type Response, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 
@@ -336,11 +337,35 @@ describe('secrets API', () => {
       .execute();
     assert.equal((await secretEnvironment(server.services.store, key, projectId)).AT_REST, plain);
 
-    // Nowhere in the SQLite files either (the WAL holds recent writes).
-    for (const file of ['ferry.db', 'ferry.db-wal']) {
-      const bytes = await fs.readFile(path.join(server.dataDir, file)).catch(() => Buffer.alloc(0));
-      for (const v of values.filter((x) => x.length >= 8)) {
-        assert.equal(bytes.indexOf(Buffer.from(v, 'utf8')), -1, `${file} holds a plaintext value`);
+    // Nowhere in the store: no column of any table holds a value in plain text.
+    const tables = await server.services.store.introspection.getTables();
+    assert.ok(
+      tables.some((t) => t.name === 'secrets'),
+      'the tables are listed',
+    );
+    let cells = 0;
+    for (const table of tables) {
+      const rows = await sql<Record<string, unknown>>`select * from ${sql.table(table.name)}`.execute(
+        server.services.store,
+      );
+      for (const row of rows.rows) {
+        for (const [column, cell] of Object.entries(row)) {
+          if (typeof cell !== 'string') continue;
+          cells += 1;
+          for (const v of values.filter((x) => x.length >= 8)) {
+            assert.ok(!cell.includes(v), `${table.name}.${column} holds a plaintext value`);
+          }
+        }
+      }
+    }
+    assert.ok(cells > 0, 'the store was read');
+    // Nor in the SQLite files (the WAL holds recent writes), where the store is SQLite.
+    if (server.databaseUrl === undefined) {
+      for (const file of ['ferry.db', 'ferry.db-wal']) {
+        const bytes = await fs.readFile(path.join(server.dataDir, file)).catch(() => Buffer.alloc(0));
+        for (const v of values.filter((x) => x.length >= 8)) {
+          assert.equal(bytes.indexOf(Buffer.from(v, 'utf8')), -1, `${file} holds a plaintext value`);
+        }
       }
     }
   });

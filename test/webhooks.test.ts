@@ -4,8 +4,9 @@
  * TypeScript verifier and the Python snippet of docs/webhooks.md on real deliveries, the address guard,
  * restarts, redelivery, the 7-day secret purge, and throughput.
  *
- * The deliverer is driven directly on a real SQLite store (one per test, so no two deliverers ever share
- * an outbox); rows are inserted as the run recorder writes them.
+ * The deliverer is driven directly on a real store (one per test, so no two deliverers ever share an
+ * outbox: a SQLite file, or a fresh PostgreSQL database under test/postgres/); rows are inserted as the
+ * run recorder writes them.
  */
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
@@ -20,7 +21,7 @@ import { createNodeLease } from '../src/cluster/node.js';
 import { createRecovery } from '../src/cluster/recovery.js';
 import { FerryError } from '../src/errors.js';
 import { uuidv7 } from '../src/ids.js';
-import { openSqliteStore, type Store } from '../src/store/index.js';
+import type { Store } from '../src/store/index.js';
 import { blockedReason, embeddedIpv4, parseAllowList } from '../src/webhooks/address-guard.js';
 import { createWebhookDeliverer, type WebhookDelivererOptions } from '../src/webhooks/deliverer.js';
 import {
@@ -35,6 +36,7 @@ import { signWebhook, verifyWebhook } from '../src/webhooks/signature.js';
 import { webhookView } from '../src/webhooks/view.js';
 import { REPO_ROOT, http as request, startServer, tempDir, waitFor } from './helpers/ferry.js';
 import { type Received, type Receiver, type Step, startReceiver } from './helpers/receiver.js';
+import { openTestStore } from './helpers/store.js';
 
 const KEY = randomBytes(32);
 const LOOPBACK = '127.0.0.0/8,::1/128';
@@ -66,7 +68,8 @@ interface Harness {
 
 async function harness(t: TestContext, overrides: Partial<WebhookDelivererOptions> = {}): Promise<Harness> {
   const dir = await tempDir('ferry-webhooks-');
-  const store = await openSqliteStore({ dataDir: dir });
+  const opened = await openTestStore(dir);
+  const { store } = opened;
   const logs: LogLine[] = [];
   const logger = pino({ level: 'debug' }, { write: (line: string) => void logs.push(JSON.parse(line)) });
   const make = (o: Partial<WebhookDelivererOptions>) => {
@@ -176,7 +179,7 @@ async function harness(t: TestContext, overrides: Partial<WebhookDelivererOption
   };
   t.after(async () => {
     await h.deliverer.close();
-    await store.destroy();
+    await opened.close();
     await fs.rm(dir, { recursive: true, force: true });
   });
   return h;

@@ -1,7 +1,8 @@
 /**
  * The `ferry` command line: parses the arguments with the command tree of `program.ts` and turns a
- * `CliError` into one readable line and an exit code.
+ * `CliError` (or a store that cannot be reached) into one readable line and an exit code.
  */
+import { StoreUnavailableError } from '../store/index.js';
 import { CliError } from './client.js';
 import { createProgram } from './program.js';
 
@@ -11,6 +12,11 @@ try {
   if (err instanceof CliError) {
     process.stderr.write(`ferry: ${err.message}\n`);
     process.exit(err.exitCode);
+  }
+  // The database of --database-url cannot be reached: the message names it and the reason.
+  if (err instanceof StoreUnavailableError) {
+    process.stderr.write(`ferry: ${err.message}\n`);
+    process.exit(1);
   }
   const message = err instanceof Error ? err.message : String(err);
   process.stderr.write(`ferry: unexpected error: ${message}\n`);

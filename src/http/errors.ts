@@ -1,12 +1,14 @@
 /**
  * Turns anything a route throws into Ferry's error body. Known errors keep their code and status;
  * Fastify's own errors (validation, content type, body size, bad JSON, bad URL) become the matching Ferry
- * code; anything else is a logged 500 whose body says nothing about the cause.
+ * code; a store that cannot be reached is a 503 with Retry-After; anything else is a logged 500 whose body
+ * says nothing about the cause.
  */
 import { maxHeaderSize, STATUS_CODES } from 'node:http';
 import type { Socket } from 'node:net';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import { type ErrorCode, FerryError } from '../errors.js';
+import { isStoreUnavailable } from '../store/index.js';
 import { acceptedType, bodyTooLarge, unsupportedMediaType } from './body-parsers.js';
 
 const FASTIFY_CODES: Record<string, ErrorCode> = {
@@ -19,12 +21,22 @@ const FASTIFY_CODES: Record<string, ErrorCode> = {
   FST_ERR_BAD_URL: 'FERRY_BAD_URL',
 };
 
+/** Seconds a caller is asked to wait after a store outage: about what a database restart or failover takes. */
+const STORE_RETRY_AFTER_S = '5';
+
 /**
  * Maps any thrown value to a FerryError (internal errors become FERRY_INTERNAL). With the request, a 415
- * names the type the route takes and a 413 states the route's limit.
+ * names the type the route takes and a 413 states the route's limit. A store that cannot be reached, even
+ * when a run's code wrapped it in FERRY_INTERNAL, is FERRY_STORE_UNAVAILABLE.
  */
 export function toFerryError(err: unknown, request?: FastifyRequest): FerryError {
-  if (err instanceof FerryError) return err;
+  if (err instanceof FerryError && !(err.code === 'FERRY_INTERNAL' && isStoreUnavailable(err.cause))) return err;
+  if (isStoreUnavailable(err)) {
+    return new FerryError('FERRY_STORE_UNAVAILABLE', undefined, {
+      cause: err,
+      headers: { 'retry-after': STORE_RETRY_AFTER_S },
+    });
+  }
   const fe = err as Partial<FastifyError> & { validation?: unknown; statusCode?: number };
   if (fe && typeof fe === 'object') {
     if (fe.validation)
@@ -54,6 +66,7 @@ export function errorHandler(err: unknown, request: FastifyRequest, reply: Fasti
   const ferry = toFerryError(err, request);
   const runId = request.runId;
   if (ferry.code === 'FERRY_INTERNAL') request.log.error({ err, runId }, 'unhandled error');
+  if (ferry.code === 'FERRY_STORE_UNAVAILABLE') request.log.warn({ err, runId }, 'the store cannot be reached');
   // The caller hung up on a run: an everyday event, and nobody is left to answer.
   if (ferry.code === 'FERRY_CLIENT_GONE') request.log.debug({ runId }, 'the caller disconnected before the run ended');
   const body: Record<string, unknown> = ferry.toJSON();

@@ -9,6 +9,7 @@ import SqliteDatabase from 'better-sqlite3';
 import { Kysely, Migrator, PostgresAdapter, PostgresDialect, SqliteDialect } from 'kysely';
 import pg from 'pg';
 import { migrationProvider } from './migrations.js';
+import { isStoreUnavailable, reportingOutages, unreachableAt } from './outage.js';
 import type { Database } from './schema.js';
 
 export type Store = Kysely<Database>;
@@ -68,12 +69,13 @@ export async function openPostgresStore(options: { databaseUrl: string; poolSize
   // An idle connection that breaks (the server restarted) is dropped from the pool; the next query that
   // needs one opens a new connection. Without a listener this event would end the process.
   pool.on('error', () => {});
-  const db = new Kysely<Database>({ dialect: new PostgresDialect({ pool }) });
+  // Errors meaning the server cannot be reached are thrown as StoreUnavailableError (a 503, not a 500).
+  const db = new Kysely<Database>({ dialect: new PostgresDialect({ pool: reportingOutages(pool) }) });
   try {
     await migrate(db);
   } catch (err) {
     await db.destroy();
-    throw err;
+    throw isStoreUnavailable(err) ? unreachableAt(options.databaseUrl, err) : err;
   }
   return db;
 }
@@ -108,4 +110,5 @@ export async function migrate(db: Kysely<Database>): Promise<void> {
   }
 }
 
+export { isStoreUnavailable, StoreUnavailableError } from './outage.js';
 export type { Database } from './schema.js';

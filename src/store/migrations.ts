@@ -2,9 +2,10 @@
  * Schema migrations, in code, applied in order by Kysely's Migrator at start.
  *
  * Written with Kysely's schema builder and portable types only, so the same migrations create the
- * PostgreSQL schema when Ferry is scaled out. Never edit a released migration: add a new one.
+ * PostgreSQL schema when Ferry is scaled out. Never edit a released migration: add a new one. A migration
+ * that must differ on PostgreSQL asks `isPostgres` (this folder is the only place allowed to).
  */
-import type { Kysely, Migration, MigrationProvider } from 'kysely';
+import { type Kysely, type Migration, type MigrationProvider, PostgresAdapter, sql } from 'kysely';
 
 const migrations: Record<string, Migration> = {
   '0001_initial': {
@@ -200,7 +201,35 @@ const migrations: Record<string, Migration> = {
       await db.schema.alterTable('builds').addColumn('owner', 'text').execute();
     },
   },
+  '0007_postgres_byte_order': {
+    async up(db: Kysely<unknown>) {
+      // SQLite compares text by bytes (BINARY); PostgreSQL by the database's collation, which is whatever
+      // the cluster was created with (en_US.UTF-8 on many hosts, where '-' is ignored and 'a' < 'B'). Ferry
+      // pages and claims with `id < before`, `next_attempt_at <= now` and ORDER BY on text ids, timestamps
+      // and names, and must mean the same on both stores, whatever the locale: every text column of
+      // Ferry's tables compares by bytes ("C", which also makes comparisons plain memcmp). A text column
+      // added by a later migration needs COLLATE "C" on PostgreSQL too (test/store-collation.test.ts).
+      if (!isPostgres(db)) return;
+      const { rows } = await sql<{ table_name: string; column_name: string }>`
+        select table_name, column_name from information_schema.columns
+        where table_schema = current_schema() and data_type = 'text'
+          and table_name not in ('kysely_migration', 'kysely_migration_lock')
+          and collation_name is distinct from 'C'
+        order by table_name, ordinal_position`.execute(db);
+      const byTable = new Map<string, string[]>();
+      for (const r of rows) byTable.set(r.table_name, [...(byTable.get(r.table_name) ?? []), r.column_name]);
+      for (const [table, columns] of byTable) {
+        const changes = columns.map((c) => sql`alter column ${sql.ref(c)} type text collate "C"`);
+        await sql`alter table ${sql.table(table)} ${sql.join(changes)}`.execute(db);
+      }
+    },
+  },
 };
+
+/** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */
+function isPostgres(db: Kysely<unknown>): boolean {
+  return db.getExecutor().adapter instanceof PostgresAdapter;
+}
 
 /** Hands Kysely's Migrator the migrations above. */
 export const migrationProvider: MigrationProvider = {

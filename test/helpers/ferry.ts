@@ -1,6 +1,7 @@
 /**
  * Test helpers: a Ferry server in this process on a real socket (port 0), a real `ferry serve` child
- * process, the CLI as a child process, and a small HTTP helper. Every server gets its own temp data dir.
+ * process, the CLI as a child process, and a small HTTP helper. Every server gets its own temp data dir,
+ * and on PostgreSQL (`FERRY_TEST_STORE=postgres`, test/helpers/store.ts) its own fresh database.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import fs from 'node:fs/promises';
@@ -13,6 +14,7 @@ import { resolveServerConfig, type ServerConfig } from '../../src/config.js';
 import { buildServer, type FerryServer } from '../../src/http/server.js';
 import { createLogger } from '../../src/logger.js';
 import { createServices, type Services } from '../../src/services.js';
+import { createTestDatabase, type TestDatabase, testStoreKind } from './store.js';
 
 /** The repository root (tests run from dist/test, two levels below). */
 export const REPO_ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..', '..', '..');
@@ -27,11 +29,17 @@ export interface TestServer {
   services: Services;
   app: FerryServer;
   dataDir: string;
+  /** The PostgreSQL database the server uses (undefined on SQLite). */
+  databaseUrl: string | undefined;
   bootstrap(projectName?: string): Promise<{ projectId: string; token: string }>;
   close(): Promise<void>;
 }
 
-/** Starts Ferry in this process on 127.0.0.1 with a fresh data dir (or the given one). */
+/**
+ * Starts Ferry in this process on 127.0.0.1 with a fresh data dir (or the given one). On PostgreSQL it also
+ * gets a fresh database, dropped by `close()`, unless the overrides name one (`databaseUrl`, or
+ * `FERRY_DATABASE_URL` in `env`).
+ */
 export async function startServer(
   overrides: Partial<ServerConfig> & {
     env?: NodeJS.ProcessEnv;
@@ -42,27 +50,48 @@ export async function startServer(
   const { log, ...configOverrides } = overrides;
   const dataDir = overrides.dataDir ?? (await tempDir());
   const config = { ...resolveServerConfig({ dataDir, port: 0 }, overrides.env ?? {}), ...configOverrides, dataDir };
+  let database: TestDatabase | undefined;
+  if (testStoreKind() === 'postgres' && !config.databaseUrl) {
+    database = await createTestDatabase();
+    config.databaseUrl = database.url;
+  }
   const logger = log
     ? createLogger({ level: log.level, pretty: false, destination: log.destination })
     : createLogger({ level: process.env.FERRY_TEST_LOG ?? 'silent', pretty: false });
-  const services = await createServices(config, logger);
-  const app = await buildServer(services);
-  await services.pipeline.recover();
-  await services.asyncWorker.start();
-  await services.replicas.warmUp();
-  const url = await app.listen({ host: '127.0.0.1', port: 0 });
+  let services: Services | undefined;
+  let app: FerryServer | undefined;
+  let url: string;
+  try {
+    services = await createServices(config, logger);
+    app = await buildServer(services);
+    await services.pipeline.recover();
+    await services.asyncWorker.start();
+    await services.replicas.warmUp();
+    url = await app.listen({ host: '127.0.0.1', port: 0 });
+  } catch (err) {
+    // A server that did not start leaves no database behind.
+    await app?.close().catch(() => {});
+    await services?.close().catch(() => {});
+    await database?.drop().catch(() => {});
+    throw err;
+  }
   return {
     url,
     services,
     app,
     dataDir,
+    databaseUrl: config.databaseUrl,
     async bootstrap(projectName = 'default') {
       const { project, token } = await bootstrapProject(services.store, services.jwtKey, { projectName });
       return { projectId: project.id, token };
     },
     async close() {
-      await app.close();
-      await services.close();
+      try {
+        await app.close();
+        await services.close();
+      } finally {
+        await database?.drop();
+      }
     },
   };
 }

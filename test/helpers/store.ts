@@ -1,0 +1,128 @@
+/**
+ * Which store the tests run on, and a fresh one per use.
+ *
+ * `FERRY_TEST_STORE` picks it: `sqlite` (the default: a ferry.db in the test's data dir) or `postgres` (a
+ * fresh database `ferry_t_<random hex>` on the PostgreSQL at `FERRY_TEST_PG_ADMIN_URL`, default
+ * postgres://postgres@127.0.0.1:5432/postgres, created here and dropped when the test is done). The files
+ * under test/postgres/ set it to `postgres` and import a test file, so one `node --test` run covers both.
+ * When PostgreSQL cannot be reached the tests fail with a message saying so; they never skip.
+ */
+import { randomBytes } from 'node:crypto';
+import pg from 'pg';
+import { openPostgresStore, openSqliteStore, type Store } from '../../src/store/index.js';
+import { withoutPassword } from '../../src/store/outage.js';
+
+export type TestStoreKind = 'sqlite' | 'postgres';
+
+export const DEFAULT_PG_ADMIN_URL = 'postgres://postgres@127.0.0.1:5432/postgres';
+
+/** The store this test process runs on, from `FERRY_TEST_STORE` (read at each call). */
+export function testStoreKind(): TestStoreKind {
+  const value = process.env.FERRY_TEST_STORE || 'sqlite';
+  if (value !== 'sqlite' && value !== 'postgres')
+    throw new Error(`FERRY_TEST_STORE must be sqlite or postgres, not "${value}"`);
+  return value;
+}
+
+/** The URL of a database to create the test databases from (any database the user may connect to). */
+export function pgAdminUrl(): string {
+  return process.env.FERRY_TEST_PG_ADMIN_URL || DEFAULT_PG_ADMIN_URL;
+}
+
+export interface TestDatabase {
+  /** The new database's name, `ferry_t_<hex>`. */
+  name: string;
+  /** A postgres:// URL of the new database, for `databaseUrl` or `FERRY_DATABASE_URL`. */
+  url: string;
+  /** Drops the database, closing whatever connections are still open to it. Safe to call twice. */
+  drop(): Promise<void>;
+}
+
+/** Runs `fn` with one client connected to the admin URL. */
+export async function withAdminClient<T>(fn: (client: pg.Client) => Promise<T>): Promise<T> {
+  const adminUrl = pgAdminUrl();
+  const client = new pg.Client({ connectionString: adminUrl, connectionTimeoutMillis: 10_000 });
+  // A server that terminates this connection must not crash the test process.
+  client.on('error', () => {});
+  try {
+    await client.connect();
+  } catch (err) {
+    throw new Error(
+      `FERRY_TEST_STORE=postgres needs a PostgreSQL at ${withoutPassword(adminUrl)} (FERRY_TEST_PG_ADMIN_URL), and it ` +
+        `cannot be reached: ${(err as Error).message}. Start it with: bash scripts/start-services.sh`,
+      { cause: err },
+    );
+  }
+  try {
+    return await fn(client);
+  } finally {
+    await client.end().catch(() => {});
+  }
+}
+
+export interface CreateTestDatabaseOptions {
+  /**
+   * An ICU locale for the database's default collation (e.g. `en-US`), to run Ferry on a database whose
+   * text order is not byte order; default: the server's default (this machine's: C.UTF-8).
+   */
+  icuLocale?: string;
+}
+
+/** Creates a fresh, empty database (Ferry's migrations run when a store opens it). */
+export async function createTestDatabase(options: CreateTestDatabaseOptions = {}): Promise<TestDatabase> {
+  const name = `ferry_t_${randomBytes(6).toString('hex')}`;
+  const locale = options.icuLocale
+    ? ` TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE '${options.icuLocale.replace(/[^A-Za-z0-9@=;_-]/g, '')}'`
+    : '';
+  await withAdminClient((client) => client.query(`CREATE DATABASE "${name}"${locale}`));
+  const url = new URL(pgAdminUrl());
+  url.pathname = `/${name}`;
+  let dropped: Promise<void> | undefined;
+  return {
+    name,
+    url: url.toString(),
+    drop() {
+      dropped ??= withAdminClient(async (client) => {
+        await client.query(`DROP DATABASE IF EXISTS "${name}" WITH (FORCE)`);
+      });
+      return dropped;
+    },
+  };
+}
+
+export interface TestStore {
+  store: Store;
+  kind: TestStoreKind;
+  /** The PostgreSQL database's URL (undefined on SQLite). */
+  databaseUrl: string | undefined;
+  /** Closes the store and, on PostgreSQL, drops its database. */
+  close(): Promise<void>;
+}
+
+/**
+ * Opens a store of the kind under test for a test that uses one directly: SQLite in `dataDir`, or
+ * PostgreSQL in a fresh database (created with `options`).
+ */
+export async function openTestStore(dataDir: string, options: CreateTestDatabaseOptions = {}): Promise<TestStore> {
+  if (testStoreKind() === 'sqlite') {
+    const store = await openSqliteStore({ dataDir });
+    return { store, kind: 'sqlite', databaseUrl: undefined, close: () => store.destroy() };
+  }
+  const database = await createTestDatabase(options);
+  let store: Store;
+  try {
+    store = await openPostgresStore({ databaseUrl: database.url });
+  } catch (err) {
+    await database.drop();
+    throw err;
+  }
+  return {
+    store,
+    kind: 'postgres',
+    databaseUrl: database.url,
+    async close() {
+      await store.destroy();
+      await database.drop();
+    },
+  };
+}
