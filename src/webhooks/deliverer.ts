@@ -319,6 +319,7 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
     outcomes = [];
     const now = nowIso(clock);
     const failed: Outcome[] = [];
+    const resetDone = new Set<string>();
     const attemptRows = batch
       .filter((o) => !o.interrupted)
       .map((o) => ({
@@ -340,6 +341,7 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
         }
         for (const o of batch) {
           const reset = inFlight.get(o.job.run_id)?.reset === true;
+          if (reset) resetDone.add(o.job.run_id);
           let set: {
             state: DeliveryState;
             attempts: number;
@@ -383,7 +385,19 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
       outcomes = batch.concat(outcomes);
       throw err;
     }
+    // A redelivery asked while this transaction ran found the attempt still in flight and only set its
+    // flag, after the flag was read: start its fresh budget now.
+    const lateResets = batch.filter((o) => inFlight.get(o.job.run_id)?.reset === true && !resetDone.has(o.job.run_id));
     for (const o of batch) inFlight.delete(o.job.run_id);
+    for (const o of lateResets) {
+      await store
+        .updateTable('webhook_deliveries')
+        .set({ state: 'pending', attempts: 0, next_attempt_at: now, updated_at: now, owner: null })
+        .where('run_id', '=', o.job.run_id)
+        .where('state', '!=', 'sending')
+        .execute();
+    }
+    if (lateResets.length > 0) again = true;
     for (const o of failed) {
       logger.warn(
         {
