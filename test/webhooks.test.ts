@@ -367,7 +367,9 @@ describe('delivery outcomes against a real receiver', () => {
     assert.equal(r.requests.length, 3);
     for (const a of await h.attempts(runId)) {
       assert.equal(a.error, 'timed out after 300 ms');
-      assert.ok(a.duration_ms >= 290 && a.duration_ms < 1_500, `duration ${a.duration_ms}`);
+      // Cut by the 300 ms timeout (the receiver never answers): the upper bound only tells it from a hang,
+      // generous because a loaded machine (the PostgreSQL run of this file) can be slow to fire the timer.
+      assert.ok(a.duration_ms >= 290 && a.duration_ms < 10_000, `duration ${a.duration_ms}`);
     }
     // Attempt n+1 arrives one timeout plus one delay after attempt n.
     const [g1, g2] = gaps(r.requests);
