@@ -21,6 +21,10 @@ export const ERRORS = {
   FERRY_HEADERS_TOO_LARGE: { status: 431, message: 'The request headers are larger than the server allows' },
   FERRY_REQUEST_TIMEOUT: { status: 408, message: 'The request was not received in time' },
   FERRY_INTERNAL: { status: 500, message: 'Internal error' },
+  FERRY_STORE_BUSY: {
+    status: 503,
+    message: 'The store is busy: another process holds a lock on the database; retry later',
+  },
 
   // Authentication and authorization
   FERRY_UNAUTHENTICATED: { status: 401, message: 'A bearer token is required' },
