@@ -13,7 +13,7 @@ import { monitorEventLoopDelay } from 'node:perf_hooks';
 import { after, before, describe, it } from 'node:test';
 import { createLogger } from '../src/logger.js';
 import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
-import { openSqliteStore } from '../src/store/index.js';
+import { openSqliteStore, probeStore } from '../src/store/index.js';
 import { deployFiles, http, REPO_ROOT, type Response, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 
 /** How long the lock is held at least. */
@@ -266,6 +266,34 @@ describe('the recorder on a locked store', () => {
       );
     } finally {
       await recorder.close();
+      await store.destroy();
+    }
+  });
+});
+
+describe('the health probe', () => {
+  it('answers promptly when the connection stays taken, and ok once it is free', { timeout: 30_000 }, async () => {
+    const store = await openSqliteStore({ dataDir: await tempDir() });
+    try {
+      assert.equal(await probeStore(store, 1000), 'ok');
+      let end: () => void = () => {};
+      const ended = new Promise<void>((resolve) => (end = resolve));
+      const events: string[] = [];
+      // A transaction that keeps the one connection across an await, as a slow caller would.
+      const held = store.transaction().execute(async (trx) => {
+        await trx.selectFrom('projects').select('id').execute();
+        events.push('transaction began');
+        await ended;
+      });
+      for (let i = 0; i < 500 && events.length === 0; i++) await sleep(10);
+      const probe = await probeStore(store, 200);
+      events.push(`probe ${probe}`);
+      end();
+      await held;
+      events.push('transaction ended');
+      assert.deepEqual(events, ['transaction began', 'probe unresponsive', 'transaction ended']);
+      assert.equal(await probeStore(store, 1000), 'ok');
+    } finally {
       await store.destroy();
     }
   });

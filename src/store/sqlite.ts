@@ -164,9 +164,10 @@ function isBusy(err: unknown): boolean {
 }
 
 function storeBusy(waitedMs: number, cause: unknown): FerryError {
+  const waited = waitedMs > 0 ? ` (waited ${waitedMs} ms)` : '';
   return new FerryError(
     'FERRY_STORE_BUSY',
-    `The store is busy: another process holds a lock on the database (waited ${waitedMs} ms); retry later`,
+    `The store is busy: another process holds a lock on the database${waited}; retry later`,
     { cause, headers: { 'retry-after': '1' } },
   );
 }
