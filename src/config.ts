@@ -52,6 +52,11 @@ export interface ServerConfig {
    * `<data-dir>/artifacts`); several processes may share it.
    */
   artifactsDir: string;
+  /**
+   * `FERRY_STORE_BUSY_TIMEOUT_MS`: how long a statement on the embedded SQLite store waits (off the event
+   * loop) while another process holds a lock on the file, before the request answers 503 FERRY_STORE_BUSY.
+   */
+  storeBusyTimeoutMs: number;
   /** Largest accepted archive upload, bytes. */
   maxUploadBytes: number;
   /** Largest accepted JSON body (management API and run endpoint), bytes. */
@@ -115,6 +120,7 @@ export const DEFAULTS = {
   host: '127.0.0.1',
   port: 8000,
   dataDir: './.ferry',
+  storeBusyTimeoutMs: 5000,
   maxUploadBytes: 256 * 1024 * 1024,
   maxBodyBytes: 10 * 1024 * 1024,
   logLevel: 'info',
@@ -187,6 +193,9 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     databaseUrl: checkDatabaseUrl(flags.databaseUrl ?? (env.FERRY_DATABASE_URL || undefined)),
     keysDir: path.resolve(flags.keysDir ?? (env.FERRY_KEYS_DIR || path.join(dataDir, 'keys'))),
     artifactsDir: path.resolve(flags.artifactsDir ?? (env.FERRY_ARTIFACTS_DIR || path.join(dataDir, 'artifacts'))),
+    storeBusyTimeoutMs:
+      intFrom(env.FERRY_STORE_BUSY_TIMEOUT_MS, 'FERRY_STORE_BUSY_TIMEOUT_MS', 0, 600_000) ??
+      DEFAULTS.storeBusyTimeoutMs,
     maxUploadBytes:
       intFrom(env.FERRY_MAX_UPLOAD_BYTES, 'FERRY_MAX_UPLOAD_BYTES', 1024, 16 * 1024 ** 3) ?? DEFAULTS.maxUploadBytes,
     maxBodyBytes: intFrom(env.FERRY_MAX_BODY_BYTES, 'FERRY_MAX_BODY_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.maxBodyBytes,

@@ -85,7 +85,11 @@ export interface Services {
 
 export async function createServices(config: ServerConfig, logger: Logger): Promise<Services> {
   const dataDir = prepareDataDir(config.dataDir);
-  const store = await openStore({ dataDir: dataDir.root, databaseUrl: config.databaseUrl });
+  const store = await openStore({
+    dataDir: dataDir.root,
+    databaseUrl: config.databaseUrl,
+    busyTimeoutMs: config.storeBusyTimeoutMs,
+  });
   const keys = prepareKeysDir(config.keysDir);
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));

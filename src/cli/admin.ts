@@ -88,7 +88,11 @@ export function serverAddress(
 
 async function withStore<T>(config: ServerConfig, fn: (store: Store, key: Uint8Array, root: string) => Promise<T>) {
   const dataDir = prepareDataDir(config.dataDir);
-  const store = await openStore({ dataDir: dataDir.root, databaseUrl: config.databaseUrl });
+  const store = await openStore({
+    dataDir: dataDir.root,
+    databaseUrl: config.databaseUrl,
+    busyTimeoutMs: config.storeBusyTimeoutMs,
+  });
   try {
     return await fn(store, loadOrCreateKey(path.join(prepareKeysDir(config.keysDir), 'jwt.key')), dataDir.root);
   } finally {

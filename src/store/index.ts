@@ -1,16 +1,15 @@
 /**
- * The store: one Kysely instance over the embedded SQLite file (or PostgreSQL later), migrated at open.
+ * The store: one Kysely instance over the embedded SQLite file (sqlite.ts) or PostgreSQL, migrated at open.
  *
  * Business code receives a `Store` and writes portable Kysely queries; only this folder knows which
  * dialect is underneath.
  */
-import path from 'node:path';
-import SqliteDatabase from 'better-sqlite3';
-import { Kysely, Migrator, PostgresAdapter, PostgresDialect, SqliteDialect } from 'kysely';
+import { Kysely, PostgresAdapter, PostgresDialect, sql } from 'kysely';
 import pg from 'pg';
-import { migrationProvider } from './migrations.js';
+import { migrate } from './migrate.js';
 import { isStoreUnavailable, reportingOutages, unreachableAt } from './outage.js';
 import type { Database } from './schema.js';
+import { type OpenSqliteStoreOptions, openSqliteStore, probeSqlite } from './sqlite.js';
 
 export type Store = Kysely<Database>;
 
@@ -80,35 +79,31 @@ export async function openPostgresStore(options: { databaseUrl: string; poolSize
   return db;
 }
 
-export interface OpenStoreOptions {
-  /** The data directory; the SQLite file is `<dataDir>/ferry.db`. */
-  dataDir: string;
-}
+/** What `/healthz` reports of the store: see probeStore. */
+export type StoreHealth = 'ok' | 'busy' | 'unresponsive';
 
-/** Opens (creating if needed) the embedded SQLite store and brings its schema up to date. */
-export async function openSqliteStore(options: OpenStoreOptions): Promise<Store> {
-  const file = path.join(options.dataDir, 'ferry.db');
-  const sqlite = new SqliteDatabase(file);
-  // WAL lets `ferry admin bootstrap` and the CLI read and write while `ferry serve` runs;
-  // busy_timeout makes a concurrent writer wait instead of failing with SQLITE_BUSY.
-  sqlite.pragma('journal_mode = WAL');
-  sqlite.pragma('synchronous = NORMAL');
-  sqlite.pragma('busy_timeout = 5000');
-  sqlite.pragma('foreign_keys = ON');
-  const db = new Kysely<Database>({ dialect: new SqliteDialect({ database: sqlite }) });
-  await migrate(db);
-  return db;
-}
-
-export async function migrate(db: Kysely<Database>): Promise<void> {
-  const migrator = new Migrator({ db, provider: migrationProvider });
-  const { error, results } = await migrator.migrateToLatest();
-  const failed = results?.find((r) => r.status === 'Error');
-  if (error || failed) {
-    const reason = error instanceof Error ? error.message : String(error ?? failed?.migrationName);
-    throw new Error(`Store migration failed: ${reason}`, { cause: error });
+/**
+ * Probes the store for `/healthz`, answering within about `timeoutMs` whatever the store does: `ok`;
+ * `busy` when SQLite's file is write-locked by another process (reads still answer; writes wait up to the
+ * busy timeout, then 503); `unresponsive` when the store did not answer in time. Throws when it failed.
+ */
+export async function probeStore(db: Store, timeoutMs: number): Promise<StoreHealth> {
+  const sqlite = probeSqlite(db, timeoutMs);
+  if (sqlite) return sqlite;
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<'unresponsive'>((resolve) => {
+    timer = setTimeout(() => resolve('unresponsive'), timeoutMs);
+  });
+  try {
+    return await Promise.race([sql`select 1`.execute(db).then(() => 'ok' as const), late]);
+  } finally {
+    clearTimeout(timer);
   }
 }
 
+export { migrate } from './migrate.js';
 export { isStoreUnavailable, StoreUnavailableError } from './outage.js';
 export type { Database } from './schema.js';
+export { openSqliteStore } from './sqlite.js';
+
+export type OpenStoreOptions = OpenSqliteStoreOptions;
