@@ -14,7 +14,16 @@ import { after, before, describe, it } from 'node:test';
 import { createLogger } from '../src/logger.js';
 import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
 import { openSqliteStore, probeStore } from '../src/store/index.js';
-import { deployFiles, http, REPO_ROOT, type Response, startServer, type TestServer, tempDir } from './helpers/ferry.js';
+import {
+  deployFiles,
+  http,
+  REPO_ROOT,
+  type Response,
+  startServer,
+  type TestServer,
+  tempDir,
+  waitFor,
+} from './helpers/ferry.js';
 
 /** How long the lock is held at least. */
 const HOLD_MS = 3000;
@@ -152,6 +161,12 @@ describe('a locked store, with a busy timeout longer than the lock', () => {
     assert.equal(put.status, 200, put.text);
     assert.equal(run.status, 202, run.text);
 
+    // Not busy any more once every write that was waiting (background ones too) has had its next try.
+    await waitFor(
+      async () => (await http(`${server.url}/healthz`)).json?.store === undefined,
+      5_000,
+      '/healthz to stop saying busy',
+    );
     const healthAfter = await http(`${server.url}/healthz`);
     assert.equal(healthAfter.status, 200, healthAfter.text);
     assert.deepEqual(healthAfter.json, { status: 'ok' });
@@ -206,7 +221,14 @@ describe('a locked store, with a busy timeout shorter than the lock', () => {
     const maxMs = delay.max / 1e6;
     assert.ok(maxMs < HOLD_MS / 2, `the event loop was blocked for ${maxMs} ms`);
 
-    // Once the lock is gone the same writes succeed, and /healthz no longer says busy.
+    // Once the lock is gone the same writes succeed, and /healthz no longer says busy: as soon as the
+    // writes that were waiting (background ones too: the node's lease renewal, the recorder) have had
+    // their next try, at most 50 ms apart.
+    await waitFor(
+      async () => (await http(`${server.url}/healthz`)).json?.store === undefined,
+      5_000,
+      '/healthz to stop saying busy',
+    );
     const health = await http(`${server.url}/healthz`);
     assert.deepEqual(health.json, { status: 'ok' });
     const put = await http(`${server.url}/v2/projects/${auth.projectId}/secrets/API_KEY`, {
