@@ -71,11 +71,13 @@ export function createAuthenticator(deps: { store: Store; key: Uint8Array }): Au
       authorize(claims, projectId, scope);
       if ((lastUsedWritten.get(account.id) ?? 0) + LAST_USED_EVERY_MS < now) {
         lastUsedWritten.set(account.id, now);
-        await store
+        // Not awaited: a hint must not hold a request up while the store is busy (or fail it with a 503).
+        void store
           .updateTable('service_accounts')
           .set({ last_used_at: new Date(now).toISOString() })
           .where('id', '=', account.id)
-          .execute();
+          .execute()
+          .catch(() => lastUsedWritten.delete(account.id));
       }
       return claims;
     },
