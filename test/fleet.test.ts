@@ -38,6 +38,7 @@ import {
   submitAsync,
   sweepStrays,
   type TestDatabase,
+  within,
 } from './helpers/fleet.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
 
@@ -302,7 +303,7 @@ describe('a fleet of three ferry serve processes on one PostgreSQL', () => {
       while (next < RUNS) {
         const n = next++;
         await sleep(sendStart + n * PACE_MS - Date.now());
-        if (n >= GATE_AT) await Promise.race([gate, sleep(60_000)]);
+        if (n >= GATE_AT) await within(gate, 60_000);
         try {
           const answer = await submitAsync(slots, n % 3, {
             path: callPath,
@@ -400,66 +401,108 @@ describe('a fleet of three ferry serve processes on one PostgreSQL', () => {
     );
     t.diagnostic(`wall time: ${wallMs} ms (deploy, sending, draining, deliveries, ${LEASE_SECONDS + 1} s quiet)`);
 
-    // ---- the checks, each with what broke it ----
-    const show = (list: unknown[]) => `${list.length}: ${JSON.stringify(list.slice(0, 5))}`;
-    assert.equal(restartProblem, undefined, 'the killed process was restarted');
-    assert.deepEqual(sendErrors, [], 'every call was accepted (202), by another process when one was down');
-    assert.equal(accepted.size, RUNS);
-    assert.equal(runIds.size, RUNS, 'one run id per call');
-    assert.ok(killedMidRun, 'the kill landed while A was executing runs');
-    assert.ok(
-      [...accepted.values()].some((x) => x.slot === 'A#2'),
-      'the restarted process took calls too',
+    // ---- the checks: all are worked out and shown, then asserted in order ----
+    const brief = (r: RunRow) => ({
+      n: nOf.get(r.run_id),
+      run_id: r.run_id,
+      state: r.state,
+      reason: r.reason,
+      error: r.error?.code,
+      attempts: r.attempts,
+    });
+    const checks: Array<{ name: string; bad: unknown[] }> = [];
+    const check = (name: string, bad: unknown[]) => checks.push({ name, bad });
+    // The harness itself: the scenario happened as described.
+    check('the killed process was restarted', restartProblem ? [restartProblem] : []);
+    check('every call was accepted (202), by another process while one was down', sendErrors);
+    check('one distinct run id per call', accepted.size === RUNS && runIds.size === RUNS ? [] : [runIds.size]);
+    check('the kill landed while A was executing', killedMidRun ? [] : ['no execution under way on A']);
+    check('the restarted process took calls too', [...accepted.values()].some((x) => x.slot === 'A#2') ? [] : ['none']);
+    // Nothing lost, nothing accepted twice.
+    check(
+      'no run was accepted twice (the same Idempotency-Key sent again elsewhere)',
+      rows.filter((r) => !runIds.has(r.run_id)).map(brief),
+    );
+    check(
+      'every accepted run is on record',
+      [...runIds].filter((id) => !rowById.has(id)),
+    );
+    check('every run reached a terminal state', rows.filter((r) => !TERMINAL.has(r.state)).map(brief));
+    check(
+      'every run succeeded (interrupted ones by running again)',
+      rows.filter((r) => r.state !== 'success' || r.error !== null).map(brief),
+    );
+    check(
+      "no run the killed process never executed was ended as interrupted (a starting process ended the others' runs)",
+      rows
+        .filter((r) => r.reason === 'interrupted' && r.state !== 'success' && !onKilled(nOf.get(r.run_id) ?? -1))
+        .map(brief),
+    );
+    // Executions, from the evidence.
+    check('every execution ran on a known process', evidenceProblems);
+    check(
+      'no execution of a call never accepted',
+      executions.filter((e) => !accepted.has(e.n)),
+    );
+    check(
+      'every run executed to its end somewhere',
+      [...accepted.keys()].filter((n) => !(byRun.get(n) ?? []).some((e) => !e.interrupted)),
+    );
+    check(
+      'every execution on a live process ended',
+      executions.filter((e) => e.end === undefined),
+    );
+    check(
+      'no run executed twice at the same time',
+      [...byRun.values()].flatMap((list) => overlapping(list)),
+    );
+    check(
+      'runs never on the killed process executed exactly once',
+      [...byRun].filter(([n, list]) => !onKilled(n) && list.length !== 1).map(([n, list]) => ({ n, ran: list })),
+    );
+    check(
+      'no execution started after its run had finished',
+      executions.filter((e) => {
+        const finished = rowById.get(accepted.get(e.n)?.runId ?? '')?.finished_at;
+        return finished && e.start > Date.parse(finished);
+      }),
+    );
+    // The runs the kill interrupted.
+    check('the kill interrupted at least one execution', interrupted.length > 0 ? [] : ['none']);
+    check('the run records read were all those the kill touched', suspects.length <= 300 ? [] : [suspects.length]);
+    check(
+      'interrupted runs were started again and succeeded',
+      interrupted
+        .map((n) => ({ n, detail: details.get(n), ran: byRun.get(n) ?? [] }))
+        .filter(
+          ({ detail, ran }) =>
+            detail?.state !== 'success' ||
+            typeof detail.attempts !== 'number' ||
+            detail.attempts < 2 ||
+            !ran.some((e) => !e.interrupted && e.on !== 'A#1'),
+        )
+        .map(({ n, detail, ran }) => ({ ...(detail ? brief(detail) : { n }), ran })),
+    );
+    check(
+      'attempts counts every execution',
+      [...details]
+        .filter(([n, d]) => typeof d.attempts !== 'number' || d.attempts < (byRun.get(n)?.length ?? 0))
+        .map(([n, d]) => ({ ...brief(d), executions: byRun.get(n)?.length })),
+    );
+    // Webhooks.
+    check(
+      "every run's webhook was delivered",
+      [...runIds].filter((id) => !deliveries.has(id)),
+    );
+    check(
+      "every delivery reports the run's success",
+      [...deliveries].filter(([, list]) => list.some((p) => p.status_code !== 200)).map(([id, list]) => ({ id, list })),
     );
 
-    const unknownRows = rows.filter((r) => !runIds.has(r.run_id)).map((r) => r.run_id);
-    const missingRows = [...runIds].filter((id) => !rowById.has(id));
-    assert.deepEqual(unknownRows, [], 'no run was accepted twice (the same Idempotency-Key sent again elsewhere)');
-    assert.deepEqual(missingRows, [], 'every accepted run is on record');
-    const notTerminal = rows.filter((r) => !TERMINAL.has(r.state));
-    assert.equal(notTerminal.length, 0, `every run reached a terminal state; not yet: ${show(notTerminal)}`);
-    const failed = rows.filter((r) => r.state !== 'success').map((r) => ({ n: nOf.get(r.run_id), ...r }));
-    assert.equal(failed.length, 0, `every run succeeded (interrupted ones by running again): ${show(failed)}`);
-
-    assert.deepEqual(evidenceProblems, [], 'every execution ran on a known process');
-    const strangers = executions.filter((e) => !accepted.has(e.n));
-    assert.equal(strangers.length, 0, `no execution of a call never accepted: ${show(strangers)}`);
-    const neverRan = [...accepted.keys()].filter((n) => !(byRun.get(n) ?? []).some((e) => !e.interrupted));
-    assert.equal(neverRan.length, 0, `every run executed to its end somewhere: n = ${show(neverRan)}`);
-    const unended = executions.filter((e) => e.end === undefined);
-    assert.equal(unended.length, 0, `every execution on a live process ended: ${show(unended)}`);
-
-    const overlaps = [...byRun.values()].flatMap((list) => overlapping(list));
-    assert.equal(overlaps.length, 0, `no run executed twice at the same time: ${show(overlaps)}`);
-    const twice = [...byRun].filter(([n, list]) => !onKilled(n) && list.length !== 1);
-    assert.equal(twice.length, 0, `runs never on the killed process executed exactly once: ${show(twice)}`);
-    const late = executions.filter((e) => {
-      const finished = rowById.get(accepted.get(e.n)?.runId ?? '')?.finished_at;
-      return finished && e.start > Date.parse(finished);
-    });
-    assert.equal(late.length, 0, `no execution started after its run had finished: ${show(late)}`);
-
-    assert.ok(interrupted.length > 0, 'the kill interrupted at least one execution');
-    assert.ok(suspects.length <= 300, `few runs touched by the kill: ${suspects.length}`);
-    const badRerun = interrupted
-      .map((n) => ({ n, detail: details.get(n), list: byRun.get(n) ?? [] }))
-      .filter(
-        ({ detail, list }) =>
-          detail?.state !== 'success' ||
-          typeof detail.attempts !== 'number' ||
-          detail.attempts < 2 ||
-          !list.some((e) => !e.interrupted && e.on !== 'A#1'),
-      )
-      .map(({ n, detail, list }) => ({ n, state: detail?.state, attempts: detail?.attempts, ran: list }));
-    assert.equal(badRerun.length, 0, `interrupted runs were started again and succeeded: ${show(badRerun)}`);
-    const underCounted = [...details]
-      .filter(([n, d]) => typeof d.attempts !== 'number' || d.attempts < (byRun.get(n)?.length ?? 0))
-      .map(([n, d]) => ({ n, attempts: d.attempts, executions: byRun.get(n)?.length }));
-    assert.equal(underCounted.length, 0, `attempts counts every execution: ${show(underCounted)}`);
-
-    const undelivered = [...runIds].filter((id) => !deliveries.has(id));
-    assert.equal(undelivered.length, 0, `every run's webhook was delivered: ${show(undelivered)}`);
-    const wrongPayload = [...deliveries].filter(([, list]) => list.some((p) => p.status_code !== 200));
-    assert.equal(wrongPayload.length, 0, `every delivery reports the run's success: ${show(wrongPayload)}`);
+    const show = (list: unknown[]) => `${list.length}: ${JSON.stringify(list.slice(0, 5)).slice(0, 2000)}`;
+    for (const c of checks) {
+      t.diagnostic(`${c.bad.length === 0 ? 'ok' : 'FAILED'}: ${c.name}${c.bad.length ? ` (${show(c.bad)})` : ''}`);
+    }
+    for (const c of checks) assert.equal(c.bad.length, 0, `${c.name}; ${show(c.bad)}`);
   });
 });

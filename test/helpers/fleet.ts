@@ -142,7 +142,7 @@ export async function startFleetProcess(
     async stop(graceMs = 10_000) {
       // The serve alone first: it stops its replicas itself on a graceful shutdown.
       if (child.exitCode === null && child.signalCode === null) child.kill('SIGTERM');
-      await Promise.race([exited, sleep(graceMs)]);
+      await within(exited, graceMs);
       await killGroup();
     },
   };
@@ -208,7 +208,7 @@ function groupKiller(pgid: number, leader: ChildProcess, leaderExited: Promise<v
     if (gone) return;
     const end = Date.now() + 10_000;
     if (leaderUnreaped() || (await groupAlive(pgid))) signalGroup(pgid, 'SIGKILL');
-    await Promise.race([leaderExited, sleep(10_000)]);
+    await within(leaderExited, 10_000);
     while (await groupAlive(pgid)) {
       if (Date.now() > end) throw new Error(`process group ${pgid} survived SIGKILL for 10 s`);
       signalGroup(pgid, 'SIGKILL');
@@ -341,7 +341,7 @@ retry_interrupted = true
 [scaling]
 min_replicas = 0
 max_replicas = 2
-replica_concurrency = 8
+replica_concurrency = 4
 
 [env]
 EVIDENCE = ${JSON.stringify(evidenceFile)}
@@ -492,4 +492,14 @@ export function overlapping(executions: readonly Execution[]): Array<[Execution,
 
 export function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/** Waits for `promise`, or `ms` at most; the timer is cleared either way, so it keeps nothing alive. */
+export async function within(promise: Promise<unknown>, ms: number): Promise<void> {
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    await Promise.race([promise, new Promise<void>((resolve) => (timer = setTimeout(resolve, ms)))]);
+  } finally {
+    clearTimeout(timer);
+  }
 }
