@@ -24,6 +24,7 @@ import {
   type Accepted,
   collectExecutions,
   createTestDatabase,
+  type EvidenceLine,
   EvidenceTail,
   type Execution,
   type FleetProcess,
@@ -63,6 +64,62 @@ interface RunRow {
   error: { code: string; message: string } | null;
   attempts?: number;
 }
+
+// The analysis the fleet test relies on, on evidence written by hand: it must see what it is meant to see.
+describe('fleet evidence analysis', () => {
+  const line = (ev: 'start' | 'end', n: number, exec: string, t: number, dir: string): EvidenceLine => ({
+    ev,
+    n,
+    exec,
+    t,
+    sock: `${dir}/run/r1/replica.sock`,
+    pid: 1,
+  });
+  const incarnations: Incarnation[] = [
+    { label: 'A#1', dataDir: '/f/a', from: 0, until: 100 },
+    { label: 'B', dataDir: '/f/b', from: 0, until: Number.POSITIVE_INFINITY },
+    { label: 'A#2', dataDir: '/f/a', from: 200, until: Number.POSITIVE_INFINITY },
+  ];
+
+  it('ends an execution cut by the kill at the kill, and tells incarnations of one data dir apart by time', () => {
+    const { executions, problems } = collectExecutions(
+      [line('start', 1, 'x', 50, '/f/a'), line('start', 1, 'y', 250, '/f/a'), line('end', 1, 'y', 300, '/f/a')],
+      incarnations,
+    );
+    assert.deepEqual(problems, []);
+    assert.deepEqual(
+      executions.map((e) => [e.on, e.start, e.end, e.interrupted]),
+      [
+        ['A#1', 50, 100, true],
+        ['A#2', 250, 300, false],
+      ],
+    );
+    assert.deepEqual(overlapping(executions), []);
+  });
+
+  it('finds two executions of one run at the same time, an open one, and a line no process could have written', () => {
+    const { executions, problems } = collectExecutions(
+      [
+        line('start', 2, 'p', 10, '/f/a'),
+        line('start', 2, 'q', 40, '/f/b'),
+        line('end', 2, 'p', 60, '/f/a'),
+        line('end', 2, 'q', 90, '/f/b'),
+        line('start', 3, 'r', 120, '/f/b'),
+        line('start', 3, 's', 130, '/f/b'),
+        line('start', 4, 'z', 150, '/f/a'),
+      ],
+      incarnations,
+    );
+    assert.equal(problems.length, 1, 'the start at 150 on /f/a falls between A#1 and A#2');
+    assert.deepEqual(
+      overlapping(executions).map(([x, y]) => [x.exec, y.exec]),
+      [
+        ['p', 'q'],
+        ['r', 's'],
+      ],
+    );
+  });
+});
 
 describe('a fleet of three ferry serve processes on one PostgreSQL', () => {
   let root: string;
