@@ -9,7 +9,7 @@
  *   replicas, as when its machine dies) and restarted a few seconds later on the same data dir. Every run
  *   reaches a terminal state, every webhook is delivered at least once, no run executes twice at the same
  *   time, runs never on the killed process execute exactly once, and runs it was executing are run again
- *   (the app sets `retry_interrupted`) and succeed.
+ *   (the app sets `retry_interrupted`) and succeed. A few runs outlast a lease, so renewal is exercised.
  *
  * The processes run with FERRY_SANDBOX=off: the function must leave evidence outside itself (a shared
  * file, and the serving process's data dir in its socket path), which a sandbox forbids, and this test is
@@ -54,6 +54,14 @@ const PACE_MS = 10;
 /** FERRY_LEASE_SECONDS: short, so the others take over the killed process's runs quickly. */
 const LEASE_SECONDS = 3;
 const RESTART_AFTER_MS = 3000;
+/**
+ * Most runs sleep 30-80 ms, so a kill lands mid-run; one in LONG_EVERY sleeps longer than a lease, so a
+ * process that failed to renew its leases would see its runs taken over (and run twice at once), and
+ * the restarted process starts while the others are surely executing.
+ */
+const LONG_EVERY = 40;
+const LONG_MS = (LEASE_SECONDS + 1) * 1000;
+const sleepOf = (n: number) => (n % LONG_EVERY === LONG_EVERY / 2 ? LONG_MS : 30 + ((n * 37) % 51));
 const TERMINAL = new Set(['success', 'failure', 'timeout', 'cancelled']);
 
 interface RunRow {
@@ -365,7 +373,7 @@ describe('a fleet of three ferry serve processes on one PostgreSQL', () => {
           const answer = await submitAsync(slots, n % 3, {
             path: callPath,
             token: auth.token,
-            body: { n, ms: 30 + ((n * 37) % 51) },
+            body: { n, ms: sleepOf(n) },
             idempotencyKey: `fleet-${n}`,
           });
           accepted.set(n, answer);
