@@ -50,6 +50,17 @@ export interface RunRequestBase {
   claim?: (() => Promise<boolean>) | undefined;
 }
 
+/** Marking the run started failed (the store failed): nothing was called or recorded; try again later. */
+export class RunStartError extends Error {
+  constructor(
+    readonly runId: string,
+    cause: unknown,
+  ) {
+    super(`run ${runId} could not be marked started`, { cause });
+    this.name = 'RunStartError';
+  }
+}
+
 /** The run was not this node's to perform (see RunRequestBase.claim): nothing was called or recorded. */
 export class RunNotClaimedError extends Error {
   constructor(readonly runId: string) {
@@ -198,7 +209,13 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       const pool = deps.replicas.pool(build);
       slot = await pool.acquire(signal);
       if (request.claim) {
-        if (!(await request.claim())) throw new RunNotClaimedError(runId);
+        let mine: boolean;
+        try {
+          mine = await request.claim();
+        } catch (err) {
+          throw new RunStartError(runId, err);
+        }
+        if (!mine) throw new RunNotClaimedError(runId);
         claimed = true;
       }
       coldStart = slot.coldStart;
@@ -237,7 +254,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       );
       return { result, runTimeMs, coldStart, streamed: outcome.streamed, statusCode: outcome.statusCode };
     } catch (caught) {
-      if (caught instanceof RunNotClaimedError) throw caught;
+      if (caught instanceof RunNotClaimedError || caught instanceof RunStartError) throw caught;
       // Not started, and the app is only busy: the async worker tries again later, nothing to record.
       if (request.claim && !claimed && caught instanceof FerryError && caught.code === 'FERRY_QUEUE_FULL') throw caught;
       const timedOut = caught === timeout || signal.reason === timeout;

@@ -65,19 +65,26 @@ export async function claimQueuedRuns(
 }
 
 /**
- * Marks a claimed run `running` (one more start) before it is performed, so a crash from here on is an
- * interruption, never a silent second run. False when the run is no longer this node's queued run (it was
- * cancelled, or this node lost its lease and another took it).
+ * Marks claimed runs `running` (one more start each) before they are performed, so a crash from here on is
+ * an interruption, never a silent second run. Returns the ids it marked: a run missing from it is no longer
+ * this node's queued run (it was cancelled, or this node lost its lease and another took it).
  */
-export async function startRun(db: Db, owner: string, runId: string, startedAt: string): Promise<boolean> {
-  const result = await db
+export async function startRuns(
+  db: Db,
+  owner: string,
+  runIds: readonly string[],
+  startedAt: string,
+): Promise<Set<string>> {
+  if (runIds.length === 0) return new Set();
+  const rows = await db
     .updateTable('runs')
     .set((eb) => ({ state: 'running', started_at: startedAt, attempts: eb('attempts', '+', 1) }))
-    .where('id', '=', runId)
+    .where('id', 'in', runIds)
     .where('owner', '=', owner)
     .where('state', '=', 'queued')
-    .executeTakeFirst();
-  return Number(result.numUpdatedRows) === 1;
+    .returning('id')
+    .execute();
+  return new Set(rows.map((r) => r.id));
 }
 
 /** Lets go of queued runs this node claimed but will not start (it is stopping): any node may take them. */
