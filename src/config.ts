@@ -26,6 +26,33 @@ function checkDatabaseUrl(url: string | undefined): string | undefined {
   return url;
 }
 
+/** What a cluster name may be: it is used inside NATS stream and bucket names, which allow little else. */
+export const CLUSTER_NAME = /^[A-Za-z0-9_-]{1,32}$/;
+
+/** NATS server URLs, comma-separated: each must be nats:// (or tls://) with a host. */
+function checkNatsUrl(url: string | undefined): string | undefined {
+  if (url === undefined) return undefined;
+  for (const one of url.split(',')) {
+    let parsed: URL;
+    try {
+      parsed = new URL(one.trim());
+    } catch {
+      throw new Error('--nats-url / FERRY_NATS_URL must be URLs like nats://127.0.0.1:4222 (comma-separated)');
+    }
+    if ((parsed.protocol !== 'nats:' && parsed.protocol !== 'tls:') || !parsed.hostname) {
+      throw new Error(`--nats-url / FERRY_NATS_URL must start with nats:// or tls://, not "${one.trim()}"`);
+    }
+  }
+  return url;
+}
+
+function checkClusterName(name: string): string {
+  if (!CLUSTER_NAME.test(name)) {
+    throw new Error(`--cluster-name / FERRY_CLUSTER_NAME must be 1 to 32 of A-Z, a-z, 0-9, "_" and "-", not "${name}"`);
+  }
+  return name;
+}
+
 /** Validates the webhook allow-list at start, so a typo is an error now rather than refused deliveries later. */
 function checkAllowList(text: string): string {
   try {
@@ -57,6 +84,10 @@ export interface ServerConfig {
    * loop) while another process holds a lock on the file, before the request answers 503 FERRY_STORE_BUSY.
    */
   storeBusyTimeoutMs: number;
+  /** `--nats-url` / `FERRY_NATS_URL`: NATS with JetStream for a cluster (issue 13); unset, none is used. */
+  natsUrl: string | undefined;
+  /** `--cluster-name` / `FERRY_CLUSTER_NAME`: the prefix of every NATS stream, bucket and subject. */
+  clusterName: string;
   /** Largest accepted archive upload, bytes. */
   maxUploadBytes: number;
   /** Largest accepted JSON body (management API and run endpoint), bytes. */
@@ -153,6 +184,8 @@ export interface ConfigFlags {
   databaseUrl?: string | undefined;
   keysDir?: string | undefined;
   artifactsDir?: string | undefined;
+  natsUrl?: string | undefined;
+  clusterName?: string | undefined;
   webhookAllow?: string | undefined;
   egressAllow?: string | undefined;
   egressDeny?: string | undefined;
@@ -193,6 +226,8 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     databaseUrl: checkDatabaseUrl(flags.databaseUrl ?? (env.FERRY_DATABASE_URL || undefined)),
     keysDir: path.resolve(flags.keysDir ?? (env.FERRY_KEYS_DIR || path.join(dataDir, 'keys'))),
     artifactsDir: path.resolve(flags.artifactsDir ?? (env.FERRY_ARTIFACTS_DIR || path.join(dataDir, 'artifacts'))),
+    natsUrl: checkNatsUrl(flags.natsUrl ?? (env.FERRY_NATS_URL || undefined)),
+    clusterName: checkClusterName(flags.clusterName ?? (env.FERRY_CLUSTER_NAME || 'ferry')),
     storeBusyTimeoutMs:
       intFrom(env.FERRY_STORE_BUSY_TIMEOUT_MS, 'FERRY_STORE_BUSY_TIMEOUT_MS', 0, 600_000) ??
       DEFAULTS.storeBusyTimeoutMs,
