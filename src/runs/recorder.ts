@@ -381,11 +381,18 @@ export function createRunRecorder(deps: {
     }
   }
 
+  /**
+   * Async runs' inserts go one group after another, but not behind the flushes of run changes: nothing of
+   * a run is written before its insert (its changes only start once the insert resolved), and an async
+   * call's 202 should wait for its own commit only. On PostgreSQL the two then use two connections.
+   */
+  let durableWriting: Promise<void> = Promise.resolve();
+
   function flushDurable(): void {
     durableScheduled = false;
     const group = durable;
     durable = [];
-    writing = writing
+    durableWriting = durableWriting
       .then(() => insertGroup(group))
       .catch((err: unknown) => {
         for (const g of group) g.reject(err);
@@ -454,6 +461,7 @@ export function createRunRecorder(deps: {
     flush,
     async close() {
       const end = Date.now() + limits.closeRetryMs;
+      await durableWriting;
       await flush(true, true);
       await writing;
       while (failures > 0 && Date.now() < end) {
