@@ -8,6 +8,7 @@
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
+import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { type Browser, type BrowserContext, chromium, type Page } from 'playwright-core';
@@ -23,6 +24,7 @@ import {
   tempDir,
   waitFor,
 } from './helpers/ferry.js';
+import { createOutsideNetwork, forwardTcp, type OutsideNetwork } from './helpers/netns.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
 
 // page.evaluate callbacks run in the browser. This project compiles without the DOM library, so the few
@@ -142,6 +144,10 @@ describe('dashboard in Chromium', { timeout: 300_000 }, () => {
   let auth: { projectId: string; token: string };
   let receiver: Receiver;
   let browser: Browser;
+  /** Chromium's network namespace, the forwarder into it, and the dashboard's address there. */
+  let outside: OutsideNetwork | undefined;
+  let forward: { port: number; close(): Promise<void> } | undefined;
+  let site: string;
   let context: BrowserContext;
   let page: Page;
   let buildId: string;
@@ -205,8 +211,17 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
       'lib/words.ts': 'export const words = ["ferry"];\n',
     });
     buildId = build.id;
+    // Chromium runs in a network namespace of the test's own, reaching the server through a forwarder on
+    // its link: in the host's namespace every sandbox start and stop adds or removes a veth, and Chromium
+    // aborts requests in flight with ERR_NETWORK_CHANGED when it sees interfaces change (it did, once,
+    // while other test files started replicas).
+    outside = await createOutsideNetwork();
+    forward = await forwardTcp(outside.hostAddress, Number(new URL(server.url).port));
+    site = `http://${outside.hostAddress}:${forward.port}`;
+    const launcher = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'ferry-chromium-')), 'chromium');
+    fs.writeFileSync(launcher, `#!/bin/sh\nexec ip netns exec ${outside.name} ${CHROMIUM} "$@"\n`, { mode: 0o755 });
     browser = await chromium.launch({
-      executablePath: CHROMIUM,
+      executablePath: launcher,
       args: [
         '--headless',
         '--no-sandbox',
@@ -215,12 +230,15 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
         '--disable-component-update',
         '--disable-sync',
         '--no-first-run',
+        // The dashboard's address in Chromium's namespace is not loopback: make it as trusted as loopback
+        // is (a secure context, for the clipboard).
+        `--unsafely-treat-insecure-origin-as-secure=${site}`,
       ],
     });
     // A fresh context is a fresh profile: no storage, no cache.
     context = await browser.newContext({ viewport: { width: 1280, height: 860 } });
-    await context.grantPermissions(['clipboard-read', 'clipboard-write'], { origin: server.url });
-    const origin = new URL(server.url).origin;
+    await context.grantPermissions(['clipboard-read', 'clipboard-write'], { origin: site });
+    const origin = new URL(site).origin;
     context.on('request', (request) => {
       const url = new URL(request.url());
       if (url.protocol !== 'data:' && url.origin !== origin) foreign.push(request.url());
@@ -234,12 +252,14 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
 
   after(async () => {
     await browser?.close();
+    await forward?.close();
+    await outside?.close();
     await server?.close();
     await receiver?.close();
   });
 
   it('signs in with the sign-in link, then drops the token from the URL', async () => {
-    await page.goto(`${server.url}/#token=${auth.token}`);
+    await page.goto(`${site}/#token=${auth.token}`);
     await page.getByRole('heading', { level: 1, name: 'Apps' }).waitFor();
     assert.ok(!page.url().includes(auth.token), page.url());
     assert.ok(page.url().endsWith('/#/apps'), page.url());
@@ -256,7 +276,8 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     assert.ok(!((await card.textContent()) ?? '').includes(auth.token), 'no token in the examples');
     await card.getByRole('button', { name: 'Copy sync curl example for hello' }).click();
     const copied = await page.evaluate(() => navigator.clipboard.readText());
-    assert.match(copied, /^curl -X POST 'http:\/\/127\.0\.0\.1:\d+\/v4\/p-[0-9a-f]{8}\/hello\/run'/);
+    // The page's own origin (the forwarder's address in Chromium's namespace).
+    assert.ok(copied.startsWith(`curl -X POST '${site}/v4/${auth.projectId}/hello/run'`), copied);
     await assertLabelled('apps');
     await shot('apps');
   });

@@ -148,3 +148,34 @@ export async function startHostListener(): Promise<{ port: number; close(): Prom
     },
   };
 }
+
+/**
+ * A TCP forwarder on `host` (a port of its own) to `127.0.0.1:targetPort`: makes a server that listens on
+ * loopback reachable from a namespace the test made (its link's host address).
+ */
+export async function forwardTcp(host: string, targetPort: number): Promise<{ port: number; close(): Promise<void> }> {
+  const sockets = new Set<net.Socket>();
+  const server = net.createServer((inbound) => {
+    const outbound = net.connect(targetPort, '127.0.0.1');
+    for (const s of [inbound, outbound]) {
+      sockets.add(s);
+      s.on('error', () => {
+        inbound.destroy();
+        outbound.destroy();
+      });
+      s.on('close', () => sockets.delete(s));
+    }
+    inbound.pipe(outbound).pipe(inbound);
+  });
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(0, host, () => resolve());
+  });
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    async close() {
+      for (const s of sockets) s.destroy();
+      await new Promise((resolve) => server.close(resolve));
+    },
+  };
+}
