@@ -1,6 +1,9 @@
 /**
  * Prometheus metrics, served at `/metrics`. One registry per server so tests can run several servers in
  * one process. Later parts (runs, replicas, webhooks) add their metrics to the same registry.
+ *
+ * Every metric carries the process's `node` (its id in the cluster, cluster/node.ts) and `role` as default
+ * labels, so a Prometheus scraping several processes of one cluster tells their series apart.
  */
 import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from 'prom-client';
 
@@ -21,8 +24,9 @@ export interface Metrics {
   webhookDeliveries: Counter<'state'>;
 }
 
-export function createMetrics(): Metrics {
+export function createMetrics(labels?: { node: string; role: string }): Metrics {
   const registry = new Registry();
+  if (labels) registry.setDefaultLabels(labels);
   collectDefaultMetrics({ register: registry, prefix: 'ferry_' });
   return {
     registry,

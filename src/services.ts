@@ -17,6 +17,7 @@ import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import { applyChanges } from './cluster/apply-changes.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
 import { createNodeLease, type NodeLease } from './cluster/node.js';
+import { describeLoad, FERRY_VERSION, NODE_ROLE } from './cluster/node-info.js';
 import { createPgChangeFeed } from './cluster/pg-change-feed.js';
 import { createRecovery, type Recovery, type RecoveryResult } from './cluster/recovery.js';
 import type { ServerConfig } from './config.js';
@@ -42,6 +43,8 @@ export interface Services {
   config: ServerConfig;
   /** This process as a node of the store: the owner of the work it holds (cluster/node.ts). */
   node: NodeLease;
+  /** Records the address the HTTP server listens on, in this node's info (`GET /v2/cluster`). */
+  listening(url: string): Promise<void>;
   /** Takes over the work of nodes whose lease ran out (cluster/recovery.ts). */
   recovery: Recovery;
   /** What the first recovery pass at start took over (logged by `ferry serve`). */
@@ -93,14 +96,19 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const keys = prepareKeysDir(config.keysDir);
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
+  // The node's info is written from its first registration, before the replicas and the async worker exist:
+  // their load is read once they do.
+  let listenUrl: string | null = null;
+  let load: () => ReturnType<typeof describeLoad> | undefined = () => undefined;
   const node = createNodeLease({
     store,
     dataDir: dataDir.root,
     ttlMs: config.leaseMs,
     logger: logger.child({ component: 'cluster' }),
+    info: () => ({ version: FERRY_VERSION, role: NODE_ROLE, url: listenUrl, ...load() }),
   });
   await node.start();
-  const metrics = createMetrics();
+  const metrics = createMetrics({ node: node.id, role: NODE_ROLE });
   const artifacts = createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir));
   const buildOutput = await createBuildOutput({
     buildsDir: dataDir.builds,
@@ -190,6 +198,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     logger: logger.child({ component: 'async' }),
     owner: node.id,
   });
+  load = () => describeLoad(replicas.pools(), asyncWorker.backlog);
   const pipeline = createBuildPipeline({
     store,
     buildLog,
@@ -245,6 +254,10 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   return {
     config,
     node,
+    async listening(url) {
+      listenUrl = url;
+      await node.refresh();
+    },
     recovery,
     recovered,
     dataDir,

@@ -218,7 +218,7 @@ describe('builds', () => {
     assert.deepEqual(health.json, { status: 'ok' });
     const metrics = await http(`${server.url}/metrics`);
     assert.match(metrics.headers.get('content-type') ?? '', /^text\/plain/);
-    assert.match(metrics.text, /^ferry_builds_total\{state="ready"\} \d+/m);
+    assert.match(metrics.text, /^ferry_builds_total\{state="ready",node="[^"]+",role="all"\} \d+/m);
     assert.match(metrics.text, /^ferry_http_requests_total\{/m);
   });
 });

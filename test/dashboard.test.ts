@@ -3,7 +3,7 @@
  * Ferry server on a real socket, with a deployed app and real runs. Signs in (sign-in link and form), sees
  * the app, watches sync and async runs arrive live, opens a run with its logs and webhook attempts,
  * opens a build's file tree, creates a service account (token shown once), revokes it, sets and deletes a
- * secret; checks no request leaves the server's origin and nothing breaks the CSP. Keeps one screenshot
+ * secret; sees the cluster table (this server's node) under the apps; checks no request leaves the server's origin and nothing breaks the CSP. Keeps one screenshot
  * per main page in test-output/screenshots/ for review.
  */
 import assert from 'node:assert/strict';
@@ -278,6 +278,21 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     const copied = await page.evaluate(() => navigator.clipboard.readText());
     // The page's own origin (the forwarder's address in Chromium's namespace).
     assert.ok(copied.startsWith(`curl -X POST '${site}/v4/${auth.projectId}/hello/run'`), copied);
+    // Below the apps, the cluster: this server's node, marked as the one serving the page, with its address.
+    const node = page.locator(`table.cluster-nodes tr[data-node="${server.services.node.id}"]`);
+    await node.waitFor({ timeout: PAGE_WAIT_MS });
+    // The address is in the node's info from a moment after the server listens; the table refreshes every 5 s.
+    const nodeText = await waitFor(
+      async () => {
+        const text = (await node.textContent()) ?? '';
+        return text.includes(server.url) ? text : undefined;
+      },
+      PAGE_WAIT_MS,
+      'the server address in the cluster table',
+    );
+    assert.ok(nodeText.includes('(this page)'), nodeText);
+    assert.equal(await node.locator('td').nth(1).textContent(), 'all', 'the role column');
+    assert.equal(await page.locator('table.cluster-nodes tbody tr').count(), 1);
     await assertLabelled('apps');
     await shot('apps');
   });

@@ -327,10 +327,16 @@ export async function run({ tag }: { tag: string }) {
 
   it('exports run, cold-start, replica and queue metrics', async () => {
     const text = (await http(`${server.url}/metrics`)).text;
-    assert.match(text, /^ferry_runs_total\{project="p-[0-9a-f]{8}",app="basic",state="success",status="200"\} \d+/m);
+    assert.match(
+      text,
+      /^ferry_runs_total\{project="p-[0-9a-f]{8}",app="basic",state="success",status="200",node="[^"]+",role="all"\} \d+/m,
+    );
     assert.match(text, /^ferry_run_duration_seconds_bucket\{/m);
-    assert.match(text, /^ferry_cold_starts_total\{project="p-[0-9a-f]{8}",app="basic"\} \d+/m);
-    assert.match(text, /^ferry_replicas\{project="p-[0-9a-f]{8}",app="basic",state="ready"\} \d+/m);
+    assert.match(text, /^ferry_cold_starts_total\{project="p-[0-9a-f]{8}",app="basic",node="[^"]+",role="all"\} \d+/m);
+    assert.match(
+      text,
+      /^ferry_replicas\{project="p-[0-9a-f]{8}",app="basic",state="ready",node="[^"]+",role="all"\} \d+/m,
+    );
     assert.match(text, /^ferry_queue_depth\{/m);
   });
 });

@@ -106,8 +106,8 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
     assert.equal(run.webhook.attempts.length, 1);
     assert.equal(run.webhook.attempts[0].status_code, 200);
     const metrics = (await http(`${server.url}/metrics`)).text;
-    assert.match(metrics, /^ferry_webhook_attempts_total\{outcome="delivered"\} [1-9]/m);
-    assert.match(metrics, /^ferry_webhook_deliveries_total\{state="delivered"\} [1-9]/m);
+    assert.match(metrics, /^ferry_webhook_attempts_total\{outcome="delivered",node="[^"]+",role="all"\} [1-9]/m);
+    assert.match(metrics, /^ferry_webhook_deliveries_total\{state="delivered",node="[^"]+",role="all"\} [1-9]/m);
   });
 
   it("sends a streaming call's items as the webhook result", async () => {

@@ -1,7 +1,8 @@
 /**
  * `ferry doctor`: what this machine gives replicas (sandbox, user namespaces, memory limits, runtimes)
- * and what to install for the rest. It always exits 0: a missing sandbox is a warning, not a failure,
- * because Ferry still runs (as plain processes) without one.
+ * and what to install for the rest, and the cluster as the configured server sees it (when it can reach
+ * one). It always exits 0: a missing sandbox is a warning, not a failure, because Ferry still runs (as
+ * plain processes) without one; a server it cannot reach is a line of the report.
  */
 
 import { execFile } from 'node:child_process';
@@ -9,25 +10,31 @@ import { findPython } from '../builds/builders/python.js';
 import { resolveServerConfig } from '../config.js';
 import { probeSandbox, type SandboxCapabilities } from '../replicas/sandbox.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
+import { clusterLines, readCluster } from './cluster.js';
 
 export interface DoctorOptions {
   json?: boolean;
 }
 
-/** Prints the report; with `json`, the capabilities object only. */
+/**
+ * Prints the report; with `json`, the capabilities object, with `cluster` (`GET /v2/cluster` of the
+ * configured server, or null) and `cluster_problem` (why there is none, or null).
+ */
 export async function doctorCommand(options: DoctorOptions): Promise<void> {
   // Probed afresh: the doctor is run to check a fix, so a cached answer would defeat it.
   // The interpreter Python replicas and builds use (Debian's /usr/bin/python3 when present), not PATH's.
   const pythonPath = await findPython();
-  const [caps, pythonVersion] = await Promise.all([
+  const [caps, pythonVersion, cluster] = await Promise.all([
     probeSandbox(),
     pythonPath ? commandVersion(pythonPath, ['--version']) : Promise.resolve(undefined),
+    readCluster(),
   ]);
   const python = pythonPath && pythonVersion ? pythonVersion : undefined;
   const network = networkPlan(caps);
   if (options.json) {
     const { tools: _tools, userTools: _userTools, ...plan } = network;
-    process.stdout.write(`${JSON.stringify({ ...caps, network: plan }, null, 2)}\n`);
+    const report = { ...caps, network: plan, cluster: cluster.view ?? null, cluster_problem: cluster.problem ?? null };
+    process.stdout.write(`${JSON.stringify(report, null, 2)}\n`);
     return;
   }
   const row = (label: string, value: string) => `  ${label.padEnd(17)}${value}`;
@@ -59,6 +66,9 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   if (notes.length > 0) lines.push('', 'Details:', ...notes.map((note) => `  - ${note}`));
   const fixes = suggestedFixes(caps);
   if (fixes.length > 0) lines.push('', 'To fix:', ...fixes.map((fix) => `  ${fix}`));
+  lines.push('', `Cluster (as ${cluster.url} sees it):`);
+  if (cluster.view) lines.push(...clusterLines(cluster.view).map((line) => `  ${line}`));
+  else lines.push(`  not shown: ${cluster.problem ?? 'unknown'}`);
   process.stdout.write(`${lines.join('\n')}\n`);
 }
 

@@ -8,6 +8,7 @@
  */
 import { Command, Option } from 'commander';
 import { bootstrapCommand, loginLinkCommand } from './admin.js';
+import { clusterCommand } from './cluster.js';
 import { deployCommand } from './deploy.js';
 import { doctorCommand } from './doctor.js';
 import {
@@ -68,9 +69,17 @@ export function createProgram(): Command {
 
   program
     .command('doctor')
-    .description('check what this machine gives replicas: sandbox (bubblewrap), memory limits, runtimes')
-    .option('--json', 'print the capabilities as JSON')
+    .description(
+      'check what this machine gives replicas: sandbox (bubblewrap), memory limits, runtimes; and the cluster as the configured server sees it',
+    )
+    .option('--json', 'print the capabilities (and "cluster", "cluster_problem") as JSON')
     .action(doctorCommand);
+
+  program
+    .command('cluster')
+    .description('the Ferry processes (nodes) sharing the server’s store: role, version, address, load, replicas')
+    .option('--json', 'print the GET /v2/cluster answer: {"node","nodes","expired"}')
+    .action(clusterCommand);
 
   const admin = program.command('admin').description('offline administration on a data directory');
   const dataDirOption = () => new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)');

@@ -11,6 +11,10 @@
  * it before this one is certainly dead: its lease is ended at once at start, and its work is recovered
  * without waiting for the lease to run out. That keeps a restart of the embedded default as quick to
  * recover as it always was.
+ *
+ * The row's `info` is what `GET /v2/cluster` shows of the node: written at start and at every renewal (the
+ * same UPDATE), from the `info` callback the caller gives, so this module needs none of the parts it
+ * describes.
  */
 import fs from 'node:fs';
 import os from 'node:os';
@@ -38,7 +42,12 @@ export interface NodeLease {
    * that got the store back first must not take over the work of others that have not renewed yet.
    */
   canJudge(): boolean;
+  /** Writes the node's `info` now rather than at the next renewal (after the server starts listening). */
+  refresh(): Promise<void>;
 }
+
+/** What a node says of itself, besides what this module adds (hostname, pid, data_dir): a small JSON object. */
+export type NodeInfoSource = () => Record<string, unknown>;
 
 export function createNodeLease(deps: {
   store: Store;
@@ -47,6 +56,8 @@ export function createNodeLease(deps: {
   ttlMs?: number;
   logger: Logger;
   clock?: () => number;
+  /** Called at every renewal for the rest of the node's `info` (version, role, address, load). */
+  info?: NodeInfoSource;
 }): NodeLease {
   const { store, logger } = deps;
   const ttlMs = deps.ttlMs ?? DEFAULT_LEASE_MS;
@@ -61,14 +72,25 @@ export function createNodeLease(deps: {
   let steadySince: number | undefined;
 
   const until = () => new Date(clock() + ttlMs).toISOString();
+  const startedAt = new Date(clock()).toISOString();
+
+  /** The `info` column now. A callback that throws costs the extra fields, never the renewal. */
+  function info(): string {
+    let extra: Record<string, unknown> = {};
+    try {
+      extra = deps.info?.() ?? {};
+    } catch (err) {
+      logger.warn({ err, node: id }, 'describing this node failed; its info is left short');
+    }
+    return JSON.stringify({ ...extra, hostname: os.hostname(), pid: process.pid, data_dir: deps.dataDir });
+  }
 
   async function register(): Promise<void> {
-    const now = new Date(clock()).toISOString();
-    const info = JSON.stringify({ hostname: os.hostname(), pid: process.pid, data_dir: deps.dataDir });
+    const described = info();
     await store
       .insertInto('nodes')
-      .values({ id, started_at: now, lease_until: until(), info })
-      .onConflict((oc) => oc.column('id').doUpdateSet({ lease_until: until() }))
+      .values({ id, started_at: startedAt, lease_until: until(), info: described })
+      .onConflict((oc) => oc.column('id').doUpdateSet({ lease_until: until(), info: described }))
       .execute();
   }
 
@@ -76,7 +98,7 @@ export function createNodeLease(deps: {
     try {
       const result = await store
         .updateTable('nodes')
-        .set({ lease_until: until() })
+        .set({ lease_until: until(), info: info() })
         .where('id', '=', id)
         .executeTakeFirst();
       if (Number(result.numUpdatedRows) === 0) {
@@ -118,6 +140,13 @@ export function createNodeLease(deps: {
         if (!closed) renewing = renew();
       }, every);
       timer.unref();
+    },
+    async refresh() {
+      if (closed || timer === undefined) return;
+      // After the renewal in progress, so the two never write out of order.
+      await renewing;
+      renewing = renew();
+      await renewing;
     },
     canJudge() {
       return steadySince !== undefined && clock() - steadySince >= ttlMs;

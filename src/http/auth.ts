@@ -1,10 +1,12 @@
 /**
  * The per-route authentication hook: `preHandler: requireScope(services, 'manage')`.
  * The project is taken from the `project_id` path parameter, so a token only ever opens its own project.
+ * Routes about the server rather than a project (`/v2/cluster`) take `requireAnyProjectScope`: a token of
+ * any project with the scope, checked in full (signature, expiry, revocation) like any other.
  */
 import type { FastifyReply, FastifyRequest } from 'fastify';
-import type { Principal } from '../auth/authenticate.js';
-import type { Scope } from '../auth/tokens.js';
+import { bearerToken, type Principal } from '../auth/authenticate.js';
+import { type Scope, verifyToken } from '../auth/tokens.js';
 import type { Services } from '../services.js';
 
 declare module 'fastify' {
@@ -17,5 +19,13 @@ export function requireScope(services: Services, scope: Scope) {
   return async function authenticateRequest(request: FastifyRequest, _reply: FastifyReply): Promise<void> {
     const projectId = (request.params as { project_id?: string }).project_id ?? '';
     request.principal = await services.auth.authenticate(request.headers.authorization, projectId, scope);
+  };
+}
+
+export function requireAnyProjectScope(services: Services, scope: Scope) {
+  return async function authenticateRequest(request: FastifyRequest, _reply: FastifyReply): Promise<void> {
+    // The token's own project, read from the verified token: the check below is then the usual one.
+    const claims = await verifyToken(services.jwtKey, bearerToken(request.headers.authorization));
+    request.principal = await services.auth.authenticate(request.headers.authorization, claims.projectId, scope);
   };
 }

@@ -14,6 +14,7 @@ import { clientErrorHandler, errorHandler } from './errors.js';
 import { swaggerOptions } from './openapi.js';
 import { registerAppRoutes } from './routes/apps.js';
 import { registerBuildRoutes } from './routes/builds.js';
+import { registerClusterRoutes } from './routes/cluster.js';
 import { registerRunRoutes } from './routes/run.js';
 import { registerRunsRoutes } from './routes/runs.js';
 import { registerSecretRoutes } from './routes/secrets.js';
@@ -69,6 +70,7 @@ export async function buildServer(services: Services): Promise<FerryServer> {
   });
 
   registerSystemRoutes(app, services);
+  registerClusterRoutes(app, services);
   registerServiceAccountRoutes(app, services);
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);

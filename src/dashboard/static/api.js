@@ -96,10 +96,11 @@ async function failure(res) {
 
 /**
  * Calls the management API of the signed-in project. Returns the parsed JSON (null for 204).
- * `query` members that are '' or undefined are left out.
+ * `query` members that are '' or undefined are left out. With `absolute`, `path` is the whole API path
+ * (`/v2/cluster`, a route about the server rather than the project).
  */
-export async function api(path, { method = 'GET', body, query, signal } = {}) {
-  const url = new URL(projectPath(path), location.origin);
+export async function api(path, { method = 'GET', body, query, signal, absolute = false } = {}) {
+  const url = new URL(absolute ? path : projectPath(path), location.origin);
   for (const [k, v] of Object.entries(query ?? {})) if (v !== undefined && v !== '') url.searchParams.set(k, v);
   const headers = { authorization: `Bearer ${session.token}`, accept: 'application/json' };
   if (body !== undefined) headers['content-type'] = 'application/json';

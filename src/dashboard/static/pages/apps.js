@@ -2,6 +2,7 @@
 import { api, session } from '../api.js';
 import { appHref, listApps } from '../shared.js';
 import { copyButton, errorText, h, shortId, stateBadge, timeEl } from '../ui.js';
+import { clusterSection } from './cluster.js';
 
 /** The curl example of each way to call a function; the token stays a shell variable, never the real one. */
 export function curlExamples(runUrl) {
@@ -255,6 +256,9 @@ export async function renderApps(ctx) {
     empty,
     list,
   );
+  // Below the apps: the Ferry processes serving them (GET /v2/cluster).
+  const cluster = clusterSection(ctx.signal);
+  ctx.main.append(cluster.section);
   const cards = new Map();
 
   async function refresh() {
@@ -298,6 +302,6 @@ export async function renderApps(ctx) {
     }
   }
 
-  await refresh();
-  ctx.every(5000, refresh);
+  await Promise.all([refresh(), cluster.refresh()]);
+  ctx.every(5000, () => Promise.all([refresh(), cluster.refresh()]));
 }
