@@ -8,6 +8,7 @@
  *   keys/jwt.key               token signing key (0600)
  *   keys/secrets.key           key that encrypts project secrets at rest (0600)
  *   artifacts/<build>.zip      uploaded archives, as uploaded
+ *   archive-cache/<build>.zip  with --nats-url: the archives this process received or fetched from NATS
  *   builds/<build>/            extracted sources (source/) and builder output (out/)
  *   cache/                     package-manager caches shared by builds
  *   tmp/                       uploads in progress

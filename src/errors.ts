@@ -22,6 +22,10 @@ export const ERRORS = {
   FERRY_REQUEST_TIMEOUT: { status: 408, message: 'The request was not received in time' },
   FERRY_INTERNAL: { status: 500, message: 'Internal error' },
   FERRY_STORE_UNAVAILABLE: { status: 503, message: 'The database cannot be reached; retry later' },
+  FERRY_ARTIFACTS_UNAVAILABLE: {
+    status: 503,
+    message: 'The artifact store (NATS JetStream) cannot be reached; retry later',
+  },
   FERRY_STORE_BUSY: {
     status: 503,
     message: 'The store is busy: another process holds a lock on the database; retry later',

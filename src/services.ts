@@ -13,9 +13,12 @@ import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-s
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
+import { createNatsArtifactStore, openArtifactsBucket } from './builds/nats-artifact-store.js';
+import { createNatsBuildOutput } from './builds/nats-build-output.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import { applyChanges } from './cluster/apply-changes.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
+import { clusterNames, connectNats } from './cluster/nats.js';
 import { createNodeLease, type NodeLease } from './cluster/node.js';
 import { describeLoad, FERRY_VERSION, NODE_ROLE } from './cluster/node-info.js';
 import { createPgChangeFeed } from './cluster/pg-change-feed.js';
@@ -55,7 +58,7 @@ export interface Services {
   secretsKey: Uint8Array;
   auth: Authenticator;
   artifacts: ArtifactStore;
-  /** Build folders shared through the artifacts folder, so any process can run any build. */
+  /** Build folders shared through the artifacts folder (or the NATS object store), so any process can run any build. */
   buildOutput: BuildOutput;
   /** Tells every process sharing the store about a change (in-process, or PostgreSQL LISTEN/NOTIFY). */
   changes: ChangeFeed;
@@ -109,14 +112,37 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   await node.start();
   const metrics = createMetrics({ node: node.id, role: NODE_ROLE });
-  const artifacts = createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir));
-  const buildOutput = await createBuildOutput({
-    buildsDir: dataDir.builds,
-    artifactsDir: config.artifactsDir,
-    artifacts,
-    zipLimits: config.zipLimits,
-    logger: logger.child({ component: 'builds' }),
-  });
+  // With --nats-url, archives and build outputs live in the JetStream object store, not the artifacts folder.
+  const nats = config.natsUrl
+    ? await connectNats({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
+    : undefined;
+  let artifacts: ArtifactStore;
+  let buildOutput: BuildOutput;
+  if (nats) {
+    const bucket = clusterNames(config.clusterName).artifactsBucket;
+    artifacts = await createNatsArtifactStore({
+      nc: nats,
+      bucket,
+      cacheDir: path.join(dataDir.root, 'archive-cache'),
+      logger: logger.child({ component: 'builds' }),
+    });
+    buildOutput = await createNatsBuildOutput({
+      buildsDir: dataDir.builds,
+      bucket: await openArtifactsBucket(nats, bucket),
+      artifacts,
+      zipLimits: config.zipLimits,
+      logger: logger.child({ component: 'builds' }),
+    });
+  } else {
+    artifacts = createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir));
+    buildOutput = await createBuildOutput({
+      buildsDir: dataDir.builds,
+      artifactsDir: config.artifactsDir,
+      artifacts,
+      zipLimits: config.zipLimits,
+      logger: logger.child({ component: 'builds' }),
+    });
+  }
   const changes = config.databaseUrl
     ? await createPgChangeFeed({ databaseUrl: config.databaseUrl, logger: logger.child({ component: 'changes' }) })
     : createLocalChangeFeed({ logger: logger.child({ component: 'changes' }) });
@@ -311,6 +337,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await network.close();
       // Last: ending the lease lets the others take over at once whatever this process still held.
       await node.close();
+      await nats?.close();
       await store.destroy();
     },
   };

@@ -49,6 +49,18 @@ export function createProgram(): Command {
     )
     .addOption(
       new Option(
+        '--nats-url <urls>',
+        'NATS with JetStream for a cluster, e.g. nats://127.0.0.1:4222: archives and build outputs in its object store (env FERRY_NATS_URL)',
+      ),
+    )
+    .addOption(
+      new Option(
+        '--cluster-name <name>',
+        'prefix of every NATS stream, bucket and subject, so clusters can share a NATS server (env FERRY_CLUSTER_NAME, default ferry)',
+      ),
+    )
+    .addOption(
+      new Option(
         '--webhook-allow <cidrs>',
         'comma-separated CIDRs webhooks may reach although internal, e.g. 127.0.0.0/8,::1/128 (env FERRY_WEBHOOK_ALLOW)',
       ),

@@ -20,6 +20,8 @@ export interface ServeOptions {
   databaseUrl?: string;
   keysDir?: string;
   artifactsDir?: string;
+  natsUrl?: string;
+  clusterName?: string;
   webhookAllow?: string;
   egressAllow?: string;
   egressDeny?: string;
