@@ -10,6 +10,7 @@ import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import type { ClusterView } from '../src/cli/cluster.js';
 import {
   deployFiles,
   http,
@@ -24,30 +25,6 @@ import { createTestDatabase, type TestDatabase } from './helpers/store.js';
 
 const VERSION = (JSON.parse(fs.readFileSync(path.join(REPO_ROOT, 'package.json'), 'utf8')) as { version: string })
   .version;
-
-interface NodeView {
-  id: string;
-  started_at: string;
-  lease_until: string;
-  hostname: string | null;
-  pid: number | null;
-  version: string | null;
-  role: string | null;
-  url: string | null;
-  load: {
-    runs_in_flight: number;
-    runs_queued: number;
-    async_backlog: number;
-    replicas_starting: number;
-    replicas_ready: number;
-  } | null;
-  apps: Array<{ app_id: string; replicas_starting: number; replicas_ready: number; runs_in_flight: number }>;
-}
-interface ClusterView {
-  node: string;
-  nodes: NodeView[];
-  expired: NodeView[];
-}
 
 async function cluster(server: TestServer, token: string): Promise<ClusterView> {
   const res = await http(`${server.url}/v2/cluster`, { token });

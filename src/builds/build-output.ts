@@ -166,24 +166,36 @@ export async function createBuildOutput(deps: BuildOutputDeps): Promise<BuildOut
       const archive = await deps.artifacts.localPath(build.id);
       if (!archive)
         throw new BuildFailedError('The uploaded archive of this build is missing from the artifacts folder');
-      const staging = stagingIn(buildsDir, build.id);
-      try {
-        await fs.mkdir(staging, { mode: 0o755 });
-        try {
-          await extractZip(archive, staging, { limits: deps.zipLimits });
-        } catch (err) {
-          if (err instanceof FerryError)
-            throw new BuildFailedError(`The uploaded archive cannot be extracted: ${err.message}`);
-          throw err;
-        }
-        await fs.mkdir(folder.root, { recursive: true, mode: 0o755 });
-        await fs.rename(staging, folder.source);
-      } finally {
-        await fs.rm(staging, { recursive: true, force: true });
-      }
+      await extractSource(archive, stagingIn(buildsDir, build.id), folder, deps.zipLimits);
       logger.info({ buildId: build.id }, 'extracted the build source from its archive');
     },
   };
+}
+
+/**
+ * Extracts a build's uploaded archive, with the upload's checks, into `staging` and moves it into place as
+ * the build's `source/` (shared by the folder and object-store outputs).
+ */
+export async function extractSource(
+  archive: string,
+  staging: string,
+  folder: { root: string; source: string },
+  zipLimits: ZipLimits,
+): Promise<void> {
+  try {
+    await fs.mkdir(staging, { mode: 0o755 });
+    try {
+      await extractZip(archive, staging, { limits: zipLimits });
+    } catch (err) {
+      if (err instanceof FerryError)
+        throw new BuildFailedError(`The uploaded archive cannot be extracted: ${err.message}`);
+      throw err;
+    }
+    await fs.mkdir(folder.root, { recursive: true, mode: 0o755 });
+    await fs.rename(staging, folder.source);
+  } finally {
+    await fs.rm(staging, { recursive: true, force: true });
+  }
 }
 
 function checkId(buildId: string): void {

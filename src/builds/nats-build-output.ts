@@ -24,12 +24,12 @@ import type { ObjectStore } from '@nats-io/obj';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { ArtifactStore } from './artifact-store.js';
-import type { BuildOutput } from './build-output.js';
+import { type BuildOutput, extractSource } from './build-output.js';
 import { packFolder, unpackTar } from './build-tar.js';
 import { BuildFailedError } from './builders/types.js';
 import { artifactsUnavailable, fetchObject, putObject } from './nats-artifact-store.js';
 import { buildFolder } from './pipeline.js';
-import { extractZip, type ZipLimits } from './zip-archive.js';
+import type { ZipLimits } from './zip-archive.js';
 
 export interface NatsBuildOutputDeps {
   /** `<data-dir>/builds`: this process's builds, which replicas bind. */
@@ -160,21 +160,7 @@ export async function createNatsBuildOutput(deps: NatsBuildOutputDeps): Promise<
         throw new BuildFailedError(`The uploaded archive cannot be fetched: ${publicReason(err)}`);
       }
       if (!archive) throw new BuildFailedError('The uploaded archive of this build is missing from the object store');
-      const sourceStaging = staging(build.id);
-      try {
-        await fs.mkdir(sourceStaging, { mode: 0o755 });
-        try {
-          await extractZip(archive, sourceStaging, { limits: deps.zipLimits });
-        } catch (err) {
-          if (err instanceof FerryError)
-            throw new BuildFailedError(`The uploaded archive cannot be extracted: ${err.message}`);
-          throw err;
-        }
-        await fs.mkdir(folder.root, { recursive: true, mode: 0o755 });
-        await fs.rename(sourceStaging, folder.source);
-      } finally {
-        await fs.rm(sourceStaging, { recursive: true, force: true });
-      }
+      await extractSource(archive, staging(build.id), folder, deps.zipLimits);
       logger.info({ buildId: build.id }, 'extracted the build source from its archive');
     },
   };
