@@ -27,6 +27,40 @@ function checkDatabaseUrl(url: string | undefined): string | undefined {
 }
 
 /** What a cluster name may be: it is used inside NATS stream and bucket names, which allow little else. */
+export type NodeRole = 'gateway' | 'worker' | 'all';
+export const NODE_ROLES: readonly NodeRole[] = ['gateway', 'worker', 'all'];
+
+function checkRole(value: string): NodeRole {
+  const role = value.trim().toLowerCase();
+  if (!(NODE_ROLES as readonly string[]).includes(role)) {
+    throw new Error(`--role / FERRY_ROLE must be gateway, worker or all, not "${value}"`);
+  }
+  return role as NodeRole;
+}
+
+/** Where other nodes reach this one: an http(s) URL with a host and no path, query or credentials. */
+function checkAdvertiseUrl(value: string | undefined): string | undefined {
+  if (value === undefined) return undefined;
+  let url: URL;
+  try {
+    url = new URL(value);
+  } catch {
+    throw new Error(`--advertise-url / FERRY_ADVERTISE_URL must be a URL like http://10.0.0.5:9000, not "${value}"`);
+  }
+  if (
+    (url.protocol !== 'http:' && url.protocol !== 'https:') ||
+    !url.hostname ||
+    url.username ||
+    url.password ||
+    (url.pathname !== '/' && url.pathname !== '') ||
+    url.search ||
+    url.hash
+  ) {
+    throw new Error(`--advertise-url / FERRY_ADVERTISE_URL must be http(s)://host:port with no path, not "${value}"`);
+  }
+  return url.origin;
+}
+
 export const CLUSTER_NAME = /^[A-Za-z0-9_-]{1,32}$/;
 
 /** NATS server URLs, comma-separated: each must be nats:// (or tls://) with a host. */
@@ -88,6 +122,15 @@ export interface ServerConfig {
   natsUrl: string | undefined;
   /** `--cluster-name` / `FERRY_CLUSTER_NAME`: the prefix of every NATS stream, bucket and subject. */
   clusterName: string;
+  /**
+   * `--role` / `FERRY_ROLE`: `all` (default) runs everything in one process; `gateway` serves the public
+   * interface and runs no user code; `worker` runs builds and replicas behind an internal listener.
+   */
+  role: NodeRole;
+  /** `--advertise-url` / `FERRY_ADVERTISE_URL`: where other nodes reach this one (default http://<host>:<port>). */
+  advertiseUrl: string | undefined;
+  /** `FERRY_WORKER_MAX_REPLICAS`: replicas this node runs over all apps at once (0: no cap). */
+  workerMaxReplicas: number;
   /** Largest accepted archive upload, bytes. */
   maxUploadBytes: number;
   /** Largest accepted JSON body (management API and run endpoint), bytes. */
@@ -186,6 +229,8 @@ export interface ConfigFlags {
   artifactsDir?: string | undefined;
   natsUrl?: string | undefined;
   clusterName?: string | undefined;
+  role?: string | undefined;
+  advertiseUrl?: string | undefined;
   webhookAllow?: string | undefined;
   egressAllow?: string | undefined;
   egressDeny?: string | undefined;
@@ -219,15 +264,26 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     65535,
   );
   const dataDir = flags.dataDir ?? env.FERRY_DATA_DIR ?? DEFAULTS.dataDir;
+  const databaseUrl = checkDatabaseUrl(flags.databaseUrl ?? (env.FERRY_DATABASE_URL || undefined));
+  const natsUrl = checkNatsUrl(flags.natsUrl ?? (env.FERRY_NATS_URL || undefined));
+  const role = checkRole(flags.role ?? (env.FERRY_ROLE || 'all'));
+  if (role !== 'all' && (!databaseUrl || !natsUrl)) {
+    throw new Error(
+      `--role ${role} needs --database-url (PostgreSQL) and --nats-url (NATS JetStream): a ${role} shares them with the rest of the cluster`,
+    );
+  }
   return {
     host: flags.host ?? env.FERRY_HOST ?? DEFAULTS.host,
     port: port ?? DEFAULTS.port,
     dataDir,
-    databaseUrl: checkDatabaseUrl(flags.databaseUrl ?? (env.FERRY_DATABASE_URL || undefined)),
+    databaseUrl,
     keysDir: path.resolve(flags.keysDir ?? (env.FERRY_KEYS_DIR || path.join(dataDir, 'keys'))),
     artifactsDir: path.resolve(flags.artifactsDir ?? (env.FERRY_ARTIFACTS_DIR || path.join(dataDir, 'artifacts'))),
-    natsUrl: checkNatsUrl(flags.natsUrl ?? (env.FERRY_NATS_URL || undefined)),
+    natsUrl,
     clusterName: checkClusterName(flags.clusterName ?? (env.FERRY_CLUSTER_NAME || 'ferry')),
+    role,
+    advertiseUrl: checkAdvertiseUrl(flags.advertiseUrl ?? (env.FERRY_ADVERTISE_URL || undefined)),
+    workerMaxReplicas: intFrom(env.FERRY_WORKER_MAX_REPLICAS, 'FERRY_WORKER_MAX_REPLICAS', 0, 100_000) ?? 0,
     storeBusyTimeoutMs:
       intFrom(env.FERRY_STORE_BUSY_TIMEOUT_MS, 'FERRY_STORE_BUSY_TIMEOUT_MS', 0, 600_000) ??
       DEFAULTS.storeBusyTimeoutMs,

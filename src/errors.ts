@@ -83,6 +83,15 @@ export const ERRORS = {
   },
   FERRY_REPLICA_START_FAILED: { status: 502, message: 'The app’s replica could not start' },
   FERRY_RUN_NOT_FOUND: { status: 404, message: 'No such run' },
+  FERRY_NO_WORKERS: { status: 503, message: 'No worker of the cluster is available to run the app; retry later' },
+  FERRY_WORKER_LOST: {
+    status: 502,
+    message: 'The worker running the call stopped or could not be reached during the run',
+  },
+  FERRY_CLUSTER_UNAUTHENTICATED: {
+    status: 401,
+    message: 'This is a worker’s internal listener: only calls authenticated as coming from the cluster are served',
+  },
   FERRY_CLIENT_GONE: { status: 499, message: 'The caller went away before the run finished' },
   FERRY_ASYNC_BACKLOG_FULL: { status: 429, message: 'Too many async runs are waiting; retry later' },
   FERRY_PROJECT_BACKLOG_FULL: {

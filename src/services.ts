@@ -18,32 +18,52 @@ import { createNatsBuildOutput } from './builds/nats-build-output.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import { applyChanges } from './cluster/apply-changes.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
+import { CLUSTER_KEY_FILE, type ClusterAuth, createClusterAuth } from './cluster/cluster-auth.js';
 import { clusterNames, connectNats } from './cluster/nats.js';
 import { createNodeLease, type NodeLease } from './cluster/node.js';
-import { describeLoad, FERRY_VERSION, NODE_ROLE } from './cluster/node-info.js';
+import { describeLoad, FERRY_VERSION } from './cluster/node-info.js';
 import { createPgChangeFeed } from './cluster/pg-change-feed.js';
+import { rankWorkers } from './cluster/placement.js';
 import { createRecovery, type Recovery, type RecoveryResult } from './cluster/recovery.js';
-import type { ServerConfig } from './config.js';
+import {
+  createWorkerAnnouncer,
+  createWorkerDirectory,
+  type WorkerAnnouncer,
+  type WorkerDirectory,
+  type WorkerLoad,
+} from './cluster/workers.js';
+import type { NodeRole, ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
+import { FerryError } from './errors.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { createBuildViews } from './replicas/build-view.js';
 import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
+import type { ReplicaPool } from './replicas/pool.js';
 import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
 import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createProjectBacklog, type ProjectBacklog } from './runs/project-backlog.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
+import { createRemoteInvoker } from './runs/remote-invoker.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
 import { createSandboxNetwork } from './sandbox/choose-network.js';
-import type { SandboxNetwork } from './sandbox/network.js';
+import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openStore, type Store } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
 
 export interface Services {
   config: ServerConfig;
+  /** `--role`: gateway (public interface, no user code), worker (builds, replicas, internal listener) or all. */
+  role: NodeRole;
+  /** Signs and checks calls between the nodes of a cluster (`cluster.key` in the keys directory). */
+  clusterAuth: ClusterAuth;
+  /** The live workers of the cluster (with --nats-url): where a gateway sends calls. */
+  workers: WorkerDirectory | undefined;
+  /** This node's announcement as a worker (worker, or all with --nats-url). */
+  announcer: WorkerAnnouncer | undefined;
   /** This process as a node of the store: the owner of the work it holds (cluster/node.ts). */
   node: NodeLease;
   /** Records the address the HTTP server listens on, in this node's info (`GET /v2/cluster`). */
@@ -99,6 +119,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const keys = prepareKeysDir(config.keysDir);
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
+  const clusterKey = loadOrCreateKey(path.join(keys, CLUSTER_KEY_FILE));
+  const role = config.role;
+  // A gateway runs no user code: no replicas, no builds, no async runs; a worker serves no public interface.
+  const runsCode = role !== 'gateway';
+  const startedAt = new Date().toISOString();
   // The node's info is written from its first registration, before the replicas and the async worker exist:
   // their load is read once they do.
   let listenUrl: string | null = null;
@@ -108,10 +133,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     dataDir: dataDir.root,
     ttlMs: config.leaseMs,
     logger: logger.child({ component: 'cluster' }),
-    info: () => ({ version: FERRY_VERSION, role: NODE_ROLE, url: listenUrl, ...load() }),
+    info: () => ({ version: FERRY_VERSION, role, url: listenUrl, ...load() }),
   });
   await node.start();
-  const metrics = createMetrics({ node: node.id, role: NODE_ROLE });
+  const metrics = createMetrics({ node: node.id, role });
+  const clusterAuth = createClusterAuth({ key: clusterKey, nodeId: node.id });
   // With --nats-url, archives and build outputs live in the JetStream object store, not the artifacts folder.
   const nats = config.natsUrl
     ? await connectNats({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
@@ -151,35 +177,63 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }), owner: node.id });
   const sandbox = await detectSandbox();
+  const names = clusterNames(config.clusterName);
+  // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
+  // they are home to (min_replicas counts for the whole cluster).
+  const workers = nats
+    ? createWorkerDirectory({
+        nats: { ready: async () => nats },
+        bucket: names.nodesBucket,
+        logger: logger.child({ component: 'workers' }),
+      })
+    : undefined;
+  await workers?.start();
+  const isHome =
+    workers && role === 'worker'
+      ? (projectId: string, appId: string): boolean => {
+          const live = workers.live();
+          if (live.length === 0) return true;
+          return rankWorkers(`${projectId}/${appId}`, live)[0]?.id === node.id;
+        }
+      : undefined;
   const appLog = createAppLog({ linesPerApp: config.appLogLines });
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
   // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
-  const views = sandbox.bwrap ? await createBuildViews({ buildsDir: dataDir.builds }) : undefined;
+  const views = sandbox.bwrap && runsCode ? await createBuildViews({ buildsDir: dataDir.builds }) : undefined;
   if (views?.reason) logger.warn(views.reason);
-  const network = await createSandboxNetwork({
-    egress: config.egress,
-    sandbox,
-    dataDir: dataDir.root,
+  const network = runsCode
+    ? await createSandboxNetwork({
+        egress: config.egress,
+        sandbox,
+        dataDir: dataDir.root,
+        runDir,
+        logger: logger.child({ component: 'network' }),
+      })
+    : createLoopbackOnlyNetwork();
+  const launch = createLauncher({
+    store,
+    buildsDir: dataDir.builds,
     runDir,
-    logger: logger.child({ component: 'network' }),
+    sandbox,
+    views,
+    network,
+    ensureLocal: (buildId) => buildOutput.ensureLocal(buildId),
+    secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
   });
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
     maxQueue: config.maxQueuePerApp,
     startTimeoutMs: config.replicaStartTimeoutMs,
-    launch: createLauncher({
-      store,
-      buildsDir: dataDir.builds,
-      runDir,
-      sandbox,
-      views,
-      network,
-      ensureLocal: (buildId) => buildOutput.ensureLocal(buildId),
-      secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
-    }),
+    maxReplicas: config.workerMaxReplicas,
+    ...(isHome ? { isHome } : {}),
+    launch: runsCode
+      ? launch
+      : async () => {
+          throw new FerryError('FERRY_INTERNAL', 'A gateway runs no user code');
+        },
     onColdStart(build, ms) {
       const labels = { project: build.projectId, app: build.appId };
       metrics.coldStarts.inc(labels);
@@ -191,7 +245,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     },
   });
   const replicaLogger = logger.child({ component: 'replica-output' });
-  const invoker = createInvoker({
+  const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
     replicas,
     recorder,
@@ -202,6 +256,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       metrics.runDuration.observe(labels, seconds);
     },
   });
+  const remote =
+    role === 'gateway' && workers
+      ? createRemoteInvoker({ directory: workers, auth: clusterAuth, logger: logger.child({ component: 'gateway' }) })
+      : undefined;
+  const invoker: Invoker = remote ?? localInvoker;
   const webhooks = createWebhookDeliverer({
     store,
     logger: logger.child({ component: 'webhooks' }),
@@ -216,15 +275,34 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   recorder.onOutbox = () => webhooks.wake();
   webhooks.start();
-  const asyncWorker = createAsyncWorker({
-    store,
-    targets: runTargets,
-    invoker,
-    recorder,
-    logger: logger.child({ component: 'async' }),
-    owner: node.id,
-  });
+  const asyncWorker: AsyncWorker = runsCode
+    ? createAsyncWorker({
+        store,
+        targets: runTargets,
+        invoker,
+        recorder,
+        logger: logger.child({ component: 'async' }),
+        owner: node.id,
+      })
+    : acceptOnly();
   load = () => describeLoad(replicas.pools(), asyncWorker.backlog);
+  // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
+  const announcer =
+    nats && role === 'worker'
+      ? createWorkerAnnouncer({
+          nats: { ready: async () => nats },
+          bucket: names.nodesBucket,
+          logger: logger.child({ component: 'workers' }),
+          describe: () => ({
+            id: node.id,
+            url: config.advertiseUrl ?? listenUrl ?? '',
+            role: 'worker',
+            version: FERRY_VERSION,
+            startedAt,
+            load: workerLoad(replicas.pools(), config.workerMaxReplicas),
+          }),
+        })
+      : undefined;
   const pipeline = createBuildPipeline({
     store,
     buildLog,
@@ -237,6 +315,16 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     logger: logger.child({ component: 'builds' }),
     owner: node.id,
     output: buildOutput,
+    builds: runsCode,
+    onQueued(build) {
+      // A gateway builds nothing: the processes that build hear of it now rather than at their next sweep.
+      void changes.publish({
+        type: 'build.queued',
+        projectId: build.project_id,
+        appId: build.app_id,
+        buildId: build.id,
+      });
+    },
     onFinished(build) {
       metrics.builds.inc({ state: build.state });
       if (build.started_at && build.finished_at) {
@@ -270,19 +358,51 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Before anything claims work: what a dead node (this data directory's last process included) left.
   const recovered = await recovery.sweep();
   recovery.start();
-  applyChanges(changes, { auth, runTargets, replicas, logger: logger.child({ component: 'changes' }) });
+  applyChanges(changes, {
+    auth,
+    runTargets,
+    replicas,
+    ...(runsCode
+      ? {
+          claimBuilds: () =>
+            void pipeline.recover().catch((err: unknown) => logger.warn({ err }, 'claiming free builds failed')),
+        }
+      : {}),
+    logger: logger.child({ component: 'changes' }),
+  });
   const streams = createStreamReplay({
     keepMs: config.streamReplaySeconds * 1000,
     maxBytesPerRun: config.streamReplayBytes,
     maxTotalBytes: config.streamReplayTotalBytes,
     graceMs: config.streamResumeGraceSeconds * 1000,
   });
+  let homeTimer: NodeJS.Timeout | undefined;
   return {
     config,
+    role,
+    clusterAuth,
+    workers,
+    announcer,
     node,
     async listening(url) {
       listenUrl = url;
       await node.refresh();
+      if (announcer && workers) {
+        await announcer.start();
+        // The app's home worker keeps its min_replicas: when workers come or go, homes move.
+        let members = '';
+        homeTimer = setInterval(() => {
+          const now = workers
+            .live()
+            .map((w) => w.id)
+            .sort()
+            .join(',');
+          if (now === members) return;
+          members = now;
+          void replicas.warmUp().catch((err: unknown) => logger.warn({ err }, 'keeping min_replicas failed'));
+        }, 2000);
+        homeTimer.unref();
+      }
     },
     recovery,
     recovered,
@@ -330,7 +450,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await recovery.close();
       await pipeline.close();
       await asyncWorker.close();
+      clearInterval(homeTimer);
+      // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
+      await announcer?.close();
       await replicas.close();
+      await remote?.close();
+      await workers?.close();
       await views?.close();
       await recorder.close();
       await webhooks.close();
@@ -341,4 +466,41 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await store.destroy();
     },
   };
+}
+
+/** A gateway's async side: it accepts runs (stored free, for workers to claim) and runs none. */
+function acceptOnly(): AsyncWorker {
+  return {
+    ownerFor: () => null,
+    enqueue: () => undefined,
+    wake: () => undefined,
+    backlog: 0,
+    start: async () => undefined,
+    close: async () => undefined,
+  };
+}
+
+/** What a worker announces of its load: per app, replicas, runs in flight and the slots it could have. */
+export function workerLoad(pools: Iterable<ReplicaPool>, maxReplicas: number): WorkerLoad {
+  const all = [...pools];
+  let replicas = 0;
+  let inflight = 0;
+  for (const pool of all) {
+    replicas += pool.liveReplicas;
+    inflight += pool.stats.inflight;
+  }
+  const room = maxReplicas > 0 ? Math.max(0, maxReplicas - replicas) : Number.POSITIVE_INFINITY;
+  const apps: WorkerLoad['apps'] = {};
+  for (const pool of all) {
+    if (pool.isDraining) continue;
+    const { scaling } = pool.build.config;
+    const key = `${pool.build.projectId}/${pool.build.appId}`;
+    const possible = Math.min(scaling.max_replicas, pool.liveReplicas + room);
+    apps[key] = {
+      replicas: pool.liveReplicas,
+      inflight: pool.stats.inflight + pool.stats.queued,
+      capacity: possible * scaling.replica_concurrency,
+    };
+  }
+  return { capacity: maxReplicas, inflight, replicas, apps };
 }

@@ -46,6 +46,13 @@ export interface BuildPipelineDeps {
   owner: string;
   /** Shares builds through the artifacts folder (build-output.ts): source in when missing, output out when ready. */
   output?: Pick<BuildOutput, 'ensureSource' | 'publish'>;
+  /**
+   * False on a gateway (`--role gateway`), which builds nothing: builds it receives stay free (no owner)
+   * for a process that builds to claim, and `onQueued` tells them. Default true.
+   */
+  builds?: boolean;
+  /** A build was received here but is left for another process to build (builds: false). */
+  onQueued?: (build: Build) => void;
 }
 
 export interface BuildPipeline {
@@ -215,6 +222,10 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
   }
 
   function enqueue(build: Build): void {
+    if (deps.builds === false) {
+      deps.onQueued?.(build);
+      return;
+    }
     const key = `${build.project_id}/${build.app_id}`;
     const previous = queues.get(key) ?? Promise.resolve();
     const next = previous
@@ -260,10 +271,13 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       return after;
     },
     async recover() {
-      if (closing) return 0;
+      if (closing || deps.builds === false) return 0;
       const free = await claimFreeBuilds(store, owner, 100);
       for (const build of free) {
-        buildLog.append(build.id, `Picked up by ${owner} (the server that held it stopped); building from the start`);
+        buildLog.append(
+          build.id,
+          `Picked up by ${owner} (received by a gateway, or left by a server that stopped); building from the start`,
+        );
         enqueue(build);
       }
       return free.length;

@@ -61,6 +61,18 @@ export function createProgram(): Command {
     )
     .addOption(
       new Option(
+        '--role <role>',
+        'gateway (public interface, runs no user code), worker (builds and replicas behind an internal listener on --port) or all (env FERRY_ROLE, default all)',
+      ),
+    )
+    .addOption(
+      new Option(
+        '--advertise-url <url>',
+        'where the other nodes of the cluster reach this one (env FERRY_ADVERTISE_URL, default http://<host>:<port>)',
+      ),
+    )
+    .addOption(
+      new Option(
         '--webhook-allow <cidrs>',
         'comma-separated CIDRs webhooks may reach although internal, e.g. 127.0.0.0/8,::1/128 (env FERRY_WEBHOOK_ALLOW)',
       ),

@@ -5,6 +5,8 @@
  * requests in flight finish, stops builds (they run again at the next start) and closes the store;
  * a second signal exits at once.
  */
+
+import { createWorkerApi } from '../cluster/worker-api.js';
 import { resolveServerConfig } from '../config.js';
 import { DataDirLockedError, lockDataDir, prepareDataDir, recordServer } from '../data-dir.js';
 import { buildServer } from '../http/server.js';
@@ -22,6 +24,8 @@ export interface ServeOptions {
   artifactsDir?: string;
   natsUrl?: string;
   clusterName?: string;
+  role?: string;
+  advertiseUrl?: string;
   webhookAllow?: string;
   egressAllow?: string;
   egressDeny?: string;
@@ -45,8 +49,21 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   }
 
   const services = await createServices(config, logger);
-  for (const warning of sandboxWarnings(services.sandbox)) logger.warn(warning);
-  const app = await buildServer(services);
+  if (config.role !== 'gateway') for (const warning of sandboxWarnings(services.sandbox)) logger.warn(warning);
+  // A worker serves only its internal listener; a gateway and `all` serve the public interface.
+  const app = config.role === 'worker' ? undefined : await buildServer(services);
+  const internal =
+    config.role === 'worker'
+      ? createWorkerApi({
+          store: services.store,
+          invoker: services.invoker,
+          auth: services.clusterAuth,
+          metrics: services.metrics,
+          refreshGauges: () => services.refreshGauges(),
+          logger: logger.child({ component: 'internal' }),
+          maxBodyBytes: services.config.maxBodyBytes,
+        })
+      : undefined;
   const recovered = await services.pipeline.recover();
   if (recovered > 0) logger.info({ builds: recovered }, 'resuming builds left unfinished by a stopped server');
   await services.asyncWorker.start();
@@ -56,11 +73,12 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
       'runs left in progress by a stopped server were marked failed (interrupted)',
     );
   }
-  await services.replicas.warmUp();
+  if (config.role !== 'gateway') await services.replicas.warmUp();
 
   let address: string;
   try {
-    address = await app.listen({ host: config.host, port: config.port });
+    if (app) address = await app.listen({ host: config.host, port: config.port });
+    else address = await listenInternal(internal!.server, config.host, config.port);
   } catch (err) {
     await services.close();
     unlock();
@@ -70,10 +88,22 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
     throw err;
   }
   // `ferry admin bootstrap` and `login-link` read it to print this server's address rather than a default.
-  const unrecord = recordServer(dataDir, address);
-  logger.info({ address, dataDir: dataDir.root }, `Ferry is listening on ${address} (data in ${dataDir.root})`);
-  // Sign in with a token from `ferry admin bootstrap` (it prints a sign-in link) or the API keys page.
-  logger.info({ dashboard: `${address}/` }, `Dashboard: ${address}/`);
+  const unrecord = config.role === 'worker' ? () => undefined : recordServer(dataDir, address);
+  // Gateways and `all` record their address when the public server listens (routes/cluster.ts).
+  if (config.role === 'worker') await services.listening(config.advertiseUrl ?? address);
+  if (config.role === 'worker') {
+    logger.info(
+      { address, advertise: config.advertiseUrl ?? address, dataDir: dataDir.root, role: config.role },
+      `Ferry worker ${services.node.id} is listening on ${address} (internal: gateways only; data in ${dataDir.root})`,
+    );
+  } else {
+    logger.info(
+      { address, dataDir: dataDir.root, role: config.role },
+      `Ferry${config.role === 'gateway' ? ' gateway' : ''} is listening on ${address} (data in ${dataDir.root})`,
+    );
+    // Sign in with a token from `ferry admin bootstrap` (it prints a sign-in link) or the API keys page.
+    logger.info({ dashboard: `${address}/` }, `Dashboard: ${address}/`);
+  }
 
   let stopping = false;
   const stop = async (signal: string) => {
@@ -85,7 +115,8 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
     unrecord();
     logger.info(`${signal}: shutting down (requests in flight finish first)`);
     try {
-      await app.close();
+      await app?.close();
+      await internal?.close();
       await services.close();
     } catch (err) {
       logger.error({ err }, 'error during shutdown');
@@ -98,4 +129,18 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   };
   process.on('SIGTERM', () => void stop('SIGTERM'));
   process.on('SIGINT', () => void stop('SIGINT'));
+}
+
+/** Listens with a plain node:http server; resolves with its address as a URL. */
+function listenInternal(server: import('node:http').Server, host: string, port: number): Promise<string> {
+  return new Promise((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(port, host, () => {
+      server.removeListener('error', reject);
+      const address = server.address();
+      const actual = typeof address === 'object' && address ? address.port : port;
+      const shown = host.includes(':') ? `[${host}]` : host;
+      resolve(`http://${shown}:${actual}`);
+    });
+  });
 }

@@ -5,6 +5,7 @@
  * - a service account changed: forget every cached token check (auth), so a revoked token is refused;
  * - a build activated: forget the app's cached run target and switch its replicas to the build now
  *   (old replicas drain; an app scaled to zero switches on its next run);
+ * - a build queued by a gateway (which builds nothing): a process that builds claims it;
  * - a project's secrets changed: nothing to forget. Replicas read the project's secrets from the store
  *   when they start, so new replicas get the change and running ones keep the environment they started
  *   with until they are replaced (as on one process: see the secrets routes);
@@ -20,6 +21,8 @@ export interface ApplyChangesDeps {
   auth: Pick<Authenticator, 'invalidate'>;
   runTargets: Pick<RunTargets, 'forget'>;
   replicas: Pick<ReplicaManager, 'activate' | 'pools' | 'warmUp'>;
+  /** Set on processes that build (worker, all): claims builds left free by a gateway. */
+  claimBuilds?: () => void;
   logger: Logger;
 }
 
@@ -43,6 +46,9 @@ export function applyChanges(feed: ChangeFeed, deps: ApplyChangesDeps): () => vo
         activate(event.projectId, event.appId);
         return;
       case 'secrets.changed':
+        return;
+      case 'build.queued':
+        deps.claimBuilds?.();
         return;
       case 'resync': {
         auth.invalidate();

@@ -34,8 +34,16 @@ export interface BuildActivated {
   buildId: string;
 }
 
+/** A gateway received an archive and left its build free: a process that builds claims it now. */
+export interface BuildQueued {
+  type: 'build.queued';
+  projectId: string;
+  appId: string;
+  buildId: string;
+}
+
 /** What a process announces. */
-export type ChangeEvent = ServiceAccountChanged | SecretsChanged | BuildActivated;
+export type ChangeEvent = ServiceAccountChanged | SecretsChanged | BuildActivated | BuildQueued;
 
 /** Told by the transport only, never published: events may have been lost; treat everything as changed. */
 export interface Resync {
@@ -131,6 +139,7 @@ export function parseChangeEvent(value: unknown): ChangeEvent | undefined {
     }
     case 'secrets.changed':
       return { type: v.type, projectId };
+    case 'build.queued':
     case 'build.activated': {
       const appId = id('appId');
       const buildId = id('buildId');

@@ -8,9 +8,8 @@
  */
 import fs from 'node:fs';
 
-/** The node's role. Only `all` (every part in one process) exists yet; issue 13's `--role` adds more. */
-export type NodeRole = 'all';
-export const NODE_ROLE: NodeRole = 'all';
+/** The node's role (`ferry serve --role`): `gateway`, `worker`, or `all` (every part in one process). */
+export type { NodeRole } from '../config.js';
 
 /** Apps listed in a node's info, at most (the busiest); `apps_total` counts them all. */
 export const MAX_APPS = 50;

@@ -236,7 +236,7 @@ const WS_KEEP = new Set(['upgrade', 'connection']);
 const WS_PARAMS = new Set([...FERRY_PARAMS, 'access_token']);
 
 /** Writes an HTTP error answer on a socket that asked to upgrade, and closes it. */
-function refuseUpgrade(socket: Socket, runId: string, err: unknown): void {
+export function refuseUpgrade(socket: Socket, runId: string, err: unknown): void {
   const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
   const body = JSON.stringify({ ...ferry.toJSON(), run_id: runId });
   const extra = Object.entries(ferry.headers)

@@ -22,6 +22,13 @@ export interface ReplicaManagerDeps {
   onColdStart?: (build: PoolBuild, ms: number) => void;
   /** Lines replicas print outside runs, and what happened to them (`system`): the app's log. */
   onReplicaOutput?: (build: PoolBuild, replicaId: string, stream: 'stdout' | 'stderr' | 'system', line: string) => void;
+  /** `FERRY_WORKER_MAX_REPLICAS`: replicas of all apps this node runs at once; 0 or unset: no cap. */
+  maxReplicas?: number;
+  /**
+   * In a cluster: whether this worker is the app's home (the first in rendezvous order of the live
+   * workers), which keeps the app's `min_replicas`. Unset: this node keeps every app's minimum.
+   */
+  isHome?: (projectId: string, appId: string) => boolean;
 }
 
 export interface ReplicaManager {
@@ -39,6 +46,26 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
   const current = new Map<string, ReplicaPool>();
   const draining = new Set<ReplicaPool>();
 
+  const cap = deps.maxReplicas ?? 0;
+  const liveTotal = (): number => {
+    let n = 0;
+    for (const p of current.values()) n += p.liveReplicas;
+    for (const p of draining) n += p.liveReplicas;
+    return n;
+  };
+  let rescaling = false;
+  /** A replica started or stopped somewhere: pools waiting on the node's cap may start one now. */
+  function changed(): void {
+    deps.onChange?.();
+    if (cap <= 0 || rescaling) return;
+    rescaling = true;
+    try {
+      for (const p of current.values()) p.rescale();
+    } finally {
+      rescaling = false;
+    }
+  }
+
   function makePool(build: PoolBuild): ReplicaPool {
     // A custom server gets its own start_timeout (the supervisor enforces it), plus time to start the sandbox.
     const custom = build.config.runtime.custom;
@@ -48,7 +75,11 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
       maxQueue: deps.maxQueue,
       startTimeoutMs,
       logger: deps.logger,
-      ...(deps.onChange ? { onChange: deps.onChange } : {}),
+      onChange: changed,
+      ...(cap > 0 ? { mayStart: () => liveTotal() < cap } : {}),
+      ...(deps.isHome
+        ? { minReplicas: () => (deps.isHome!(build.projectId, build.appId) ? build.config.scaling.min_replicas : 0) }
+        : {}),
       onColdStart: (ms) => deps.onColdStart?.(build, ms),
       onEvent: (replicaId, line) => deps.onReplicaOutput?.(build, replicaId, 'system', line),
       async startReplica(): Promise<Replica> {
@@ -114,7 +145,9 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
         .execute();
       for (const app of apps) {
         const build = await activeBuild(app.project_id, app.id);
-        if (build && build.config.scaling.min_replicas > 0) pool(build).ensureMinimum();
+        if (!build || build.config.scaling.min_replicas === 0) continue;
+        if (deps.isHome && !deps.isHome(app.project_id, app.id)) continue;
+        pool(build).ensureMinimum();
       }
     },
     async activate(projectId, appId) {
@@ -122,7 +155,8 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
       if (!build) return;
       const key = `${projectId}/${appId}`;
       // Only switch eagerly when replicas are running or wanted; a scaled-to-zero app switches on its next run.
-      if (current.has(key) || build.config.scaling.min_replicas > 0) pool(build).ensureMinimum();
+      const wanted = build.config.scaling.min_replicas > 0 && (!deps.isHome || deps.isHome(projectId, appId));
+      if (current.has(key) || wanted) pool(build).ensureMinimum();
     },
     pools: () => [...current.values(), ...draining],
     async close(graceMs) {

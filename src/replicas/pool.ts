@@ -44,6 +44,16 @@ export interface PoolDeps {
   onColdStart?: (ms: number) => void;
   /** Receives what happened to a replica (exits, restarts), for the app's log. */
   onEvent?: (replicaId: string, line: string) => void;
+  /**
+   * Whether this node may start one more replica now (`FERRY_WORKER_MAX_REPLICAS`, over all apps); runs
+   * wait in the app's queue while it says no, and the pool tries again when `rescale` is called.
+   */
+  mayStart?: () => boolean;
+  /**
+   * The replicas this node keeps for the app at least: `min_replicas`, or 0 on a worker of a cluster that
+   * is not the app's home (min_replicas counts for the whole cluster: the home worker keeps them).
+   */
+  minReplicas?: () => number;
 }
 
 /**
@@ -86,6 +96,20 @@ export class ReplicaPool {
 
   private get scaling() {
     return this.build.config.scaling;
+  }
+
+  private get minReplicas(): number {
+    return this.deps.minReplicas ? this.deps.minReplicas() : this.scaling.min_replicas;
+  }
+
+  /** Replicas being launched, starting or ready (what counts toward max_replicas and the node's cap). */
+  get liveReplicas(): number {
+    return this.live();
+  }
+
+  /** Starts replicas for waiting runs again (another pool stopped a replica: the node's cap has room). */
+  rescale(): void {
+    if (!this.draining && this.waiters.length > 0) this.scale();
   }
 
   get queueDepth(): number {
@@ -189,7 +213,11 @@ export class ReplicaPool {
   private scale(): void {
     const starting = this.launching + [...this.replicas].filter((r) => r.state === 'starting').length;
     let capacityComing = starting * this.scaling.replica_concurrency;
-    while (this.waiters.length > capacityComing && this.live() < this.scaling.max_replicas) {
+    while (
+      this.waiters.length > capacityComing &&
+      this.live() < this.scaling.max_replicas &&
+      (this.deps.mayStart?.() ?? true)
+    ) {
       void this.addReplica();
       capacityComing += this.scaling.replica_concurrency;
     }
@@ -198,7 +226,7 @@ export class ReplicaPool {
   /** Keeps at least min_replicas running (called at activation and after a replica exits). */
   ensureMinimum(): void {
     if (this.draining) return;
-    const missing = this.scaling.min_replicas - this.live();
+    const missing = this.minReplicas - this.live();
     for (let i = 0; i < missing; i++) void this.addReplica();
   }
 
@@ -270,7 +298,7 @@ export class ReplicaPool {
     // server that keeps crashing is not restarted in a tight loop.
     if (this.startFailures < 3) this.scale();
     const live = this.live();
-    const restart = live < this.scaling.min_replicas;
+    const restart = live < this.minReplicas;
     this.deps.onEvent?.(
       replica.id,
       `replica ${what}: ${describeExit(exit)}${restart ? `; restarting in ${(delay / 1000).toFixed(1)} s` : ''}`,
@@ -311,7 +339,7 @@ export class ReplicaPool {
       .filter((r) => r.state === 'ready' && r.inflight === 0 && now - r.lastUsed >= cooldownMs)
       .sort((a, b) => a.lastUsed - b.lastUsed);
     for (const r of idle) {
-      if (live <= this.scaling.min_replicas) break;
+      if (live <= this.minReplicas) break;
       live -= 1;
       this.deps.logger.info({ replica: r.id, app: this.build.appId }, 'replica idle past cooldown; stopping');
       void this.stopReplica(r);

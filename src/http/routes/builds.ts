@@ -66,7 +66,8 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
             buildsDir: services.dataDir.builds,
             maxUploadBytes: services.config.maxUploadBytes,
             zipLimits: services.config.zipLimits,
-            owner: services.node.id,
+            // A gateway builds nothing: the build stays free for a worker to claim.
+            ...(services.role === 'gateway' ? {} : { owner: services.node.id }),
           },
           request.params.project_id,
           request.params.app_id,

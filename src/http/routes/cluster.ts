@@ -30,7 +30,12 @@ const Node = Type.Object({
   hostname: Nullable(Type.String()),
   pid: Nullable(Type.Integer()),
   version: Nullable(Type.String({ description: 'Ferry version (null: written by a Ferry that did not say)' })),
-  role: Nullable(Type.String({ description: '`all`: every part of Ferry in one process' })),
+  role: Nullable(
+    Type.String({
+      description:
+        '`gateway` (public interface, no user code), `worker` (builds and replicas behind an internal listener) or `all` (every part in one process)',
+    }),
+  ),
   url: Nullable(
     Type.String({ description: 'The address its HTTP server listens on (null before it listens, or unknown)' }),
   ),

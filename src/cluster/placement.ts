@@ -1,0 +1,53 @@
+/**
+ * Which worker gets a call (ARCHITECTURE.md, "Scaling out"): rendezvous hashing of the app over the live
+ * workers, so every gateway sends an app's calls to the same worker (its **home**), whose warm replicas
+ * are reused, and a worker leaving moves only the apps it was home to. A worker with no room for the app
+ * moves behind those with room, so a full worker spills over to the next.
+ */
+import type { WorkerAnnouncement } from './workers.js';
+
+/** A 32-bit hash of `text` (FNV-1a, then murmur3's finaliser for a good spread of similar keys). */
+function hash(text: string): number {
+  let h = 0x811c9dc5;
+  for (let i = 0; i < text.length; i++) {
+    h ^= text.charCodeAt(i);
+    h = Math.imul(h, 0x01000193);
+  }
+  h ^= h >>> 16;
+  h = Math.imul(h, 0x85ebca6b);
+  h ^= h >>> 13;
+  h = Math.imul(h, 0xc2b2ae35);
+  h ^= h >>> 16;
+  return h >>> 0;
+}
+
+/** The rendezvous (highest random weight) order of `workers` for `appKey` (`${projectId}/${appId}`). */
+export function rankWorkers<T extends { id: string }>(appKey: string, workers: readonly T[]): T[] {
+  return workers
+    .map((worker) => ({ worker, weight: hash(`${appKey}\0${worker.id}`) }))
+    .sort((a, b) => b.weight - a.weight || (a.worker.id < b.worker.id ? -1 : 1))
+    .map((w) => w.worker);
+}
+
+/**
+ * Whether a worker, as last announced, has no free slot for the app: every slot it has or could start for
+ * the app is taken (or, without replicas of it, it is at its cap of replicas over all apps).
+ */
+export function isFull(worker: WorkerAnnouncement, appKey: string): boolean {
+  const app = worker.load.apps[appKey];
+  if (app) return app.inflight >= app.capacity;
+  return worker.load.capacity > 0 && worker.load.replicas >= worker.load.capacity;
+}
+
+/** The workers to try for a call, in order: rendezvous order, those without room for the app last. */
+export function placeCall(
+  appKey: string,
+  workers: readonly WorkerAnnouncement[],
+  options: { exclude?: ReadonlySet<string> } = {},
+): WorkerAnnouncement[] {
+  const ranked = rankWorkers(appKey, options.exclude ? workers.filter((w) => !options.exclude!.has(w.id)) : workers);
+  const room: WorkerAnnouncement[] = [];
+  const full: WorkerAnnouncement[] = [];
+  for (const w of ranked) (isFull(w, appKey) ? full : room).push(w);
+  return room.concat(full);
+}

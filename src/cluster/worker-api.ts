@@ -1,0 +1,436 @@
+/**
+ * A worker's internal listener (`ferry serve --role worker`): the only door into a worker. Gateways send it
+ * the sync, streaming, custom HTTP and WebSocket calls they accept (runs/remote-invoker.ts); the worker
+ * runs them through its own invoker exactly as a single process does (recording the run, its logs and
+ * its webhook), and streams what happens back.
+ *
+ * Every call must carry a cluster token (cluster-auth.ts, signed with the shared keys directory's
+ * `cluster.key`); anything else answers 401 FERRY_CLUSTER_UNAUTHENTICATED. `/healthz` and `/metrics` are
+ * open, as on a gateway, for load balancers and scrapers.
+ *
+ * The protocol (version 1), all over HTTP/1.1 keep-alive:
+ * - `POST /internal/v1/invoke`: body = one line of JSON (the call: CallMeta) + `\n` + the arguments JSON.
+ *   Answer: `application/x-ndjson` lines: `{"e":"started"}` and `{"e":"item","d":…}` (streaming calls
+ *   only), then `{"e":"done",…}` or `{"e":"error","error":{code,message,…},"headers":{…}}`.
+ * - `POST /internal/v1/http`: body = the call line + the request body to forward, streamed. Answer: one
+ *   line `{"e":"head","status":…,"headers":{…}}` (or `{"e":"error",…}`) then the server's body, streamed.
+ *   A failure after the head cuts the answer (the gateway cuts its caller's).
+ * - `GET /internal/v1/session` with `Upgrade: ferry-tunnel` and the call in `x-ferry-call` (base64url JSON):
+ *   the rest of the connection is the caller's WebSocket request and then its bytes, both ways, to the
+ *   app's server. A refusal is written as the HTTP error answer the caller would get from one process.
+ */
+import http, { type IncomingMessage, type ServerResponse } from 'node:http';
+import type { Socket } from 'node:net';
+import { PassThrough } from 'node:stream';
+import type { Logger } from 'pino';
+import type { AppConfig } from '../apps/app-config.js';
+import { FerryError } from '../errors.js';
+import { refuseUpgrade } from '../http/custom-proxy.js';
+import type { Metrics } from '../metrics.js';
+import type { PoolBuild } from '../replicas/pool.js';
+import type { Invoker } from '../runs/invoke.js';
+import { probeStore, type Store } from '../store/index.js';
+import type { RunMode } from '../store/schema.js';
+import type { ClusterAuth } from './cluster-auth.js';
+
+/** What a gateway tells a worker about a call (the first line of the body, or `x-ferry-call`). */
+export interface CallMeta {
+  v: 1;
+  runId: string;
+  projectId: string;
+  appId: string;
+  buildId: string;
+  fn: string;
+  mode: RunMode;
+  webhookUrl?: string | undefined;
+  webhookSecret?: string | undefined;
+  /** Custom runtime: the request to forward. */
+  http?: { method: string; path: string; headers: Record<string, string | string[]>; hasBody: boolean };
+  /** Custom runtime: the run's stored input. */
+  input?: string | null;
+}
+
+export const INTERNAL_PREFIX = '/internal/v1';
+/** The call line is small (ids, a function name, forwarded headers): past this it is refused. */
+const MAX_META_BYTES = 256 * 1024;
+const ID = /^[A-Za-z0-9_.:-]{1,200}$/;
+const MODES: readonly RunMode[] = ['sync', 'async', 'stream'];
+
+/** The call in `value` when it is well formed; undefined otherwise (a worker trusts the cluster, not bytes). */
+export function parseCallMeta(value: unknown): CallMeta | undefined {
+  if (typeof value !== 'object' || value === null) return undefined;
+  const v = value as Record<string, unknown>;
+  const ok = (key: string) => typeof v[key] === 'string' && ID.test(v[key] as string);
+  if (v.v !== 1 || !ok('runId') || !ok('projectId') || !ok('appId') || !ok('buildId')) return undefined;
+  if (typeof v.fn !== 'string' || v.fn.length === 0 || v.fn.length > 512) return undefined;
+  if (!MODES.includes(v.mode as RunMode)) return undefined;
+  for (const key of ['webhookUrl', 'webhookSecret']) {
+    if (v[key] !== undefined && typeof v[key] !== 'string') return undefined;
+  }
+  if (v.input !== undefined && v.input !== null && typeof v.input !== 'string') return undefined;
+  if (v.http !== undefined) {
+    const h = v.http as Record<string, unknown> | null;
+    if (!h || typeof h.method !== 'string' || typeof h.path !== 'string' || !h.path.startsWith('/')) return undefined;
+    if (typeof h.headers !== 'object' || h.headers === null || typeof h.hasBody !== 'boolean') return undefined;
+  }
+  return v as unknown as CallMeta;
+}
+
+export interface WorkerApiDeps {
+  store: Store;
+  invoker: Invoker;
+  auth: ClusterAuth;
+  metrics: Metrics;
+  refreshGauges(): void;
+  logger: Logger;
+  /** Largest arguments body taken (the gateway checked it already; this bounds a confused peer). */
+  maxBodyBytes: number;
+}
+
+export interface WorkerApi {
+  server: http.Server;
+  close(): Promise<void>;
+}
+
+export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
+  const { logger } = deps;
+  const builds = createBuildCache(deps.store);
+
+  const server = http.createServer({ keepAliveTimeout: 65_000, noDelay: true }, (req, res) => {
+    void route(req, res).catch((err: unknown) => {
+      if (!(err instanceof FerryError)) logger.error({ err, url: req.url }, 'internal call failed');
+      answerError(res, err);
+    });
+  });
+  server.headersTimeout = 30_000;
+  server.requestTimeout = 0; // calls last as long as their run (the run's own deadline bounds them)
+
+  async function route(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const url = req.url ?? '/';
+    if (req.method === 'GET' && url === '/healthz') {
+      const state = await probeStore(deps.store, 1000).catch(() => 'down' as const);
+      const body = state === 'ok' || state === 'busy' ? { status: 'ok', role: 'worker' } : { status: 'unavailable' };
+      sendJson(res, state === 'ok' || state === 'busy' ? 200 : 503, body);
+      return;
+    }
+    if (req.method === 'GET' && url === '/metrics') {
+      deps.refreshGauges();
+      const text = await deps.metrics.registry.metrics();
+      res.writeHead(200, { 'content-type': deps.metrics.registry.contentType });
+      res.end(text);
+      return;
+    }
+    if (!deps.auth.verify(req.headers.authorization)) throw new FerryError('FERRY_CLUSTER_UNAUTHENTICATED');
+    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/invoke`) return invoke(req, res);
+    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/http`) return forwardHttp(req, res);
+    throw new FerryError('FERRY_ROUTE_NOT_FOUND', `No internal route ${req.method} ${url.split('?')[0]}`);
+  }
+
+  /** A cortex call: runs the function, answers its events as lines. */
+  async function invoke(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const { meta, rest } = await readMeta(req);
+    const body = await readRest(req, rest, deps.maxBodyBytes);
+    const build = await builds.get(meta);
+    const gone = goneSignal(res);
+    const streaming = meta.mode === 'stream';
+    let opened = false;
+    const open = () => {
+      if (opened) return;
+      opened = true;
+      res.writeHead(200, { 'content-type': 'application/x-ndjson' });
+      res.flushHeaders();
+    };
+    const line = (value: unknown) => {
+      open();
+      res.write(`${JSON.stringify(value)}\n`);
+    };
+    try {
+      const outcome = await deps.invoker.invoke({
+        runId: meta.runId,
+        build,
+        fn: meta.fn,
+        mode: meta.mode,
+        body,
+        signal: gone,
+        webhookUrl: meta.webhookUrl,
+        webhookSecret: meta.webhookSecret,
+        ...(streaming
+          ? { onStarted: () => line({ e: 'started' }), onItem: (data: unknown) => line({ e: 'item', d: data ?? null }) }
+          : {}),
+      });
+      const done = `${JSON.stringify({
+        e: 'done',
+        result: outcome.result ?? null,
+        streamed: outcome.streamed,
+        runTimeMs: outcome.runTimeMs,
+        coldStart: outcome.coldStart,
+        statusCode: outcome.statusCode,
+      })}\n`;
+      if (opened) res.end(done);
+      else {
+        res.writeHead(200, { 'content-type': 'application/x-ndjson', 'content-length': Buffer.byteLength(done) });
+        res.end(done);
+      }
+    } catch (err) {
+      if (gone.aborted && !(err instanceof FerryError)) {
+        res.destroy();
+        return;
+      }
+      if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal invoke failed');
+      line(errorLine(err));
+      res.end();
+    }
+  }
+
+  /** A custom app's HTTP call: forwards it to the app's server and streams the answer back. */
+  async function forwardHttp(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const { meta, rest } = await readMeta(req);
+    if (!meta.http) throw new FerryError('FERRY_VALIDATION', 'the call has no request to forward');
+    const build = await builds.get(meta);
+    const gone = goneSignal(res);
+    let body: PassThrough | null = null;
+    if (meta.http.hasBody) {
+      body = new PassThrough();
+      if (rest.length > 0) body.write(rest);
+      req.pipe(body);
+    }
+    let answered = false;
+    try {
+      await deps.invoker.invokeHttp({
+        runId: meta.runId,
+        build,
+        fn: meta.fn,
+        mode: meta.mode,
+        signal: gone,
+        webhookUrl: meta.webhookUrl,
+        webhookSecret: meta.webhookSecret,
+        input: meta.input ?? null,
+        http: { method: meta.http.method, path: meta.http.path, headers: meta.http.headers, body },
+        onResponse(head) {
+          answered = true;
+          res.writeHead(200, { 'content-type': 'application/octet-stream' });
+          res.write(`${JSON.stringify({ e: 'head', status: head.statusCode, headers: head.headers })}\n`);
+          res.socket?.setNoDelay(true);
+          return res;
+        },
+      });
+      if (!res.writableEnded) res.end();
+    } catch (err) {
+      if (answered || (gone.aborted && !(err instanceof FerryError))) {
+        res.destroy();
+        return;
+      }
+      if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal http call failed');
+      res.writeHead(200, { 'content-type': 'application/octet-stream' });
+      res.end(`${JSON.stringify(errorLine(err))}\n`);
+    }
+  }
+
+  /** A WebSocket session: the connection becomes a tunnel to the app's server for as long as it lasts. */
+  server.on('upgrade', (req: IncomingMessage, socket: Socket, head: Buffer) => {
+    socket.on('error', () => socket.destroy());
+    let meta: CallMeta | undefined;
+    try {
+      meta = decodeHeaderMeta(req.headers['x-ferry-call']);
+    } catch {
+      meta = undefined;
+    }
+    const runId = meta?.runId ?? 'unknown';
+    if (!deps.auth.verify(req.headers.authorization)) {
+      refuseUpgrade(socket, runId, new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'));
+      return;
+    }
+    if (req.url !== `${INTERNAL_PREFIX}/session` || !meta) {
+      refuseUpgrade(socket, runId, new FerryError('FERRY_VALIDATION', 'not a session call'));
+      return;
+    }
+    void session(meta, socket, head).catch((err: unknown) => {
+      if (!(err instanceof FerryError)) logger.error({ err, runId }, 'internal session failed');
+      if (!socket.destroyed) refuseUpgrade(socket, runId, err);
+    });
+  });
+
+  async function session(meta: CallMeta, socket: Socket, head: Buffer): Promise<void> {
+    const build = await builds.get(meta);
+    const gone = new AbortController();
+    socket.once('close', () => gone.abort(new Error('gateway went away')));
+    let answered = false;
+    await deps.invoker
+      .invokeSession(
+        { runId: meta.runId, build, fn: meta.fn, mode: 'stream', signal: gone.signal, noDeadline: true },
+        (replica, signal) =>
+          new Promise<number>((resolve, reject) => {
+            const upstream = replica.connect();
+            let status = 0;
+            const finish = () => {
+              upstream.destroy();
+              socket.destroy();
+              if (status === 0) reject(new FerryError('FERRY_REPLICA_DIED', 'The app closed the connection'));
+              else resolve(status);
+            };
+            signal.addEventListener('abort', finish, { once: true });
+            upstream.once('error', finish);
+            upstream.once('close', finish);
+            socket.once('close', finish);
+            upstream.once('connect', () => {
+              // What the gateway sent after the tunnel's own head: the caller's request, then its bytes.
+              if (head.length > 0) upstream.write(head);
+              upstream.once('data', (first: Buffer) => {
+                const match = /^HTTP\/1\.[01] (\d{3})/.exec(first.subarray(0, 16).toString('latin1'));
+                status = match ? Number(match[1]) : 502;
+                answered = true;
+              });
+              upstream.pipe(socket);
+              socket.pipe(upstream);
+              upstream.setNoDelay(true);
+              socket.setNoDelay(true);
+            });
+          }),
+      )
+      .catch((err: unknown) => {
+        if (answered || socket.destroyed) return;
+        throw err;
+      });
+  }
+
+  return {
+    server,
+    async close() {
+      await new Promise<void>((resolve) => {
+        server.close(() => resolve());
+        server.closeIdleConnections();
+      });
+    },
+  };
+}
+
+/** Aborted when the gateway goes away before the answer is complete (its caller went away, or it died). */
+function goneSignal(res: ServerResponse): AbortSignal {
+  const gone = new AbortController();
+  res.on('close', () => {
+    if (!res.writableFinished) gone.abort(new Error('gateway went away'));
+  });
+  return gone.signal;
+}
+
+function errorLine(err: unknown): { e: 'error'; error: Record<string, string>; status: number; headers: object } {
+  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
+  return { e: 'error', error: ferry.toJSON().error, status: ferry.status, headers: ferry.headers };
+}
+
+function answerError(res: ServerResponse, err: unknown): void {
+  if (res.headersSent) {
+    res.destroy();
+    return;
+  }
+  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
+  sendJson(res, ferry.status, ferry.toJSON(), ferry.headers);
+}
+
+function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
+  const text = JSON.stringify(body);
+  res.writeHead(status, {
+    ...headers,
+    'content-type': 'application/json; charset=utf-8',
+    'content-length': Buffer.byteLength(text),
+  });
+  res.end(text);
+}
+
+export function encodeHeaderMeta(meta: CallMeta): string {
+  return Buffer.from(JSON.stringify(meta)).toString('base64url');
+}
+
+function decodeHeaderMeta(value: string | string[] | undefined): CallMeta | undefined {
+  if (typeof value !== 'string' || value.length > MAX_META_BYTES) return undefined;
+  return parseCallMeta(JSON.parse(Buffer.from(value, 'base64url').toString('utf8')));
+}
+
+/** Reads the call line; `rest` is what came after it in the same chunk. The request is left paused. */
+function readMeta(req: IncomingMessage): Promise<{ meta: CallMeta; rest: Buffer }> {
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = [];
+    let size = 0;
+    const cleanup = () => {
+      req.removeListener('data', onData);
+      req.removeListener('end', onEnd);
+      req.removeListener('error', onError);
+    };
+    const fail = (err: unknown) => {
+      cleanup();
+      reject(err);
+    };
+    function onData(chunk: Buffer): void {
+      const nl = chunk.indexOf(10);
+      if (nl < 0) {
+        chunks.push(chunk);
+        size += chunk.length;
+        if (size > MAX_META_BYTES) fail(new FerryError('FERRY_BODY_TOO_LARGE', 'the call line is too long'));
+        return;
+      }
+      req.pause();
+      cleanup();
+      chunks.push(chunk.subarray(0, nl));
+      let parsed: unknown;
+      try {
+        parsed = JSON.parse(Buffer.concat(chunks).toString('utf8'));
+      } catch {
+        reject(new FerryError('FERRY_INVALID_JSON', 'the call line is not JSON'));
+        return;
+      }
+      const meta = parseCallMeta(parsed);
+      if (!meta) reject(new FerryError('FERRY_VALIDATION', 'the call line is not a valid call'));
+      else resolve({ meta, rest: chunk.subarray(nl + 1) });
+    }
+    function onEnd(): void {
+      fail(new FerryError('FERRY_VALIDATION', 'the body has no call line'));
+    }
+    function onError(err: unknown): void {
+      fail(err);
+    }
+    req.on('data', onData);
+    req.once('end', onEnd);
+    req.once('error', onError);
+  });
+}
+
+async function readRest(req: IncomingMessage, rest: Buffer, limit: number): Promise<Buffer> {
+  const chunks = [rest];
+  let size = rest.length;
+  for await (const chunk of req as AsyncIterable<Buffer>) {
+    size += chunk.length;
+    if (size > limit) throw new FerryError('FERRY_BODY_TOO_LARGE');
+    chunks.push(chunk);
+  }
+  return chunks.length === 1 ? rest : Buffer.concat(chunks);
+}
+
+/** Builds by id, as the worker runs them: ready builds are immutable, so they are kept (bounded). */
+function createBuildCache(store: Store) {
+  const cache = new Map<string, PoolBuild>();
+  return {
+    async get(meta: CallMeta): Promise<PoolBuild> {
+      const hit = cache.get(meta.buildId);
+      if (hit && hit.projectId === meta.projectId && hit.appId === meta.appId) return hit;
+      const row = await store
+        .selectFrom('builds')
+        .select(['id', 'project_id', 'app_id', 'state', 'config_json'])
+        .where('id', '=', meta.buildId)
+        .executeTakeFirst();
+      if (!row || row.project_id !== meta.projectId || row.app_id !== meta.appId || row.state !== 'ready') {
+        throw new FerryError('FERRY_NO_READY_BUILD', 'The build the gateway named is not a ready build of this app', {
+          headers: { 'retry-after': '1' },
+        });
+      }
+      const build: PoolBuild = {
+        projectId: row.project_id,
+        appId: row.app_id,
+        buildId: row.id,
+        config: JSON.parse(row.config_json ?? '{}') as AppConfig,
+      };
+      if (cache.size >= 1000) cache.delete(cache.keys().next().value as string);
+      cache.set(row.id, build);
+      return build;
+    },
+  };
+}

@@ -1,0 +1,401 @@
+/**
+ * The gateway's invoker (`ferry serve --role gateway`): the same Invoker interface the run routes use on
+ * one process, but each call goes over HTTP to a worker's internal listener (cluster/worker-api.ts), which
+ * runs it with its own invoker and records it. The gateway runs no user code and records nothing itself.
+ *
+ * Placement (cluster/placement.ts): the live workers (cluster/workers.ts) in rendezvous order of the app,
+ * those without room moved back, so an app's warm replicas are reused and a full worker spills over.
+ * A worker that refuses the connection is marked down and the next one is tried: nothing was sent, so
+ * nothing ran. A worker lost once the call was sent fails the call with FERRY_WORKER_LOST (it may have
+ * started); no worker at all answers FERRY_NO_WORKERS.
+ */
+import net from 'node:net';
+import { Readable } from 'node:stream';
+import { StringDecoder } from 'node:string_decoder';
+import tls from 'node:tls';
+import type { Logger } from 'pino';
+import { type Dispatcher, Pool } from 'undici';
+import type { ClusterAuth } from '../cluster/cluster-auth.js';
+import { placeCall } from '../cluster/placement.js';
+import { type CallMeta, encodeHeaderMeta, INTERNAL_PREFIX } from '../cluster/worker-api.js';
+import type { WorkerAnnouncement, WorkerDirectory } from '../cluster/workers.js';
+import { ERRORS, type ErrorCode, FerryError } from '../errors.js';
+import type {
+  HttpBodySink,
+  HttpInvokeRequest,
+  InvokeRequest,
+  InvokeResult,
+  Invoker,
+  RunRequestBase,
+} from './invoke.js';
+
+export interface RemoteInvokerDeps {
+  directory: WorkerDirectory;
+  auth: ClusterAuth;
+  logger: Logger;
+}
+
+export interface RemoteInvoker extends Invoker {
+  /** Calls this gateway has in flight on each worker (for `GET /v2/cluster` and placement). */
+  inflight(): Map<string, number>;
+  close(): Promise<void>;
+}
+
+/** Connection failures that prove nothing was sent: the call may go to another worker. */
+const NOT_CONNECTED = new Set([
+  'ECONNREFUSED',
+  'EHOSTUNREACH',
+  'ENETUNREACH',
+  'ENOTFOUND',
+  'EAI_AGAIN',
+  'UND_ERR_CONNECT_TIMEOUT',
+]);
+
+function notConnected(err: unknown): boolean {
+  const code = (err as { code?: unknown } | null)?.code;
+  return typeof code === 'string' && NOT_CONNECTED.has(code);
+}
+
+export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
+  const { directory, auth, logger } = deps;
+  const pools = new Map<string, Pool>();
+  const inflight = new Map<string, number>();
+  const appInflight = new Map<string, number>();
+
+  function poolFor(url: string): Pool {
+    let pool = pools.get(url);
+    if (!pool) {
+      pool = new Pool(url, {
+        connections: 256,
+        keepAliveTimeout: 30_000,
+        headersTimeout: 0,
+        bodyTimeout: 0,
+        connectTimeout: 2_000,
+      });
+      pools.set(url, pool);
+    }
+    return pool;
+  }
+
+  /** Workers to try, in order, for the app of `request`, with this gateway's own calls counted in. */
+  function candidates(request: RunRequestBase): WorkerAnnouncement[] {
+    const appKey = `${request.build.projectId}/${request.build.appId}`;
+    const live = directory.live().map((w) => {
+      // Announcements are up to a second old: add what this gateway sent since, so a burst spreads.
+      const mine = appInflight.get(`${w.id}\0${appKey}`) ?? 0;
+      const app = w.load.apps[appKey];
+      if (mine === 0) return w;
+      return {
+        ...w,
+        load: {
+          ...w.load,
+          inflight: Math.max(w.load.inflight, inflight.get(w.id) ?? 0),
+          apps: {
+            ...w.load.apps,
+            [appKey]: {
+              replicas: app?.replicas ?? 0,
+              capacity: app?.capacity ?? 0,
+              inflight: Math.max(app?.inflight ?? 0, mine),
+            },
+          },
+        },
+      };
+    });
+    return placeCall(appKey, live);
+  }
+
+  /** Sends the call to the first worker that takes the connection; counts it in flight until `done`. */
+  async function dispatch<T>(request: RunRequestBase, send: (worker: WorkerAnnouncement) => Promise<T>): Promise<T> {
+    const appKey = `${request.build.projectId}/${request.build.appId}`;
+    const tried = new Set<string>();
+    for (let attempt = 0; attempt < 8; attempt++) {
+      const worker = candidates(request).find((w) => !tried.has(w.id));
+      if (!worker) break;
+      tried.add(worker.id);
+      const key = `${worker.id}\0${appKey}`;
+      inflight.set(worker.id, (inflight.get(worker.id) ?? 0) + 1);
+      appInflight.set(key, (appInflight.get(key) ?? 0) + 1);
+      try {
+        return await send(worker);
+      } catch (err) {
+        if (err instanceof NotConnected) {
+          logger.warn({ worker: worker.id, url: worker.url, err: err.cause }, 'worker unreachable; trying another');
+          directory.markDown(worker.id);
+          continue;
+        }
+        throw err;
+      } finally {
+        const n = (inflight.get(worker.id) ?? 1) - 1;
+        if (n > 0) inflight.set(worker.id, n);
+        else inflight.delete(worker.id);
+        const m = (appInflight.get(key) ?? 1) - 1;
+        if (m > 0) appInflight.set(key, m);
+        else appInflight.delete(key);
+      }
+    }
+    throw new FerryError('FERRY_NO_WORKERS', undefined, { headers: { 'retry-after': '1' } });
+  }
+
+  function metaOf(request: RunRequestBase): CallMeta {
+    return {
+      v: 1,
+      runId: request.runId,
+      projectId: request.build.projectId,
+      appId: request.build.appId,
+      buildId: request.build.buildId,
+      fn: request.fn,
+      mode: request.mode,
+      ...(request.webhookUrl ? { webhookUrl: request.webhookUrl } : {}),
+      ...(request.webhookSecret ? { webhookSecret: request.webhookSecret } : {}),
+    };
+  }
+
+  /** One POST to a worker; connection failures become NotConnected, a caller gone its own abort reason. */
+  async function post(
+    worker: WorkerAnnouncement,
+    path: string,
+    body: Buffer | Readable,
+    signal: AbortSignal | undefined,
+  ): Promise<Dispatcher.ResponseData> {
+    try {
+      const res = await poolFor(worker.url).request({
+        method: 'POST',
+        path,
+        headers: { authorization: auth.header(), 'content-type': 'application/octet-stream' },
+        body,
+        ...(signal ? { signal } : {}),
+      });
+      if (res.statusCode !== 200) {
+        const text = await res.body.text().catch(() => '');
+        throw errorFromWorker(parseJson(text), res.statusCode);
+      }
+      return res;
+    } catch (err) {
+      if (signal?.aborted) throw signal.reason;
+      if (err instanceof FerryError) throw err;
+      if (notConnected(err)) throw new NotConnected(err);
+      throw new FerryError('FERRY_WORKER_LOST', undefined, { cause: err });
+    }
+  }
+
+  return {
+    inflight: () => new Map(inflight),
+
+    invoke(request: InvokeRequest): Promise<InvokeResult> {
+      const line = Buffer.from(`${JSON.stringify(metaOf(request))}\n`);
+      const body = Buffer.concat([line, request.body]);
+      return dispatch(request, async (worker) => {
+        const res = await post(worker, `${INTERNAL_PREFIX}/invoke`, body, request.signal);
+        try {
+          for await (const event of lines(res.body)) {
+            if (event.e === 'started') request.onStarted?.();
+            else if (event.e === 'item') request.onItem?.(event.d);
+            else if (event.e === 'done') {
+              return {
+                result: event.result,
+                streamed: event.streamed === true,
+                runTimeMs: Number(event.runTimeMs) || 0,
+                coldStart: event.coldStart === true,
+                statusCode: Number(event.statusCode) || 200,
+              };
+            } else if (event.e === 'error') throw errorFromWorker(event, Number(event.status) || 500);
+          }
+        } catch (err) {
+          if (err instanceof FerryError) throw err;
+          if (request.signal?.aborted) throw request.signal.reason;
+          throw new FerryError('FERRY_WORKER_LOST', undefined, { cause: err });
+        }
+        throw new FerryError('FERRY_WORKER_LOST', 'The worker ended the call without a result');
+      });
+    },
+
+    invokeHttp(request: HttpInvokeRequest): Promise<InvokeResult> {
+      const http = request.http;
+      const meta: CallMeta = {
+        ...metaOf(request),
+        http: { method: http.method, path: http.path, headers: http.headers, hasBody: http.body !== null },
+        input: request.input ?? null,
+      };
+      const line = Buffer.from(`${JSON.stringify(meta)}\n`);
+      const started = Date.now();
+      return dispatch(request, async (worker) => {
+        const res = await post(
+          worker,
+          `${INTERNAL_PREFIX}/http`,
+          Readable.from(bodyOf(line, http.body), { objectMode: false }),
+          request.signal,
+        );
+        let statusCode = 0;
+        let sink: HttpBodySink | undefined;
+        let pending: Buffer = Buffer.alloc(0);
+        try {
+          for await (const chunk of res.body as AsyncIterable<Buffer>) {
+            if (statusCode === 0) {
+              pending = pending.length ? Buffer.concat([pending, chunk]) : chunk;
+              const nl = pending.indexOf(10);
+              if (nl < 0) {
+                if (pending.length > 1024 * 1024) throw new Error('the answer head is too long');
+                continue;
+              }
+              const head = parseJson(pending.subarray(0, nl).toString('utf8')) as Record<string, unknown> | undefined;
+              if (!head || head.e === 'error') throw errorFromWorker(head, Number(head?.status) || 502);
+              statusCode = Number(head.status) || 502;
+              sink = request.onResponse?.({
+                statusCode,
+                headers: (head.headers ?? {}) as Record<string, string | string[] | undefined>,
+              });
+              const rest = pending.subarray(nl + 1);
+              pending = Buffer.alloc(0);
+              if (rest.length > 0 && sink && !sink.write(rest)) await drained(sink, request.signal);
+              continue;
+            }
+            if (sink && !sink.write(chunk)) await drained(sink, request.signal);
+          }
+        } catch (err) {
+          if (!res.body.destroyed) res.body.destroy();
+          if (err instanceof FerryError) throw err;
+          if (request.signal?.aborted) throw request.signal.reason;
+          throw new FerryError('FERRY_WORKER_LOST', undefined, { cause: err });
+        }
+        if (statusCode === 0) throw new FerryError('FERRY_WORKER_LOST', 'The worker ended the call without an answer');
+        sink?.end();
+        return { result: null, streamed: false, runTimeMs: Date.now() - started, coldStart: false, statusCode };
+      });
+    },
+
+    invokeSession(request, session) {
+      const meta = encodeHeaderMeta(metaOf(request));
+      const started = Date.now();
+      const signal = request.signal ?? new AbortController().signal;
+      return dispatch(request, async (worker) => {
+        const socket = await connectTunnel(worker.url, meta, auth.header());
+        // The session waits for `connect` on what `connect()` returns: the tunnel is already open.
+        const replica = {
+          connect() {
+            queueMicrotask(() => socket.emit('connect'));
+            return socket;
+          },
+        };
+        const statusCode = await session(replica as never, signal, request.runId);
+        return { result: null, streamed: false, runTimeMs: Date.now() - started, coldStart: false, statusCode };
+      });
+    },
+
+    async close() {
+      await Promise.allSettled([...pools.values()].map((p) => p.close()));
+      pools.clear();
+    },
+  };
+}
+
+class NotConnected extends Error {
+  constructor(cause: unknown) {
+    super('the worker could not be reached', { cause });
+  }
+}
+
+/** Opens a TCP (or TLS) connection to the worker and sends the tunnel's head; the rest is the caller's. */
+function connectTunnel(workerUrl: string, meta: string, authorization: string): Promise<net.Socket> {
+  const url = new URL(workerUrl);
+  const port = Number(url.port) || (url.protocol === 'https:' ? 443 : 80);
+  return new Promise((resolve, reject) => {
+    const socket =
+      url.protocol === 'https:'
+        ? tls.connect({ host: url.hostname, port, servername: url.hostname })
+        : net.connect({ host: url.hostname, port });
+    const onError = (err: Error) => {
+      socket.destroy();
+      reject(
+        notConnected(err) ? new NotConnected(err) : new FerryError('FERRY_WORKER_LOST', undefined, { cause: err }),
+      );
+    };
+    socket.once('error', onError);
+    const timer = setTimeout(
+      () => onError(Object.assign(new Error('connect timeout'), { code: 'UND_ERR_CONNECT_TIMEOUT' })),
+      2_000,
+    );
+    socket.once(url.protocol === 'https:' ? 'secureConnect' : 'connect', () => {
+      clearTimeout(timer);
+      socket.removeListener('error', onError);
+      socket.write(
+        `GET ${INTERNAL_PREFIX}/session HTTP/1.1\r\nhost: ${url.host}\r\nauthorization: ${authorization}\r\n` +
+          `connection: Upgrade\r\nupgrade: ferry-tunnel\r\nx-ferry-call: ${meta}\r\n\r\n`,
+      );
+      resolve(socket as net.Socket);
+    });
+  });
+}
+
+/** The call line, then the request body to forward (bytes or a stream). */
+async function* bodyOf(line: Buffer, body: Readable | Buffer | null): AsyncGenerator<Buffer> {
+  yield line;
+  if (body === null) return;
+  if (Buffer.isBuffer(body)) {
+    if (body.length > 0) yield body;
+    return;
+  }
+  for await (const chunk of body as AsyncIterable<Buffer>) yield chunk;
+}
+
+/** The events of an NDJSON answer, as they arrive. */
+async function* lines(body: AsyncIterable<Buffer>): AsyncGenerator<Record<string, unknown>> {
+  let pending = '';
+  // A character split between two chunks is joined, not replaced.
+  const decoder = new StringDecoder('utf8');
+  for await (const chunk of body) {
+    pending += decoder.write(chunk);
+    let nl = pending.indexOf('\n');
+    while (nl >= 0) {
+      const text = pending.slice(0, nl);
+      pending = pending.slice(nl + 1);
+      const event = parseJson(text);
+      if (event && typeof event === 'object') yield event as Record<string, unknown>;
+      nl = pending.indexOf('\n');
+    }
+  }
+}
+
+function parseJson(text: string): unknown {
+  try {
+    return JSON.parse(text) as unknown;
+  } catch {
+    return undefined;
+  }
+}
+
+/** The worker's coded error as this gateway's own (an unknown code, from another version: internal). */
+function errorFromWorker(value: unknown, status: number): FerryError {
+  const v = (value ?? {}) as { error?: Record<string, unknown>; headers?: Record<string, unknown> };
+  const error = v.error ?? {};
+  const code = typeof error.code === 'string' && error.code in ERRORS ? (error.code as ErrorCode) : undefined;
+  // The worker refused this gateway's signature: the keys differ (a misconfigured cluster), not the caller's fault.
+  if (code === 'FERRY_CLUSTER_UNAUTHENTICATED') {
+    return new FerryError('FERRY_INTERNAL', 'A worker refused this gateway: check that they share the keys directory');
+  }
+  if (!code) {
+    return new FerryError(status >= 500 ? 'FERRY_WORKER_LOST' : 'FERRY_INTERNAL', undefined, {
+      cause: new Error(`the worker answered ${status}`),
+    });
+  }
+  const details: Record<string, string> = {};
+  for (const [k, val] of Object.entries(error)) {
+    if (k !== 'code' && k !== 'message' && typeof val === 'string') details[k] = val;
+  }
+  const headers: Record<string, string> = {};
+  for (const [k, val] of Object.entries(v.headers ?? {})) if (typeof val === 'string') headers[k] = val;
+  return new FerryError(code, typeof error.message === 'string' ? error.message : undefined, { details, headers });
+}
+
+/** Waits until the caller's response takes more data (or goes away). */
+function drained(sink: HttpBodySink, signal: AbortSignal | undefined): Promise<void> {
+  if (sink.destroyed) return Promise.reject(signal?.reason ?? new Error('the caller went away'));
+  return new Promise((resolve) => {
+    const done = () => {
+      sink.removeListener('drain', done);
+      sink.removeListener('close', done);
+      resolve();
+    };
+    sink.once('drain', done);
+    sink.once('close', done);
+  });
+}

@@ -1,0 +1,341 @@
+/**
+ * Gateways and workers (issue 13, items 3 and 4): two `ferry serve --role gateway` and two `--role worker`
+ * processes on one PostgreSQL database and one NATS JetStream server, each with its own data directory.
+ * The README's quickstart goes through gateway A while the other calls go through gateway B: deploy
+ * (built on a worker), sync, stream, async with a webhook, a custom HTTP app and a WebSocket. Then the
+ * workers' internal listener refuses what is not from the cluster, and a worker killed with SIGKILL
+ * during sync calls costs only the calls in flight on it (coded errors), later calls succeeding within
+ * 5 seconds.
+ */
+import assert from 'node:assert/strict';
+import { randomBytes } from 'node:crypto';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import { jetstreamManager } from '@nats-io/jetstream';
+import { connect } from '@nats-io/transport-node';
+import { WebSocket } from 'undici';
+import { http, REPO_ROOT, runCli, tempDir, waitFor } from './helpers/ferry.js';
+import {
+  createTestDatabase,
+  type FleetProcess,
+  type FleetSettings,
+  startFleetProcess,
+  sweepStrays,
+  type TestDatabase,
+} from './helpers/fleet.js';
+import { type Receiver, startReceiver } from './helpers/receiver.js';
+
+const NATS_URL = process.env.FERRY_TEST_NATS_URL ?? 'nats://127.0.0.1:4222';
+
+async function exampleFiles(name: string): Promise<Record<string, string>> {
+  const dir = path.join(REPO_ROOT, 'examples', name);
+  const files: Record<string, string> = {};
+  for (const entry of await fs.readdir(dir)) {
+    if (entry === 'README.md') continue;
+    files[entry] = await fs.readFile(path.join(dir, entry), 'utf8');
+  }
+  return files;
+}
+
+async function deploy(
+  gateway: { url: string },
+  auth: { projectId: string; token: string },
+  name: string,
+  files: Record<string, string>,
+): Promise<{ id: string; state: string; log: string }> {
+  const { zipFiles } = await import('./helpers/app-zip.js');
+  const res = await http(`${gateway.url}/v2/projects/${auth.projectId}/apps/${name}/builds`, {
+    method: 'POST',
+    token: auth.token,
+    body: await zipFiles(files),
+    headers: { 'content-type': 'application/zip' },
+  });
+  assert.equal(res.status, 201, res.text);
+  const build = await waitFor(
+    async () => {
+      const b = await http(`${gateway.url}/v2/projects/${auth.projectId}/apps/${name}/builds/${res.json.id}`, {
+        token: auth.token,
+      });
+      return ['ready', 'failed', 'cancelled'].includes(b.json.state) ? b.json : undefined;
+    },
+    120_000,
+    `build of ${name}`,
+  );
+  const log = await http(`${gateway.url}/v2/projects/${auth.projectId}/apps/${name}/builds/${res.json.id}/logs`, {
+    token: auth.token,
+  });
+  assert.equal(build.state, 'ready', `build of ${name} ended ${build.state}: ${build.error}\n${log.text}`);
+  return { ...build, log: log.text };
+}
+
+function openSocket(url: string, headers: Record<string, string>): Promise<WebSocket> {
+  return new Promise((resolve, reject) => {
+    const ws = new WebSocket(url, { headers });
+    const timer = setTimeout(() => reject(new Error('WebSocket did not open within 30 s')), 30_000);
+    ws.addEventListener('open', () => {
+      clearTimeout(timer);
+      resolve(ws);
+    });
+    ws.addEventListener('error', () => {
+      clearTimeout(timer);
+      reject(new Error('WebSocket failed to open'));
+    });
+  });
+}
+
+function echo(ws: WebSocket, message: string): Promise<unknown> {
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error('no echo within 15 s')), 15_000);
+    ws.addEventListener(
+      'message',
+      (event) => {
+        clearTimeout(timer);
+        resolve(event.data);
+      },
+      { once: true },
+    );
+    ws.send(message);
+  });
+}
+
+describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600_000 }, () => {
+  let root = '';
+  let db: TestDatabase | undefined;
+  let receiver: Receiver | undefined;
+  const cluster = `t_${process.pid}_${randomBytes(3).toString('hex')}`;
+  const procs: FleetProcess[] = [];
+  let gatewayA: FleetProcess;
+  let gatewayB: FleetProcess;
+  let workers: FleetProcess[] = [];
+  let auth: { projectId: string; token: string };
+  let settings: FleetSettings;
+
+  const start = (label: string, role: 'gateway' | 'worker') =>
+    startFleetProcess(label, path.join(root, label), {
+      ...settings,
+      env: { ...settings.env, FERRY_ROLE: role },
+    }).then((p) => {
+      procs.push(p);
+      return p;
+    });
+
+  before(
+    async () => {
+      root = await tempDir('ferry-roles-');
+      db = await createTestDatabase('ferry_roles');
+      receiver = await startReceiver();
+      settings = {
+        databaseUrl: db.url,
+        keysDir: path.join(root, 'keys'),
+        artifactsDir: path.join(root, 'unused-artifacts'),
+        env: {
+          FERRY_NATS_URL: NATS_URL,
+          FERRY_CLUSTER_NAME: cluster,
+          FERRY_LEASE_SECONDS: '4',
+          FERRY_WEBHOOK_ALLOW: '127.0.0.0/8',
+        },
+      };
+      const boot = await runCli([
+        'admin',
+        'bootstrap',
+        '--data-dir',
+        path.join(root, 'boot'),
+        '--database-url',
+        db.url,
+        '--keys-dir',
+        settings.keysDir,
+        '--json',
+      ]);
+      assert.equal(boot.code, 0, boot.stderr);
+      const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
+      auth = { projectId, token };
+      [gatewayA, gatewayB, ...workers] = await Promise.all([
+        start('gateway-a', 'gateway'),
+        start('gateway-b', 'gateway'),
+        start('worker-1', 'worker'),
+        start('worker-2', 'worker'),
+      ]);
+      // Both gateways see both workers before the first call.
+      await waitFor(
+        async () => {
+          const res = await http(`${gatewayA.url}/v2/cluster`, { token: auth.token });
+          const roles = (res.json?.nodes ?? []).map((n: { role: string }) => n.role).sort();
+          return roles.join(',') === 'gateway,gateway,worker,worker';
+        },
+        30_000,
+        'the cluster view to list 2 gateways and 2 workers',
+      );
+    },
+    { timeout: 180_000 },
+  );
+
+  after(
+    async () => {
+      const results = await Promise.allSettled(procs.map((p) => p.stop(10_000)));
+      const strays = root ? await sweepStrays(root) : 0;
+      results.push(
+        ...(await Promise.allSettled([
+          receiver?.close(),
+          db?.drop(),
+          (async () => {
+            const nc = await connect({ servers: NATS_URL });
+            const jsm = await jetstreamManager(nc);
+            for await (const name of jsm.streams.names()) {
+              if (name.startsWith(cluster) || name.startsWith(`KV_${cluster}`) || name.startsWith(`OBJ_${cluster}`)) {
+                await jsm.streams.delete(name);
+              }
+            }
+            await nc.close();
+          })(),
+          root ? fs.rm(root, { recursive: true, force: true }) : undefined,
+        ])),
+      );
+      assert.equal(strays, 0, 'no process of the test may outlive it');
+      for (const r of results) if (r.status === 'rejected') throw r.reason;
+    },
+    { timeout: 60_000 },
+  );
+
+  it('runs the quickstart through gateway A and the other calls through gateway B', async () => {
+    const hello = await deploy(gatewayA, auth, 'hello', await exampleFiles('hello'));
+    // Built on a worker: the gateway builds nothing.
+    assert.match(hello.log, /Picked up by /);
+    const base = (g: FleetProcess) => `${g.url}/v4/${auth.projectId}/hello/run`;
+
+    const sync = await http(base(gatewayB), { method: 'POST', token: auth.token, body: { name: 'cluster' } });
+    assert.equal(sync.status, 200, sync.text);
+    assert.deepEqual(sync.json.result, { message: 'Hello, cluster!' });
+
+    // Stream through A: a plain function's result is its one event, then `end`.
+    const stream = await fetch(base(gatewayA), {
+      method: 'POST',
+      headers: {
+        authorization: `Bearer ${auth.token}`,
+        accept: 'text/event-stream',
+        'content-type': 'application/json',
+      },
+      body: JSON.stringify({ name: 'stream' }),
+    });
+    assert.equal(stream.status, 200);
+    const wire = await stream.text();
+    assert.match(wire, /data: \{"message":"Hello, stream!"\}/);
+    assert.match(wire, /event: end/);
+
+    // Async through B with a webhook: accepted, run by a worker, delivered.
+    const hook = `${receiver!.url}/hook`;
+    const accepted = await http(`${base(gatewayB)}?async=true&webhookEndpoint=${encodeURIComponent(hook)}`, {
+      method: 'POST',
+      token: auth.token,
+      body: { name: 'async' },
+    });
+    assert.equal(accepted.status, 202, accepted.text);
+    const runId = accepted.json.run_id as string;
+    const delivered = await waitFor(
+      async () => receiver!.requests.find((r) => r.body.toString('utf8').includes(runId)),
+      60_000,
+      'the async run’s webhook',
+    );
+    assert.match(delivered.body.toString('utf8'), /Hello, async!/);
+    const run = await http(`${gatewayA.url}/v2/projects/${auth.projectId}/apps/hello/runs/${runId}`, {
+      token: auth.token,
+    });
+    assert.equal(run.json.state, 'success');
+
+    // The sync call's run is recorded (by the worker that ran it) and readable through the other gateway.
+    const syncRun = await http(`${gatewayA.url}/v2/projects/${auth.projectId}/apps/hello/runs/${sync.json.run_id}`, {
+      token: auth.token,
+    });
+    assert.equal(syncRun.json.state, 'success');
+  });
+
+  it('serves a custom HTTP app and a WebSocket through either gateway', async () => {
+    await deploy(gatewayB, auth, 'custom-websocket', await exampleFiles('custom-websocket'));
+    const health = await http(`${gatewayA.url}/v4/${auth.projectId}/custom-websocket/health`, { token: auth.token });
+    assert.equal(health.status, 200, health.text);
+    assert.equal(health.text, 'ok');
+    const missing = await http(`${gatewayB.url}/v4/${auth.projectId}/custom-websocket/nope`, { token: auth.token });
+    assert.equal(missing.status, 404);
+
+    const wsUrl = `${gatewayA.url.replace('http:', 'ws:')}/v4/${auth.projectId}/custom-websocket/`;
+    const ws = await openSocket(wsUrl, { authorization: `Bearer ${auth.token}` });
+    assert.equal(await echo(ws, 'one'), 'one');
+    assert.equal(await echo(ws, 'two'), 'two');
+    ws.close();
+  });
+
+  it('refuses calls to a worker that are not authenticated as coming from the cluster', async () => {
+    const worker = workers[0]!;
+    const health = await http(`${worker.url}/healthz`);
+    assert.equal(health.status, 200);
+    for (const authorization of [undefined, `Bearer ${auth.token}`, 'Ferry-Cluster v1.forged.9999999999999.AAAA']) {
+      const res = await fetch(`${worker.url}/internal/v1/invoke`, {
+        method: 'POST',
+        headers: authorization ? { authorization } : {},
+        body: '{}\n{}',
+      });
+      assert.equal(res.status, 401, `authorization ${authorization}`);
+      assert.equal(((await res.json()) as { error: { code: string } }).error.code, 'FERRY_CLUSTER_UNAUTHENTICATED');
+    }
+    // The public interface is not there at all.
+    const publicRoute = await fetch(`${worker.url}/v2/cluster`, { headers: { authorization: `Bearer ${auth.token}` } });
+    assert.equal(publicRoute.status, 401);
+  });
+
+  it('loses only the calls in flight on a worker killed with SIGKILL; later calls succeed within 5 s', async () => {
+    const url = `${gatewayB.url}/v4/${auth.projectId}/hello/run`;
+    const call = async () => {
+      const started = Date.now();
+      const res = await http(url, { method: 'POST', token: auth.token, body: { name: 'load' } });
+      return { status: res.status, code: res.json?.error?.code as string | undefined, started, at: Date.now() };
+    };
+    // The worker to kill is the one serving the app (its home): the cluster view lists its replicas there.
+    const home = await waitFor(
+      async () => {
+        const res = await http(`${gatewayA.url}/v2/cluster`, { token: auth.token });
+        const node = (res.json?.nodes ?? []).find((n: { role: string; apps: Array<{ app_id: string }> }) =>
+          n.apps?.some((a) => a.app_id === 'hello'),
+        );
+        return node?.url as string | undefined;
+      },
+      30_000,
+      'a worker with replicas of hello',
+    );
+    const victim = workers.find((w) => w.url === home)!;
+    const survivor = workers.find((w) => w !== victim)!;
+    assert.ok(victim && survivor, `the worker at ${home} is one of ours`);
+    const outcomes: Array<{ status: number; code: string | undefined; started: number; at: number }> = [];
+    let stop = false;
+    const loops = [0, 1, 2, 3].map(async () => {
+      for (let i = 0; i < 400 && !stop; i++) outcomes.push(await call());
+    });
+    await waitFor(async () => outcomes.length >= 20, 60_000, '20 calls');
+    const killedAt = await victim.kill();
+    workers = [survivor];
+    await waitFor(async () => outcomes.some((o) => o.started > killedAt + 6_000), 60_000, 'calls after the kill');
+    stop = true;
+    await Promise.all(loops);
+    const failures = outcomes.filter((o) => o.status !== 200);
+    console.log(
+      `${outcomes.length} calls: ${outcomes.length - failures.length} succeeded, ${failures.length} failed (${[
+        ...new Set(failures.map((f) => f.code)),
+      ].join(', ')}); the last failure started ${
+        failures.length ? Math.max(...failures.map((f) => f.started)) - killedAt : '-'
+      } ms after the kill`,
+    );
+    for (const f of failures) {
+      assert.ok(
+        ['FERRY_WORKER_LOST', 'FERRY_NO_WORKERS', 'FERRY_REPLICA_DIED'].includes(f.code ?? ''),
+        `a failed call answered a coded error, not ${f.status} ${f.code}`,
+      );
+    }
+    // Every call that started 5 s after the kill succeeded.
+    const late = outcomes.filter((o) => o.started > killedAt + 5_000);
+    assert.ok(late.length > 0);
+    assert.deepEqual(
+      late.filter((o) => o.status !== 200),
+      [],
+      'calls made more than 5 s after the kill all succeed',
+    );
+  });
+});
