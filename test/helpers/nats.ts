@@ -1,0 +1,85 @@
+/**
+ * NATS for tests: the machine's JetStream server (FERRY_TEST_NATS_URL, default 127.0.0.1:4222), a
+ * nats-server of a test's own that it may stop and start again (random loopback port, its own store
+ * folder), and removal of everything a test's cluster name made.
+ */
+import { type ChildProcess, spawn } from 'node:child_process';
+import fs from 'node:fs/promises';
+import net from 'node:net';
+import { jetstreamManager } from '@nats-io/jetstream';
+import { connect } from '@nats-io/transport-node';
+import { tempDir, waitFor } from './ferry.js';
+
+export const NATS_URL = process.env.FERRY_TEST_NATS_URL ?? 'nats://127.0.0.1:4222';
+const NATS_BIN = process.env.FERRY_TEST_NATS_SERVER ?? '/usr/sbin/nats-server';
+
+export function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const srv = net.createServer();
+    srv.once('error', reject);
+    srv.listen(0, '127.0.0.1', () => {
+      const { port } = srv.address() as net.AddressInfo;
+      srv.close(() => resolve(port));
+    });
+  });
+}
+
+export interface OwnNats {
+  url: string;
+  start(): Promise<void>;
+  /** SIGKILLs the server (its store folder stays, so a start brings back its streams). */
+  stop(): Promise<void>;
+  /** Stops it and removes its store folder. */
+  destroy(): Promise<void>;
+}
+
+/** A nats-server of this test's own, which it may stop and start again (same port, same store folder). */
+export async function ownNats(): Promise<OwnNats> {
+  const port = await freePort();
+  const storeDir = await tempDir('ferry-nats-');
+  let child: ChildProcess | undefined;
+  const up = () =>
+    new Promise<boolean>((resolve) => {
+      const s = net.connect(port, '127.0.0.1');
+      s.once('connect', () => {
+        s.destroy();
+        resolve(true);
+      });
+      s.once('error', () => resolve(false));
+    });
+  const stop = async () => {
+    const c = child;
+    child = undefined;
+    if (!c || c.exitCode !== null || c.signalCode !== null) return;
+    const exited = new Promise((r) => c.once('exit', r));
+    c.kill('SIGKILL');
+    await exited;
+  };
+  return {
+    url: `nats://127.0.0.1:${port}`,
+    async start() {
+      child = spawn(NATS_BIN, ['-js', '-a', '127.0.0.1', '-p', String(port), '-sd', storeDir], { stdio: 'ignore' });
+      await waitFor(async () => (await up()) || undefined, 15_000, 'the test nats-server to listen');
+    },
+    stop,
+    async destroy() {
+      await stop();
+      await fs.rm(storeDir, { recursive: true, force: true });
+    },
+  };
+}
+
+/** Deletes every stream (KV and object-store buckets are streams too) whose name starts with the cluster's. */
+export async function deleteClusterStreams(cluster: string, url = NATS_URL): Promise<void> {
+  const nc = await connect({ servers: url, timeout: 5_000 });
+  try {
+    const jsm = await jetstreamManager(nc);
+    for await (const name of jsm.streams.names()) {
+      if (name.startsWith(cluster) || name.startsWith(`KV_${cluster}`) || name.startsWith(`OBJ_${cluster}`)) {
+        await jsm.streams.delete(name);
+      }
+    }
+  } finally {
+    await nc.close();
+  }
+}
