@@ -25,6 +25,7 @@ import {
   type TestDatabase,
 } from './helpers/fleet.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
+import { disconnectAfterFirstItem, streamRequest } from './helpers/stream.js';
 
 const NATS_URL = process.env.FERRY_TEST_NATS_URL ?? 'nats://127.0.0.1:4222';
 
@@ -134,6 +135,8 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
           FERRY_CLUSTER_NAME: cluster,
           FERRY_LEASE_SECONDS: '4',
           FERRY_WEBHOOK_ALLOW: '127.0.0.0/8',
+          // A caller that goes away frees its slot soon (the gateway keeps a streaming run for a resume).
+          FERRY_STREAM_RESUME_GRACE_SECONDS: '1',
         },
       };
       const boot = await runCli([
@@ -264,6 +267,46 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
     ws.close();
   });
 
+  it('streams events through a gateway as they are yielded, and a caller going away stops the run', async () => {
+    await deploy(gatewayB, auth, 'streamer', {
+      'ferry.toml': '[app]\nname = "streamer"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 1\n',
+      'main.ts': `
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+export async function* count({ n = 4, ms = 300 }: { n?: number; ms?: number }) {
+  for (let i = 0; i < n; i++) { await sleep(ms); yield { i }; }
+}
+export function* words() { yield 'plain'; yield 42; }
+export async function* forever() { let i = 0; for (;;) { await sleep(50); yield i++; } }
+`,
+    });
+    const url = (g: FleetProcess, fn: string) => `${g.url}/v4/${auth.projectId}/streamer/${fn}`;
+    const res = await streamRequest(url(gatewayA, 'count'), auth.token, {}, { 'accept-encoding': 'gzip' });
+    assert.equal(res.status, 200);
+    const arrivalOf = (needle: string) => res.arrivals.find((a) => a.text.includes(needle));
+    const first = arrivalOf('data: {"i":0}');
+    const last = arrivalOf('data: {"i":3}');
+    assert.ok(first && last && arrivalOf('event: end'), res.arrivals.map((a) => a.text).join(''));
+    // Progressive: the first item reached the caller before the last was yielded (300 ms apart each).
+    assert.ok(first.at < last.at, `first item at ${first.at} ms, last at ${last.at} ms`);
+
+    const runId = await disconnectAfterFirstItem(url(gatewayB, 'forever'), auth.token);
+    // One slot: the next call gets through only once the endless generator on the worker let go of it.
+    const next = await streamRequest(url(gatewayA, 'words'), auth.token, {});
+    assert.equal(next.status, 200);
+    const run = await waitFor(
+      async () => {
+        const r = await http(`${gatewayA.url}/v2/projects/${auth.projectId}/apps/streamer/runs/${runId}`, {
+          token: auth.token,
+        });
+        return r.json.state !== 'running' && r.json.state !== 'queued' ? r.json : undefined;
+      },
+      30_000,
+      'the abandoned run to end',
+    );
+    assert.equal(run.state, 'cancelled');
+    assert.equal(run.reason, 'client_disconnected');
+  });
+
   it('refuses calls to a worker that are not authenticated as coming from the cluster', async () => {
     const worker = workers[0]!;
     const health = await http(`${worker.url}/healthz`);
@@ -306,8 +349,12 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
     assert.ok(victim && survivor, `the worker at ${home} is one of ours`);
     const outcomes: Array<{ status: number; code: string | undefined; started: number; at: number }> = [];
     let stop = false;
+    // Paced (10 ms between a loop's calls) so the loops outlast the kill by far: bounded by `stop` and a count.
     const loops = [0, 1, 2, 3].map(async () => {
-      for (let i = 0; i < 400 && !stop; i++) outcomes.push(await call());
+      for (let i = 0; i < 5_000 && !stop; i++) {
+        outcomes.push(await call());
+        await new Promise((r) => setTimeout(r, 10));
+      }
     });
     await waitFor(async () => outcomes.length >= 20, 60_000, '20 calls');
     const killedAt = await victim.kill();
@@ -337,5 +384,28 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
       [],
       'calls made more than 5 s after the kill all succeed',
     );
+  });
+
+  it('serves the app from a worker whose data directory started empty (the build comes from the object store)', async () => {
+    const fresh = await start('worker-3', 'worker');
+    workers.push(fresh);
+    // Stop every other worker (cleanly: gateways drop it at once), so calls can only go to the fresh one.
+    for (const w of workers.filter((x) => x !== fresh)) await w.stop(15_000);
+    workers = [fresh];
+    const res = await waitFor(
+      async () => {
+        const r = await http(`${gatewayA.url}/v4/${auth.projectId}/hello/run`, {
+          method: 'POST',
+          token: auth.token,
+          body: { name: 'fresh' },
+        });
+        return r.status === 200 ? r : undefined;
+      },
+      60_000,
+      'a call served by the fresh worker',
+    );
+    assert.deepEqual(res.json.result, { message: 'Hello, fresh!' });
+    const builds = await fs.readdir(path.join(fresh.dataDir, 'builds'));
+    assert.ok(builds.length >= 1, 'the fresh worker fetched the build into its own data directory');
   });
 });
