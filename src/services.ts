@@ -196,6 +196,18 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           return rankWorkers(`${projectId}/${appId}`, live)[0]?.id === node.id;
         }
       : undefined;
+  // Set once the replicas exist (its load is theirs); told when they change.
+  let announcer: WorkerAnnouncer | undefined;
+  // Replicas of an app on the other live workers: max_replicas bounds the whole cluster.
+  const elsewhere =
+    workers && role === 'worker'
+      ? (projectId: string, appId: string): number => {
+          const key = `${projectId}/${appId}`;
+          let n = 0;
+          for (const w of workers.live()) if (w.id !== node.id) n += w.load.apps[key]?.replicas ?? 0;
+          return n;
+        }
+      : undefined;
   const appLog = createAppLog({ linesPerApp: config.appLogLines });
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
@@ -229,6 +241,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     startTimeoutMs: config.replicaStartTimeoutMs,
     maxReplicas: config.workerMaxReplicas,
     ...(isHome ? { isHome } : {}),
+    ...(elsewhere ? { elsewhere } : {}),
+    // Gateways hear of a replica started or stopped here at once, not at the next announcement.
+    onChange: () => announcer?.announceNow(),
     launch: runsCode
       ? launch
       : async () => {
@@ -287,7 +302,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     : acceptOnly();
   load = () => describeLoad(replicas.pools(), asyncWorker.backlog);
   // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
-  const announcer =
+  announcer =
     nats && role === 'worker'
       ? createWorkerAnnouncer({
           nats: { ready: async () => nats },
@@ -299,7 +314,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
             role: 'worker',
             version: FERRY_VERSION,
             startedAt,
-            load: workerLoad(replicas.pools(), config.workerMaxReplicas),
+            load: workerLoad(replicas.pools(), config.workerMaxReplicas, elsewhere),
           }),
         })
       : undefined;
@@ -481,7 +496,11 @@ function acceptOnly(): AsyncWorker {
 }
 
 /** What a worker announces of its load: per app, replicas, runs in flight and the slots it could have. */
-export function workerLoad(pools: Iterable<ReplicaPool>, maxReplicas: number): WorkerLoad {
+export function workerLoad(
+  pools: Iterable<ReplicaPool>,
+  maxReplicas: number,
+  elsewhere?: (projectId: string, appId: string) => number,
+): WorkerLoad {
   const all = [...pools];
   let replicas = 0;
   let inflight = 0;
@@ -495,7 +514,9 @@ export function workerLoad(pools: Iterable<ReplicaPool>, maxReplicas: number): W
     if (pool.isDraining) continue;
     const { scaling } = pool.build.config;
     const key = `${pool.build.projectId}/${pool.build.appId}`;
-    const possible = Math.min(scaling.max_replicas, pool.liveReplicas + room);
+    // The replicas it could have: bounded by its own cap and by what the other workers run of the app.
+    const others = elsewhere?.(pool.build.projectId, pool.build.appId) ?? 0;
+    const possible = Math.max(pool.liveReplicas, Math.min(scaling.max_replicas - others, pool.liveReplicas + room));
     apps[key] = {
       replicas: pool.liveReplicas,
       inflight: pool.stats.inflight + pool.stats.queued,

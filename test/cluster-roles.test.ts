@@ -307,6 +307,57 @@ export async function* forever() { let i = 0; for (;;) { await sleep(50); yield 
     assert.equal(run.reason, 'client_disconnected');
   });
 
+  it('keeps min_replicas and max_replicas for the whole cluster', async () => {
+    await deploy(gatewayA, auth, 'limited', {
+      'ferry.toml': '[app]\nname = "limited"\n[scaling]\nmin_replicas = 1\nmax_replicas = 1\nreplica_concurrency = 1\n',
+      'main.ts': 'export async function run() { await new Promise((r) => setTimeout(r, 300)); return { ok: true }; }\n',
+    });
+    const replicasOfLimited = async (): Promise<number> => {
+      const res = await http(`${gatewayB.url}/v2/cluster`, { token: auth.token });
+      let n = 0;
+      for (const node of res.json?.nodes ?? []) {
+        for (const app of node.apps ?? []) {
+          if (app.app_id === 'limited') n += app.replicas_ready + app.replicas_starting;
+        }
+      }
+      return n;
+    };
+    // min_replicas = 1 means one replica in the cluster (on the app's home worker), not one per worker.
+    await waitFor(async () => (await replicasOfLimited()) === 1, 30_000, 'the one minimum replica');
+    // max_replicas = 1 bounds the cluster too: 8 calls at once through both gateways share the one replica.
+    const seen: number[] = [];
+    let sampling = true;
+    const sampler = (async () => {
+      for (let i = 0; i < 100 && sampling; i++) {
+        seen.push(await replicasOfLimited());
+        await new Promise((r) => setTimeout(r, 250));
+      }
+    })();
+    const calls = await Promise.all(
+      Array.from({ length: 8 }, (_, i) =>
+        http(`${(i % 2 ? gatewayA : gatewayB).url}/v4/${auth.projectId}/limited/run`, {
+          method: 'POST',
+          token: auth.token,
+          body: {},
+        }),
+      ),
+    );
+    // Two more lease renewals after the burst, so a replica started during it would be listed.
+    await new Promise((r) => setTimeout(r, 3_000));
+    sampling = false;
+    await sampler;
+    assert.deepEqual(
+      calls.map((c) => c.status),
+      Array(8).fill(200),
+      calls.map((c) => c.text).join('\n'),
+    );
+    assert.ok(seen.length > 0);
+    assert.ok(
+      seen.every((n) => n <= 1),
+      `replicas of the app in the cluster while it was called: ${seen.join(',')}`,
+    );
+  });
+
   it('refuses calls to a worker that are not authenticated as coming from the cluster', async () => {
     const worker = workers[0]!;
     const health = await http(`${worker.url}/healthz`);

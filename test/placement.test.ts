@@ -78,4 +78,31 @@ describe('placement', () => {
     );
     assert.deepEqual(placeCall(app, []), []);
   });
+
+  it('sends calls to the workers running the app once they run max_replicas of it together', () => {
+    const app = apps[1]!;
+    const [first, second, third] = rankWorkers(
+      app,
+      ['w-a', 'w-b', 'w-c'].map((id) => worker(id)),
+    ).map((w) => w.id) as [string, string, string];
+    // The third in order runs the app's only replica (max_replicas 1), busy: the others could start one,
+    // but the cluster may not; the call queues where the replica is.
+    const ws = [
+      worker(first),
+      worker(second),
+      worker(third, { apps: { [app]: { replicas: 1, inflight: 1, capacity: 1 } } }),
+    ];
+    assert.deepEqual(
+      placeCall(app, ws).map((w) => w.id),
+      [first, second, third],
+    );
+    assert.deepEqual(
+      placeCall(app, ws, { maxReplicas: 1 }).map((w) => w.id),
+      [third, first, second],
+    );
+    assert.deepEqual(
+      placeCall(app, ws, { maxReplicas: 2 }).map((w) => w.id),
+      [first, second, third],
+    );
+  });
 });

@@ -39,15 +39,24 @@ export function isFull(worker: WorkerAnnouncement, appKey: string): boolean {
   return worker.load.capacity > 0 && worker.load.replicas >= worker.load.capacity;
 }
 
-/** The workers to try for a call, in order: rendezvous order, those without room for the app last. */
+/**
+ * The workers to try for a call, in order: rendezvous order, those without room for the app last. With
+ * `maxReplicas` (the app's `max_replicas`, which bounds the whole cluster): once the workers together run
+ * that many replicas of the app, the workers that run them come first, as no other may start one.
+ */
 export function placeCall(
   appKey: string,
   workers: readonly WorkerAnnouncement[],
-  options: { exclude?: ReadonlySet<string> } = {},
+  options: { exclude?: ReadonlySet<string>; maxReplicas?: number } = {},
 ): WorkerAnnouncement[] {
   const ranked = rankWorkers(appKey, options.exclude ? workers.filter((w) => !options.exclude!.has(w.id)) : workers);
   const room: WorkerAnnouncement[] = [];
   const full: WorkerAnnouncement[] = [];
   for (const w of ranked) (isFull(w, appKey) ? full : room).push(w);
-  return room.concat(full);
+  const order = room.concat(full);
+  if (options.maxReplicas === undefined) return order;
+  const replicasOf = (w: WorkerAnnouncement) => w.load.apps[appKey]?.replicas ?? 0;
+  const total = order.reduce((n, w) => n + replicasOf(w), 0);
+  if (total < options.maxReplicas) return order;
+  return order.filter((w) => replicasOf(w) > 0).concat(order.filter((w) => replicasOf(w) === 0));
 }

@@ -29,6 +29,11 @@ export interface ReplicaManagerDeps {
    * workers), which keeps the app's `min_replicas`. Unset: this node keeps every app's minimum.
    */
   isHome?: (projectId: string, appId: string) => boolean;
+  /**
+   * In a cluster: the replicas of the app the other workers last announced, so `max_replicas` bounds the
+   * whole cluster (a replica starts here only while this worker's plus theirs are fewer).
+   */
+  elsewhere?: (projectId: string, appId: string) => number;
 }
 
 export interface ReplicaManager {
@@ -76,7 +81,17 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
       startTimeoutMs,
       logger: deps.logger,
       onChange: changed,
-      ...(cap > 0 ? { mayStart: () => liveTotal() < cap } : {}),
+      ...(cap > 0 || deps.elsewhere
+        ? {
+            mayStart: () =>
+              (cap <= 0 || liveTotal() < cap) &&
+              // A worker with none of the app's replicas still starts one for a call sent to it (the
+              // gateways send calls elsewhere while others run max_replicas): a call never waits for nothing.
+              (!deps.elsewhere ||
+                pool.liveReplicas === 0 ||
+                pool.liveReplicas + deps.elsewhere(build.projectId, build.appId) < build.config.scaling.max_replicas),
+          }
+        : {}),
       ...(deps.isHome
         ? { minReplicas: () => (deps.isHome!(build.projectId, build.appId) ? build.config.scaling.min_replicas : 0) }
         : {}),

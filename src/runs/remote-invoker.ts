@@ -101,7 +101,7 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
         },
       };
     });
-    return placeCall(appKey, live);
+    return placeCall(appKey, live, { maxReplicas: request.build.config.scaling.max_replicas });
   }
 
   /** Sends the call to the first worker that takes the connection; counts it in flight until `done`. */
