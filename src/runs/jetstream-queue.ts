@@ -238,6 +238,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       relayAgain = true;
       return relaying;
     }
+    // `.finally` after the assignment: a pass that returns at once must not leave `relaying` set for good.
     relaying = (async () => {
       try {
         do {
@@ -285,10 +286,10 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         } while (relayAgain && !closed);
       } catch (err) {
         logger.warn({ err }, 'relaying queued runs failed; trying again');
-      } finally {
-        relaying = undefined;
       }
-    })();
+    })().finally(() => {
+      relaying = undefined;
+    });
     return relaying;
   }
 
@@ -426,6 +427,9 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         try {
           const messages = await consumer.fetch({ max_messages: n, expires: FETCH_EXPIRES_MS });
           feed.current = messages;
+          // A pull request the server lost (it restarted) would leave the fetch waiting forever.
+          const watchdog = setTimeout(() => messages.stop(), FETCH_EXPIRES_MS + 2_000);
+          void messages.closed().finally(() => clearTimeout(watchdog));
           let batch: JsMsg[] = [];
           let claiming = Promise.resolve();
           const flush = () => {
@@ -555,6 +559,11 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       link.onConnect(() => {
         js = undefined;
         jsmPromise = undefined;
+        // Pull requests made before a reconnect may be lost with the server: ask again.
+        for (const feed of feeds.values()) {
+          feed.current?.stop();
+          feed.consumer = undefined;
+        }
         void relay();
         void discover();
       });
