@@ -188,7 +188,9 @@ function argument(name, envName) {
     }
     if (args[i].startsWith(`${name}=`)) return args[i].slice(name.length + 1);
     if (args[i].startsWith('--database-url=') || args[i].startsWith('--nats-url=')) continue;
-    console.error(`unknown argument ${args[i]} (the bench takes --database-url <postgres://...> and --nats-url <nats://...>)`);
+    console.error(
+      `unknown argument ${args[i]} (the bench takes --database-url <postgres://...> and --nats-url <nats://...>)`,
+    );
     process.exit(2);
   }
   return process.env[envName] || undefined;
@@ -201,7 +203,8 @@ async function deleteNatsCluster(natsUrl, cluster) {
   const nc = await connect({ servers: natsUrl, timeout: 5000 });
   try {
     const jsm = await jetstreamManager(nc);
-    for (const stream of [`${cluster}_runs`, `OBJ_${cluster}_artifacts`]) await jsm.streams.delete(stream).catch(() => false);
+    for (const stream of [`${cluster}_runs`, `OBJ_${cluster}_artifacts`])
+      await jsm.streams.delete(stream).catch(() => false);
   } finally {
     await nc.close();
   }
