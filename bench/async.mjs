@@ -566,8 +566,10 @@ async function main() {
   // The JetStream run queue (PostgreSQL for the store): accepted runs published to NATS and fetched back.
   if (adminUrl && natsUrl) stores.push({ key: 'pg-nats', name: 'PostgreSQL + NATS', adminUrl, natsUrl });
   else if (natsUrl) console.log('(--nats-url needs --database-url too: the JetStream queue is measured on PostgreSQL)');
+  // BENCH_STORES=postgres,pg-nats: only these (keys sqlite, postgres, pg-nats).
+  const only = process.env.BENCH_STORES?.split(',').map((k) => k.trim());
   const results = [];
-  for (const store of stores) results.push(await measure(store));
+  for (const store of stores) if (!only || only.includes(store.key)) results.push(await measure(store));
   console.log(`\n=== Side by side (${results.map((r) => r.store).join(', ')}; one after the other, same knobs) ===\n`);
   console.log(sideBySide(results));
   const work = databaseWork(results);

@@ -50,6 +50,7 @@ import { nowIso } from '../ids.js';
 import {
   claimPublishedRuns,
   claimRunsToPublish,
+  freeQueuedRunsOf,
   markRunsPublished,
   unfinishedRunsOf,
   unmarkRunsPublished,
@@ -481,10 +482,23 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       return;
     }
     const claimedIds = new Set(claimed.map((r) => r.id));
+    // Not claimed yet free (a race with another statement on the row): asked again shortly, never dropped.
+    const unclaimed = ids.filter((id) => !claimedIds.has(id) && !heldMessages.has(id));
+    let stillFree = new Set<string>();
+    try {
+      if (unclaimed.length > 0) stillFree = await freeQueuedRunsOf(store, unclaimed);
+    } catch (err) {
+      stillFree = new Set(unclaimed);
+      logger.warn({ err }, 'checking unclaimed runs failed; they are delivered again');
+    }
     let skipped = 0;
     for (const m of messages) {
       const id = m.string();
       if (claimedIds.has(id)) continue;
+      if (stillFree.has(id)) {
+        m.nak(200);
+        continue;
+      }
       // A second message of a run held here (redelivered, or republished): it stands for the run now.
       const mine = heldMessages.get(id);
       if (mine && mine !== m) {

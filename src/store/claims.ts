@@ -109,10 +109,14 @@ export async function releaseQueuedRuns(db: Db, owner: string, runIds: readonly 
  */
 export async function claimPublishedRuns(db: Db, owner: string, runIds: readonly string[]): Promise<ClaimedRun[]> {
   if (runIds.length === 0) return [];
+  // These exact runs: wait for a row another statement holds (the publisher marking it published), never
+  // skip it, or a free run would look taken. Locked in id order, so two claimers never deadlock.
+  let pick = db.selectFrom('runs').select('id').where('id', 'in', runIds);
+  if (dialectOf(db) === 'postgres') pick = pick.orderBy('id').forUpdate();
   return db
     .updateTable('runs')
     .set({ owner })
-    .where('id', 'in', lockForClaim(db, db.selectFrom('runs').select('id').where('id', 'in', runIds)))
+    .where('id', 'in', pick)
     .where('owner', 'is', null)
     .where('state', '=', 'queued')
     .where('mode', '=', 'async')
@@ -129,6 +133,19 @@ export async function unfinishedRunsOf(db: Db, owner: string, runIds: readonly s
     .where('id', 'in', runIds)
     .where('owner', '=', owner)
     .where('state', 'in', ['queued', 'running'])
+    .execute();
+  return new Set(rows.map((r) => r.id));
+}
+
+/** Of these runs, the ones still queued and held by nobody. */
+export async function freeQueuedRunsOf(db: Db, runIds: readonly string[]): Promise<Set<string>> {
+  if (runIds.length === 0) return new Set();
+  const rows = await db
+    .selectFrom('runs')
+    .select('id')
+    .where('id', 'in', runIds)
+    .where('owner', 'is', null)
+    .where('state', '=', 'queued')
     .execute();
   return new Set(rows.map((r) => r.id));
 }
