@@ -12,6 +12,7 @@
  *
  *   npm run build && npm run bench:async
  *   npm run bench:async -- --database-url postgres://postgres@127.0.0.1:5432/postgres
+ *   npm run bench:async -- --database-url postgres://postgres@127.0.0.1:5432/postgres --nats-url nats://127.0.0.1:4222
  *   BENCH_DURATION=10 BENCH_WARMUP=2 BENCH_CONNECTIONS=32 BENCH_SYNC_DURATION=5 npm run bench:async
  */
 import autocannon from 'autocannon';
@@ -177,15 +178,36 @@ async function syncLoad(url, headers) {
 }
 
 /** The PostgreSQL server to measure on too: `--database-url <url>`, `--database-url=<url>` or FERRY_DATABASE_URL. */
-function databaseUrlArgument() {
+function argument(name, envName) {
   const args = process.argv.slice(2);
   for (let i = 0; i < args.length; i++) {
-    if (args[i] === '--database-url') return args[i + 1];
-    if (args[i].startsWith('--database-url=')) return args[i].slice('--database-url='.length);
-    console.error(`unknown argument ${args[i]} (the bench takes --database-url <postgres://...> only)`);
+    if (args[i] === '--database-url' || args[i] === '--nats-url') {
+      if (args[i] === name) return args[i + 1];
+      i++;
+      continue;
+    }
+    if (args[i].startsWith(`${name}=`)) return args[i].slice(name.length + 1);
+    if (args[i].startsWith('--database-url=') || args[i].startsWith('--nats-url=')) continue;
+    console.error(
+      `unknown argument ${args[i]} (the bench takes --database-url <postgres://...> and --nats-url <nats://...>)`,
+    );
     process.exit(2);
   }
-  return process.env.FERRY_DATABASE_URL || undefined;
+  return process.env[envName] || undefined;
+}
+
+/** Deletes the bench cluster's streams (runs stream, artifacts bucket) from NATS. */
+async function deleteNatsCluster(natsUrl, cluster) {
+  const { connect } = await import('@nats-io/transport-node');
+  const { jetstreamManager } = await import('@nats-io/jetstream');
+  const nc = await connect({ servers: natsUrl, timeout: 5000 });
+  try {
+    const jsm = await jetstreamManager(nc);
+    for (const stream of [`${cluster}_runs`, `OBJ_${cluster}_artifacts`])
+      await jsm.streams.delete(stream).catch(() => false);
+  } finally {
+    await nc.close();
+  }
 }
 
 /** The whole bench on one store: prints its tables and returns the figures for the side-by-side table. */
@@ -200,6 +222,11 @@ async function measure(store) {
     console.log(
       `database: ${new URL(env.FERRY_DATABASE_URL).pathname.slice(1)} (created for this run, dropped at the end)`,
     );
+  }
+  if (store.natsUrl) {
+    env.FERRY_NATS_URL = store.natsUrl;
+    env.FERRY_CLUSTER_NAME = `bench_${process.pid}`;
+    console.log(`NATS: ${store.natsUrl}, cluster ${env.FERRY_CLUSTER_NAME} (its streams deleted at the end)`);
   }
   const { auth, ferry } = await startDeployed(`async-${store.key}`, APP, APP_FILES, env);
   console.log(
@@ -417,6 +444,7 @@ async function measure(store) {
     pgWork = {
       commitsPerRun: (pg1.commits - pg0.commits) / committed,
       updatedPerRun: (pg1.updated - pg0.updated) / committed,
+      fetchedPerRun: (pg1.fetched - pg0.fetched) / committed,
       backendCpuPerRunUs: ((pg1.backendCpuMs - pg0.backendCpuMs) / committed) * 1000,
       backendCpuPct: ((pg1.backendCpuMs - pg0.backendCpuMs) / (totalSeconds * 1000)) * 100,
     };
@@ -470,6 +498,7 @@ async function measure(store) {
   if (drainError) throw drainError;
   // The next store gets the machine to itself (this server's cleanup stays registered; stopping twice is fine).
   await ferry.stop();
+  if (store.natsUrl) await deleteNatsCluster(store.natsUrl, env.FERRY_CLUSTER_NAME);
   return {
     store: store.name,
     valid,
@@ -489,14 +518,15 @@ async function measure(store) {
 
 /** One row per figure, one column per store, and the ratio of the second store to the first. */
 function sideBySide(results) {
-  const [a, b] = results;
+  // Each store after the first against the one before it (PostgreSQL / SQLite, PostgreSQL + NATS / PostgreSQL).
+  const pairs = results.slice(1).map((b, i) => [results[i], b]);
   const row = (label, pick, digits = 0) => [
     label,
     ...results.map((r) => fmt(pick(r), digits)),
-    b ? fmt(pick(b) / pick(a), 2) : '-',
+    ...pairs.map(([a, b]) => fmt(pick(b) / pick(a), 2)),
   ];
   return table([
-    ['figure', ...results.map((r) => r.store), b ? `${b.store} / ${a.store}` : ''],
+    ['figure', ...results.map((r) => r.store), ...pairs.map(([a, b]) => `${b.store} / ${a.store}`)],
     row('(s) sync calls/s', (r) => r.sync.rate),
     row('(a) async accepted (202)/s', (r) => r.acceptRate),
     row('(a) 202 latency p50 ms', (r) => r.acceptP50, 2),
@@ -518,6 +548,7 @@ function databaseWork(results) {
     ['database work per run (load start -> empty)', ...rows.map((r) => r.store)],
     ['transactions committed', ...rows.map((r) => fmt(r.pgWork.commitsPerRun, 2))],
     ['rows updated', ...rows.map((r) => fmt(r.pgWork.updatedPerRun, 2))],
+    ['rows fetched', ...rows.map((r) => fmt(r.pgWork.fetchedPerRun, 2))],
     ['backends CPU, µs', ...rows.map((r) => fmt(r.pgWork.backendCpuPerRunUs, 0))],
     ['backends CPU, % of a core', ...rows.map((r) => fmt(r.pgWork.backendCpuPct, 0))],
   ]);
@@ -527,12 +558,18 @@ async function main() {
   requireDist();
   console.log('Ferry bench: async runs of a no-op function, accepted and completed per second\n');
   console.log(machineReport());
-  const adminUrl = databaseUrlArgument();
+  const adminUrl = argument('--database-url', 'FERRY_DATABASE_URL');
+  const natsUrl = argument('--nats-url', 'FERRY_NATS_URL');
   const stores = [{ key: 'sqlite', name: 'SQLite' }];
   if (adminUrl) stores.push({ key: 'postgres', name: 'PostgreSQL', adminUrl });
   else console.log('(SQLite only: pass --database-url postgres://... to measure PostgreSQL side by side)');
+  // The JetStream run queue (PostgreSQL for the store): accepted runs published to NATS and fetched back.
+  if (adminUrl && natsUrl) stores.push({ key: 'pg-nats', name: 'PostgreSQL + NATS', adminUrl, natsUrl });
+  else if (natsUrl) console.log('(--nats-url needs --database-url too: the JetStream queue is measured on PostgreSQL)');
+  // BENCH_STORES=postgres,pg-nats: only these (keys sqlite, postgres, pg-nats).
+  const only = process.env.BENCH_STORES?.split(',').map((k) => k.trim());
   const results = [];
-  for (const store of stores) results.push(await measure(store));
+  for (const store of stores) if (!only || only.includes(store.key)) results.push(await measure(store));
   console.log(`\n=== Side by side (${results.map((r) => r.store).join(', ')}; one after the other, same knobs) ===\n`);
   console.log(sideBySide(results));
   const work = databaseWork(results);

@@ -22,6 +22,12 @@ export interface Metrics {
   runsInFlight: Gauge<'project' | 'app'>;
   webhookAttempts: Counter<'outcome'>;
   webhookDeliveries: Counter<'state'>;
+  /** With --nats-url: async runs published to the runs stream, at acceptance or by the relay. */
+  asyncPublished: Counter<'via'>;
+  /** With --nats-url: publishes that failed (the relay publishes those runs later). */
+  asyncPublishFailures: Counter;
+  /** With --nats-url: messages fetched from the runs stream, by what became of them. */
+  asyncFetched: Counter<'outcome'>;
 }
 
 export function createMetrics(labels?: { node: string; role: string }): Metrics {
@@ -110,6 +116,23 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
       name: 'ferry_runs_in_flight',
       help: 'Runs executing in replicas',
       labelNames: ['project', 'app'],
+      registers: [registry],
+    }),
+    asyncPublished: new Counter({
+      name: 'ferry_async_published_total',
+      help: 'Async runs published to the JetStream runs stream, by who published them (accept, relay)',
+      labelNames: ['via'],
+      registers: [registry],
+    }),
+    asyncPublishFailures: new Counter({
+      name: 'ferry_async_publish_failures_total',
+      help: 'Publishes of async runs to the JetStream runs stream that failed (the relay publishes them later)',
+      registers: [registry],
+    }),
+    asyncFetched: new Counter({
+      name: 'ferry_async_fetched_total',
+      help: "Messages fetched from the JetStream runs stream: run claimed here (claimed), or not this node's to run (skipped)",
+      labelNames: ['outcome'],
       registers: [registry],
     }),
   };

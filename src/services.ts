@@ -13,13 +13,13 @@ import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-s
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
-import { createNatsArtifactStore, openArtifactsBucket } from './builds/nats-artifact-store.js';
+import { createNatsArtifactStore, lazyArtifactsBucket } from './builds/nats-artifact-store.js';
 import { createNatsBuildOutput } from './builds/nats-build-output.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import { applyChanges } from './cluster/apply-changes.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
 import { CLUSTER_KEY_FILE, type ClusterAuth, createClusterAuth } from './cluster/cluster-auth.js';
-import { clusterNames, connectNats } from './cluster/nats.js';
+import { clusterNames, createNatsLink, requireNats } from './cluster/nats.js';
 import { createNodeLease, type NodeLease } from './cluster/node.js';
 import { describeLoad, FERRY_VERSION } from './cluster/node-info.js';
 import { createPgChangeFeed } from './cluster/pg-change-feed.js';
@@ -41,11 +41,13 @@ import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
 import type { ReplicaPool } from './replicas/pool.js';
 import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
-import { type AsyncWorker, createAsyncWorker } from './runs/async-worker.js';
+import { createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
+import { createJetStreamRunQueue } from './runs/jetstream-queue.js';
 import { createProjectBacklog, type ProjectBacklog } from './runs/project-backlog.js';
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createRemoteInvoker } from './runs/remote-invoker.js';
+import { createStoreRunQueue, type RunQueue } from './runs/run-queue.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
 import { createSandboxNetwork } from './sandbox/choose-network.js';
@@ -95,7 +97,8 @@ export interface Services {
   invoker: Invoker;
   /** Brings the gauges (replicas, queue depth) up to date; called before /metrics is rendered. */
   refreshGauges(): void;
-  asyncWorker: AsyncWorker;
+  /** How accepted async runs reach a node that runs them: the store queue, or JetStream (run-queue.ts). */
+  asyncWorker: RunQueue;
   /** Each project's async runs queued or running, from the store (FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT). */
   projectBacklog: ProjectBacklog;
   /** Delivers webhook payloads from the durable outbox. */
@@ -139,22 +142,23 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const metrics = createMetrics({ node: node.id, role });
   const clusterAuth = createClusterAuth({ key: clusterKey, nodeId: node.id });
   // With --nats-url, archives and build outputs live in the JetStream object store, not the artifacts folder.
+  // Start-up does not wait for NATS: what needs it fails with a coded error (or waits) until it is reached.
   const nats = config.natsUrl
-    ? await connectNats({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
+    ? createNatsLink({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
     : undefined;
   let artifacts: ArtifactStore;
   let buildOutput: BuildOutput;
   if (nats) {
     const bucket = clusterNames(config.clusterName).artifactsBucket;
     artifacts = await createNatsArtifactStore({
-      nc: nats,
+      nc: () => requireNats(nats),
       bucket,
       cacheDir: path.join(dataDir.root, 'archive-cache'),
       logger: logger.child({ component: 'builds' }),
     });
     buildOutput = await createNatsBuildOutput({
       buildsDir: dataDir.builds,
-      bucket: await openArtifactsBucket(nats, bucket),
+      bucket: lazyArtifactsBucket(() => requireNats(nats), bucket),
       artifacts,
       zipLimits: config.zipLimits,
       logger: logger.child({ component: 'builds' }),
@@ -182,7 +186,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // they are home to (min_replicas counts for the whole cluster).
   const workers = nats
     ? createWorkerDirectory({
-        nats: { ready: async () => nats },
+        nats,
         bucket: names.nodesBucket,
         logger: logger.child({ component: 'workers' }),
       })
@@ -290,22 +294,40 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   recorder.onOutbox = () => webhooks.wake();
   webhooks.start();
-  const asyncWorker: AsyncWorker = runsCode
-    ? createAsyncWorker({
+  // The run queue, chosen once: the store queue, or JetStream with --nats-url. `consume`: whether this node
+  // fetches and runs async runs (a gateway only publishes them).
+  const makeWorker = (hooks?: Partial<Parameters<typeof createAsyncWorker>[0]>) =>
+    createAsyncWorker({
+      store,
+      targets: runTargets,
+      invoker,
+      recorder,
+      logger: logger.child({ component: 'async' }),
+      owner: node.id,
+      ...hooks,
+    });
+  const asyncWorker: RunQueue = nats
+    ? createJetStreamRunQueue({
+        link: nats,
+        names: clusterNames(config.clusterName),
         store,
-        targets: runTargets,
-        invoker,
-        recorder,
         logger: logger.child({ component: 'async' }),
         owner: node.id,
+        consume: runsCode,
+        createWorker: makeWorker,
+        metrics: {
+          published: (via, n) => metrics.asyncPublished.inc({ via }, n),
+          publishFailed: (n) => metrics.asyncPublishFailures.inc(n),
+          fetched: (outcome, n) => metrics.asyncFetched.inc({ outcome }, n),
+        },
       })
-    : acceptOnly();
+    : createStoreRunQueue(makeWorker());
   load = () => describeLoad(replicas.pools(), asyncWorker.backlog);
   // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
   announcer =
     nats && role === 'worker'
       ? createWorkerAnnouncer({
-          nats: { ready: async () => nats },
+          nats,
           bucket: names.nodesBucket,
           logger: logger.child({ component: 'workers' }),
           describe: () => ({
@@ -480,18 +502,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await nats?.close();
       await store.destroy();
     },
-  };
-}
-
-/** A gateway's async side: it accepts runs (stored free, for workers to claim) and runs none. */
-function acceptOnly(): AsyncWorker {
-  return {
-    ownerFor: () => null,
-    enqueue: () => undefined,
-    wake: () => undefined,
-    backlog: 0,
-    start: async () => undefined,
-    close: async () => undefined,
   };
 }
 

@@ -12,8 +12,6 @@ import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { jetstreamManager } from '@nats-io/jetstream';
-import { connect } from '@nats-io/transport-node';
 import { WebSocket } from 'undici';
 import { http, REPO_ROOT, runCli, tempDir, waitFor } from './helpers/ferry.js';
 import {
@@ -24,10 +22,9 @@ import {
   sweepStrays,
   type TestDatabase,
 } from './helpers/fleet.js';
+import { deleteClusterStreams, NATS_URL } from './helpers/nats.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
 import { disconnectAfterFirstItem, streamRequest } from './helpers/stream.js';
-
-const NATS_URL = process.env.FERRY_TEST_NATS_URL ?? 'nats://127.0.0.1:4222';
 
 async function exampleFiles(name: string): Promise<Record<string, string>> {
   const dir = path.join(REPO_ROOT, 'examples', name);
@@ -181,16 +178,7 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
         ...(await Promise.allSettled([
           receiver?.close(),
           db?.drop(),
-          (async () => {
-            const nc = await connect({ servers: NATS_URL });
-            const jsm = await jetstreamManager(nc);
-            for await (const name of jsm.streams.names()) {
-              if (name.startsWith(cluster) || name.startsWith(`KV_${cluster}`) || name.startsWith(`OBJ_${cluster}`)) {
-                await jsm.streams.delete(name);
-              }
-            }
-            await nc.close();
-          })(),
+          deleteClusterStreams(cluster),
           root ? fs.rm(root, { recursive: true, force: true }) : undefined,
         ])),
       );

@@ -37,10 +37,16 @@ async function conn(url: string): Promise<NatsConnection> {
 
 describe('worker announcements and the directory', { timeout: 120_000 }, () => {
   const closers: Array<() => Promise<unknown>> = [];
-  after(async () => {
-    for (const close of closers.reverse()) await close().catch(() => undefined);
-    await deleteClusterStreams(cluster);
-  });
+  after(
+    async () => {
+      // Each step bounded: a connection to a stopped server must not hold the run up.
+      const bounded = (p: Promise<unknown>) =>
+        Promise.race([p.catch(() => undefined), new Promise((r) => setTimeout(r, 10_000).unref())]);
+      for (const close of closers.reverse()) await bounded(close());
+      await deleteClusterStreams(cluster);
+    },
+    { timeout: 120_000 },
+  );
 
   it('lists an announcing worker, drops one that closes at once and one that goes silent within 5 s', async () => {
     const nc = await conn(NATS_URL);
@@ -110,16 +116,27 @@ describe('worker announcements and the directory', { timeout: 120_000 }, () => {
     closers.push(() => server.destroy());
     // NATS is down: announcer and directory start anyway and wait.
     let nc: NatsConnection | undefined;
-    const ready = async () => {
-      for (let i = 0; i < 300 && !nc; i++) {
-        try {
-          nc = await conn(server.url);
-        } catch {
-          await new Promise((r) => setTimeout(r, 200));
+    // Connects once NATS is there (as cluster/nats.ts does for Ferry): tries for at most a minute in all.
+    const until = Date.now() + 60_000;
+    let connecting: Promise<NatsConnection> | undefined;
+    const ready = () => {
+      connecting ??= (async () => {
+        while (Date.now() < until) {
+          try {
+            nc = await connect({
+              servers: server.url,
+              maxReconnectAttempts: -1,
+              reconnectTimeWait: 200,
+              timeout: 2_000,
+            });
+            return nc;
+          } catch {
+            await new Promise((r) => setTimeout(r, 200));
+          }
         }
-      }
-      if (!nc) throw new Error('NATS never came');
-      return nc;
+        throw new Error('NATS never came');
+      })();
+      return connecting;
     };
     closers.push(async () => nc?.close());
     const bucket = `${cluster}_own`;

@@ -30,6 +30,25 @@ export async function openArtifactsBucket(nc: NatsConnection, bucket: string): P
   return new Objm(nc).create(bucket, { storage: StorageType.File });
 }
 
+/**
+ * The artifacts bucket opened when first needed, on the connection as it is then: start-up does not wait
+ * for NATS. Until NATS has been reached (and while opening fails) each use fails, which the callers answer
+ * as `503 FERRY_ARTIFACTS_UNAVAILABLE`; the first success is kept.
+ */
+export function lazyArtifactsBucket(nc: () => NatsConnection, bucket: string): () => Promise<ObjectStore> {
+  let opened: Promise<ObjectStore> | undefined;
+  return () => {
+    if (!opened) {
+      const opening = (async () => openArtifactsBucket(nc(), bucket))();
+      opened = opening;
+      opening.catch(() => {
+        if (opened === opening) opened = undefined;
+      });
+    }
+    return opened;
+  };
+}
+
 /** An object's content does not match the digest recorded with it: refused, never used. */
 export class CorruptObjectError extends Error {
   constructor(name: string, detail: string, options?: { cause?: unknown }) {
@@ -116,7 +135,8 @@ export function artifactsUnavailable(err: unknown): unknown {
 }
 
 export interface NatsArtifactStoreDeps {
-  nc: NatsConnection;
+  /** The connection, or a function returning it (throwing while NATS has not been reached: `requireNats`). */
+  nc: NatsConnection | (() => NatsConnection);
   /** `clusterNames(cluster).artifactsBucket`. */
   bucket: string;
   /** `<data-dir>/archive-cache`: this process's copies of archives (created here, mode 0700). */
@@ -126,7 +146,8 @@ export interface NatsArtifactStoreDeps {
 
 export async function createNatsArtifactStore(deps: NatsArtifactStoreDeps): Promise<ArtifactStore> {
   const { logger, cacheDir } = deps;
-  const os = await openArtifactsBucket(deps.nc, deps.bucket);
+  const { nc } = deps;
+  const os = lazyArtifactsBucket(typeof nc === 'function' ? nc : () => nc, deps.bucket);
   await fs.mkdir(cacheDir, { recursive: true, mode: 0o700 });
   // Partial downloads left by a crash: this folder belongs to this process alone.
   for (const name of await fs.readdir(cacheDir)) {
@@ -144,7 +165,7 @@ export async function createNatsArtifactStore(deps: NatsArtifactStoreDeps): Prom
     if (await exists(file)) return file;
     let found: boolean;
     try {
-      found = await fetchObject(os, objectOf(buildId), file);
+      found = await fetchObject(await os(), objectOf(buildId), file);
     } catch (err) {
       logger.error({ err, buildId }, 'cannot fetch the uploaded archive from the object store');
       throw artifactsUnavailable(err);
@@ -159,7 +180,7 @@ export async function createNatsArtifactStore(deps: NatsArtifactStoreDeps): Prom
       const cached = fileOf(buildId);
       const handle = await fs.open(file, 'r');
       try {
-        await putObject(os, objectOf(buildId), handle.createReadStream({ autoClose: false }));
+        await putObject(await os(), objectOf(buildId), handle.createReadStream({ autoClose: false }));
       } catch (err) {
         throw artifactsUnavailable(err);
       } finally {
@@ -182,7 +203,7 @@ export async function createNatsArtifactStore(deps: NatsArtifactStoreDeps): Prom
     async delete(buildId) {
       await fs.rm(fileOf(buildId), { force: true });
       try {
-        await os.delete(objectOf(buildId));
+        await (await os()).delete(objectOf(buildId));
       } catch (err) {
         throw artifactsUnavailable(err);
       }

@@ -34,8 +34,11 @@ import type { ZipLimits } from './zip-archive.js';
 export interface NatsBuildOutputDeps {
   /** `<data-dir>/builds`: this process's builds, which replicas bind. */
   buildsDir: string;
-  /** The cluster's artifacts bucket (`openArtifactsBucket`). */
-  bucket: ObjectStore;
+  /**
+   * The cluster's artifacts bucket (`openArtifactsBucket`), or a function opening it when first needed
+   * (`lazyArtifactsBucket`: start-up does not wait for NATS).
+   */
+  bucket: ObjectStore | (() => Promise<ObjectStore>);
   /** Where uploaded archives are (ensureSource reads them). */
   artifacts: ArtifactStore;
   zipLimits: ZipLimits;
@@ -46,7 +49,9 @@ const STAGING_PREFIX = '.staging-';
 const BUILD_ID = /^[A-Za-z0-9_-]{1,100}$/;
 
 export async function createNatsBuildOutput(deps: NatsBuildOutputDeps): Promise<BuildOutput> {
-  const { buildsDir, bucket, logger } = deps;
+  const { buildsDir, logger } = deps;
+  const given = deps.bucket;
+  const bucket = typeof given === 'function' ? given : () => Promise.resolve(given);
   await fs.mkdir(buildsDir, { recursive: true, mode: 0o700 });
   // The data directory has one process: every staging folder or download in it is left from an earlier run.
   for (const name of await fs.readdir(buildsDir)) {
@@ -76,7 +81,7 @@ export async function createNatsBuildOutput(deps: NatsBuildOutputDeps): Promise<
     const folder = staging(buildId);
     const old = staging(buildId);
     try {
-      if (!(await fetchObject(bucket, objectOf(buildId), download))) {
+      if (!(await fetchObject(await bucket(), objectOf(buildId), download))) {
         // Made here before outputs were published: this folder is all there is.
         if (await exists(path.join(local, 'out'))) return;
         throw new Error(`build ${buildId} is neither in this data directory nor in the object store`);
@@ -103,7 +108,7 @@ export async function createNatsBuildOutput(deps: NatsBuildOutputDeps): Promise<
       checkId(buildId);
       let there: boolean;
       try {
-        const info = await bucket.info(objectOf(buildId));
+        const info = await (await bucket()).info(objectOf(buildId));
         there = info !== null && !info.deleted;
       } catch (err) {
         throw artifactsUnavailable(err);
@@ -112,7 +117,7 @@ export async function createNatsBuildOutput(deps: NatsBuildOutputDeps): Promise<
       if (!there) {
         const started = Date.now();
         try {
-          await putObject(bucket, objectOf(buildId), packFolder(path.join(buildsDir, buildId)));
+          await putObject(await bucket(), objectOf(buildId), packFolder(path.join(buildsDir, buildId)));
         } catch (err) {
           throw artifactsUnavailable(err);
         }

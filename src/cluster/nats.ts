@@ -41,30 +41,131 @@ export function clusterNames(cluster: string): ClusterNames {
 }
 
 /**
- * Connects to NATS at `url` (a comma-separated list of servers is allowed) and keeps reconnecting for as
- * long as the process runs: a NATS restart is an outage to wait out, not a reason to exit.
+ * The NATS connection of this process, which start-up does not wait for: `ferry serve` starts while NATS is
+ * down, and whatever needs NATS asks `current()` (undefined until the first connection) and tells its own
+ * caller so (a coded error, or a retry later). Once connected, the client reconnects by itself for as long
+ * as the process runs: a NATS restart is an outage to wait out, not a reason to exit.
  */
-export async function connectNats(options: { url: string; name: string; logger: Logger }): Promise<NatsConnection> {
+export interface NatsLink {
+  /** The connection, once it has connected once (it may be reconnecting: see `connected`). */
+  current(): NatsConnection | undefined;
+  /** True while connected (false before the first connection and between a disconnect and a reconnect). */
+  readonly connected: boolean;
+  /** Resolves with the connection once it has connected once; rejects if the link is closed first. */
+  ready(): Promise<NatsConnection>;
+  /** Called on every (re)connection (the queue republishes what waited for NATS). */
+  onConnect(listener: () => void): void;
+  close(): Promise<void>;
+}
+
+/** How long to wait between first-connection attempts while NATS cannot be reached. */
+const FIRST_CONNECT_RETRY_MS = 1000;
+
+/**
+ * Connects to NATS at `url` (a comma-separated list of servers is allowed) in the background: the first
+ * connection is retried every second until it succeeds or the link is closed, then the client keeps
+ * reconnecting on its own.
+ */
+export function createNatsLink(options: { url: string; name: string; logger: Logger }): NatsLink {
+  const { logger } = options;
   const servers = options.url
     .split(',')
     .map((s) => s.trim())
     .filter((s) => s.length > 0);
-  const nc = await connect({
-    servers,
-    name: options.name,
-    maxReconnectAttempts: -1,
-    reconnectTimeWait: 500,
-    timeout: 10_000,
+  let nc: NatsConnection | undefined;
+  let connected = false;
+  let closed = false;
+  let retry: NodeJS.Timeout | undefined;
+  let wakeRetry: (() => void) | undefined;
+  const listeners: Array<() => void> = [];
+  let resolveReady!: (nc: NatsConnection) => void;
+  let rejectReady!: (err: Error) => void;
+  const readyPromise = new Promise<NatsConnection>((resolve, reject) => {
+    resolveReady = resolve;
+    rejectReady = reject;
   });
-  void (async () => {
-    for await (const status of nc.status()) {
-      if (status.type === 'disconnect' || status.type === 'reconnect' || status.type === 'error') {
-        options.logger.warn(
-          { nats: status.type, server: 'server' in status ? status.server : undefined },
-          'NATS connection',
-        );
+  readyPromise.catch(() => undefined);
+  const notify = () => {
+    for (const listener of listeners) {
+      try {
+        listener();
+      } catch (err) {
+        logger.warn({ err }, 'NATS connect listener failed');
       }
     }
-  })().catch(() => undefined);
+  };
+
+  void (async () => {
+    let warned = false;
+    while (!closed) {
+      try {
+        const conn = await connect({
+          servers,
+          name: options.name,
+          maxReconnectAttempts: -1,
+          reconnectTimeWait: 500,
+          timeout: 5_000,
+        });
+        if (closed) {
+          await conn.close();
+          return;
+        }
+        nc = conn;
+        connected = true;
+        if (warned) logger.info({ servers }, 'NATS connection established');
+        resolveReady(conn);
+        notify();
+        for await (const status of conn.status()) {
+          if (status.type === 'disconnect' || status.type === 'reconnect' || status.type === 'error') {
+            logger.warn(
+              { nats: status.type, server: 'server' in status ? status.server : undefined },
+              'NATS connection',
+            );
+          }
+          if (status.type === 'disconnect') connected = false;
+          if (status.type === 'reconnect') {
+            connected = true;
+            notify();
+          }
+        }
+        return;
+      } catch (err) {
+        if (closed) return;
+        if (!warned) {
+          logger.warn({ err, servers }, 'NATS cannot be reached; retrying every second (what needs it waits)');
+          warned = true;
+        }
+        await new Promise<void>((resolve) => {
+          wakeRetry = resolve;
+          retry = setTimeout(resolve, FIRST_CONNECT_RETRY_MS);
+        });
+      }
+    }
+  })().catch((err: unknown) => logger.error({ err }, 'NATS connection loop failed'));
+
+  return {
+    current: () => nc,
+    get connected() {
+      return connected && !closed;
+    },
+    ready: () => readyPromise,
+    onConnect(listener) {
+      listeners.push(listener);
+    },
+    async close() {
+      closed = true;
+      connected = false;
+      if (retry) clearTimeout(retry);
+      wakeRetry?.();
+      rejectReady(new Error('the NATS connection was closed'));
+      await nc?.close();
+    },
+  };
+}
+
+/** The connection, or an error saying NATS has not been reached yet (for callers that turn it into a coded 503). */
+export function requireNats(link: NatsLink): NatsConnection {
+  const nc = link.current();
+  if (!nc) throw new Error('NATS has not been reached yet');
   return nc;
 }

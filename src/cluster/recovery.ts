@@ -76,7 +76,9 @@ export function createRecovery(deps: {
       if (owner !== null) {
         const freed = await trx
           .updateTable('runs')
-          .set({ owner: null })
+          // published_at: its message was acknowledged (or dropped) by whoever fetched it: the relay
+          // publishes it again at once (--nats-url).
+          .set({ owner: null, published_at: null })
           .where('owner', '=', owner)
           .where('state', '=', 'queued')
           .where('mode', '=', 'async')
@@ -112,7 +114,9 @@ export function createRecovery(deps: {
           .where((eb) => (owner === null ? eb('owner', 'is', null) : eb('owner', '=', owner)))
           .where('state', '=', run.state);
         if (retry) {
-          const changed = await fence.set({ state: 'queued', owner: null, started_at: null }).executeTakeFirst();
+          const changed = await fence
+            .set({ state: 'queued', owner: null, started_at: null, published_at: null })
+            .executeTakeFirst();
           result.requeued += Number(changed.numUpdatedRows);
           continue;
         }

@@ -39,6 +39,11 @@ export interface AsyncWorker {
   wake(): void;
   /** Async runs this node holds and has not finished (queued here or running). */
   readonly backlog: number;
+  /**
+   * How many more runs of this app this node would hold now (`app`), and of any app (`total`): what the
+   * JetStream queue fetches at most (the same limits as `ownerFor`).
+   */
+  room(projectId: string, appId: string): { app: number; total: number };
   /** Starts claiming free queued runs (now, then every poll interval and whenever woken). */
   start(): Promise<void>;
   /** Stops; runs in flight finish, runs queued here are let go for any node to take. */
@@ -70,6 +75,17 @@ export function createAsyncWorker(deps: {
   retryDelayMs?: number;
   /** How often free queued runs are looked for when nothing wakes the worker. Default 1 s. */
   pollIntervalMs?: number;
+  /**
+   * Whether free queued runs are claimed from the store (default true: the embedded default's queue). The
+   * JetStream queue (runs/jetstream-queue.ts) turns it off and hands the worker the runs it claimed.
+   */
+  claimFromStore?: boolean;
+  /** Told when a held run leaves this node's hands: performed, failed, or found not to be its to run. */
+  onSettled?: (runId: string) => void;
+  /** Told at close of the queued runs let go (after the store was told). */
+  onReleased?: (runIds: string[]) => void;
+  /** Told when room was made (a run ended): more may be taken. */
+  onRoom?: () => void;
 }): AsyncWorker {
   const { store, invoker, recorder, logger, owner } = deps;
   const pollMs = deps.pollIntervalMs ?? 1000;
@@ -217,6 +233,7 @@ export function createAsyncWorker(deps: {
         held -= 1;
         backlog -= 1;
         await failRun(head, 'FERRY_NO_READY_BUILD', 'The app has no ready build (it was removed or never built)');
+        deps.onSettled?.(head.id);
         continue;
       }
       const capacity = build.config.scaling.max_replicas * build.config.scaling.replica_concurrency;
@@ -234,10 +251,12 @@ export function createAsyncWorker(deps: {
             return;
           }
           backlog -= 1;
+          deps.onSettled?.(head.id);
         })
         .catch((err: unknown) => {
           backlog -= 1;
           logger.error({ err, runId: head.id }, 'async run failed unexpectedly');
+          deps.onSettled?.(head.id);
         })
         .finally(() => {
           inflight.set(key, (inflight.get(key) ?? 1) - 1);
@@ -245,6 +264,7 @@ export function createAsyncWorker(deps: {
           pumpApp(key);
           // Room was made: other nodes' free runs may be waiting.
           if (held < MAX_HELD / 2) schedulePull();
+          deps.onRoom?.();
         });
       running.add(task);
     }
@@ -296,12 +316,15 @@ export function createAsyncWorker(deps: {
 
   /** Claims free queued runs while this node has room; one pass at a time. */
   function pull(): Promise<void> {
-    if (!started || closed) return Promise.resolve();
+    if (!started || closed || deps.claimFromStore === false) return Promise.resolve();
     if (pulling) {
       pullAgain = true;
       return pulling;
     }
     pulling = (async () => {
+      // Never finish synchronously: the `finally` below must run after `pulling` is assigned, or a pass that
+      // found no room (MAX_HELD reached) would leave `pulling` set for good and this node would stop claiming.
+      await null;
       try {
         do {
           pullAgain = false;
@@ -353,8 +376,15 @@ export function createAsyncWorker(deps: {
     get backlog() {
       return backlog;
     },
+    room(projectId, appId) {
+      if (closed) return { app: 0, total: 0 };
+      const key = `${projectId}/${appId}`;
+      const total = Math.max(0, MAX_HELD - held);
+      return { app: Math.min(total, Math.max(0, heldLimit(key) - (queues.get(key)?.length ?? 0))), total };
+    },
     async start() {
       started = true;
+      if (deps.claimFromStore === false) return;
       pollTimer = setInterval(() => void pull(), pollMs);
       pollTimer.unref();
       await pull();
@@ -369,6 +399,7 @@ export function createAsyncWorker(deps: {
       await releaseQueuedRuns(store, owner, left).catch((err: unknown) =>
         logger.warn({ err, runs: left.length }, 'could not let go of queued runs; they are freed when the lease ends'),
       );
+      deps.onReleased?.(left);
       // Runs in flight finish (their replicas get the grace period).
       await Promise.allSettled([...running]);
     },

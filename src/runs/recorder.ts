@@ -50,6 +50,8 @@ export function newRunRow(fields: {
     owner: fields.owner ?? null,
     // A sync or stream run starts once, when it is called; an async run counts its starts (startRun).
     attempts: fields.mode === 'async' ? 0 : 1,
+    published_at: null,
+    publishes: 0,
     created_at: new Date(fields.createdAt ?? Date.now()).toISOString(),
     started_at: null,
     finished_at: null,

@@ -83,8 +83,15 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
     const live = directory.live().map((w) => {
       // Announcements are up to a second old: add what this gateway sent since, so a burst spreads.
       const mine = appInflight.get(`${w.id}\0${appKey}`) ?? 0;
-      const app = w.load.apps[appKey];
       if (mine === 0) return w;
+      // Not announced yet (its first calls are on the way): the slots it could start, as far as known here.
+      const { scaling } = request.build.config;
+      const room = w.load.capacity > 0 ? Math.max(0, w.load.capacity - w.load.replicas) : scaling.max_replicas;
+      const app = w.load.apps[appKey] ?? {
+        replicas: 0,
+        inflight: 0,
+        capacity: Math.min(room, scaling.max_replicas) * scaling.replica_concurrency,
+      };
       return {
         ...w,
         load: {
@@ -92,11 +99,7 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
           inflight: Math.max(w.load.inflight, inflight.get(w.id) ?? 0),
           apps: {
             ...w.load.apps,
-            [appKey]: {
-              replicas: app?.replicas ?? 0,
-              capacity: app?.capacity ?? 0,
-              inflight: Math.max(app?.inflight ?? 0, mine),
-            },
+            [appKey]: { replicas: app.replicas, capacity: app.capacity, inflight: Math.max(app.inflight, mine) },
           },
         },
       };

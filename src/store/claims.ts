@@ -87,15 +87,131 @@ export async function startRuns(
   return new Set(rows.map((r) => r.id));
 }
 
-/** Lets go of queued runs this node claimed but will not start (it is stopping): any node may take them. */
+/**
+ * Lets go of queued runs this node claimed but will not start (it is stopping): any node may take them.
+ * Their message is no longer known to be in the runs stream (--nats-url), so the relay publishes them again.
+ */
 export async function releaseQueuedRuns(db: Db, owner: string, runIds: readonly string[]): Promise<void> {
   if (runIds.length === 0) return;
   await db
     .updateTable('runs')
-    .set({ owner: null })
+    .set({ owner: null, published_at: null })
     .where('id', 'in', runIds)
     .where('owner', '=', owner)
     .where('state', '=', 'queued')
+    .execute();
+}
+
+/**
+ * The runs of a batch of messages fetched from the runs stream (--nats-url), claimed by this node in one
+ * statement: those still queued and held by nobody. A run missing from the answer is finished, or held by
+ * another node (which runs it, or whose death frees it for the relay to publish again).
+ */
+export async function claimPublishedRuns(db: Db, owner: string, runIds: readonly string[]): Promise<ClaimedRun[]> {
+  if (runIds.length === 0) return [];
+  // These exact runs: wait for a row another statement holds (the publisher marking it published), never
+  // skip it, or a free run would look taken. Locked in id order, so two claimers never deadlock.
+  let pick = db.selectFrom('runs').select('id').where('id', 'in', runIds);
+  if (dialectOf(db) === 'postgres') pick = pick.orderBy('id').forUpdate();
+  return db
+    .updateTable('runs')
+    .set({ owner })
+    .where('id', 'in', pick)
+    .where('owner', 'is', null)
+    .where('state', '=', 'queued')
+    .where('mode', '=', 'async')
+    .returning(['id', 'project_id', 'app_id'])
+    .execute();
+}
+
+/** Of these runs, the ones this node still holds unfinished (their message is not to be acknowledged yet). */
+export async function unfinishedRunsOf(db: Db, owner: string, runIds: readonly string[]): Promise<Set<string>> {
+  if (runIds.length === 0) return new Set();
+  const rows = await db
+    .selectFrom('runs')
+    .select('id')
+    .where('id', 'in', runIds)
+    .where('owner', '=', owner)
+    .where('state', 'in', ['queued', 'running'])
+    .execute();
+  return new Set(rows.map((r) => r.id));
+}
+
+/** Of these runs, the ones still queued and held by nobody. */
+export async function freeQueuedRunsOf(db: Db, runIds: readonly string[]): Promise<Set<string>> {
+  if (runIds.length === 0) return new Set();
+  const rows = await db
+    .selectFrom('runs')
+    .select('id')
+    .where('id', 'in', runIds)
+    .where('owner', 'is', null)
+    .where('state', '=', 'queued')
+    .execute();
+  return new Set(rows.map((r) => r.id));
+}
+
+/** Records that these runs' messages are in the runs stream (the ones still waiting for a node). */
+export async function markRunsPublished(db: Db, runIds: readonly string[], at: string): Promise<void> {
+  if (runIds.length === 0) return;
+  await db
+    .updateTable('runs')
+    .set({ published_at: at })
+    .where('id', 'in', runIds)
+    .where('published_at', 'is', null)
+    .where('state', '=', 'queued')
+    .where('owner', 'is', null)
+    .execute();
+}
+
+export interface RunToPublish {
+  id: string;
+  project_id: string;
+  app_id: string;
+  publishes: number;
+}
+
+/**
+ * The relay's claim (--nats-url): up to `limit` queued runs held by nobody whose message is not known to be
+ * in the runs stream, created before `createdBefore` (younger ones are being published by the process that
+ * accepted them), or last published before `staleBefore` when given. Marks them published now and counts
+ * the publish (`publishes` names the new message), so two relays never publish one run at once; a publish
+ * that fails is undone with `unmarkRunsPublished`.
+ */
+export async function claimRunsToPublish(
+  db: Db,
+  options: { now: string; createdBefore: string; staleBefore?: string; limit: number },
+): Promise<RunToPublish[]> {
+  let pick = db
+    .selectFrom('runs')
+    .select('id')
+    .where('state', '=', 'queued')
+    .where('mode', '=', 'async')
+    .where('owner', 'is', null)
+    .limit(options.limit);
+  const { staleBefore } = options;
+  pick =
+    staleBefore === undefined
+      ? pick.where('published_at', 'is', null).where('created_at', '<', options.createdBefore).orderBy('created_at')
+      : pick.where('published_at', '<', staleBefore).orderBy('published_at');
+  if ((await pick.execute()).length === 0) return [];
+  return db
+    .updateTable('runs')
+    .set((eb) => ({ published_at: options.now, publishes: eb('publishes', '+', 1) }))
+    .where('id', 'in', lockForClaim(db, pick))
+    .where('state', '=', 'queued')
+    .where('owner', 'is', null)
+    .returning(['id', 'project_id', 'app_id', 'publishes'])
+    .execute();
+}
+
+/** The relay could not publish these runs: their message is not in the stream, and the next pass tries again. */
+export async function unmarkRunsPublished(db: Db, runIds: readonly string[], at: string): Promise<void> {
+  if (runIds.length === 0) return;
+  await db
+    .updateTable('runs')
+    .set({ published_at: null })
+    .where('id', 'in', runIds)
+    .where('published_at', '=', at)
     .execute();
 }
 

@@ -224,6 +224,24 @@ const migrations: Record<string, Migration> = {
       }
     },
   },
+  '0008_run_publishing': {
+    async up(db: Kysely<unknown>) {
+      // With --nats-url, an accepted async run is published to the JetStream runs stream after its insert.
+      // `published_at`: when a message of it was last known to be in the stream (null: none is, or not
+      // known: the relay publishes it); `publishes`: how many times the relay published it, which names the
+      // message (`<run id>.<publishes>`) so a republish is not dropped as a duplicate of an earlier message.
+      await db.schema.alterTable('runs').addColumn('published_at', 'text').execute();
+      if (isPostgres(db)) await sql`alter table runs alter column published_at type text collate "C"`.execute(db);
+      await db.schema
+        .alterTable('runs')
+        .addColumn('publishes', 'integer', (c) => c.notNull().defaultTo(0))
+        .execute();
+      // What the relay looks for: queued runs with no known message (few at any time: the index stays small).
+      await sql`create index runs_unpublished on runs (created_at) where published_at is null and state = 'queued'`.execute(
+        db,
+      );
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

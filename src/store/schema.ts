@@ -101,6 +101,10 @@ export interface RunsTable {
   owner: Optional<string>;
   /** How many times the run was started. */
   attempts: Generated<number>;
+  /** With --nats-url: when a message of this queued run was last known to be in the runs stream. */
+  published_at: Optional<string>;
+  /** With --nats-url: how many times the relay published the run (names its message). */
+  publishes: Generated<number>;
   created_at: string;
   started_at: string | null;
   finished_at: string | null;

@@ -33,20 +33,30 @@ export interface OwnNats {
   destroy(): Promise<void>;
 }
 
-/** A nats-server of this test's own, which it may stop and start again (same port, same store folder). */
+/** Whether a NATS server answers at 127.0.0.1:port: it greets every client with an `INFO` line at once. */
+function natsAnswers(port: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const s = net.connect(port, '127.0.0.1');
+    const done = (ok: boolean) => {
+      clearTimeout(timer);
+      s.destroy();
+      resolve(ok);
+    };
+    const timer = setTimeout(() => done(false), 2_000);
+    s.once('data', (d: Buffer) => done(d.subarray(0, 4).toString('latin1') === 'INFO'));
+    s.once('error', () => done(false));
+  });
+}
+
+/**
+ * A nats-server of this test's own, which it may stop and start again (same port, same store folder).
+ * Its port is chosen free, but another process may take it before the server binds it: a start checks
+ * that the server it spawned is the one answering, and fails saying so otherwise (never talks to a stranger).
+ */
 export async function ownNats(): Promise<OwnNats> {
   const port = await freePort();
   const storeDir = await tempDir('ferry-nats-');
   let child: ChildProcess | undefined;
-  const up = () =>
-    new Promise<boolean>((resolve) => {
-      const s = net.connect(port, '127.0.0.1');
-      s.once('connect', () => {
-        s.destroy();
-        resolve(true);
-      });
-      s.once('error', () => resolve(false));
-    });
   const stop = async () => {
     const c = child;
     child = undefined;
@@ -58,8 +68,23 @@ export async function ownNats(): Promise<OwnNats> {
   return {
     url: `nats://127.0.0.1:${port}`,
     async start() {
-      child = spawn(NATS_BIN, ['-js', '-a', '127.0.0.1', '-p', String(port), '-sd', storeDir], { stdio: 'ignore' });
-      await waitFor(async () => (await up()) || undefined, 15_000, 'the test nats-server to listen');
+      const spawned = spawn(NATS_BIN, ['-js', '-a', '127.0.0.1', '-p', String(port), '-sd', storeDir], {
+        stdio: 'ignore',
+      });
+      child = spawned;
+      let exited = false;
+      spawned.once('exit', () => {
+        exited = true;
+      });
+      await waitFor(
+        async () => {
+          if (exited) throw new Error(`the test nats-server exited at start (port ${port} taken?)`);
+          return (await natsAnswers(port)) || undefined;
+        },
+        15_000,
+        'the test nats-server to listen',
+      );
+      if (exited) throw new Error(`the test nats-server exited at start (port ${port} taken?)`);
     },
     stop,
     async destroy() {

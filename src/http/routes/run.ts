@@ -177,8 +177,7 @@ async function acceptAsync(
     }),
   );
   if (runId !== call.runId) return send(runId);
-  if (owner) services.asyncWorker.enqueue({ id: call.runId, projectId: build.projectId, appId: build.appId });
-  else services.asyncWorker.wake();
+  services.asyncWorker.accepted({ id: call.runId, projectId: build.projectId, appId: build.appId }, owner);
   return send(call.runId);
 }
 

@@ -1,0 +1,624 @@
+/**
+ * The run queue on NATS JetStream (`--nats-url`): see run-queue.ts for the seam, docs/scaling-out.md
+ * ("The async queue on JetStream") for the design in prose.
+ *
+ * - **Publish.** An accepted run is committed free (no owner) before its 202, then published, after the
+ *   202 and never in its way, to the work-queue stream `<cluster>_runs` on `<cluster>.runs.<project>.<app>`
+ *   with the message id `<run id>.0` (JetStream drops a second publish of one id within its duplicate
+ *   window). Publishes are pipelined on the one connection; acknowledged ones are recorded
+ *   (`published_at`) about once a second, one UPDATE for all of them, on the runs still waiting for a node.
+ * - **Relay.** Every node republishes queued runs held by nobody with no known message (their publish
+ *   failed or was never tried, NATS being down; or recovery freed them, their message gone), once they are
+ *   a few seconds old, as `<run id>.<publishes>`: a fresh id, so JetStream never drops a republish as a
+ *   duplicate of a message it acknowledged earlier. Runs published long ago and still waiting are
+ *   republished too, rarely (a message lost with the stream); a duplicate is harmless (below).
+ * - **Consume** (only on nodes that run work, `consume`). One durable pull consumer per app, filtered on
+ *   the app's subject (NATS 2.9 has no multi-filter consumers, and a work-queue stream forbids overlapping
+ *   ones), created on demand. Which apps have messages is read from the stream's per-subject counts, which
+ *   count every message not yet acknowledged, redeliveries included. Each app has its own fetch loop asking
+ *   for at most the runs this node has room to hold for it (the async worker's limits), and loops are
+ *   started taking turns over projects, so one project's backlog never stands in front of another's: a busy
+ *   app is bounded by its own room, and every other app has its own consumer and loop.
+ * - **Claim.** The runs of the messages that arrive together are claimed in one UPDATE (owner = this node,
+ *   where queued and held by nobody). The record decides: a run not claimed is finished, or held by another
+ *   node (which runs it; if that node dies, recovery frees the run and the relay publishes it again), and
+ *   its message is acknowledged. Claimed runs go to the async worker, which runs them as on the store queue
+ *   (fenced by owner, `attempts` counted at start).
+ * - **Acknowledge.** A held message is kept alive with in-progress acks (`working()`) every third of the
+ *   ack wait, whether its run waits here or runs. Once the worker is done with a run, its message is
+ *   acknowledged when the store says the run is no longer this node's unfinished run (its final state is
+ *   written by the recorder a few milliseconds later). A node that dies stops sending in-progress acks: its
+ *   messages are redelivered after the ack wait, and its lease runs out; the record decides again.
+ */
+import {
+  AckPolicy,
+  type Consumer,
+  type ConsumerMessages,
+  DeliverPolicy,
+  type JetStreamClient,
+  type JetStreamManager,
+  type JsMsg,
+  jetstream,
+  jetstreamManager,
+  RetentionPolicy,
+  StorageType,
+} from '@nats-io/jetstream';
+import { nanos } from '@nats-io/transport-node';
+import type { Logger } from 'pino';
+import type { ClusterNames, NatsLink } from '../cluster/nats.js';
+import { nowIso } from '../ids.js';
+import {
+  claimPublishedRuns,
+  claimRunsToPublish,
+  freeQueuedRunsOf,
+  markRunsPublished,
+  unfinishedRunsOf,
+  unmarkRunsPublished,
+} from '../store/claims.js';
+import type { Store } from '../store/index.js';
+import type { AsyncWorker } from './async-worker.js';
+import type { AcceptedRun, RunQueue } from './run-queue.js';
+
+export interface JetStreamQueueMetrics {
+  /** A run's message was published: at acceptance (`accept`) or by the relay (`relay`). */
+  published(via: 'accept' | 'relay', count: number): void;
+  /** A publish failed (NATS down or slow); the relay publishes the run later. */
+  publishFailed(count: number): void;
+  /** Messages fetched: their run claimed here (`claimed`), or not this node's to run (`skipped`). */
+  fetched(outcome: 'claimed' | 'skipped', count: number): void;
+}
+
+export interface JetStreamQueueOptions {
+  link: NatsLink;
+  names: ClusterNames;
+  store: Store;
+  logger: Logger;
+  /** This node's id (cluster/node.ts). */
+  owner: string;
+  /**
+   * Whether this node fetches and runs async runs (a worker, or `--role all`); false: it only publishes
+   * (a gateway). The relay runs either way.
+   */
+  consume: boolean;
+  /** Makes the async worker that performs claimed runs, with the queue's hooks (consume only). */
+  createWorker(hooks: {
+    claimFromStore: false;
+    onSettled(runId: string): void;
+    onReleased(runIds: string[]): void;
+    onRoom(): void;
+  }): AsyncWorker;
+  metrics?: JetStreamQueueMetrics;
+  /** How long a delivered message may go without an ack or in-progress ack before it is redelivered. Default 30 s. */
+  ackWaitMs?: number;
+  /** How often the relay looks for runs to publish. Default 1 s. */
+  relayIntervalMs?: number;
+  /** How old a run with no known message must be before the relay publishes it. Default 3 s. */
+  relayAfterMs?: number;
+  /** A run published this long ago and still waiting for a node is published again. Default 10 minutes. */
+  republishAfterMs?: number;
+  /** How often the stream's per-subject counts are read to find apps with messages. Default 250 ms. */
+  discoverIntervalMs?: number;
+}
+
+/** The longest a fetch waits for messages before it is asked again. */
+const FETCH_EXPIRES_MS = 5_000;
+/** At most this many messages per fetch. */
+const FETCH_MAX = 64;
+/** An app's fetch loop stops after this long with no messages seen on its subject. */
+const APP_IDLE_MS = 30_000;
+const RELAY_BATCH = 500;
+const MARK_EVERY_MS = 1_000;
+const ACK_EVERY_MS = 50;
+const DUPLICATE_WINDOW_MS = 120_000;
+
+interface AppFeed {
+  projectId: string;
+  appId: string;
+  key: string;
+  durable: string;
+  subject: string;
+  consumer?: Consumer;
+  fetching: boolean;
+  lastSeen: number;
+  current?: ConsumerMessages;
+}
+
+export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueue {
+  const { link, names, store, logger, owner, metrics } = options;
+  const ackWaitMs = options.ackWaitMs ?? 30_000;
+  const relayIntervalMs = options.relayIntervalMs ?? 1_000;
+  const relayAfterMs = options.relayAfterMs ?? 3_000;
+  const republishAfterMs = options.republishAfterMs ?? 600_000;
+  const discoverMs = options.discoverIntervalMs ?? 250;
+  let closed = false;
+  let started = false;
+  const timers: NodeJS.Timeout[] = [];
+
+  // ---- the stream ----
+  let js: JetStreamClient | undefined;
+  let jsmPromise: Promise<JetStreamManager> | undefined;
+  let streamReady: Promise<void> | undefined;
+
+  function client(): JetStreamClient | undefined {
+    const nc = link.current();
+    if (!nc) return undefined;
+    js ??= jetstream(nc);
+    return js;
+  }
+
+  function manager(): Promise<JetStreamManager> {
+    const nc = link.current();
+    if (!nc) return Promise.reject(new Error('NATS has not been reached yet'));
+    if (!jsmPromise) {
+      const opening = jetstreamManager(nc);
+      jsmPromise = opening;
+      opening.catch(() => {
+        if (jsmPromise === opening) jsmPromise = undefined;
+      });
+    }
+    return jsmPromise;
+  }
+
+  /** Creates the runs stream once (it may exist: then it is used as it is). */
+  function ensureStream(): Promise<void> {
+    if (!streamReady) {
+      const making = (async () => {
+        const jsm = await manager();
+        try {
+          await jsm.streams.info(names.runsStream);
+        } catch {
+          await jsm.streams.add({
+            name: names.runsStream,
+            subjects: [names.runsSubjects],
+            retention: RetentionPolicy.Workqueue,
+            storage: StorageType.File,
+            duplicate_window: nanos(DUPLICATE_WINDOW_MS),
+          });
+        }
+      })();
+      streamReady = making;
+      making.catch(() => {
+        if (streamReady === making) streamReady = undefined;
+      });
+    }
+    return streamReady;
+  }
+
+  // ---- publishing ----
+  let toPublish: AcceptedRun[] = [];
+  let publishScheduled = false;
+  let toMark: string[] = [];
+
+  function publishAccepted(): void {
+    publishScheduled = false;
+    const batch = toPublish;
+    toPublish = [];
+    const jsc = client();
+    // NATS is down: the runs are in the store, unpublished; the relay publishes them once it is back.
+    if (!jsc || !link.connected || closed) return;
+    void ensureStream().then(
+      () => {
+        for (const run of batch) {
+          jsc.publish(names.runsSubject(run.projectId, run.appId), run.id, { msgID: `${run.id}.0` }).then(
+            () => {
+              metrics?.published('accept', 1);
+              toMark.push(run.id);
+            },
+            (err: unknown) => {
+              metrics?.publishFailed(1);
+              logger.debug({ err, runId: run.id }, 'publishing an accepted run failed; the relay publishes it');
+            },
+          );
+        }
+      },
+      (err: unknown) => {
+        metrics?.publishFailed(batch.length);
+        logger.warn({ err }, 'the runs stream is not available; the relay publishes the accepted runs');
+      },
+    );
+  }
+
+  async function markPublished(): Promise<void> {
+    const batch = toMark;
+    toMark = [];
+    if (batch.length === 0) return;
+    try {
+      await markRunsPublished(store, batch, nowIso());
+    } catch (err) {
+      // Not recorded: the relay may publish some again (a duplicate message is acknowledged unused).
+      logger.warn({ err, runs: batch.length }, 'could not record published runs');
+    }
+  }
+
+  let relaying: Promise<void> | undefined;
+  let relayAgain = false;
+  let lastStaleCheck = 0;
+
+  function relay(): Promise<void> {
+    if (relaying) {
+      relayAgain = true;
+      return relaying;
+    }
+    // `.finally` after the assignment: a pass that returns at once must not leave `relaying` set for good.
+    relaying = (async () => {
+      try {
+        do {
+          relayAgain = false;
+          if (closed || !link.connected) return;
+          await ensureStream();
+          const nowMs = Date.now();
+          const now = new Date(nowMs).toISOString();
+          let runs = await claimRunsToPublish(store, {
+            now,
+            createdBefore: new Date(nowMs - relayAfterMs).toISOString(),
+            limit: RELAY_BATCH,
+          });
+          if (runs.length === 0 && nowMs - lastStaleCheck >= Math.min(60_000, republishAfterMs)) {
+            lastStaleCheck = nowMs;
+            runs = await claimRunsToPublish(store, {
+              now,
+              createdBefore: now,
+              staleBefore: new Date(nowMs - republishAfterMs).toISOString(),
+              limit: RELAY_BATCH,
+            });
+          }
+          if (runs.length === 0) return;
+          const jsc = client();
+          if (!jsc) return;
+          const failed: string[] = [];
+          await Promise.all(
+            runs.map((run) =>
+              jsc
+                .publish(names.runsSubject(run.project_id, run.app_id), run.id, { msgID: `${run.id}.${run.publishes}` })
+                .catch((err: unknown) => {
+                  failed.push(run.id);
+                  logger.debug({ err, runId: run.id }, 'relaying a run failed; trying again');
+                }),
+            ),
+          );
+          metrics?.published('relay', runs.length - failed.length);
+          if (failed.length > 0) {
+            metrics?.publishFailed(failed.length);
+            await unmarkRunsPublished(store, failed, now);
+            return;
+          }
+          logger.info({ runs: runs.length }, 'published queued runs that had no message in the runs stream');
+          if (runs.length === RELAY_BATCH) relayAgain = true;
+        } while (relayAgain && !closed);
+      } catch (err) {
+        logger.warn({ err }, 'relaying queued runs failed; trying again');
+      }
+    })().finally(() => {
+      relaying = undefined;
+    });
+    return relaying;
+  }
+
+  // ---- consuming ----
+  const feeds = new Map<string, AppFeed>();
+  /** The message of every run this node holds (queued here or running). */
+  const heldMessages = new Map<string, JsMsg>();
+  /** Runs the worker is done with, whose message waits for the store to say so. */
+  const settled = new Set<string>();
+  const claimsInFlight = new Set<Promise<void>>();
+  let projectTurn = 0;
+  let reservedTotal = 0;
+
+  const worker = options.consume
+    ? options.createWorker({
+        claimFromStore: false,
+        onSettled(runId) {
+          if (heldMessages.has(runId)) settled.add(runId);
+        },
+        onReleased(runIds) {
+          // Let go in the store already: another node may take them at once.
+          for (const id of runIds) {
+            heldMessages.get(id)?.nak();
+            heldMessages.delete(id);
+          }
+        },
+        onRoom: () => kick(),
+      })
+    : undefined;
+
+  function feedFor(projectId: string, appId: string): AppFeed {
+    const key = `${projectId}/${appId}`;
+    let feed = feeds.get(key);
+    if (!feed) {
+      feed = {
+        projectId,
+        appId,
+        key,
+        durable: `runs_${projectId}_${appId}`,
+        subject: names.runsSubject(projectId, appId),
+        fetching: false,
+        lastSeen: Date.now(),
+      };
+      feeds.set(key, feed);
+    }
+    return feed;
+  }
+
+  /** Reads which apps have messages in the stream (every message not yet acknowledged counts). */
+  let discovering = false;
+  async function discover(): Promise<void> {
+    if (discovering || closed || !link.connected) return;
+    discovering = true;
+    try {
+      await ensureStream();
+      const jsm = await manager();
+      const info = await jsm.streams.info(names.runsStream, { subjects_filter: names.runsSubjects });
+      const prefix = `${names.cluster}.runs.`;
+      const now = Date.now();
+      for (const [subject, count] of Object.entries(info.state.subjects ?? {})) {
+        if (count <= 0 || !subject.startsWith(prefix)) continue;
+        const [projectId, appId] = subject.slice(prefix.length).split('.');
+        if (!projectId || !appId) continue;
+        feedFor(projectId, appId).lastSeen = now;
+      }
+      kick();
+    } catch (err) {
+      logger.debug({ err }, 'reading the runs stream failed; trying again');
+    } finally {
+      discovering = false;
+    }
+  }
+
+  /** Starts fetch loops for apps with room and recent messages, taking turns over projects. */
+  function kick(): void {
+    if (!worker || closed || !started) return;
+    const now = Date.now();
+    const byProject = new Map<string, AppFeed[]>();
+    for (const feed of feeds.values()) {
+      if (feed.fetching || now - feed.lastSeen > APP_IDLE_MS) continue;
+      const list = byProject.get(feed.projectId);
+      if (list) list.push(feed);
+      else byProject.set(feed.projectId, [feed]);
+    }
+    const projects = [...byProject.keys()].sort();
+    if (projects.length === 0) return;
+    projectTurn = (projectTurn + 1) % projects.length;
+    const order = [...projects.slice(projectTurn), ...projects.slice(0, projectTurn)];
+    // Round after round, one app of each project, while this node has room.
+    for (let round = 0; ; round++) {
+      let any = false;
+      for (const projectId of order) {
+        const feed = byProject.get(projectId)?.[round];
+        if (!feed) continue;
+        any = true;
+        if (worker.room(feed.projectId, feed.appId).total - reservedTotal <= 0) return;
+        void fetchLoop(feed);
+      }
+      if (!any) return;
+    }
+  }
+
+  async function consumerOf(feed: AppFeed): Promise<Consumer> {
+    if (feed.consumer) return feed.consumer;
+    const jsm = await manager();
+    try {
+      await jsm.consumers.info(names.runsStream, feed.durable);
+    } catch {
+      await jsm.consumers.add(names.runsStream, {
+        durable_name: feed.durable,
+        filter_subject: feed.subject,
+        ack_policy: AckPolicy.Explicit,
+        ack_wait: nanos(ackWaitMs),
+        deliver_policy: DeliverPolicy.All,
+        max_deliver: -1,
+      });
+    }
+    const nc = link.current();
+    if (!nc) throw new Error('NATS has not been reached yet');
+    feed.consumer = await jetstream(nc).consumers.get(names.runsStream, feed.durable);
+    return feed.consumer;
+  }
+
+  async function fetchLoop(feed: AppFeed): Promise<void> {
+    if (!worker || feed.fetching) return;
+    feed.fetching = true;
+    try {
+      while (!closed && link.connected && Date.now() - feed.lastSeen <= APP_IDLE_MS) {
+        const room = worker.room(feed.projectId, feed.appId);
+        const n = Math.min(FETCH_MAX, room.app, room.total - reservedTotal);
+        if (n <= 0) return;
+        const consumer = await consumerOf(feed);
+        reservedTotal += n;
+        let got = 0;
+        try {
+          const messages = await consumer.fetch({ max_messages: n, expires: FETCH_EXPIRES_MS });
+          feed.current = messages;
+          // A pull request the server lost (it restarted) would leave the fetch waiting forever.
+          const watchdog = setTimeout(() => messages.stop(), FETCH_EXPIRES_MS + 2_000);
+          void messages.closed().finally(() => clearTimeout(watchdog));
+          let batch: JsMsg[] = [];
+          let claiming = Promise.resolve();
+          const flush = () => {
+            const b = batch;
+            batch = [];
+            claiming = claiming.then(() => claimBatch(b));
+            claimsInFlight.add(claiming);
+            const mine = claiming;
+            void mine.finally(() => claimsInFlight.delete(mine));
+          };
+          for await (const m of messages) {
+            got += 1;
+            if (batch.length === 0) setImmediate(flush);
+            batch.push(m);
+            if (closed) break;
+          }
+          if (batch.length > 0) flush();
+          await claiming;
+        } finally {
+          feed.current = undefined;
+          reservedTotal -= n;
+        }
+        if (got > 0) feed.lastSeen = Date.now();
+      }
+    } catch (err) {
+      feed.consumer = undefined;
+      if (!closed) {
+        logger.debug({ err, app: feed.key }, 'fetching runs failed; trying again');
+        await new Promise((r) => setTimeout(r, 1000));
+      }
+    } finally {
+      feed.fetching = false;
+    }
+  }
+
+  async function claimBatch(messages: JsMsg[]): Promise<void> {
+    if (messages.length === 0 || !worker) return;
+    if (closed) {
+      for (const m of messages) m.nak();
+      return;
+    }
+    const ids = messages.map((m) => m.string());
+    let claimed: Awaited<ReturnType<typeof claimPublishedRuns>>;
+    try {
+      claimed = await claimPublishedRuns(store, owner, ids);
+    } catch (err) {
+      logger.warn({ err, runs: ids.length }, 'claiming fetched runs failed; they are delivered again');
+      for (const m of messages) m.nak(1000);
+      return;
+    }
+    const claimedIds = new Set(claimed.map((r) => r.id));
+    // Not claimed yet free (a race with another statement on the row): asked again shortly, never dropped.
+    const unclaimed = ids.filter((id) => !claimedIds.has(id) && !heldMessages.has(id));
+    let stillFree = new Set<string>();
+    try {
+      if (unclaimed.length > 0) stillFree = await freeQueuedRunsOf(store, unclaimed);
+    } catch (err) {
+      stillFree = new Set(unclaimed);
+      logger.warn({ err }, 'checking unclaimed runs failed; they are delivered again');
+    }
+    let skipped = 0;
+    for (const m of messages) {
+      const id = m.string();
+      if (claimedIds.has(id)) continue;
+      if (stillFree.has(id)) {
+        m.nak(200);
+        continue;
+      }
+      // A second message of a run held here (redelivered, or republished): it stands for the run now.
+      const mine = heldMessages.get(id);
+      if (mine && mine !== m) {
+        heldMessages.set(id, m);
+        mine.ack();
+        continue;
+      }
+      // Finished, or another node's: the record decides, and nothing here runs it.
+      m.ack();
+      skipped += 1;
+    }
+    if (skipped > 0) metrics?.fetched('skipped', skipped);
+    if (claimed.length > 0) metrics?.fetched('claimed', claimed.length);
+    const byId = new Map(messages.map((m) => [m.string(), m]));
+    for (const run of claimed) {
+      const m = byId.get(run.id);
+      if (m) heldMessages.set(run.id, m);
+      worker.enqueue({ id: run.id, projectId: run.project_id, appId: run.app_id });
+    }
+  }
+
+  /** Acknowledges the messages of settled runs the store no longer shows as this node's unfinished runs. */
+  let acking = false;
+  async function ackSettled(): Promise<void> {
+    if (acking || settled.size === 0) return;
+    acking = true;
+    try {
+      const ids = [...settled];
+      const unfinished = await unfinishedRunsOf(store, owner, ids);
+      for (const id of ids) {
+        if (unfinished.has(id)) continue;
+        settled.delete(id);
+        heldMessages.get(id)?.ack();
+        heldMessages.delete(id);
+      }
+    } catch (err) {
+      logger.debug({ err }, 'checking finished runs failed; trying again');
+    } finally {
+      acking = false;
+    }
+  }
+
+  function keepAlive(): void {
+    for (const m of heldMessages.values()) m.working();
+  }
+
+  return {
+    ownerFor() {
+      // Every accepted run goes through the stream, so any consuming node may take it.
+      return null;
+    },
+    accepted(run) {
+      toPublish.push(run);
+      if (!publishScheduled) {
+        publishScheduled = true;
+        setImmediate(publishAccepted);
+      }
+      // This node runs work: look at the app now rather than at the next discovery.
+      if (worker) {
+        feedFor(run.projectId, run.appId).lastSeen = Date.now();
+        kick();
+      }
+    },
+    wake() {
+      void relay();
+    },
+    get backlog() {
+      return worker?.backlog ?? 0;
+    },
+    async start() {
+      started = true;
+      link.onConnect(() => {
+        js = undefined;
+        jsmPromise = undefined;
+        // Pull requests made before a reconnect may be lost with the server: ask again.
+        for (const feed of feeds.values()) {
+          feed.current?.stop();
+          feed.consumer = undefined;
+        }
+        void relay();
+        void discover();
+      });
+      const every = (ms: number, fn: () => unknown) => {
+        const t = setInterval(() => {
+          if (!closed) void fn();
+        }, ms);
+        t.unref();
+        timers.push(t);
+      };
+      every(relayIntervalMs, relay);
+      every(MARK_EVERY_MS, markPublished);
+      if (worker) {
+        await worker.start();
+        every(discoverMs, discover);
+        every(ACK_EVERY_MS, ackSettled);
+        every(Math.max(500, Math.floor(ackWaitMs / 3)), keepAlive);
+        void discover();
+      }
+      void relay();
+    },
+    async close() {
+      closed = true;
+      for (const t of timers) clearInterval(t);
+      for (const feed of feeds.values()) feed.current?.stop();
+      await relaying;
+      await markPublished();
+      if (worker) {
+        // Until every held message is settled: runs finishing during the close keep theirs alive.
+        const alive = setInterval(keepAlive, Math.max(500, Math.floor(ackWaitMs / 3)));
+        const acks = setInterval(() => void ackSettled(), ACK_EVERY_MS);
+        await Promise.allSettled([...claimsInFlight]);
+        // Queued runs are let go (their messages nak'd), running ones finish; then their messages are acked.
+        await worker.close();
+        for (let i = 0; i < 100 && settled.size > 0; i++) {
+          await ackSettled();
+          if (settled.size > 0) await new Promise((r) => setTimeout(r, 50));
+        }
+        clearInterval(alive);
+        clearInterval(acks);
+      }
+    },
+  };
+}

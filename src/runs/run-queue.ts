@@ -1,0 +1,48 @@
+/**
+ * The run queue: how an accepted async run reaches a node that performs it. One seam, two implementations,
+ * chosen once in services.ts:
+ * - the store queue (the embedded default, and PostgreSQL without NATS): a run accepted by a node with room
+ *   is held by it from its insert; free queued runs are claimed from the store by polling (async-worker.ts);
+ * - the JetStream queue (`--nats-url`, jetstream-queue.ts): every accepted run is published to the runs
+ *   work-queue stream after its insert; consuming nodes fetch, claim in the store and perform it.
+ * Either way the store is the truth: a run is committed before its 202, and claimed with an owner before it
+ * runs.
+ */
+import type { AsyncWorker } from './async-worker.js';
+
+export interface AcceptedRun {
+  id: string;
+  projectId: string;
+  appId: string;
+}
+
+export interface RunQueue {
+  /** The owner to insert an accepted async run with: this node, or null (free). */
+  ownerFor(projectId: string, appId: string): string | null;
+  /** Told once the run's row is committed with `owner` (before its 202 is sent); never waits. */
+  accepted(run: AcceptedRun, owner: string | null): void;
+  /** Free queued runs may be waiting (recovery freed some): look now. */
+  wake(): void;
+  /** Async runs this node holds and has not finished (queued here or running). */
+  readonly backlog: number;
+  start(): Promise<void>;
+  /** Stops; runs in flight finish, runs held and not started are let go for any node to take. */
+  close(): Promise<void>;
+}
+
+/** The store queue: the async worker as it always was. */
+export function createStoreRunQueue(worker: AsyncWorker): RunQueue {
+  return {
+    ownerFor: (projectId, appId) => worker.ownerFor(projectId, appId),
+    accepted(run, owner) {
+      if (owner) worker.enqueue(run);
+      else worker.wake();
+    },
+    wake: () => worker.wake(),
+    get backlog() {
+      return worker.backlog;
+    },
+    start: () => worker.start(),
+    close: () => worker.close(),
+  };
+}
