@@ -7,7 +7,7 @@
  *       `--role all` process and through a gateway to a worker, one call at a time, the two in turn (so
  *       noise hits both alike). Target: the gateway adds less than 1 ms at p50.
  *   (b) capacity: a function that sleeps 50 ms (I/O-bound, so the limit is replicas, not the machine's
- *       cores), each worker with FERRY_WORKER_MAX_REPLICAS=1 and the app's replica_concurrency 4; one
+ *       cores), each worker with FERRY_WORKER_MAX_REPLICAS=1 and the app's replica_concurrency BENCH_SLOTS (2); one
  *       gateway; completed runs per second with 1, 2 and 3 workers under the same closed-loop load.
  *       Targets: 2 and 3 workers at least 1.8× and 2.6× one.
  *
@@ -40,14 +40,14 @@ import {
 
 const LATENCY_REQUESTS = envInt('BENCH_LATENCY_REQUESTS', 2000);
 const DURATION = envInt('BENCH_DURATION', 10);
-const CONCURRENCY = envInt('BENCH_CONCURRENCY', 24);
+const SLOTS_PER_WORKER = envInt('BENCH_SLOTS', 2);
+const CONCURRENCY = envInt('BENCH_CONCURRENCY', 3 * SLOTS_PER_WORKER * 2);
 const ADMIN_URL = process.env.BENCH_DATABASE_URL ?? 'postgres://postgres@127.0.0.1:5432/postgres';
 const NATS_URL = process.env.BENCH_NATS_URL ?? 'nats://127.0.0.1:4222';
 
 const TARGET_ADDED_P50_MS = 1;
 const TARGET_TWO = 1.8;
 const TARGET_THREE = 2.6;
-const SLOTS_PER_WORKER = 4;
 
 const ECHO = {
   'ferry.toml': '[app]\nname = "echo"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 64\n',
@@ -69,6 +69,22 @@ async function deleteStreams(cluster) {
     }
   } finally {
     await nc.close();
+  }
+}
+
+/** Runs of the `sleepy` app created since `since`, per node that ran them, as `a/b/c`. */
+async function runsPerNode(databaseUrl, since) {
+  const { default: pg } = await import('pg');
+  const client = new pg.Client({ connectionString: databaseUrl });
+  await client.connect();
+  try {
+    const { rows } = await client.query(
+      "SELECT owner, count(*)::int AS n FROM runs WHERE app_id = 'sleepy' AND created_at >= $1 GROUP BY owner ORDER BY owner",
+      [since],
+    );
+    return rows.map((row) => row.n).join('/');
+  } finally {
+    await client.end();
   }
 }
 
@@ -204,11 +220,14 @@ async function main() {
     // Warm-up: every worker gets its replica before the measured run.
     await closedLoop(url, headers, CONCURRENCY, 3);
     const load0 = loadAverage();
+    const since = new Date().toISOString();
     const r = await closedLoop(url, headers, CONCURRENCY, DURATION);
     results.push(r);
+    // Which worker ran how many of the measured runs (each run's record names the node that ran it).
+    const share = await runsPerNode(databaseUrl, since);
     const errors = [...r.errors].map(([code, count]) => `${code}×${count}`).join(' ') || 'none';
     console.log(
-      `  ${n} worker${n > 1 ? 's' : ''}: ${fmt(r.rps, 1)} runs/s, p50 ${fmt(r.latency.median)} ms, errors ${errors} (load ${load0})`,
+      `  ${n} worker${n > 1 ? 's' : ''}: ${fmt(r.rps, 1)} runs/s, p50 ${fmt(r.latency.median)} ms, errors ${errors}, runs per worker ${share} (load ${load0})`,
     );
   }
   const ratio = (i) => results[i].rps / results[0].rps;

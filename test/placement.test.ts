@@ -77,6 +77,16 @@ describe('placement', () => {
       [second, third],
     );
     assert.deepEqual(placeCall(app, []), []);
+    // Every worker full: the least loaded for its slots first, so waiting calls spread.
+    const busy = [
+      worker(first, { apps: { [app]: { replicas: 1, inflight: 12, capacity: 4 } } }),
+      worker(second, { apps: { [app]: { replicas: 1, inflight: 5, capacity: 4 } } }),
+      worker(third, { apps: { [app]: { replicas: 1, inflight: 4, capacity: 4 } } }),
+    ];
+    assert.deepEqual(
+      placeCall(app, busy).map((w) => w.id),
+      [third, second, first],
+    );
   });
 
   it('sends calls to the workers running the app once they run max_replicas of it together', () => {

@@ -40,7 +40,8 @@ export function isFull(worker: WorkerAnnouncement, appKey: string): boolean {
 }
 
 /**
- * The workers to try for a call, in order: rendezvous order, those without room for the app last. With
+ * The workers to try for a call, in order: rendezvous order, those without room for the app last (least
+ * loaded first among them). With
  * `maxReplicas` (the app's `max_replicas`, which bounds the whole cluster): once the workers together run
  * that many replicas of the app, the workers that run them come first, as no other may start one.
  */
@@ -53,6 +54,14 @@ export function placeCall(
   const room: WorkerAnnouncement[] = [];
   const full: WorkerAnnouncement[] = [];
   for (const w of ranked) (isFull(w, appKey) ? full : room).push(w);
+  // When every worker is full, calls wait where the wait is shortest: the least loaded for its slots first
+  // (rendezvous order among equals), so a burst spreads over the workers instead of piling on the home.
+  const loadOf = (w: WorkerAnnouncement) => {
+    const app = w.load.apps[appKey];
+    return app ? app.inflight / Math.max(1, app.capacity) : Number.POSITIVE_INFINITY;
+  };
+  const rank = new Map(ranked.map((w, i) => [w.id, i]));
+  full.sort((a, b) => loadOf(a) - loadOf(b) || rank.get(a.id)! - rank.get(b.id)!);
   const order = room.concat(full);
   if (options.maxReplicas === undefined) return order;
   const replicasOf = (w: WorkerAnnouncement) => w.load.apps[appKey]?.replicas ?? 0;

@@ -128,8 +128,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
 
   /** A cortex call: runs the function, answers its events as lines. */
   async function invoke(req: IncomingMessage, res: ServerResponse): Promise<void> {
-    const { meta, rest } = await readMeta(req);
-    const body = await readRest(req, rest, deps.maxBodyBytes);
+    const { meta, body } = await readCall(req, deps.maxBodyBytes);
     const build = await builds.get(meta);
     const gone = goneSignal(res);
     const streaming = meta.mode === 'stream';
@@ -394,15 +393,39 @@ function readMeta(req: IncomingMessage): Promise<{ meta: CallMeta; rest: Buffer 
   });
 }
 
-async function readRest(req: IncomingMessage, rest: Buffer, limit: number): Promise<Buffer> {
-  const chunks = [rest];
-  let size = rest.length;
-  for await (const chunk of req as AsyncIterable<Buffer>) {
-    size += chunk.length;
-    if (size > limit) throw new FerryError('FERRY_BODY_TOO_LARGE');
-    chunks.push(chunk);
-  }
-  return chunks.length === 1 ? rest : Buffer.concat(chunks);
+/** A cortex call's whole body (bounded): the call line, then the arguments. */
+function readCall(req: IncomingMessage, limit: number): Promise<{ meta: CallMeta; body: Buffer }> {
+  return new Promise((resolve, reject) => {
+    const chunks: Buffer[] = [];
+    let size = 0;
+    req.on('data', (chunk: Buffer) => {
+      size += chunk.length;
+      if (size > limit + MAX_META_BYTES) {
+        req.destroy();
+        reject(new FerryError('FERRY_BODY_TOO_LARGE'));
+        return;
+      }
+      chunks.push(chunk);
+    });
+    req.once('error', reject);
+    req.once('end', () => {
+      const all = chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks);
+      const nl = all.indexOf(10);
+      if (nl < 0) {
+        reject(new FerryError('FERRY_VALIDATION', 'the body has no call line'));
+        return;
+      }
+      let meta: CallMeta | undefined;
+      try {
+        meta = parseCallMeta(JSON.parse(all.subarray(0, nl).toString('utf8')));
+      } catch {
+        reject(new FerryError('FERRY_INVALID_JSON', 'the call line is not JSON'));
+        return;
+      }
+      if (!meta) reject(new FerryError('FERRY_VALIDATION', 'the call line is not a valid call'));
+      else resolve({ meta, body: all.subarray(nl + 1) });
+    });
+  });
 }
 
 /** Builds by id, as the worker runs them: ready builds are immutable, so they are kept (bounded). */

@@ -190,7 +190,9 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
       return dispatch(request, async (worker) => {
         const res = await post(worker, `${INTERNAL_PREFIX}/invoke`, body, request.signal);
         try {
-          for await (const event of lines(res.body)) {
+          // A sync call's answer is one line: read it whole, without the line splitter's iterator.
+          const events = request.mode === 'stream' ? lines(res.body) : oneLine(res.body);
+          for await (const event of events) {
             if (event.e === 'started') request.onStarted?.();
             else if (event.e === 'item') request.onItem?.(event.d);
             else if (event.e === 'done') {
@@ -338,6 +340,12 @@ async function* bodyOf(line: Buffer, body: Readable | Buffer | null): AsyncGener
     return;
   }
   for await (const chunk of body as AsyncIterable<Buffer>) yield chunk;
+}
+
+/** A sync call's answer: one event (or none, if the worker went away). */
+async function* oneLine(body: Dispatcher.ResponseData['body']): AsyncGenerator<Record<string, unknown>> {
+  const event = parseJson(await body.text());
+  if (event && typeof event === 'object') yield event as Record<string, unknown>;
 }
 
 /** The events of an NDJSON answer, as they arrive. */
