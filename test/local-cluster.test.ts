@@ -1,0 +1,140 @@
+/**
+ * scripts/local-cluster.sh as a new user runs it (docs/scaling-out.md, "Trying it on one machine"): start
+ * brings up 2 gateways and 2 workers on PostgreSQL and NATS, a deploy through one gateway is callable
+ * through the other, status lists them, and stop leaves nothing running. Its own folder, ports, database
+ * and cluster name; all removed at the end.
+ */
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import { after, describe, it } from 'node:test';
+import pg from 'pg';
+import { http, REPO_ROOT, tempDir } from './helpers/ferry.js';
+import { ADMIN_DATABASE_URL } from './helpers/fleet.js';
+import { deleteClusterStreams, freePort } from './helpers/nats.js';
+
+function script(args: string[]): Promise<{ code: number; out: string }> {
+  return new Promise((resolve) => {
+    const child = spawn('bash', [path.join(REPO_ROOT, 'scripts', 'local-cluster.sh'), ...args], {
+      env: { ...process.env, FERRY_LOCAL_ADMIN_URL: ADMIN_DATABASE_URL },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    let out = '';
+    child.stdout.on('data', (d: Buffer) => {
+      out += d.toString('utf8');
+    });
+    child.stderr.on('data', (d: Buffer) => {
+      out += d.toString('utf8');
+    });
+    const timer = setTimeout(() => child.kill('SIGKILL'), 180_000);
+    child.once('exit', (code) => {
+      clearTimeout(timer);
+      resolve({ code: code ?? 1, out });
+    });
+  });
+}
+
+/** A base port whose gateway (N, N+1) and worker (N+1001, N+1002) ports are all free now. */
+async function basePort(): Promise<number> {
+  for (let i = 0; i < 50; i++) {
+    const base = 20_000 + ((await freePort()) % 20_000);
+    const ports = [base, base + 1, base + 1001, base + 1002];
+    const free = await Promise.all(ports.map((p) => portFree(p)));
+    if (free.every(Boolean)) return base;
+  }
+  throw new Error('no free base port found');
+}
+
+async function portFree(port: number): Promise<boolean> {
+  const net = await import('node:net');
+  return new Promise((resolve) => {
+    const srv = net.createServer();
+    srv.once('error', () => resolve(false));
+    srv.listen(port, '127.0.0.1', () => srv.close(() => resolve(true)));
+  });
+}
+
+describe('scripts/local-cluster.sh', { timeout: 400_000 }, () => {
+  const name = `t${process.pid}${randomBytes(2).toString('hex')}`;
+  let dir = '';
+  let args: string[] = [];
+
+  after(
+    async () => {
+      if (args.length > 0) await script(['stop', ...args]);
+      const client = new pg.Client({ connectionString: ADMIN_DATABASE_URL });
+      await client.connect();
+      await client.query(`DROP DATABASE IF EXISTS "ferry_${name}" WITH (FORCE)`);
+      await client.end();
+      await deleteClusterStreams(name);
+      if (dir) await fs.rm(dir, { recursive: true, force: true });
+    },
+    { timeout: 120_000 },
+  );
+
+  it('starts 2 gateways and 2 workers, serves a deploy through either gateway, and stops them all', async () => {
+    dir = await tempDir('ferry-local-cluster-');
+    const base = await basePort();
+    args = ['--dir', dir, '--base-port', String(base), '--name', name];
+    const started = await script(['start', ...args]);
+    assert.equal(started.code, 0, started.out);
+    assert.match(started.out, /2 gateways|gateways {2}http/);
+    const boot = JSON.parse(await fs.readFile(path.join(dir, 'bootstrap.json'), 'utf8')) as {
+      project_id: string;
+      token: string;
+    };
+    const gateways = [`http://127.0.0.1:${base}`, `http://127.0.0.1:${base + 1}`];
+    for (const g of gateways) assert.equal((await http(`${g}/healthz`)).status, 200);
+    const view = await http(`${gateways[0]}/v2/cluster`, { token: boot.token });
+    assert.deepEqual((view.json.nodes as Array<{ role: string }>).map((n) => n.role).sort(), [
+      'gateway',
+      'gateway',
+      'worker',
+      'worker',
+    ]);
+
+    // A deploy through gateway 1, a call through gateway 2, as the script tells the user to.
+    const { zipFiles } = await import('./helpers/app-zip.js');
+    const files: Record<string, string> = {};
+    for (const f of ['ferry.toml', 'main.ts']) {
+      files[f] = await fs.readFile(path.join(REPO_ROOT, 'examples', 'hello', f), 'utf8');
+    }
+    const upload = await http(`${gateways[0]}/v2/projects/${boot.project_id}/apps/hello/builds`, {
+      method: 'POST',
+      token: boot.token,
+      body: await zipFiles(files),
+      headers: { 'content-type': 'application/zip' },
+    });
+    assert.equal(upload.status, 201, upload.text);
+    let result: unknown;
+    for (let i = 0; i < 600 && result === undefined; i++) {
+      const res = await http(`${gateways[1]}/v4/${boot.project_id}/hello/run`, {
+        method: 'POST',
+        token: boot.token,
+        body: { name: 'local' },
+      });
+      if (res.status === 200) result = res.json.result;
+      else await new Promise((r) => setTimeout(r, 200));
+    }
+    assert.deepEqual(result, { message: 'Hello, local!' });
+
+    const status = await script(['status', ...args]);
+    assert.equal(status.code, 0, status.out);
+    assert.equal((status.out.match(/ up$/gm) ?? []).length, 4, status.out);
+
+    const pids = await Promise.all(
+      ['gateway-1', 'gateway-2', 'worker-1', 'worker-2'].map(async (n) =>
+        Number(await fs.readFile(path.join(dir, n, 'serve.pid'), 'utf8')),
+      ),
+    );
+    const stopped = await script(['stop', ...args]);
+    assert.equal(stopped.code, 0, stopped.out);
+    assert.match(stopped.out, /stopped 4 process/);
+    for (const pid of pids) {
+      assert.throws(() => process.kill(pid, 0), `process ${pid} is gone`);
+    }
+    for (const g of gateways) await assert.rejects(http(`${g}/healthz`));
+  });
+});
