@@ -51,8 +51,14 @@ const GATE_AT = 800;
 /** Calls in flight at once, and at most one new call per PACE_MS (so the run lasts past the restart). */
 const IN_FLIGHT = 24;
 const PACE_MS = 10;
-/** FERRY_LEASE_SECONDS: short, so the others take over the killed process's runs quickly. */
-const LEASE_SECONDS = 3;
+/**
+ * FERRY_LEASE_SECONDS. The killed process's runs are taken over at its restart (which ends its lease at
+ * once), not at the lease's end, so the lease need not be short. It must outlast any stall of a live
+ * process: on a loaded 2-core CI machine a live process once went 3.3 s without renewing (its 4 s run took
+ * 7.3 s), its lease of 3 s lapsed, and another process ran its runs again while it still ran them. A
+ * process stalled for longer than its lease is judged dead by design (docs/scaling-out.md, leases).
+ */
+const LEASE_SECONDS = 10;
 const RESTART_AFTER_MS = 3000;
 /**
  * Most runs sleep 30-80 ms, so a kill lands mid-run; one in LONG_EVERY sleeps longer than a lease, so a
