@@ -3,24 +3,32 @@
  * `owner` and returns them, so two nodes can never take the same row (graphile-worker's way).
  *
  * On PostgreSQL the picking subquery locks with `FOR UPDATE SKIP LOCKED`: concurrent claimers skip each
- * other's rows instead of queueing behind them. SQLite has one writer at a time, so the statement is
+ * other's rows instead of queueing behind them (and it is evaluated once: see `picked`). SQLite has one writer at a time, so the statement is
  * atomic there as it stands. This is the only place that knows the difference.
  *
  * Claims are polled, so each first looks (a plain read, which never waits for a writer) and writes only
  * when there is something to take: an idle server does not take the write lock every second.
  */
-import type { Kysely, SelectQueryBuilder } from 'kysely';
+import { type Kysely, type RawBuilder, type SelectQueryBuilder, type SqlBool, sql } from 'kysely';
 import { dialectOf } from './index.js';
 import type { Build, Database } from './schema.js';
 
 type Db = Kysely<Database>;
 
-/** The subquery's rows locked for this claim, skipping rows another claimer holds (PostgreSQL only). */
-function lockForClaim<TB extends keyof Database, O>(
+/**
+ * `column` is one of the rows `pick` picks, locked for this claim. On PostgreSQL the pick locks with `FOR
+ * UPDATE SKIP LOCKED` and runs as `= ANY(ARRAY(pick))`, an InitPlan evaluated once: as `IN (pick)` the
+ * planner may evaluate the locking subquery again while the UPDATE runs, and a claim of 7 runs once took
+ * 251 (test/leases.test.ts, several claimers at once). On SQLite (one writer) `IN (pick)` is atomic as it is.
+ */
+function picked<TB extends keyof Database, O>(
   db: Db,
-  query: SelectQueryBuilder<Database, TB, O>,
-): SelectQueryBuilder<Database, TB, O> {
-  return dialectOf(db) === 'postgres' ? query.forUpdate().skipLocked() : query;
+  column: string,
+  pick: SelectQueryBuilder<Database, TB, O>,
+): RawBuilder<SqlBool> {
+  return dialectOf(db) === 'postgres'
+    ? sql<SqlBool>`${sql.ref(column)} = any(array(${pick.forUpdate().skipLocked()}))`
+    : sql<SqlBool>`${sql.ref(column)} in (${pick})`;
 }
 
 export interface ClaimedRun {
@@ -57,7 +65,7 @@ export async function claimQueuedRuns(
   return db
     .updateTable('runs')
     .set({ owner })
-    .where('id', 'in', lockForClaim(db, pick))
+    .where(picked(db, 'id', pick))
     .where('owner', 'is', null)
     .where('state', '=', 'queued')
     .returning(['id', 'project_id', 'app_id'])
@@ -197,7 +205,7 @@ export async function claimRunsToPublish(
   return db
     .updateTable('runs')
     .set((eb) => ({ published_at: options.now, publishes: eb('publishes', '+', 1) }))
-    .where('id', 'in', lockForClaim(db, pick))
+    .where(picked(db, 'id', pick))
     .where('state', '=', 'queued')
     .where('owner', 'is', null)
     .returning(['id', 'project_id', 'app_id', 'publishes'])
@@ -241,7 +249,7 @@ export async function claimDueDeliveries(
   return db
     .updateTable('webhook_deliveries')
     .set({ state: 'sending', owner, updated_at: now })
-    .where('run_id', 'in', lockForClaim(db, pick))
+    .where(picked(db, 'run_id', pick))
     .where('state', '=', 'pending')
     .returning(['run_id', 'url', 'payload', 'attempts'])
     .execute();
@@ -272,7 +280,7 @@ export async function claimFreeBuilds(db: Db, owner: string, limit: number): Pro
   const rows = await db
     .updateTable('builds')
     .set({ owner })
-    .where('id', 'in', lockForClaim(db, pick))
+    .where(picked(db, 'id', pick))
     .where('owner', 'is', null)
     .where('state', '=', 'pending')
     .returningAll()
