@@ -60,4 +60,17 @@ describe('cluster authentication', () => {
     ];
     for (const value of junk) assert.equal(auth.verify(value), null, String(value).slice(0, 40));
   });
+
+  it('checks a token once, and refuses it once it has expired even though it checked out before', () => {
+    const key = randomBytes(32);
+    let now = 1_000_000_000_000;
+    const auth = createClusterAuth({ key, nodeId: 'wk', now: () => now });
+    const token = forge(key, 'gw', now + 60_000);
+    assert.deepEqual(auth.verify(token), { nodeId: 'gw' });
+    now += 60_000;
+    assert.deepEqual(auth.verify(token), { nodeId: 'gw' }, 'within the clock skew allowed');
+    now += 31_000;
+    assert.equal(auth.verify(token), null);
+    assert.equal(auth.verify(token), null);
+  });
 });

@@ -1,7 +1,8 @@
 /** Where a gateway sends a call (src/cluster/placement.ts): rendezvous order, minimal movement, spill-over. */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { isFull, placeCall, rankWorkers } from '../src/cluster/placement.js';
+import { createCallerTally } from '../src/cluster/caller-tally.js';
+import { isFull, placeCall, rankWorkers, withOwnCalls } from '../src/cluster/placement.js';
 import type { WorkerAnnouncement, WorkerLoad } from '../src/cluster/workers.js';
 
 function worker(id: string, load: Partial<WorkerLoad> = {}): WorkerAnnouncement {
@@ -114,5 +115,53 @@ describe('placement', () => {
       placeCall(app, ws, { maxReplicas: 2 }).map((w) => w.id),
       [first, second, third],
     );
+  });
+
+  it("weighs an announcement with this gateway's own calls as they are now, the others' as announced", () => {
+    const scaling = { max_replicas: 1, replica_concurrency: 2 };
+    // Announced a moment ago: 4 calls of the app in flight, 3 of them from this gateway (g1), 1 from g2.
+    const w = worker('w-a', {
+      capacity: 1,
+      replicas: 1,
+      inflight: 4,
+      apps: { 'p/a': { replicas: 1, inflight: 4, capacity: 2, by: { g1: 3, g2: 1 } } },
+    });
+    // g1 has only 1 call there now: 1 (g2's) + 1 (its own) = 2, full but no longer over its slots.
+    const now = withOwnCalls(w, 'p/a', { nodeId: 'g1', mine: 1, mineOnWorker: 1, scaling });
+    assert.equal(now.load.apps['p/a']!.inflight, 2);
+    assert.equal(now.load.inflight, 2);
+    // g1 has none there now: room for one more call.
+    const idle = withOwnCalls(w, 'p/a', { nodeId: 'g1', mine: 0, mineOnWorker: 0, scaling });
+    assert.equal(idle.load.apps['p/a']!.inflight, 1);
+    assert.equal(isFull(idle, 'p/a'), false);
+    // Another gateway (g3) with 2 calls there now: the announced 4 are all the others', plus its 2.
+    assert.equal(
+      withOwnCalls(w, 'p/a', { nodeId: 'g3', mine: 2, mineOnWorker: 2, scaling }).load.apps['p/a']!.inflight,
+      6,
+    );
+    // Unchanged since the announcement: the announcement as it is.
+    assert.equal(withOwnCalls(w, 'p/a', { nodeId: 'g1', mine: 3, mineOnWorker: 3, scaling }), w);
+    // A worker not announcing the app yet: the slots it could start, and this gateway's calls on the way.
+    const fresh = withOwnCalls(worker('w-b', { capacity: 1 }), 'p/a', {
+      nodeId: 'g1',
+      mine: 1,
+      mineOnWorker: 1,
+      scaling,
+    });
+    assert.deepEqual(fresh.load.apps['p/a'], { replicas: 0, capacity: 2, inflight: 1 });
+  });
+
+  it('counts calls per app and calling gateway while they last (what a worker announces)', () => {
+    const tally = createCallerTally();
+    const a = tally.enter('p/a', 'g1');
+    const b = tally.enter('p/a', 'g1');
+    const c = tally.enter('p/a', 'g2');
+    assert.deepEqual(tally.of('p/a'), { g1: 2, g2: 1 });
+    a();
+    a(); // ending twice ends once
+    c();
+    assert.deepEqual(tally.of('p/a'), { g1: 1 });
+    b();
+    assert.equal(tally.of('p/a'), undefined);
   });
 });

@@ -69,3 +69,48 @@ export function placeCall(
   if (total < options.maxReplicas) return order;
   return order.filter((w) => replicasOf(w) > 0).concat(order.filter((w) => replicasOf(w) === 0));
 }
+
+/**
+ * A worker's announcement as this gateway should weigh it for `appKey`. The announcement is up to a
+ * second old: of its calls in flight, the other gateways' part (announced minus this gateway's, `by`) is
+ * taken as announced, and this gateway's own part is what it has in flight there now (`mine`), so a burst
+ * spreads and a worker that just freed slots is seen to have room. A worker not announcing the app yet
+ * (its first calls are on the way) gets the slots it could start, as far as known here.
+ */
+export function withOwnCalls(
+  worker: WorkerAnnouncement,
+  appKey: string,
+  own: {
+    nodeId: string;
+    mine: number;
+    mineOnWorker: number;
+    scaling: { max_replicas: number; replica_concurrency: number };
+  },
+): WorkerAnnouncement {
+  const announced = worker.load.apps[appKey];
+  const mineThen = announced?.by?.[own.nodeId] ?? 0;
+  if (own.mine === mineThen) return worker;
+  const { scaling } = own;
+  const room =
+    worker.load.capacity > 0 ? Math.max(0, worker.load.capacity - worker.load.replicas) : scaling.max_replicas;
+  const app = announced ?? {
+    replicas: 0,
+    inflight: 0,
+    capacity: Math.min(room, scaling.max_replicas) * scaling.replica_concurrency,
+  };
+  return {
+    ...worker,
+    load: {
+      ...worker.load,
+      inflight: Math.max(0, worker.load.inflight - mineThen) + own.mineOnWorker,
+      apps: {
+        ...worker.load.apps,
+        [appKey]: {
+          replicas: app.replicas,
+          capacity: app.capacity,
+          inflight: Math.max(0, app.inflight - mineThen) + own.mine,
+        },
+      },
+    },
+  };
+}

@@ -22,6 +22,8 @@ export interface WorkerAppLoad {
   inflight: number;
   /** Slots the worker has or could start for the app (replicas it may run × replica_concurrency). */
   capacity: number;
+  /** Of `inflight`, the calls sent by each gateway (by node id); the rest are async runs taken here. */
+  by?: Record<string, number>;
 }
 
 export interface WorkerLoad {
@@ -268,6 +270,11 @@ export function parseAnnouncement(value: Uint8Array): WorkerAnnouncement | undef
       if (!app || typeof app !== 'object') continue;
       const a = app as Record<string, unknown>;
       apps[key] = { replicas: num(a.replicas), inflight: num(a.inflight), capacity: num(a.capacity) };
+      if (a.by && typeof a.by === 'object') {
+        const by: Record<string, number> = {};
+        for (const [node, n] of Object.entries(a.by as Record<string, unknown>)) by[node] = num(n);
+        apps[key].by = by;
+      }
     }
   }
   return {
