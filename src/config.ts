@@ -170,6 +170,14 @@ export interface ServerConfig {
   streamReplayTotalBytes: number;
   /** How long a streaming run goes on after its last client went away, waiting for a reconnect, seconds. */
   streamResumeGraceSeconds: number;
+  /** How long a cancelled cortex function has to return before its replica is stopped (FERRY_CANCEL_GRACE_SECONDS). */
+  cancelGraceSeconds: number;
+  /** Ready builds kept per app by retention (FERRY_KEEP_BUILDS; 0: keep all). The active build always stays. */
+  keepBuilds: number;
+  /** Finished runs older than this many days are deleted with their logs (FERRY_RUN_RETENTION_DAYS; 0: keep all). */
+  runRetentionDays: number;
+  /** Seconds between retention passes (FERRY_RETENTION_INTERVAL_SECONDS; 0: this process runs none). */
+  retentionIntervalSeconds: number;
   /** The network sandboxes get (docs/operations.md, "Sandbox network"). */
   egress: EgressConfig;
   /**
@@ -209,6 +217,10 @@ export const DEFAULTS = {
   streamReplayBytes: 1024 * 1024,
   streamReplayTotalBytes: 64 * 1024 * 1024,
   streamResumeGraceSeconds: 10,
+  cancelGraceSeconds: 5,
+  keepBuilds: 10,
+  runRetentionDays: 30,
+  retentionIntervalSeconds: 600,
   leaseSeconds: 10,
 } as const;
 
@@ -340,6 +352,14 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     streamResumeGraceSeconds:
       intFrom(env.FERRY_STREAM_RESUME_GRACE_SECONDS, 'FERRY_STREAM_RESUME_GRACE_SECONDS', 0, 3600) ??
       DEFAULTS.streamResumeGraceSeconds,
+    cancelGraceSeconds:
+      intFrom(env.FERRY_CANCEL_GRACE_SECONDS, 'FERRY_CANCEL_GRACE_SECONDS', 0, 3600) ?? DEFAULTS.cancelGraceSeconds,
+    keepBuilds: intFrom(env.FERRY_KEEP_BUILDS, 'FERRY_KEEP_BUILDS', 0, 100_000) ?? DEFAULTS.keepBuilds,
+    runRetentionDays:
+      intFrom(env.FERRY_RUN_RETENTION_DAYS, 'FERRY_RUN_RETENTION_DAYS', 0, 36_500) ?? DEFAULTS.runRetentionDays,
+    retentionIntervalSeconds:
+      intFrom(env.FERRY_RETENTION_INTERVAL_SECONDS, 'FERRY_RETENTION_INTERVAL_SECONDS', 0, 86_400) ??
+      DEFAULTS.retentionIntervalSeconds,
     egress: resolveEgress(flags, env),
     leaseMs: (intFrom(env.FERRY_LEASE_SECONDS, 'FERRY_LEASE_SECONDS', 2, 3600) ?? DEFAULTS.leaseSeconds) * 1000,
   };

@@ -45,6 +45,10 @@ export const ERRORS = {
   FERRY_BUILD_NOT_FOUND: { status: 404, message: 'No such build' },
   FERRY_SERVICE_ACCOUNT_NOT_FOUND: { status: 404, message: 'No such service account' },
   FERRY_BUILD_NOT_CANCELLABLE: { status: 409, message: 'The build has already finished' },
+  FERRY_BUILD_NOT_READY: { status: 409, message: 'Only a ready build can be activated' },
+  FERRY_BUILD_ACTIVE: { status: 409, message: 'The active build cannot be deleted' },
+  FERRY_BUILD_IN_PROGRESS: { status: 409, message: 'The build is still being made: cancel it first' },
+  FERRY_SCALING_INVALID: { status: 400, message: 'The scaling settings are not valid' },
 
   // App configuration (ferry.toml)
   FERRY_CONFIG_MISSING: { status: 400, message: 'The archive has no ferry.toml at its root' },
@@ -76,6 +80,8 @@ export const ERRORS = {
   FERRY_ARGUMENT_ERROR: { status: 400, message: 'The function was called with arguments it does not take' },
   FERRY_RESULT_NOT_SERIALIZABLE: { status: 500, message: 'The function returned a value that is not JSON' },
   FERRY_RUN_TIMEOUT: { status: 504, message: 'The run took longer than the app’s response_grace_period' },
+  FERRY_RUN_CANCELLED: { status: 409, message: 'The run was cancelled' },
+  FERRY_RUN_FINISHED: { status: 409, message: 'The run has already finished' },
   FERRY_REPLICA_DIED: { status: 502, message: 'The replica running the function stopped during the run' },
   FERRY_OUT_OF_MEMORY: {
     status: 502,

@@ -28,6 +28,14 @@ export interface Metrics {
   asyncPublishFailures: Counter;
   /** With --nats-url: messages fetched from the runs stream, by what became of them. */
   asyncFetched: Counter<'outcome'>;
+  /** Builds deleted (files and rows), by why: `retention`, `deleted` (a build or its app, through the API). */
+  buildsDeleted: Counter<'reason'>;
+  /** Run records deleted with their logs, by why: `retention`, `deleted` (with their app). */
+  runsDeleted: Counter<'reason'>;
+  /** Bytes of build files this process deleted, by why. */
+  bytesFreed: Counter<'reason'>;
+  /** Retention passes this process ran. */
+  retentionPasses: Counter;
 }
 
 export function createMetrics(labels?: { node: string; role: string }): Metrics {
@@ -116,6 +124,29 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
       name: 'ferry_runs_in_flight',
       help: 'Runs executing in replicas',
       labelNames: ['project', 'app'],
+      registers: [registry],
+    }),
+    buildsDeleted: new Counter({
+      name: 'ferry_builds_deleted_total',
+      help: 'Builds deleted with their files, by reason (retention, deleted)',
+      labelNames: ['reason'],
+      registers: [registry],
+    }),
+    runsDeleted: new Counter({
+      name: 'ferry_runs_deleted_total',
+      help: 'Run records deleted with their logs, by reason (retention, deleted)',
+      labelNames: ['reason'],
+      registers: [registry],
+    }),
+    bytesFreed: new Counter({
+      name: 'ferry_bytes_freed_total',
+      help: 'Bytes of build archives and outputs deleted by this process, by reason (retention, deleted)',
+      labelNames: ['reason'],
+      registers: [registry],
+    }),
+    retentionPasses: new Counter({
+      name: 'ferry_retention_passes_total',
+      help: 'Retention passes this process ran (FERRY_KEEP_BUILDS, FERRY_RUN_RETENTION_DAYS)',
       registers: [registry],
     }),
     asyncPublished: new Counter({

@@ -8,6 +8,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { type AppLog, createAppLog } from './apps/app-log.js';
+import { createHousekeeping, type Housekeeping } from './apps/housekeeping.js';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
 import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-store.js';
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
@@ -17,6 +18,7 @@ import { createNatsArtifactStore, lazyArtifactsBucket } from './builds/nats-arti
 import { createNatsBuildOutput } from './builds/nats-build-output.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
 import { applyChanges } from './cluster/apply-changes.js';
+import { type CallerTally, createCallerTally } from './cluster/caller-tally.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
 import { CLUSTER_KEY_FILE, type ClusterAuth, createClusterAuth } from './cluster/cluster-auth.js';
 import { clusterNames, createNatsLink, requireNats } from './cluster/nats.js';
@@ -48,6 +50,7 @@ import { createProjectBacklog, type ProjectBacklog } from './runs/project-backlo
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createRemoteInvoker } from './runs/remote-invoker.js';
 import { createStoreRunQueue, type RunQueue } from './runs/run-queue.js';
+import { createRunWaiters, type RunWaiters } from './runs/run-waiters.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
 import { createSandboxNetwork } from './sandbox/choose-network.js';
@@ -56,12 +59,17 @@ import { secretEnvironment } from './secrets/secrets.js';
 import { openStore, type Store } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
 
+/** Seconds after start of the first retention pass (or the interval, when shorter). */
+export const RETENTION_FIRST_SECONDS = 15;
+
 export interface Services {
   config: ServerConfig;
   /** `--role`: gateway (public interface, no user code), worker (builds, replicas, internal listener) or all. */
   role: NodeRole;
   /** Signs and checks calls between the nodes of a cluster (`cluster.key` in the keys directory). */
   clusterAuth: ClusterAuth;
+  /** Calls from gateways in flight here, per app and gateway (a worker announces them with its load). */
+  callers: CallerTally;
   /** The live workers of the cluster (with --nats-url): where a gateway sends calls. */
   workers: WorkerDirectory | undefined;
   /** This node's announcement as a worker (worker, or all with --nats-url). */
@@ -93,10 +101,16 @@ export interface Services {
   /** Gives every sandbox (replica or build step) a network namespace of its own (sandbox/network.ts). */
   network: SandboxNetwork;
   recorder: RunRecorder;
+  /** Callers waiting for runs to end (`GET .../runs/{run_id}?wait=N`). */
+  runWaiters: RunWaiters;
   replicas: ReplicaManager;
   invoker: Invoker;
   /** Brings the gauges (replicas, queue depth) up to date; called before /metrics is rendered. */
   refreshGauges(): void;
+  /** Deleting apps and builds, and retention (apps/housekeeping.ts). */
+  housekeeping: Housekeeping;
+  /** Runs one retention pass now (the timer runs one every FERRY_RETENTION_INTERVAL_SECONDS). */
+  retention(): Promise<void>;
   /** How accepted async runs reach a node that runs them: the store queue, or JetStream (run-queue.ts). */
   asyncWorker: RunQueue;
   /** Each project's async runs queued or running, from the store (FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT). */
@@ -192,16 +206,20 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       })
     : undefined;
   await workers?.start();
+  // A gateway is home to no app: it keeps no min_replicas (it runs no replica at all).
   const isHome =
-    workers && role === 'worker'
-      ? (projectId: string, appId: string): boolean => {
-          const live = workers.live();
-          if (live.length === 0) return true;
-          return rankWorkers(`${projectId}/${appId}`, live)[0]?.id === node.id;
-        }
-      : undefined;
+    role === 'gateway'
+      ? (): boolean => false
+      : workers && role === 'worker'
+        ? (projectId: string, appId: string): boolean => {
+            const live = workers.live();
+            if (live.length === 0) return true;
+            return rankWorkers(`${projectId}/${appId}`, live)[0]?.id === node.id;
+          }
+        : undefined;
   // Set once the replicas exist (its load is theirs); told when they change.
   let announcer: WorkerAnnouncer | undefined;
+  const callers = createCallerTally();
   // Replicas of an app on the other live workers: max_replicas bounds the whole cluster.
   const elsewhere =
     workers && role === 'worker'
@@ -238,6 +256,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ensureLocal: (buildId) => buildOutput.ensureLocal(buildId),
     secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
   });
+  /** Set once housekeeping exists: a deleted build's folder, kept while its replicas ran, goes. */
+  let releaseBuild: (buildId: string) => void = () => {};
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
@@ -248,6 +268,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ...(elsewhere ? { elsewhere } : {}),
     // Gateways hear of a replica started or stopped here at once, not at the next announcement.
     onChange: () => announcer?.announceNow(),
+    onDrained: (buildId) => releaseBuild(buildId),
     launch: runsCode
       ? launch
       : async () => {
@@ -266,6 +287,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const replicaLogger = logger.child({ component: 'replica-output' });
   const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
+    cancelGraceMs: config.cancelGraceSeconds * 1000,
     replicas,
     recorder,
     logger: logger.child({ component: 'runs' }),
@@ -277,7 +299,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   const remote =
     role === 'gateway' && workers
-      ? createRemoteInvoker({ directory: workers, auth: clusterAuth, logger: logger.child({ component: 'gateway' }) })
+      ? createRemoteInvoker({
+          directory: workers,
+          auth: clusterAuth,
+          nodeId: node.id,
+          logger: logger.child({ component: 'gateway' }),
+        })
       : undefined;
   const invoker: Invoker = remote ?? localInvoker;
   const webhooks = createWebhookDeliverer({
@@ -293,6 +320,38 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     },
   });
   recorder.onOutbox = () => webhooks.wake();
+  // Callers waiting for runs to end: woken by this node's commits, by other nodes' (NATS), and a shared check.
+  const runWaiters = createRunWaiters({ store, logger: logger.child({ component: 'runs' }) });
+  const finishedSubject = clusterNames(config.clusterName).finishedSubject;
+  recorder.onFinished = (ids) => {
+    runWaiters.finished(ids);
+    const nc = nats?.connected ? nats.current() : undefined;
+    if (nc) {
+      try {
+        nc.publish(finishedSubject, JSON.stringify(ids));
+      } catch (err) {
+        logger.debug({ err }, 'telling other nodes of finished runs failed (their shared check finds them)');
+      }
+    }
+  };
+  if (nats) {
+    void nats
+      .ready()
+      .then((nc) =>
+        nc.subscribe(finishedSubject, {
+          callback(err, msg) {
+            if (err) return;
+            try {
+              const ids = JSON.parse(msg.string()) as unknown;
+              if (Array.isArray(ids)) runWaiters.finished(ids.filter((id): id is string => typeof id === 'string'));
+            } catch {
+              // not ours: ignore
+            }
+          },
+        }),
+      )
+      .catch(() => undefined);
+  }
   webhooks.start();
   // The run queue, chosen once: the store queue, or JetStream with --nats-url. `consume`: whether this node
   // fetches and runs async runs (a gateway only publishes them).
@@ -336,7 +395,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
             role: 'worker',
             version: FERRY_VERSION,
             startedAt,
-            load: workerLoad(replicas.pools(), config.workerMaxReplicas, elsewhere),
+            load: workerLoad(replicas.pools(), config.workerMaxReplicas, elsewhere, callers),
           }),
         })
       : undefined;
@@ -395,10 +454,45 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Before anything claims work: what a dead node (this data directory's last process included) left.
   const recovered = await recovery.sweep();
   recovery.start();
+  const housekeeping = createHousekeeping({
+    store,
+    artifacts,
+    buildOutput,
+    changes,
+    buildsDir: dataDir.builds,
+    buildsInUse: () => replicas.buildsInUse(),
+    ...(views ? { dropView: (buildId: string) => views.drop(buildId) } : {}),
+    cancelBuild: (projectId, appId, buildId) => pipeline.cancel(projectId, appId, buildId),
+    logger: logger.child({ component: 'housekeeping' }),
+    onRemoved({ builds = 0, runs = 0, bytes = 0 }) {
+      if (builds > 0) metrics.buildsDeleted.inc({ reason: 'deleted' }, builds);
+      if (runs > 0) metrics.runsDeleted.inc({ reason: 'deleted' }, runs);
+      if (bytes > 0) metrics.bytesFreed.inc({ reason: 'deleted' }, bytes);
+    },
+  });
+  releaseBuild = (buildId) =>
+    void housekeeping
+      .released(buildId)
+      .then((bytes) => bytes > 0 && metrics.bytesFreed.inc({ reason: 'deleted' }, bytes))
+      .catch((err: unknown) => logger.warn({ err }, 'removing a deleted build’s folder failed'));
+  const sweepLocal = () =>
+    void housekeeping
+      .sweepLocal()
+      .then((bytes) => bytes > 0 && metrics.bytesFreed.inc({ reason: 'deleted' }, bytes))
+      .catch((err: unknown) => logger.warn({ err }, 'removing local copies of deleted builds failed'));
   applyChanges(changes, {
     auth,
     runTargets,
     replicas,
+    cancelRun: (runId) => void invoker.cancel(runId),
+    deleteApp(projectId, appId) {
+      replicas.remove(projectId, appId);
+      void asyncWorker
+        .forgetApp?.(projectId, appId)
+        .catch((err: unknown) => logger.warn({ err, app: appId }, 'dropping the deleted app’s queue failed'));
+      sweepLocal();
+    },
+    buildDeleted: () => sweepLocal(),
     ...(runsCode
       ? {
           claimBuilds: () =>
@@ -414,10 +508,37 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     graceMs: config.streamResumeGraceSeconds * 1000,
   });
   let homeTimer: NodeJS.Timeout | undefined;
+  // Retention: every process that keeps builds (not a gateway) runs a bounded pass now and then.
+  const retention = async (): Promise<void> => {
+    metrics.retentionPasses.inc();
+    const removed = await housekeeping.retain({
+      keepBuilds: config.keepBuilds,
+      runRetentionDays: config.runRetentionDays,
+    });
+    if (removed.builds > 0) metrics.buildsDeleted.inc({ reason: 'retention' }, removed.builds);
+    if (removed.runs > 0) metrics.runsDeleted.inc({ reason: 'retention' }, removed.runs);
+    if (removed.bytes > 0) metrics.bytesFreed.inc({ reason: 'retention' }, removed.bytes);
+  };
+  const retentionPass = () => void retention().catch((err: unknown) => logger.warn({ err }, 'a retention pass failed'));
+  // The first pass soon after start (a process restarted more often than the interval still prunes), then
+  // every interval. An interval of 0 leaves passes to another process of the fleet (or to none).
+  let retentionTimer: NodeJS.Timeout | undefined;
+  if (role !== 'gateway' && config.retentionIntervalSeconds > 0) {
+    retentionTimer = setTimeout(() => {
+      retentionPass();
+      retentionTimer = setInterval(retentionPass, config.retentionIntervalSeconds * 1000);
+      retentionTimer.unref();
+    }, Math.min(config.retentionIntervalSeconds, RETENTION_FIRST_SECONDS) * 1000);
+    retentionTimer.unref();
+  }
   return {
+    housekeeping,
+    retention,
     config,
     role,
     clusterAuth,
+    callers,
+    runWaiters,
     workers,
     announcer,
     node,
@@ -482,12 +603,14 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     async close() {
       // First: a change arriving now must not start replicas that are about to be stopped.
       await changes.close();
+      runWaiters.close();
       // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
       streams.close();
       await recovery.close();
       await pipeline.close();
       await asyncWorker.close();
       clearInterval(homeTimer);
+      clearTimeout(retentionTimer); // the first pass's timeout, or the interval after it
       // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
       await announcer?.close();
       await replicas.close();
@@ -510,6 +633,7 @@ export function workerLoad(
   pools: Iterable<ReplicaPool>,
   maxReplicas: number,
   elsewhere?: (projectId: string, appId: string) => number,
+  callers?: CallerTally,
 ): WorkerLoad {
   const all = [...pools];
   let replicas = 0;
@@ -527,10 +651,12 @@ export function workerLoad(
     // The replicas it could have: bounded by its own cap and by what the other workers run of the app.
     const others = elsewhere?.(pool.build.projectId, pool.build.appId) ?? 0;
     const possible = Math.max(pool.liveReplicas, Math.min(scaling.max_replicas - others, pool.liveReplicas + room));
+    const by = callers?.of(key);
     apps[key] = {
       replicas: pool.liveReplicas,
       inflight: pool.stats.inflight + pool.stats.queued,
       capacity: possible * scaling.replica_concurrency,
+      ...(by ? { by } : {}),
     };
   }
   return { capacity: maxReplicas, inflight, replicas, apps };

@@ -481,6 +481,91 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     await page.getByText('No secrets.').waitFor();
   });
 
+  it('rolls back to a build and deletes another from the builds page (issue 14)', async () => {
+    const base = `${server.url}/v2/projects/${auth.projectId}/apps/hello`;
+    const files = Object.fromEntries(
+      ['ferry.toml', 'main.ts'].map((f) => [f, fs.readFileSync(path.join(REPO_ROOT, 'examples', 'hello', f), 'utf8')]),
+    );
+    const second = await deployFiles(server, auth, 'hello', { ...files, 'main.ts': `${files['main.ts']}// v2\n` });
+    const third = await deployFiles(server, auth, 'hello', { ...files, 'main.ts': `${files['main.ts']}// v3\n` });
+    await go('#/apps/hello/builds', 'Builds of hello');
+    await page.locator(`tr[data-build-id="${third.id}"] .active-build`).waitFor();
+    await assertLabelled('builds with actions');
+    // Roll back to the first build.
+    await page.getByRole('button', { name: `Activate build ${buildId.slice(-12)}` }).click();
+    await page.locator(`tr[data-build-id="${buildId}"] .active-build`).waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal((await http(base, { token: auth.token })).json.active_build_id, buildId);
+    // Delete the second (neither active nor being made); the active build offers no delete.
+    assert.equal(await page.getByRole('button', { name: `Delete build ${buildId.slice(-12)}` }).count(), 0);
+    await page.getByRole('button', { name: `Delete build ${second.id.slice(-12)}` }).click();
+    await page.getByRole('button', { name: 'Delete the build' }).click();
+    await page.locator(`tr[data-build-id="${second.id}"]`).waitFor({ state: 'detached', timeout: PAGE_WAIT_MS });
+    assert.equal((await http(`${base}/builds/${second.id}`, { token: auth.token })).status, 404);
+    await shot('builds-actions');
+  });
+
+  it('scales an app without a build, and goes back to ferry.toml (issue 14)', async () => {
+    const base = `${server.url}/v2/projects/${auth.projectId}/apps/hello`;
+    await go('#/apps/hello/settings', 'Settings of hello');
+    await page.getByText('From the active build’s ferry.toml.').waitFor();
+    await page.getByLabel('Minimum replicas').fill('1');
+    await page.getByLabel('Maximum replicas').fill('3');
+    await page.getByRole('button', { name: 'Save scaling' }).click();
+    await page.getByRole('status').getByText('Scaling saved').waitFor({ timeout: PAGE_WAIT_MS });
+    const app = (await http(base, { token: auth.token })).json;
+    assert.equal(app.scaling.min_replicas, 1);
+    assert.equal(app.scaling.max_replicas, 3);
+    assert.equal(app.scaling_override.min_replicas, 1);
+    await assertLabelled('settings');
+    await shot('settings');
+    await page.getByRole('button', { name: 'Use ferry.toml again' }).click();
+    await page.getByRole('status').getByText('Scaling from ferry.toml again').waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal((await http(base, { token: auth.token })).json.scaling_override, null);
+  });
+
+  it('cancels a running run, and shows a run end as it ends (issue 14)', async () => {
+    const call = (ms: number) =>
+      http(`${server.url}/v4/${auth.projectId}/hello/slow?async=true`, {
+        method: 'POST',
+        token: auth.token,
+        body: { ms },
+      });
+    const long = (await call(60_000)).json.run_id as string;
+    await waitFor(
+      async () =>
+        (await http(`${server.url}/v2/projects/${auth.projectId}/apps/hello/runs/${long}`, { token: auth.token })).json
+          .state === 'running',
+      30_000,
+      'the long run to start',
+    );
+    await go(`#/apps/hello/runs/${long}`, /^Run /);
+    await page.getByRole('button', { name: 'Cancel run' }).click();
+    await page.getByRole('button', { name: 'Cancel the run' }).click();
+    await page.locator('.badges').getByText('cancelled').waitFor({ timeout: PAGE_WAIT_MS });
+    await page.getByText('FERRY_RUN_CANCELLED').waitFor();
+    // A run still going when its page opens: the page shows its end when it comes, without a reload.
+    const short = (await call(3000)).json.run_id as string;
+    await go(`#/apps/hello/runs/${short}`, /^Run /);
+    await page.locator('.badges').getByText('success').waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal(await page.getByRole('button', { name: 'Cancel run' }).count(), 0);
+  });
+
+  it('deletes an app from its settings (issue 14)', async () => {
+    await deployFiles(server, auth, 'scrap', {
+      'ferry.toml': '[app]\nname = "scrap"\n',
+      'main.ts': 'export function run() { return 1; }\n',
+    });
+    await go('#/apps/scrap/settings', 'Settings of scrap');
+    await page.getByRole('button', { name: 'Delete app scrap' }).click();
+    await page.getByRole('button', { name: 'Delete scrap' }).click();
+    await page.getByRole('heading', { level: 1, name: 'Apps' }).waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal(
+      (await http(`${server.url}/v2/projects/${auth.projectId}/apps/scrap`, { token: auth.token })).status,
+      404,
+    );
+    await page.locator('[data-app="scrap"]').waitFor({ state: 'detached', timeout: PAGE_WAIT_MS });
+  });
+
   it('works at a narrow width and from the keyboard', async () => {
     await page.setViewportSize({ width: 390, height: 844 });
     await go('#/apps', 'Apps');

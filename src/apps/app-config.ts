@@ -121,6 +121,15 @@ export interface AppConfig {
   env: Record<string, string>;
 }
 
+/** `[scaling]` when ferry.toml says nothing. */
+export const DEFAULT_SCALING = {
+  min_replicas: 0,
+  max_replicas: 2,
+  replica_concurrency: 1,
+  cooldown: 60,
+  response_grace_period: 900,
+} as const;
+
 /** Default of `[resources].max_processes`: room for a runtime's threads and a few child processes. */
 export const DEFAULT_MAX_PROCESSES = 256;
 
@@ -219,11 +228,11 @@ function withDefaults(raw: RawConfig): AppConfig {
     throw new AppConfigError('ferry.toml: app.entry: is only used by the cortex runtime', 'app.entry');
   }
   const scaling = {
-    min_replicas: raw.scaling?.min_replicas ?? 0,
-    max_replicas: raw.scaling?.max_replicas ?? 2,
-    replica_concurrency: raw.scaling?.replica_concurrency ?? 1,
-    cooldown: raw.scaling?.cooldown ?? 60,
-    response_grace_period: raw.scaling?.response_grace_period ?? 900,
+    min_replicas: raw.scaling?.min_replicas ?? DEFAULT_SCALING.min_replicas,
+    max_replicas: raw.scaling?.max_replicas ?? DEFAULT_SCALING.max_replicas,
+    replica_concurrency: raw.scaling?.replica_concurrency ?? DEFAULT_SCALING.replica_concurrency,
+    cooldown: raw.scaling?.cooldown ?? DEFAULT_SCALING.cooldown,
+    response_grace_period: raw.scaling?.response_grace_period ?? DEFAULT_SCALING.response_grace_period,
   };
   if (scaling.min_replicas > scaling.max_replicas) {
     throw new AppConfigError(
@@ -263,4 +272,48 @@ function withDefaults(raw: RawConfig): AppConfig {
     },
     env: raw.env ?? {},
   };
+}
+
+export type Scaling = AppConfig['scaling'];
+export type ScalingOverride = Partial<Scaling>;
+
+/**
+ * Checks a `{"scaling": {...}}` override from the API exactly as `[scaling]` in ferry.toml is checked
+ * (same keys, bounds and messages, `scaling.<key>`), and returns it. Throws AppConfigError.
+ */
+export function parseScalingOverride(value: unknown): ScalingOverride {
+  const errors = Value.Errors(ScalingSection, value);
+  if (errors.length > 0) {
+    const [message, key] = explain(errors);
+    const dotted = key === '(top level)' ? 'scaling' : `scaling.${key}`;
+    throw new AppConfigError(message.replace(`ferry.toml: ${key}:`, `${dotted}:`), dotted);
+  }
+  return { ...(value as ScalingOverride) };
+}
+
+/**
+ * The scaling in force: the build's `[scaling]` with the app's override over it. When the two together
+ * put min_replicas above max_replicas (a later ferry.toml lowered max under an overridden min), max wins.
+ */
+export function effectiveScaling(base: Scaling, override: ScalingOverride | null | undefined): Scaling {
+  if (!override) return base;
+  const merged = { ...base, ...override };
+  if (merged.min_replicas > merged.max_replicas) merged.min_replicas = merged.max_replicas;
+  return merged;
+}
+
+/** The override stored on an app row (`apps.scaling_json`), or null; a row that does not parse is ignored. */
+export function storedScalingOverride(text: string | null | undefined): ScalingOverride | null {
+  if (!text) return null;
+  try {
+    return parseScalingOverride(JSON.parse(text));
+  } catch {
+    return null;
+  }
+}
+
+/** `config` with the app's override applied to its scaling. */
+export function withScalingOverride(config: AppConfig, scalingJson: string | null | undefined): AppConfig {
+  const override = storedScalingOverride(scalingJson);
+  return override ? { ...config, scaling: effectiveScaling(config.scaling, override) } : config;
 }

@@ -1,9 +1,12 @@
 /**
  * Apps as the API shows them: the app, its active build and a state derived from its builds.
  */
+
 import { FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
 import type { App } from '../store/schema.js';
+import type { AppConfig } from './app-config.js';
+import { type Scaling, type ScalingOverride, storedScalingOverride, withScalingOverride } from './app-config.js';
 
 export type AppState = 'active' | 'building' | 'failed' | 'pending' | 'cancelled';
 
@@ -15,6 +18,9 @@ export interface AppView {
   active_build_id: string | null;
   latest_build_id: string | null;
   latest_build_state: string | null;
+  scaling_override: ScalingOverride | null;
+  /** Single app only: the scaling in force; null without a ready build. */
+  scaling?: Scaling | null;
   created_at: string;
   updated_at: string;
 }
@@ -43,6 +49,7 @@ function view(app: App, latest: { id: string; state: string } | undefined): AppV
     active_build_id: app.active_build_id,
     latest_build_id: latest?.id ?? null,
     latest_build_state: latest?.state ?? null,
+    scaling_override: storedScalingOverride(app.scaling_json),
     created_at: app.created_at,
     updated_at: app.updated_at,
   };
@@ -80,5 +87,17 @@ export async function findApp(store: Store, projectId: string, appId: string): P
 
 export async function getApp(store: Store, projectId: string, appId: string): Promise<AppView> {
   const app = await findApp(store, projectId, appId);
-  return view(app, await latestBuild(store, app));
+  const active = await activeConfig(store, app);
+  return { ...view(app, await latestBuild(store, app)), scaling: active ? active.scaling : null };
+}
+
+/** The active build's config with the app's scaling override applied, or undefined without one. */
+export async function activeConfig(store: Store, app: App): Promise<AppConfig | undefined> {
+  if (!app.active_build_id) return undefined;
+  const row = await store
+    .selectFrom('builds')
+    .select('config_json')
+    .where('id', '=', app.active_build_id)
+    .executeTakeFirst();
+  return row ? withScalingOverride(JSON.parse(row.config_json) as AppConfig, app.scaling_json) : undefined;
 }

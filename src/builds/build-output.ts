@@ -52,6 +52,44 @@ export interface BuildOutput {
   ensureLocal(buildId: string): Promise<void>;
   /** Makes `<buildsDir>/<id>/source` from the build's archive when this process does not have it. */
   ensureSource(build: Pick<Build, 'id'>): Promise<void>;
+  /**
+   * Deletes the build's files: this process's folder and, with `shared`, the published copy too (a build
+   * deleted by retention or with its app); with `keepLocal`, only the published copy (a replica here still
+   * runs the build: its folder goes once it stops). Resolves with the bytes freed here, as far as counted.
+   */
+  remove(buildId: string, options?: { shared?: boolean; keepLocal?: boolean }): Promise<number>;
+}
+
+/** Bytes of the files under `dir` (not following links); 0 when it is not there. Bounded: 100,000 entries. */
+export async function treeBytes(dir: string): Promise<number> {
+  let total = 0;
+  let seen = 0;
+  const stack = [dir];
+  while (stack.length > 0 && seen < 100_000) {
+    const current = stack.pop()!;
+    let entries: import('node:fs').Dirent[];
+    try {
+      entries = await fs.readdir(current, { withFileTypes: true });
+    } catch {
+      continue;
+    }
+    for (const e of entries) {
+      seen += 1;
+      const full = path.join(current, e.name);
+      if (e.isDirectory()) stack.push(full);
+      else if (e.isFile()) total += (await fs.lstat(full).catch(() => ({ size: 0 }))).size;
+    }
+  }
+  return total;
+}
+
+/** Removes `<buildsDir>/<id>` and its completion marker; resolves with the bytes it held. */
+export async function removeLocalBuild(buildsDir: string, buildId: string): Promise<number> {
+  const local = path.join(buildsDir, buildId);
+  const bytes = await treeBytes(local);
+  await fs.rm(local, { recursive: true, force: true });
+  await fs.rm(path.join(buildsDir, `${buildId}.complete`), { force: true });
+  return bytes;
 }
 
 /** Staging folders in the shared folder older than this are from a crashed process: no copy takes that long. */
@@ -112,6 +150,21 @@ export async function createBuildOutput(deps: BuildOutputDeps): Promise<BuildOut
   }
 
   return {
+    async remove(buildId, options = {}) {
+      checkId(buildId);
+      let bytes = 0;
+      if (!options.keepLocal) {
+        complete.delete(buildId);
+        bytes += await removeLocalBuild(buildsDir, buildId);
+      }
+      if (options.shared) {
+        const shared = path.join(sharedDir, buildId);
+        bytes += await treeBytes(shared);
+        await fs.rm(shared, { recursive: true, force: true });
+      }
+      return bytes;
+    },
+
     async publish(buildId) {
       checkId(buildId);
       const shared = path.join(sharedDir, buildId);

@@ -25,9 +25,11 @@ export interface BuildView {
   functions: string[] | null;
   /** Only on `GET .../builds/{build_id}`: the `ferry.toml` the build was made with. */
   config_toml?: string;
+  /** Whether it is the app's active build. */
+  active: boolean;
 }
 
-export function viewBuild(build: Build, withConfig = false): BuildView {
+export function viewBuild(build: Build, withConfig = false, activeBuildId?: string | null): BuildView {
   const duration =
     build.started_at && build.finished_at ? Date.parse(build.finished_at) - Date.parse(build.started_at) : null;
   return {
@@ -45,6 +47,7 @@ export function viewBuild(build: Build, withConfig = false): BuildView {
     duration_ms: duration,
     functions: parseFunctions(build.functions),
     ...(withConfig ? { config_toml: build.config_toml } : {}),
+    active: activeBuildId !== undefined && activeBuildId !== null && activeBuildId === build.id,
   };
 }
 

@@ -24,7 +24,7 @@ import type { ObjectStore } from '@nats-io/obj';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { ArtifactStore } from './artifact-store.js';
-import { type BuildOutput, extractSource } from './build-output.js';
+import { type BuildOutput, extractSource, removeLocalBuild } from './build-output.js';
 import { packFolder, unpackTar } from './build-tar.js';
 import { BuildFailedError } from './builders/types.js';
 import { artifactsUnavailable, fetchObject, putObject } from './nats-artifact-store.js';
@@ -104,6 +104,24 @@ export async function createNatsBuildOutput(deps: NatsBuildOutputDeps): Promise<
   }
 
   return {
+    async remove(buildId, options = {}) {
+      checkId(buildId);
+      let bytes = 0;
+      if (!options.keepLocal) {
+        complete.delete(buildId);
+        bytes += await removeLocalBuild(buildsDir, buildId);
+      }
+      if (options.shared) {
+        try {
+          await (await bucket()).delete(objectOf(buildId));
+        } catch (err) {
+          // Not there (never published, or removed by another node) is what was wanted.
+          if (!/not found/i.test(String((err as Error)?.message))) throw artifactsUnavailable(err);
+        }
+      }
+      return bytes;
+    },
+
     async publish(buildId) {
       checkId(buildId);
       let there: boolean;

@@ -12,17 +12,29 @@ import { clusterCommand } from './cluster.js';
 import { deployCommand } from './deploy.js';
 import { doctorCommand } from './doctor.js';
 import {
+  appsDeleteCommand,
   appsListCommand,
+  appsScaleCommand,
+  buildsActivateCommand,
   buildsCancelCommand,
+  buildsDeleteCommand,
   buildsFilesCommand,
   buildsListCommand,
   buildsLogsCommand,
   loginCommand,
+  rollbackCommand,
   tokensCreateCommand,
   tokensListCommand,
   tokensRevokeCommand,
 } from './resources.js';
-import { appLogsCommand, runCommand, runsGetCommand, runsListCommand, runsLogsCommand } from './runs.js';
+import {
+  appLogsCommand,
+  runCommand,
+  runsCancelCommand,
+  runsGetCommand,
+  runsListCommand,
+  runsLogsCommand,
+} from './runs.js';
 import { secretsDeleteCommand, secretsListCommand, secretsSetCommand } from './secrets.js';
 import { serveCommand } from './serve.js';
 
@@ -164,6 +176,23 @@ export function createProgram(): Command {
     .description('apps with their state and run URL')
     .option('--json', 'print an array')
     .action(appsListCommand);
+  apps
+    .command('delete <app>')
+    .description('delete an app with its builds and run history (asks first unless --yes)')
+    .option('-y, --yes', 'do not ask')
+    .option('--json', 'print what was deleted')
+    .action(appsDeleteCommand);
+  apps
+    .command('scale <app>')
+    .description("change an app's scaling now, without a build (overrides ferry.toml until --reset)")
+    .option('--min <n>', 'min_replicas')
+    .option('--max <n>', 'max_replicas')
+    .option('--concurrency <n>', 'replica_concurrency (replaces the replicas, as a deploy does)')
+    .option('--cooldown <seconds>', 'cooldown')
+    .option('--grace <seconds>', 'response_grace_period')
+    .option('--reset', "clear what was set here: the active build's ferry.toml applies again")
+    .option('--json', 'print the app')
+    .action(appsScaleCommand);
 
   const builds = program.command('builds').description('builds of an app');
   builds
@@ -191,6 +220,24 @@ export function createProgram(): Command {
     .option('--app <app>', "the build's app (found automatically when omitted)")
     .option('--json', 'print the build')
     .action(buildsCancelCommand);
+  builds
+    .command('delete <build_id>')
+    .description('delete a build and its files (not the active build)')
+    .option('--app <app>', "the build's app (found automatically when omitted)")
+    .option('--json', 'print {"build_id","deleted"}')
+    .action(buildsDeleteCommand);
+  builds
+    .command('activate <build_id>')
+    .description('make an earlier ready build the active one (roll back to it)')
+    .option('--app <app>', "the build's app (found automatically when omitted)")
+    .option('--json', 'print the build')
+    .action(buildsActivateCommand);
+
+  program
+    .command('rollback <app>')
+    .description('activate the ready build before the active one')
+    .option('--json', 'print {"app","from","to"}')
+    .action(rollbackCommand);
 
   program
     .command('run <app> [function]')
@@ -212,7 +259,13 @@ export function createProgram(): Command {
     .command('get <app> <run_id>')
     .description('a run with its input and result')
     .option('--json', 'print the run as JSON (what it prints anyway; accepted for scripts)')
+    .option('--wait [seconds]', 'wait until the run has ended, at most this long (default 60; up to 3600)')
     .action(runsGetCommand);
+  runs
+    .command('cancel <app> <run_id>')
+    .description('cancel a queued or running run')
+    .option('--json', 'print the run')
+    .action(runsCancelCommand);
   runs
     .command('logs <app> <run_id>')
     .description('what the function printed during the run')

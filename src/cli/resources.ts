@@ -66,7 +66,7 @@ export async function appsListCommand(options: Json): Promise<void> {
 export async function buildsListCommand(app: string, options: Json & { limit?: string }): Promise<void> {
   const client = createClient();
   const limit = options.limit ? `?limit=${encodeURIComponent(options.limit)}` : '';
-  const { builds } = await client.call<{ builds: Array<Record<string, string | number | null>> }>(
+  const { builds } = await client.call<{ builds: Array<Record<string, string | number | boolean | null>> }>(
     'GET',
     `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/builds${limit}`,
   );
@@ -75,8 +75,134 @@ export async function buildsListCommand(app: string, options: Json & { limit?: s
     builds.map((b) => ({
       ...b,
       duration: b.duration_ms === null ? null : `${(Number(b.duration_ms) / 1000).toFixed(1)}s`,
+      active: b.active === true ? 'yes' : null,
     })),
-    ['id', 'state', 'created_at', 'duration', 'file_count', 'error'],
+    ['id', 'state', 'active', 'created_at', 'duration', 'file_count', 'error'],
+  );
+}
+
+/** `ferry apps delete <app>`: asks on a terminal unless --yes; refuses without --yes when it cannot ask. */
+export async function appsDeleteCommand(app: string, options: Json & { yes?: boolean }): Promise<void> {
+  const client = createClient();
+  if (!options.yes) {
+    if (!process.stdin.isTTY) {
+      throw new CliError(`Deleting ${app} removes its builds and run history; pass --yes to confirm`, 2);
+    }
+    const { createInterface } = await import('node:readline/promises');
+    const rl = createInterface({ input: process.stdin, output: process.stderr });
+    const answer = await rl.question(
+      `Delete app ${app} in project ${client.project}, with its builds and run history? Type the app name to confirm: `,
+    );
+    rl.close();
+    if (answer.trim() !== app) throw new CliError('Not deleted', 1);
+  }
+  const result = await client.call<{ builds_deleted: number; runs_cancelled: number; runs_deleted: number }>(
+    'DELETE',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}`,
+  );
+  if (options.json) return printJson(result);
+  process.stdout.write(
+    `Deleted ${app}: ${result.builds_deleted} build(s), ${result.runs_deleted} run record(s); ${result.runs_cancelled} queued run(s) cancelled\n`,
+  );
+}
+
+export async function buildsDeleteCommand(buildId: string, options: Json & { app?: string }): Promise<void> {
+  const client = createClient();
+  const app = await appOfBuild(client, buildId, options.app);
+  const result = await client.call<{ build_id: string; deleted: boolean }>(
+    'DELETE',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/builds/${encodeURIComponent(buildId)}`,
+  );
+  if (options.json) return printJson(result);
+  process.stdout.write(`Deleted build ${buildId} of ${app}\n`);
+}
+
+export async function buildsActivateCommand(buildId: string, options: Json & { app?: string }): Promise<void> {
+  const client = createClient();
+  const app = await appOfBuild(client, buildId, options.app);
+  const build = await client.call<{ id: string; state: string }>(
+    'POST',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/builds/${encodeURIComponent(buildId)}/activate`,
+  );
+  if (options.json) return printJson(build);
+  process.stdout.write(`Build ${build.id} is now the active build of ${app}\n`);
+}
+
+/** `ferry rollback <app>`: activates the newest ready build older than the active one. */
+export async function rollbackCommand(app: string, options: Json): Promise<void> {
+  const client = createClient();
+  const base = `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}`;
+  const found = await client.call<{ active_build_id: string | null }>('GET', base);
+  if (!found.active_build_id) throw new CliError(`App ${app} has no active build to roll back from`);
+  // Builds come newest first, 200 a page: the one to go back to is the first ready build after the active.
+  let before: string | null = null;
+  let seenActive = false;
+  for (let page = 0; page < 50; page++) {
+    const query: string = `?limit=200${before ? `&before=${encodeURIComponent(before)}` : ''}`;
+    const { builds, next_before } = await client.call<{
+      builds: Array<{ id: string; state: string }>;
+      next_before: string | null;
+    }>('GET', `${base}/builds${query}`);
+    for (const b of builds) {
+      if (b.id === found.active_build_id) seenActive = true;
+      else if (seenActive && b.state === 'ready') {
+        const build = await client.call<{ id: string }>('POST', `${base}/builds/${b.id}/activate`);
+        if (options.json) return printJson({ app, from: found.active_build_id, to: build.id });
+        process.stdout.write(`Rolled ${app} back from build ${found.active_build_id} to ${build.id}\n`);
+        return;
+      }
+    }
+    if (!next_before) break;
+    before = next_before;
+  }
+  throw new CliError(`App ${app} has no ready build older than its active build ${found.active_build_id}`);
+}
+
+export async function appsScaleCommand(
+  app: string,
+  options: Json & {
+    min?: string;
+    max?: string;
+    concurrency?: string;
+    cooldown?: string;
+    grace?: string;
+    reset?: boolean;
+  },
+): Promise<void> {
+  const client = createClient();
+  const scaling: Record<string, number> = {};
+  const keys: Array<[keyof typeof options, string]> = [
+    ['min', 'min_replicas'],
+    ['max', 'max_replicas'],
+    ['concurrency', 'replica_concurrency'],
+    ['cooldown', 'cooldown'],
+    ['grace', 'response_grace_period'],
+  ];
+  for (const [option, key] of keys) {
+    const value = options[option];
+    if (value === undefined) continue;
+    if (typeof value !== 'string' || !/^\d{1,9}$/.test(value)) {
+      throw new CliError(`--${String(option)} takes a whole number (got ${String(value)})`, 2);
+    }
+    scaling[key] = Number(value);
+  }
+  if (options.reset && Object.keys(scaling).length > 0) {
+    throw new CliError('--reset clears the override: pass it alone', 2);
+  }
+  if (!options.reset && Object.keys(scaling).length === 0) {
+    throw new CliError('Say what to change: --min, --max, --concurrency, --cooldown, --grace, or --reset', 2);
+  }
+  const updated = await client.call<{ scaling: Record<string, number> | null; scaling_override: object | null }>(
+    'PATCH',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}`,
+    { body: { scaling: options.reset ? null : scaling } },
+  );
+  if (options.json) return printJson(updated);
+  const s = updated.scaling;
+  process.stdout.write(
+    s
+      ? `${app}: min_replicas ${s.min_replicas}, max_replicas ${s.max_replicas}, replica_concurrency ${s.replica_concurrency}, cooldown ${s.cooldown}s${updated.scaling_override ? ' (set through the API; `ferry apps scale --reset` goes back to ferry.toml)' : ' (from ferry.toml)'}\n`
+      : `${app}: scaling saved; it applies once the app has a ready build\n`,
   );
 }
 

@@ -87,9 +87,49 @@ export async function runsListCommand(
 }
 
 /** Prints the run as JSON with or without `--json`: its input and result are JSON already. */
-export async function runsGetCommand(app: string, runId: string, _options: Json = {}): Promise<void> {
+const FINAL_RUN_STATES = ['success', 'failure', 'timeout', 'cancelled'];
+
+/**
+ * `ferry runs get <app> <run_id> [--wait [seconds]]`: the run; with --wait, once it has ended or the time is
+ * up (the server holds each request up to 60 s, so a longer wait is several requests).
+ */
+export async function runsGetCommand(
+  app: string,
+  runId: string,
+  options: Json & { wait?: string | boolean } = {},
+): Promise<void> {
   const client = createClient();
-  printJson(await client.call('GET', `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${runId}`));
+  const path = `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${encodeURIComponent(runId)}`;
+  let waitSeconds = 0;
+  if (options.wait !== undefined && options.wait !== false) {
+    waitSeconds = options.wait === true ? 60 : Number(options.wait);
+    if (!/^\d{1,4}$/.test(String(options.wait === true ? 60 : options.wait)) || waitSeconds > 3600) {
+      throw new CliError(`--wait takes whole seconds, 0 to 3600 (got ${String(options.wait)})`, 2);
+    }
+  }
+  const end = Date.now() + waitSeconds * 1000;
+  let run = await client.call<{ state: string }>('GET', path);
+  for (let i = 0; i < 100 && !FINAL_RUN_STATES.includes(run.state); i++) {
+    const left = Math.ceil((end - Date.now()) / 1000);
+    if (left <= 0) break;
+    run = await client.call<{ state: string }>('GET', `${path}?wait=${Math.min(60, left)}`);
+  }
+  printJson(run);
+}
+
+/** `ferry runs cancel <app> <run_id>`: cancels the run; prints it once it has ended (or the cancel is under way). */
+export async function runsCancelCommand(app: string, runId: string, options: Json = {}): Promise<void> {
+  const client = createClient();
+  const run = await client.call<{ state: string; error: { message: string } | null }>(
+    'POST',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${encodeURIComponent(runId)}/cancel`,
+  );
+  if (options.json) return printJson(run);
+  process.stdout.write(
+    run.state === 'cancelled'
+      ? `Run ${runId} cancelled${run.error ? `: ${run.error.message}` : ''}\n`
+      : `Run ${runId}: ${run.state}${FINAL_RUN_STATES.includes(run.state) ? ' (it ended before the cancel reached it)' : ' (the cancel is under way)'}\n`,
+  );
 }
 
 export async function runsLogsCommand(app: string, runId: string, options: Json = {}): Promise<void> {

@@ -58,6 +58,7 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
           store: services.store,
           invoker: services.invoker,
           auth: services.clusterAuth,
+          callers: services.callers,
           metrics: services.metrics,
           refreshGauges: () => services.refreshGauges(),
           logger: logger.child({ component: 'internal' }),

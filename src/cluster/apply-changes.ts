@@ -3,8 +3,13 @@
  * process made it: the same as the process that made it does, so every process acts alike.
  *
  * - a service account changed: forget every cached token check (auth), so a revoked token is refused;
- * - a build activated: forget the app's cached run target and switch its replicas to the build now
- *   (old replicas drain; an app scaled to zero switches on its next run);
+ * - a build activated (a deploy, or a rollback to an earlier build): forget the app's cached run target
+ *   and switch its replicas to the build now (old replicas drain; an app scaled to zero switches on its
+ *   next run);
+ * - an app changed (its scaling, through the API): the same; its replicas take the new scaling in place;
+ * - a run cancelled: the process performing it stops it (invoke.ts cancel);
+ * - an app deleted: forget its run target (its calls get 404), stop its replicas once their runs are
+ *   done, drop its queue consumer, remove local copies of its builds; a build deleted: the local copy;
  * - a build queued by a gateway (which builds nothing): a process that builds claims it;
  * - a project's secrets changed: nothing to forget. Replicas read the project's secrets from the store
  *   when they start, so new replicas get the change and running ones keep the environment they started
@@ -23,6 +28,12 @@ export interface ApplyChangesDeps {
   replicas: Pick<ReplicaManager, 'activate' | 'pools' | 'warmUp'>;
   /** Set on processes that build (worker, all): claims builds left free by a gateway. */
   claimBuilds?: () => void;
+  /** Cancels a run this process performs (POST .../runs/{run_id}/cancel made on any process). */
+  cancelRun?: (runId: string) => void;
+  /** The app was deleted: stop its replicas, drop its queue, remove local copies of its builds. */
+  deleteApp?: (projectId: string, appId: string) => void;
+  /** A build was deleted: remove the local copy. */
+  buildDeleted?: (buildId: string) => void;
   logger: Logger;
 }
 
@@ -43,12 +54,23 @@ export function applyChanges(feed: ChangeFeed, deps: ApplyChangesDeps): () => vo
         auth.invalidate();
         return;
       case 'build.activated':
+      case 'app.changed':
         activate(event.projectId, event.appId);
         return;
       case 'secrets.changed':
         return;
       case 'build.queued':
         deps.claimBuilds?.();
+        return;
+      case 'run.cancel':
+        deps.cancelRun?.(event.runId);
+        return;
+      case 'app.deleted':
+        runTargets.forget(event.projectId, event.appId);
+        deps.deleteApp?.(event.projectId, event.appId);
+        return;
+      case 'build.deleted':
+        deps.buildDeleted?.(event.buildId);
         return;
       case 'resync': {
         auth.invalidate();

@@ -1,6 +1,6 @@
 /**
  * The change feed: how a change made through one Ferry process (a token revoked, a project's secrets
- * changed, a build activated) reaches every process sharing its store, so each drops what it cached.
+ * changed, a build activated, an app's scaling changed) reaches every process sharing its store, so each drops what it cached.
  *
  * A seam with one shape for every transport: events are plain JSON-serialisable objects; `publish`
  * tells this process's own subscribers at once (before it returns, so the process that made a change
@@ -42,8 +42,46 @@ export interface BuildQueued {
   buildId: string;
 }
 
+/** The app's settings changed (its scaling, through the API): every process reloads what it holds of it. */
+export interface AppChanged {
+  type: 'app.changed';
+  projectId: string;
+  appId: string;
+}
+
+/** A run was cancelled through the API: the process performing it (if any) stops it. */
+export interface RunCancel {
+  type: 'run.cancel';
+  projectId: string;
+  appId: string;
+  runId: string;
+}
+
+/** The app was deleted: every process refuses its calls, stops its replicas and drops its local copies. */
+export interface AppDeleted {
+  type: 'app.deleted';
+  projectId: string;
+  appId: string;
+}
+
+/** A build was deleted (by hand or by retention): processes drop their local copy. */
+export interface BuildDeleted {
+  type: 'build.deleted';
+  projectId: string;
+  appId: string;
+  buildId: string;
+}
+
 /** What a process announces. */
-export type ChangeEvent = ServiceAccountChanged | SecretsChanged | BuildActivated | BuildQueued;
+export type ChangeEvent =
+  | ServiceAccountChanged
+  | SecretsChanged
+  | BuildActivated
+  | BuildQueued
+  | AppChanged
+  | AppDeleted
+  | BuildDeleted
+  | RunCancel;
 
 /** Told by the transport only, never published: events may have been lost; treat everything as changed. */
 export interface Resync {
@@ -139,7 +177,18 @@ export function parseChangeEvent(value: unknown): ChangeEvent | undefined {
     }
     case 'secrets.changed':
       return { type: v.type, projectId };
+    case 'app.deleted':
+    case 'app.changed': {
+      const appId = id('appId');
+      return appId ? { type: v.type, projectId, appId } : undefined;
+    }
+    case 'run.cancel': {
+      const appId = id('appId');
+      const runId = id('runId');
+      return appId && runId ? { type: v.type, projectId, appId, runId } : undefined;
+    }
     case 'build.queued':
+    case 'build.deleted':
     case 'build.activated': {
       const appId = id('appId');
       const buildId = id('buildId');

@@ -22,6 +22,8 @@ export interface ClusterNames {
   nodesBucket: string;
   /** The subject of the change feed (cache invalidation). */
   changesSubject: string;
+  /** Core NATS: after each commit of runs' final states, their ids (wakes callers waiting on other nodes). */
+  finishedSubject: string;
 }
 
 export function clusterNames(cluster: string): ClusterNames {
@@ -37,6 +39,7 @@ export function clusterNames(cluster: string): ClusterNames {
     artifactsBucket: `${cluster}_artifacts`,
     nodesBucket: `${cluster}_nodes`,
     changesSubject: `${cluster}.changes`,
+    finishedSubject: `${cluster}.finished`,
   };
 }
 

@@ -23,7 +23,7 @@ import http, { type IncomingMessage, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import { PassThrough } from 'node:stream';
 import type { Logger } from 'pino';
-import type { AppConfig } from '../apps/app-config.js';
+import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { refuseUpgrade } from '../http/custom-proxy.js';
 import type { Metrics } from '../metrics.js';
@@ -31,6 +31,7 @@ import type { PoolBuild } from '../replicas/pool.js';
 import type { Invoker } from '../runs/invoke.js';
 import { probeStore, type Store } from '../store/index.js';
 import type { RunMode } from '../store/schema.js';
+import type { CallerTally } from './caller-tally.js';
 import type { ClusterAuth } from './cluster-auth.js';
 
 /** What a gateway tells a worker about a call (the first line of the body, or `x-ferry-call`). */
@@ -80,6 +81,8 @@ export interface WorkerApiDeps {
   store: Store;
   invoker: Invoker;
   auth: ClusterAuth;
+  /** Counts each call by app and calling gateway while it lasts (announced with the worker's load). */
+  callers?: CallerTally;
   metrics: Metrics;
   refreshGauges(): void;
   logger: Logger;
@@ -120,15 +123,25 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       res.end(text);
       return;
     }
-    if (!deps.auth.verify(req.headers.authorization)) throw new FerryError('FERRY_CLUSTER_UNAUTHENTICATED');
-    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/invoke`) return invoke(req, res);
-    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/http`) return forwardHttp(req, res);
+    const caller = deps.auth.verify(req.headers.authorization);
+    if (!caller) throw new FerryError('FERRY_CLUSTER_UNAUTHENTICATED');
+    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/invoke`) return invoke(req, res, caller.nodeId);
+    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/http`) return forwardHttp(req, res, caller.nodeId);
     throw new FerryError('FERRY_ROUTE_NOT_FOUND', `No internal route ${req.method} ${url.split('?')[0]}`);
   }
 
   /** A cortex call: runs the function, answers its events as lines. */
-  async function invoke(req: IncomingMessage, res: ServerResponse): Promise<void> {
+  async function invoke(req: IncomingMessage, res: ServerResponse, caller: string): Promise<void> {
     const { meta, body } = await readCall(req, deps.maxBodyBytes);
+    const leave = deps.callers?.enter(`${meta.projectId}/${meta.appId}`, caller);
+    try {
+      await invokeCounted(res, meta, body);
+    } finally {
+      leave?.();
+    }
+  }
+
+  async function invokeCounted(res: ServerResponse, meta: CallMeta, body: Buffer): Promise<void> {
     const build = await builds.get(meta);
     const gone = goneSignal(res);
     const streaming = meta.mode === 'stream';
@@ -182,13 +195,28 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
   }
 
   /** A custom app's HTTP call: forwards it to the app's server and streams the answer back. */
-  async function forwardHttp(req: IncomingMessage, res: ServerResponse): Promise<void> {
+  async function forwardHttp(req: IncomingMessage, res: ServerResponse, caller: string): Promise<void> {
     const { meta, rest } = await readMeta(req);
     if (!meta.http) throw new FerryError('FERRY_VALIDATION', 'the call has no request to forward');
+    const leave = deps.callers?.enter(`${meta.projectId}/${meta.appId}`, caller);
+    try {
+      await forwardHttpCounted(req, res, meta, meta.http, rest);
+    } finally {
+      leave?.();
+    }
+  }
+
+  async function forwardHttpCounted(
+    req: IncomingMessage,
+    res: ServerResponse,
+    meta: CallMeta,
+    call: NonNullable<CallMeta['http']>,
+    rest: Buffer,
+  ): Promise<void> {
     const build = await builds.get(meta);
     const gone = goneSignal(res);
     let body: PassThrough | null = null;
-    if (meta.http.hasBody) {
+    if (call.hasBody) {
       body = new PassThrough();
       if (rest.length > 0) body.write(rest);
       req.pipe(body);
@@ -204,7 +232,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         webhookUrl: meta.webhookUrl,
         webhookSecret: meta.webhookSecret,
         input: meta.input ?? null,
-        http: { method: meta.http.method, path: meta.http.path, headers: meta.http.headers, body },
+        http: { method: call.method, path: call.path, headers: call.headers, body },
         onResponse(head) {
           answered = true;
           res.writeHead(200, { 'content-type': 'application/octet-stream' });
@@ -235,7 +263,8 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       meta = undefined;
     }
     const runId = meta?.runId ?? 'unknown';
-    if (!deps.auth.verify(req.headers.authorization)) {
+    const caller = deps.auth.verify(req.headers.authorization);
+    if (!caller) {
       refuseUpgrade(socket, runId, new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'));
       return;
     }
@@ -243,6 +272,8 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       refuseUpgrade(socket, runId, new FerryError('FERRY_VALIDATION', 'not a session call'));
       return;
     }
+    const leave = deps.callers?.enter(`${meta.projectId}/${meta.appId}`, caller.nodeId);
+    socket.once('close', () => leave?.());
     void session(meta, socket, head).catch((err: unknown) => {
       if (!(err instanceof FerryError)) logger.error({ err, runId }, 'internal session failed');
       if (!socket.destroyed) refuseUpgrade(socket, runId, err);
@@ -429,16 +460,33 @@ function readCall(req: IncomingMessage, limit: number): Promise<{ meta: CallMeta
 }
 
 /** Builds by id, as the worker runs them: ready builds are immutable, so they are kept (bounded). */
+/**
+ * The builds named by calls, with the app's scaling in force (an override set through the API applies to
+ * every build): kept for a second, as run targets are, so a scaling change reaches this worker's pools.
+ */
 function createBuildCache(store: Store) {
-  const cache = new Map<string, PoolBuild>();
+  const cache = new Map<string, { build: PoolBuild; until: number }>();
   return {
     async get(meta: CallMeta): Promise<PoolBuild> {
+      const now = Date.now();
       const hit = cache.get(meta.buildId);
-      if (hit && hit.projectId === meta.projectId && hit.appId === meta.appId) return hit;
+      if (hit && hit.until > now && hit.build.projectId === meta.projectId && hit.build.appId === meta.appId) {
+        return hit.build;
+      }
       const row = await store
         .selectFrom('builds')
-        .select(['id', 'project_id', 'app_id', 'state', 'config_json'])
-        .where('id', '=', meta.buildId)
+        .leftJoin('apps', (j) =>
+          j.onRef('apps.project_id', '=', 'builds.project_id').onRef('apps.id', '=', 'builds.app_id'),
+        )
+        .select([
+          'builds.id',
+          'builds.project_id',
+          'builds.app_id',
+          'builds.state',
+          'builds.config_json',
+          'apps.scaling_json',
+        ])
+        .where('builds.id', '=', meta.buildId)
         .executeTakeFirst();
       if (!row || row.project_id !== meta.projectId || row.app_id !== meta.appId || row.state !== 'ready') {
         throw new FerryError('FERRY_NO_READY_BUILD', 'The build the gateway named is not a ready build of this app', {
@@ -449,10 +497,10 @@ function createBuildCache(store: Store) {
         projectId: row.project_id,
         appId: row.app_id,
         buildId: row.id,
-        config: JSON.parse(row.config_json ?? '{}') as AppConfig,
+        config: withScalingOverride(JSON.parse(row.config_json ?? '{}') as AppConfig, row.scaling_json),
       };
       if (cache.size >= 1000) cache.delete(cache.keys().next().value as string);
-      cache.set(row.id, build);
+      cache.set(row.id, { build, until: now + 1000 });
       return build;
     },
   };

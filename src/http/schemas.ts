@@ -54,6 +54,10 @@ export const Build = Type.Object({
   config_toml: Type.Optional(
     Type.String({ description: 'The ferry.toml the build was made with (single build only)' }),
   ),
+  active: Type.Boolean({
+    description:
+      "Whether this is the app's active build (the one calls run): the newest ready build, or the one activated since",
+  }),
 });
 
 export const App = Type.Object({
@@ -70,6 +74,29 @@ export const App = Type.Object({
   active_build_id: Nullable(Type.String()),
   latest_build_id: Nullable(Type.String()),
   latest_build_state: Nullable(Type.String()),
+  scaling_override: Nullable(
+    Type.Record(Type.String(), Type.Integer(), {
+      description:
+        'Keys of [scaling] set through `PATCH .../apps/{app_id}`; they override every build’s ferry.toml until cleared',
+    }),
+  ),
+  scaling: Type.Optional(
+    Nullable(
+      Type.Object(
+        {
+          min_replicas: Type.Integer(),
+          max_replicas: Type.Integer(),
+          replica_concurrency: Type.Integer(),
+          cooldown: Type.Integer(),
+          response_grace_period: Type.Integer(),
+        },
+        {
+          description:
+            'Single app only: the scaling in force (the active build’s [scaling] with the override over it); null without a ready build',
+        },
+      ),
+    ),
+  ),
   created_at: Type.String({ format: 'date-time' }),
   updated_at: Type.String({ format: 'date-time' }),
 });

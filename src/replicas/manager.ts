@@ -3,7 +3,8 @@
  * drain after a redeploy. Reaps idle replicas on a timer and keeps `min_replicas` running.
  */
 import type { Logger } from 'pino';
-import type { AppConfig } from '../apps/app-config.js';
+import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
+import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { Store } from '../store/index.js';
 import { type PoolBuild, ReplicaPool } from './pool.js';
@@ -19,6 +20,8 @@ export interface ReplicaManagerDeps {
   startTimeoutMs: number;
   reapEveryMs?: number;
   onChange?: () => void;
+  /** A draining pool (an old build, or a deleted app's) stopped its last replica: its build runs here no more. */
+  onDrained?: (buildId: string) => void;
   onColdStart?: (build: PoolBuild, ms: number) => void;
   /** Lines replicas print outside runs, and what happened to them (`system`): the app's log. */
   onReplicaOutput?: (build: PoolBuild, replicaId: string, stream: 'stdout' | 'stderr' | 'system', line: string) => void;
@@ -44,6 +47,13 @@ export interface ReplicaManager {
   /** A build became active: switch the app to it now (old replicas drain) and start its minimum. */
   activate(projectId: string, appId: string): Promise<void>;
   pools(): ReplicaPool[];
+  /**
+   * The app was deleted: its replicas take no new runs and stop once their runs are done (each within
+   * the response grace period); calls naming its builds are refused from now on.
+   */
+  remove(projectId: string, appId: string): void;
+  /** Build ids any pool here runs (a build in use keeps its files). */
+  buildsInUse(): Set<string>;
   close(graceMs?: number): Promise<void>;
 }
 
@@ -89,11 +99,15 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
               // gateways send calls elsewhere while others run max_replicas): a call never waits for nothing.
               (!deps.elsewhere ||
                 pool.liveReplicas === 0 ||
-                pool.liveReplicas + deps.elsewhere(build.projectId, build.appId) < build.config.scaling.max_replicas),
+                pool.liveReplicas + deps.elsewhere(build.projectId, build.appId) <
+                  pool.build.config.scaling.max_replicas),
           }
         : {}),
       ...(deps.isHome
-        ? { minReplicas: () => (deps.isHome!(build.projectId, build.appId) ? build.config.scaling.min_replicas : 0) }
+        ? {
+            minReplicas: () =>
+              deps.isHome!(build.projectId, build.appId) ? pool.build.config.scaling.min_replicas : 0,
+          }
         : {}),
       onColdStart: (ms) => deps.onColdStart?.(build, ms),
       onEvent: (replicaId, line) => deps.onReplicaOutput?.(build, replicaId, 'system', line),
@@ -112,16 +126,38 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
     return pool;
   }
 
+  /** The active build of each app as last read from the store here (rollback: not always the newest). */
+  const activeIds = new Map<string, string>();
+
+  /** Builds of deleted apps: a call still naming one (a run target a moment old) is refused. */
+  const removed = new Set<string>();
+
   function pool(build: PoolBuild): ReplicaPool {
+    if (removed.has(build.buildId))
+      throw new FerryError('FERRY_APP_NOT_FOUND', `No app "${build.appId}" in this project`);
     const key = `${build.projectId}/${build.appId}`;
     const existing = current.get(key);
-    if (existing && existing.build.buildId >= build.buildId) return existing;
+    if (existing) {
+      if (existing.build.buildId === build.buildId) return existing;
+      // A call may name a build from a run target up to a second old: switch only to the app's active
+      // build as the store last said (an activate may have rolled back), else to a newer one.
+      const known = activeIds.get(key);
+      if (known !== undefined ? build.buildId !== known : existing.build.buildId > build.buildId) return existing;
+    }
+    return switchTo(build, existing);
+  }
+
+  /** A new pool for `build` (its replicas start as needed); the old one drains: its runs finish first. */
+  function switchTo(build: PoolBuild, existing: ReplicaPool | undefined): ReplicaPool {
+    const key = `${build.projectId}/${build.appId}`;
     const fresh = makePool(build);
     current.set(key, fresh);
     if (existing) {
       deps.logger.info(
         { app: build.appId, from: existing.build.buildId, to: build.buildId },
-        'switching to the new build',
+        existing.build.buildId === build.buildId
+          ? 'replacing replicas for the new replica_concurrency'
+          : 'switching to the new build',
       );
       existing.drain();
       draining.add(existing);
@@ -133,19 +169,24 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
     const row = await deps.store
       .selectFrom('apps')
       .innerJoin('builds', 'builds.id', 'apps.active_build_id')
-      .select(['builds.id', 'builds.config_json'])
+      .select(['builds.id', 'builds.config_json', 'apps.scaling_json'])
       .where('apps.project_id', '=', projectId)
       .where('apps.id', '=', appId)
       .executeTakeFirst();
     if (!row) return undefined;
-    return { projectId, appId, buildId: row.id, config: JSON.parse(row.config_json) as AppConfig };
+    activeIds.set(`${projectId}/${appId}`, row.id);
+    const config = withScalingOverride(JSON.parse(row.config_json) as AppConfig, row.scaling_json);
+    return { projectId, appId, buildId: row.id, config };
   }
 
   const timer = setInterval(() => {
     for (const p of current.values()) p.reapIdle();
     for (const p of draining) {
       p.reapIdle();
-      if (p.replicas.size === 0 && p.queueDepth === 0) draining.delete(p);
+      if (p.replicas.size === 0 && p.queueDepth === 0) {
+        draining.delete(p);
+        deps.onDrained?.(p.build.buildId);
+      }
     }
   }, deps.reapEveryMs ?? 1000);
   timer.unref();
@@ -169,11 +210,44 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
       const build = await activeBuild(projectId, appId);
       if (!build) return;
       const key = `${projectId}/${appId}`;
+      const existing = current.get(key);
+      if (existing && existing.build.buildId === build.buildId) {
+        // The same build with other scaling (PATCH .../apps/{app}): in place, or new replicas for a new
+        // replica_concurrency (a replica is started for its concurrency).
+        const before = existing.build.config.scaling;
+        const after = build.config.scaling;
+        if (before.replica_concurrency !== after.replica_concurrency) switchTo(build, existing).ensureMinimum();
+        else existing.updateScaling(after);
+        changed();
+        return;
+      }
       // Only switch eagerly when replicas are running or wanted; a scaled-to-zero app switches on its next run.
       const wanted = build.config.scaling.min_replicas > 0 && (!deps.isHome || deps.isHome(projectId, appId));
       if (current.has(key) || wanted) pool(build).ensureMinimum();
     },
     pools: () => [...current.values(), ...draining],
+    remove(projectId, appId) {
+      const key = `${projectId}/${appId}`;
+      activeIds.delete(key);
+      const pools = [...current.values(), ...draining].filter(
+        (p) => p.build.projectId === projectId && p.build.appId === appId,
+      );
+      for (const p of pools) {
+        if (removed.size >= 10_000) removed.clear();
+        removed.add(p.build.buildId);
+        p.drain();
+        draining.add(p);
+      }
+      current.delete(key);
+      if (pools.length > 0) deps.logger.info({ app: appId }, 'app deleted: its replicas stop once their runs are done');
+      changed();
+    },
+    buildsInUse() {
+      const ids = new Set<string>();
+      for (const p of current.values()) ids.add(p.build.buildId);
+      for (const p of draining) ids.add(p.build.buildId);
+      return ids;
+    },
     async close(graceMs) {
       clearInterval(timer);
       await Promise.all([...current.values(), ...draining].map((p) => p.close(graceMs)));

@@ -29,7 +29,7 @@ export interface Slot {
    * so the replica takes no more runs and is stopped at once: SIGTERM, RUN_TIMEOUT_KILL_GRACE_MS, then
    * SIGKILL of its whole sandbox. Other runs in flight on it (replica_concurrency > 1) are cut too.
    */
-  release(options?: { timedOut?: boolean }): void;
+  release(options?: { timedOut?: boolean; reason?: string }): void;
 }
 
 export interface PoolDeps {
@@ -76,7 +76,7 @@ interface Waiter {
 }
 
 export class ReplicaPool {
-  readonly build: PoolBuild;
+  private current: PoolBuild;
   readonly replicas = new Set<Replica>();
   private readonly waiters: Waiter[] = [];
   private draining = false;
@@ -91,7 +91,42 @@ export class ReplicaPool {
 
   constructor(deps: PoolDeps) {
     this.deps = deps;
-    this.build = deps.build;
+    this.current = deps.build;
+  }
+
+  /** The build this pool runs, with the app's scaling in force (updated in place by `updateScaling`). */
+  get build(): PoolBuild {
+    return this.current;
+  }
+
+  /**
+   * New scaling for the same build (`PATCH .../apps/{app}`), in force at once: replicas start up to a higher
+   * min_replicas, waiting runs may start replicas up to a higher max_replicas, and idle replicas above a
+   * lower max_replicas stop now (busy ones when their runs end, as after a cooldown). replica_concurrency
+   * is not changed in place: a replica is started for its concurrency, so the manager replaces the pool.
+   */
+  updateScaling(scaling: PoolBuild['config']['scaling']): void {
+    this.current = { ...this.current, config: { ...this.current.config, scaling } };
+    if (this.draining) return;
+    this.ensureMinimum();
+    this.scale();
+    let live = this.live();
+    const idle = [...this.replicas]
+      .filter((r) => r.state === 'ready' && r.inflight === 0)
+      .sort((a, b) => a.lastUsed - b.lastUsed);
+    for (const r of idle) {
+      if (live <= scaling.max_replicas) break;
+      live -= 1;
+      this.deps.logger.info({ replica: r.id, app: this.build.appId }, 'replica above max_replicas; stopping');
+      void this.stopReplica(r);
+    }
+    // Busy replicas above the new maximum take no new runs and stop once idle.
+    for (const r of [...this.replicas].filter((x) => x.state === 'ready' && !this.retired.has(x))) {
+      if (live <= scaling.max_replicas) break;
+      if (r.inflight === 0) continue;
+      live -= 1;
+      this.retired.add(r);
+    }
   }
 
   private get scaling() {
@@ -148,7 +183,7 @@ export class ReplicaPool {
         released = true;
         replica.inflight -= 1;
         replica.lastUsed = Date.now();
-        if (options?.timedOut) this.killTimedOut(replica);
+        if (options?.timedOut) this.killTimedOut(replica, options.reason);
         else if (this.draining && replica.inflight === 0) void this.stopReplica(replica);
         this.dispatch();
       },
@@ -312,15 +347,18 @@ export class ReplicaPool {
     }
   }
 
-  /** A run on `replica` timed out: no more runs on it, and it is stopped now, whatever else it is running. */
-  private killTimedOut(replica: Replica): void {
+  /**
+   * A run on `replica` timed out (or was cancelled and did not return): no more runs on it, and it is
+   * stopped now, whatever else it is running.
+   */
+  private killTimedOut(replica: Replica, reason = 'a run timed out'): void {
     this.retired.add(replica);
     this.deps.onEvent?.(
       replica.id,
-      `a run timed out: stopping the replica (SIGTERM, then SIGKILL after ${RUN_TIMEOUT_KILL_GRACE_MS} ms)${replica.inflight > 0 ? `; ${replica.inflight} other run(s) on it are cut` : ''}`,
+      `${reason}: stopping the replica (SIGTERM, then SIGKILL after ${RUN_TIMEOUT_KILL_GRACE_MS} ms)${replica.inflight > 0 ? `; ${replica.inflight} other run(s) on it are cut` : ''}`,
     );
     if (replica.state !== 'stopping' && replica.state !== 'exited') {
-      void replica.stop(RUN_TIMEOUT_KILL_GRACE_MS, 'another run on the same replica timed out');
+      void replica.stop(RUN_TIMEOUT_KILL_GRACE_MS, `another run on the same replica: ${reason}`);
     }
     this.scale();
   }

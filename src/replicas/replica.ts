@@ -6,6 +6,7 @@
 import type { ChildProcess } from 'node:child_process';
 import { EventEmitter } from 'node:events';
 import fs from 'node:fs';
+import http from 'node:http';
 import net from 'node:net';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
@@ -226,6 +227,39 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     } catch (err) {
       throw await this.failure(err, request.signal);
     }
+  }
+
+  /**
+   * Cortex runtimes: asks the bootstrap to tell the run's function it is cancelled (its AbortSignal fires;
+   * an async Python function gets asyncio.CancelledError). On a connection of its own: the replica's pool
+   * may be busy with the very run. Resolves whether the bootstrap found the run to tell; never rejects.
+   */
+  cancel(runId: string): Promise<boolean> {
+    const socketPath = this.socketPath;
+    if (socketPath === undefined || this.state !== 'ready') return Promise.resolve(false);
+    return new Promise((resolve) => {
+      const req = http.request(
+        { socketPath, method: 'POST', path: `/_ferry/cancel/${encodeURIComponent(runId)}`, timeout: 5_000 },
+        (res) => {
+          let text = '';
+          res.setEncoding('utf8');
+          res.on('data', (d: string) => {
+            if (text.length < 1024) text += d;
+          });
+          res.on('end', () => {
+            try {
+              resolve((JSON.parse(text) as { cancelled?: unknown }).cancelled === true);
+            } catch {
+              resolve(false);
+            }
+          });
+          res.on('error', () => resolve(false));
+        },
+      );
+      req.on('timeout', () => req.destroy());
+      req.on('error', () => resolve(false));
+      req.end();
+    });
   }
 
   /** Custom runtime: a raw connection to the user's server (WebSocket upgrades are proxied over it). */

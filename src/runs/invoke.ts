@@ -21,6 +21,9 @@ export const MAX_STORED_INPUT_BYTES = 64 * 1024;
 export const MAX_STORED_RESULT_BYTES = 256 * 1024;
 
 const TIMED_OUT = Symbol('timed out');
+const CANCELLED = Symbol('cancelled');
+/** How long a cancelled function has to return before its replica is stopped (FERRY_CANCEL_GRACE_SECONDS). */
+export const DEFAULT_CANCEL_GRACE_MS = 5_000;
 
 /** What every run has, whatever the runtime. */
 export interface RunRequestBase {
@@ -120,6 +123,13 @@ export interface InvokeResult {
 
 export interface Invoker {
   invoke(request: InvokeRequest): Promise<InvokeResult>;
+  /**
+   * Cancels a run this process is performing (POST .../runs/{run_id}/cancel): one still waiting for a slot
+   * ends at once; a cortex function is told (its AbortSignal, or asyncio cancellation) and has the cancel
+   * grace to return, after which its replica is stopped; a custom app's request is closed. The run ends
+   * `cancelled`. False when no run of that id is in progress here.
+   */
+  cancel(runId: string): boolean;
   /** Custom runtime: forwards one HTTP request to the app's server, recorded as a run like any other. */
   invokeHttp(request: HttpInvokeRequest): Promise<InvokeResult>;
   /**
@@ -154,6 +164,8 @@ export interface InvokerDeps {
   logger: Logger;
   /** Told when a run ends, for metrics. */
   onFinished?: (build: PoolBuild, state: RunState, statusCode: number, seconds: number, coldStart: boolean) => void;
+  /** How long a cancelled cortex function has to return before its replica is stopped. */
+  cancelGraceMs?: number;
 }
 
 function storedInput(body: Buffer): string | null {
@@ -163,6 +175,9 @@ function storedInput(body: Buffer): string | null {
 export function createInvoker(deps: InvokerDeps): Invoker {
   const { recorder } = deps;
   const maxStoredResult = deps.maxStoredResultBytes ?? MAX_STORED_RESULT_BYTES;
+  const cancelGraceMs = deps.cancelGraceMs ?? DEFAULT_CANCEL_GRACE_MS;
+  /** Runs in progress here, by id: how to cancel each. */
+  const cancels = new Map<string, () => void>();
 
   /**
    * The one path every run takes: record it, take a replica slot within the app's response_grace_period,
@@ -172,6 +187,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     request: RunRequestBase,
     input: { stored: string | null; bytes: number },
     call: (slot: Slot, signal: AbortSignal, runId: string) => Promise<CallOutcome>,
+    /** Cortex functions are told of a cancel and given time to return; custom apps' requests are closed. */
+    cooperative = false,
   ): Promise<InvokeResult> {
     const { runId, build } = request;
     const created = Date.now();
@@ -204,6 +221,29 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     let started = 0;
     let slot: Slot | undefined;
     let claimed = false;
+    let cancelRequested = false;
+    let stopReplica = false;
+    let cancelTimer: NodeJS.Timeout | undefined;
+    const cancel = () => {
+      if (cancelRequested) return;
+      cancelRequested = true;
+      const taken = slot;
+      if (!taken || started === 0 || !cooperative) {
+        deadline.abort(CANCELLED);
+        return;
+      }
+      // Told first; the call goes on until the function returns, or until the grace is over.
+      void taken.replica.cancel(runId).then((found) => {
+        // The bootstrap may not have the run yet (the call was just sent): once more, a moment later.
+        if (!found && !deadline.signal.aborted) setTimeout(() => void taken.replica.cancel(runId), 200).unref();
+      });
+      cancelTimer = setTimeout(() => {
+        stopReplica = true;
+        deadline.abort(CANCELLED);
+      }, cancelGraceMs);
+      cancelTimer.unref();
+    };
+    cancels.set(runId, cancel);
     try {
       // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
       const pool = deps.replicas.pool(build);
@@ -230,6 +270,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       request.onStarted?.();
 
       const outcome = await call(slot, signal, runId);
+      // Cancelled while it ran: it returned within the grace, but the run was cancelled all the same.
+      if (cancelRequested) throw CANCELLED;
       const { result } = outcome;
       const runTimeMs = Date.now() - started;
       const text = outcome.resultOmitted ? null : (JSON.stringify(result) ?? 'null');
@@ -258,15 +300,23 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       // Not started, and the app is only busy: the async worker tries again later, nothing to record.
       if (request.claim && !claimed && caught instanceof FerryError && caught.code === 'FERRY_QUEUE_FULL') throw caught;
       const timedOut = caught === timeout || signal.reason === timeout;
+      const cancelled = !timedOut && cancelRequested;
       const err = timedOut
         ? new FerryError(
             'FERRY_RUN_TIMEOUT',
             `The run took longer than the app's response_grace_period (${build.config.scaling.response_grace_period} s)`,
           )
-        : caught;
+        : cancelled
+          ? new FerryError(
+              'FERRY_RUN_CANCELLED',
+              stopReplica
+                ? `The run was cancelled; the function did not return within ${cancelGraceMs / 1000} s, so its replica was stopped`
+                : undefined,
+            )
+          : caught;
       const ferry = err instanceof FerryError ? err : undefined;
       const clientGone = !ferry && request.signal?.aborted === true;
-      const state: RunState = timedOut ? 'timeout' : clientGone ? 'cancelled' : 'failure';
+      const state: RunState = timedOut ? 'timeout' : clientGone || cancelled ? 'cancelled' : 'failure';
       if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
       const code = ferry?.code ?? (clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
       const message = ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error');
@@ -276,16 +326,19 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         {
           error_code: code,
           error_message: message,
-          reason: clientGone ? 'client_disconnected' : (ferry?.code ?? null),
+          reason: clientGone ? 'client_disconnected' : cancelled ? 'cancelled' : (ferry?.code ?? null),
           run_time_ms: started ? Date.now() - started : null,
         },
         { error: { code, message, type: ferry?.details.type } },
       );
       // Recorded as `timeout` first; then the replica, which may still be running it, is stopped.
       if (timedOut && slot) slot.release({ timedOut: true });
+      if (stopReplica && slot) slot.release({ timedOut: true, reason: 'a cancelled run did not return' });
       throw ferry ?? (clientGone ? caught : new FerryError('FERRY_INTERNAL', undefined, { cause: caught }));
     } finally {
       clearTimeout(timer);
+      clearTimeout(cancelTimer);
+      if (cancels.get(runId) === cancel) cancels.delete(runId);
       slot?.release();
     }
 
@@ -307,6 +360,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             url: request.webhookUrl,
             payload: buildWebhookPayload({
               runId,
+              state,
               finishedAt: now,
               statusCode,
               runTimeMs: values.run_time_ms ?? null,
@@ -426,7 +480,18 @@ export function createInvoker(deps: InvokerDeps): Invoker {
 
   return {
     invoke(request) {
-      return perform(request, { stored: storedInput(request.body), bytes: request.body.length }, callFunction(request));
+      return perform(
+        request,
+        { stored: storedInput(request.body), bytes: request.body.length },
+        callFunction(request),
+        request.build.config.app.runtime !== 'custom',
+      );
+    },
+    cancel(runId) {
+      const cancel = cancels.get(runId);
+      if (!cancel) return false;
+      cancel();
+      return true;
     },
     invokeHttp(request) {
       const bytes = Buffer.isBuffer(request.http.body) ? request.http.body.length : 0;

@@ -546,6 +546,16 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
   }
 
   return {
+    async forgetApp(projectId, appId) {
+      const feed = feeds.get(`${projectId}/${appId}`);
+      feeds.delete(`${projectId}/${appId}`);
+      const jsm = await manager();
+      // Its runs are cancelled in the store: their messages would only be fetched to be dropped.
+      await jsm.streams.purge(names.runsStream, { filter: names.runsSubject(projectId, appId) }).catch(() => undefined);
+      await jsm.consumers
+        .delete(names.runsStream, feed?.durable ?? `runs_${projectId}_${appId}`)
+        .catch(() => undefined);
+    },
     ownerFor() {
       // Every accepted run goes through the stream, so any consuming node may take it.
       return null;

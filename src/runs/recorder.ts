@@ -89,6 +89,8 @@ export interface RunRecorder {
   finish(runId: string, changes: RunChanges, outbox?: OutboxEntry): void;
   /** Called after each flush that wrote outbox entries (wakes the webhook deliverer). */
   onOutbox?: () => void;
+  /** Called after each flush that committed runs' final states, with their ids (wakes waiting callers). */
+  onFinished?: (runIds: string[]) => void;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
   /**
@@ -173,7 +175,8 @@ export function createRunRecorder(deps: {
     return Math.min(limits.retryMaxMs, limits.retryFirstMs * 2 ** Math.min(failures - 1, 20));
   }
 
-  async function write(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): Promise<void> {
+  /** Writes a batch in one transaction; resolves with the ids of the runs whose final state it committed. */
+  async function write(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): Promise<string[]> {
     const inserts: RunRow[] = [];
     const updates: Array<[string, RunChanges]> = [];
     for (const [id, p] of batch) {
@@ -233,6 +236,12 @@ export function createRunRecorder(deps: {
         }
       }
     });
+    const finished: string[] = [];
+    for (const [id, p] of batch) {
+      const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
+      if (done && !fenced.has(id)) finished.push(id);
+    }
+    return finished;
   }
 
   /** Puts a batch whose write failed back in front of what came since, so the next write has it all. */
@@ -327,13 +336,15 @@ export function createRunRecorder(deps: {
       if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return;
       const { batch, lines, deliveries } = takeBatch(force);
       if (batch.size === 0 && lines.length === 0 && deliveries.length === 0) return;
+      let finished: string[];
       try {
-        await write(batch, lines, deliveries);
+        finished = await write(batch, lines, deliveries);
       } catch (err) {
         requeue(batch, lines, deliveries);
         failed(err);
         return;
       }
+      if (finished.length > 0) recorder.onFinished?.(finished);
       if (failures > 0) {
         recovered();
         // What came in while the retry ran found the back-off in force and was not scheduled.

@@ -16,7 +16,7 @@ import tls from 'node:tls';
 import type { Logger } from 'pino';
 import { type Dispatcher, Pool } from 'undici';
 import type { ClusterAuth } from '../cluster/cluster-auth.js';
-import { placeCall } from '../cluster/placement.js';
+import { placeCall, withOwnCalls } from '../cluster/placement.js';
 import { type CallMeta, encodeHeaderMeta, INTERNAL_PREFIX } from '../cluster/worker-api.js';
 import type { WorkerAnnouncement, WorkerDirectory } from '../cluster/workers.js';
 import { ERRORS, type ErrorCode, FerryError } from '../errors.js';
@@ -32,6 +32,8 @@ import type {
 export interface RemoteInvokerDeps {
   directory: WorkerDirectory;
   auth: ClusterAuth;
+  /** This gateway's node id, as workers count its calls in their announcements. */
+  nodeId: string;
   logger: Logger;
 }
 
@@ -77,33 +79,21 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
     return pool;
   }
 
-  /** Workers to try, in order, for the app of `request`, with this gateway's own calls counted in. */
+  /**
+   * Workers to try, in order, for the app of `request`. An announcement is up to a second old: of its
+   * calls in flight, the other gateways' part is taken as announced and this gateway's own part is what it
+   * has in flight now, so a burst spreads and a worker that just freed slots is seen to have room.
+   */
   function candidates(request: RunRequestBase): WorkerAnnouncement[] {
     const appKey = `${request.build.projectId}/${request.build.appId}`;
-    const live = directory.live().map((w) => {
-      // Announcements are up to a second old: add what this gateway sent since, so a burst spreads.
-      const mine = appInflight.get(`${w.id}\0${appKey}`) ?? 0;
-      if (mine === 0) return w;
-      // Not announced yet (its first calls are on the way): the slots it could start, as far as known here.
-      const { scaling } = request.build.config;
-      const room = w.load.capacity > 0 ? Math.max(0, w.load.capacity - w.load.replicas) : scaling.max_replicas;
-      const app = w.load.apps[appKey] ?? {
-        replicas: 0,
-        inflight: 0,
-        capacity: Math.min(room, scaling.max_replicas) * scaling.replica_concurrency,
-      };
-      return {
-        ...w,
-        load: {
-          ...w.load,
-          inflight: Math.max(w.load.inflight, inflight.get(w.id) ?? 0),
-          apps: {
-            ...w.load.apps,
-            [appKey]: { replicas: app.replicas, capacity: app.capacity, inflight: Math.max(app.inflight, mine) },
-          },
-        },
-      };
-    });
+    const live = directory.live().map((w) =>
+      withOwnCalls(w, appKey, {
+        nodeId: deps.nodeId,
+        mine: appInflight.get(`${w.id}\0${appKey}`) ?? 0,
+        mineOnWorker: inflight.get(w.id) ?? 0,
+        scaling: request.build.config.scaling,
+      }),
+    );
     return placeCall(appKey, live, { maxReplicas: request.build.config.scaling.max_replicas });
   }
 
@@ -183,6 +173,9 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
 
   return {
     inflight: () => new Map(inflight),
+
+    // A gateway runs nothing: the worker running the run cancels it (the change feed's run.cancel).
+    cancel: () => false,
 
     invoke(request: InvokeRequest): Promise<InvokeResult> {
       const line = Buffer.from(`${JSON.stringify(metaOf(request))}\n`);

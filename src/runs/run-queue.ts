@@ -23,6 +23,8 @@ export interface RunQueue {
   accepted(run: AcceptedRun, owner: string | null): void;
   /** Free queued runs may be waiting (recovery freed some): look now. */
   wake(): void;
+  /** The app was deleted: drop what the queue keeps for it (JetStream: its consumer and messages). */
+  forgetApp?(projectId: string, appId: string): Promise<void>;
   /** Async runs this node holds and has not finished (queued here or running). */
   readonly backlog: number;
   start(): Promise<void>;

@@ -1,9 +1,12 @@
 /**
  * Runs as the management API shows them: list (newest first, filtered, paged), one run, its logs.
  */
-import { FerryError } from '../errors.js';
+
+import type { ExpressionBuilder } from 'kysely';
+import { ERRORS, FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
-import type { Run, RunMode, RunState } from '../store/schema.js';
+import type { Database, Run, RunMode, RunState } from '../store/schema.js';
+import { buildWebhookPayload } from '../webhooks/payload.js';
 
 export interface RunView {
   run_id: string;
@@ -59,32 +62,56 @@ export function viewRun(run: Run, full = false): RunView {
   };
 }
 
+/**
+ * Runs made since the app (of this name) was created: an app deleted and deployed again starts afresh,
+ * though records of the old app's last runs stay until retention removes them.
+ */
+function sinceTheApp(projectId: string, appId: string) {
+  return (eb: ExpressionBuilder<Database, 'runs'>) =>
+    eb(
+      'runs.created_at',
+      '>=',
+      // No app row (records kept by themselves): every run counts.
+      eb.fn.coalesce(
+        eb
+          .selectFrom('apps')
+          .select('apps.created_at')
+          .where('apps.project_id', '=', projectId)
+          .where('apps.id', '=', appId),
+        eb.val(''),
+      ),
+    );
+}
+
 export async function listRuns(
   store: Store,
   projectId: string,
   appId: string,
   options: { limit: number; before?: string | undefined; state?: RunState | undefined; mode?: RunMode | undefined },
 ): Promise<Run[]> {
+  // Only the runs of this app, not of a deleted app of the same name (their records wait for retention).
   let query = store
     .selectFrom('runs')
-    .selectAll()
-    .where('project_id', '=', projectId)
-    .where('app_id', '=', appId)
-    .orderBy('id', 'desc')
+    .selectAll('runs')
+    .where('runs.project_id', '=', projectId)
+    .where('runs.app_id', '=', appId)
+    .where(sinceTheApp(projectId, appId))
+    .orderBy('runs.id', 'desc')
     .limit(options.limit);
-  if (options.before) query = query.where('id', '<', options.before);
-  if (options.state) query = query.where('state', '=', options.state);
-  if (options.mode) query = query.where('mode', '=', options.mode);
+  if (options.before) query = query.where('runs.id', '<', options.before);
+  if (options.state) query = query.where('runs.state', '=', options.state);
+  if (options.mode) query = query.where('runs.mode', '=', options.mode);
   return query.execute();
 }
 
 export async function findRun(store: Store, projectId: string, appId: string, runId: string): Promise<Run> {
   const run = await store
     .selectFrom('runs')
-    .selectAll()
-    .where('project_id', '=', projectId)
-    .where('app_id', '=', appId)
-    .where('id', '=', runId)
+    .selectAll('runs')
+    .where('runs.project_id', '=', projectId)
+    .where('runs.app_id', '=', appId)
+    .where('runs.id', '=', runId)
+    .where(sinceTheApp(projectId, appId))
     .executeTakeFirst();
   if (!run) throw new FerryError('FERRY_RUN_NOT_FOUND', `No run ${runId} of app "${appId}"`);
   return run;
@@ -103,4 +130,76 @@ export async function runLogs(
     .orderBy('seq')
     .limit(10_000)
     .execute();
+}
+
+/**
+ * Ends these runs `cancelled`, those still queued only (no node has started them: starting one checks it is
+ * queued, store/claims.ts), with their webhook deliveries, in the caller's transaction. Resolves with the
+ * ids it ended.
+ */
+export async function cancelQueued(
+  trx: Store,
+  runs: ReadonlyArray<Pick<Run, 'id' | 'webhook_endpoint'>>,
+  why: { message: string; reason: string },
+  now = Date.now(),
+): Promise<string[]> {
+  if (runs.length === 0) return [];
+  const at = new Date(now).toISOString();
+  const { status } = ERRORS.FERRY_RUN_CANCELLED;
+  const ended = (
+    await trx
+      .updateTable('runs')
+      .set({
+        state: 'cancelled',
+        finished_at: at,
+        status_code: status,
+        error_code: 'FERRY_RUN_CANCELLED',
+        error_message: why.message,
+        reason: why.reason,
+      })
+      .where(
+        'id',
+        'in',
+        runs.map((r) => r.id),
+      )
+      .where('state', '=', 'queued')
+      .returning('id')
+      .execute()
+  ).map((r) => r.id);
+  const done = new Set(ended);
+  const hooks = runs
+    .filter((r) => r.webhook_endpoint && done.has(r.id))
+    .map((r) => ({
+      run_id: r.id,
+      url: r.webhook_endpoint as string,
+      payload: buildWebhookPayload({
+        runId: r.id,
+        state: 'cancelled',
+        finishedAt: now,
+        statusCode: status,
+        runTimeMs: null,
+        error: { code: 'FERRY_RUN_CANCELLED', message: why.message },
+      }),
+      state: 'pending',
+      attempts: 0,
+      next_attempt_at: at,
+      created_at: at,
+      updated_at: at,
+    }));
+  if (hooks.length > 0) {
+    await trx
+      .insertInto('webhook_deliveries')
+      .values(hooks)
+      .onConflict((oc) => oc.doNothing())
+      .execute();
+  }
+  return ended;
+}
+
+/** Ends a queued async run `cancelled` if it is still queued (POST .../runs/{run_id}/cancel). */
+export async function cancelQueuedRun(store: Store, run: Run): Promise<boolean> {
+  if (run.mode !== 'async' || run.state !== 'queued') return false;
+  const { message } = ERRORS.FERRY_RUN_CANCELLED;
+  const ended = await store.transaction().execute((trx) => cancelQueued(trx, [run], { message, reason: 'cancelled' }));
+  return ended.length > 0;
 }

@@ -3,7 +3,7 @@
  * functions. Looked up on every run (the run endpoint, the async worker), so each answer is reused for a
  * second; `forget` drops an app's entry when one of its builds becomes active.
  */
-import type { AppConfig } from '../apps/app-config.js';
+import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
 import type { Store } from '../store/index.js';
 
 export interface AppTarget {
@@ -34,7 +34,7 @@ export function createRunTargets(deps: { store: Store }): RunTargets {
       const row = await deps.store
         .selectFrom('apps')
         .leftJoin('builds', 'builds.id', 'apps.active_build_id')
-        .select(['apps.id', 'builds.id as build_id', 'builds.config_json', 'builds.functions'])
+        .select(['apps.id', 'apps.scaling_json', 'builds.id as build_id', 'builds.config_json', 'builds.functions'])
         .where('apps.project_id', '=', projectId)
         .where('apps.id', '=', appId)
         .executeTakeFirst();
@@ -42,7 +42,9 @@ export function createRunTargets(deps: { store: Store }): RunTargets {
       const value: AppTarget = {
         appId: row.id,
         buildId: row.build_id,
-        config: row.config_json ? (JSON.parse(row.config_json) as AppConfig) : undefined,
+        config: row.config_json
+          ? withScalingOverride(JSON.parse(row.config_json) as AppConfig, row.scaling_json)
+          : undefined,
         functions: row.functions ? (JSON.parse(row.functions) as string[]) : undefined,
       };
       // Apps without a ready build are not cached: a first deploy must be callable at once.

@@ -242,6 +242,14 @@ const migrations: Record<string, Migration> = {
       );
     },
   },
+  '0009_app_scaling': {
+    async up(db: Kysely<unknown>) {
+      // `PATCH /v2/projects/{p}/apps/{a}` with {"scaling": {...}}: keys of [scaling] that override those of
+      // every build's ferry.toml until cleared (JSON object; null: none).
+      await db.schema.alterTable('apps').addColumn('scaling_json', 'text').execute();
+      if (isPostgres(db)) await sql`alter table apps alter column scaling_json type text collate "C"`.execute(db);
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

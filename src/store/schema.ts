@@ -39,6 +39,8 @@ export interface AppsTable {
   project_id: string;
   name: string;
   active_build_id: string | null;
+  /** Scaling set through the API (`PATCH .../apps/{app}`): keys of [scaling] over the build's; JSON or null. */
+  scaling_json: string | null;
   created_at: string;
   updated_at: string;
 }

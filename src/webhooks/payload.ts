@@ -8,6 +8,8 @@ export const MAX_WEBHOOK_RESULT_BYTES = 1024 * 1024;
 
 export interface WebhookPayload {
   run_id: string;
+  /** How the run ended: success, failure, timeout or cancelled. */
+  state?: string;
   /** Unix seconds when the run finished. */
   timestamp: number;
   /** The HTTP status the run answered (or would have answered, for async runs). */
@@ -23,6 +25,8 @@ export interface WebhookPayload {
 
 export function buildWebhookPayload(input: {
   runId: string;
+  /** How the run ended (success, failure, timeout, cancelled). */
+  state?: string | undefined;
   finishedAt: number;
   statusCode: number;
   runTimeMs: number | null;
@@ -34,6 +38,7 @@ export function buildWebhookPayload(input: {
 }): string {
   const payload: WebhookPayload = {
     run_id: input.runId,
+    ...(input.state ? { state: input.state } : {}),
     timestamp: Math.floor(input.finishedAt / 1000),
     status_code: input.statusCode,
     run_time_ms: input.runTimeMs,

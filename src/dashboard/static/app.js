@@ -7,6 +7,7 @@ import { renderCharts } from './pages/charts.js';
 import { renderKeys } from './pages/keys.js';
 import { renderRun, renderRuns } from './pages/runs.js';
 import { renderSecrets } from './pages/secrets.js';
+import { renderSettings } from './pages/settings.js';
 import { appHref, lastApp, listApps } from './shared.js';
 import { errorBox, errorText, h } from './ui.js';
 
@@ -37,6 +38,7 @@ const ROUTES = [
   [/^\/apps\/([^/]+)\/runs$/, renderRuns, 'runs'],
   [/^\/apps\/([^/]+)\/runs\/([^/]+)$/, renderRun, 'runs'],
   [/^\/apps\/([^/]+)\/charts$/, renderCharts, 'charts'],
+  [/^\/apps\/([^/]+)\/settings$/, renderSettings, 'apps'],
   [/^\/runs$/, pickApp('runs'), 'runs'],
   [/^\/charts$/, pickApp('charts'), 'charts'],
   [/^\/keys$/, renderKeys, 'keys'],

@@ -1,7 +1,15 @@
 /** `/v2/projects/{project_id}/apps`: list and get apps. Apps are created by their first deploy. */
 import { Type } from 'typebox';
-import { getApp, listApps } from '../../apps/apps.js';
+import {
+  AppConfigError,
+  DEFAULT_SCALING,
+  parseScalingOverride,
+  type ScalingOverride,
+  storedScalingOverride,
+} from '../../apps/app-config.js';
+import { activeConfig, findApp, getApp, listApps } from '../../apps/apps.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
+import { FerryError } from '../../errors.js';
 import type { Services } from '../../services.js';
 import { requireScope } from '../auth.js';
 import { App, AppParams, errors, ProjectParams } from '../schemas.js';
@@ -30,6 +38,107 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
       schema: { summary: 'Get an app', params: AppParams, response: { 200: App, ...errors(401, 403, 404) } },
     },
     async (request) => getApp(services.store, request.params.project_id, request.params.app_id),
+  );
+
+  app.delete(
+    '/v2/projects/:project_id/apps/:app_id',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Delete an app, its builds and its run history',
+        description:
+          'Calls to the app are refused with 404 at once, on every node within a second. Its queued async runs ' +
+          'end `cancelled` (their webhooks are sent); runs in flight finish (within the response grace period) ' +
+          'while its replicas stop. Its builds, their archives and build outputs are deleted, and so are the ' +
+          'records of its finished runs with their logs; runs still in flight are recorded when they end and ' +
+          'removed by retention (FERRY_RUN_RETENTION_DAYS). An app of the same name can be deployed again: it ' +
+          'starts afresh.',
+        params: AppParams,
+        response: {
+          200: Type.Object({
+            app_id: Type.String(),
+            deleted: Type.Literal(true),
+            builds_deleted: Type.Integer(),
+            runs_cancelled: Type.Integer({ description: 'Queued async runs that ended cancelled' }),
+            runs_deleted: Type.Integer({ description: 'Records of finished runs deleted' }),
+          }),
+          ...errors(401, 403, 404),
+        },
+      },
+    },
+    async (request) => {
+      const { project_id, app_id } = request.params;
+      const done = await services.housekeeping.deleteApp(project_id, app_id);
+      services.webhooks.wake();
+      return {
+        app_id,
+        deleted: true as const,
+        builds_deleted: done.builds,
+        runs_cancelled: done.cancelledRuns,
+        runs_deleted: done.deletedRuns,
+      };
+    },
+  );
+
+  app.patch(
+    '/v2/projects/:project_id/apps/:app_id',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Change an app’s settings without a build: its scaling',
+        description:
+          '`{"scaling": {...}}` sets any keys of `[scaling]` (min_replicas, max_replicas, replica_concurrency, ' +
+          'cooldown, response_grace_period), checked as in ferry.toml; they are merged into the keys set before ' +
+          'and override every build’s ferry.toml, later deploys included, until `{"scaling": null}` clears them. ' +
+          'In force at once on every node: replicas start up to a higher min_replicas, idle replicas above a ' +
+          'lower max_replicas stop, and a new replica_concurrency replaces the replicas as a deploy does.',
+        params: AppParams,
+        body: Type.Object(
+          {
+            scaling: Type.Union([Type.Null(), Type.Object({}, { additionalProperties: true })], {
+              description: 'Keys of [scaling] to set, or null to clear the override',
+            }),
+          },
+          { additionalProperties: false },
+        ),
+        response: { 200: App, ...errors(400, 401, 403, 404, 415) },
+      },
+    },
+    async (request) => {
+      const { project_id, app_id } = request.params;
+      const found = await findApp(services.store, project_id, app_id);
+      let override: ScalingOverride | null = null;
+      if (request.body.scaling !== null) {
+        let patch: ScalingOverride;
+        try {
+          patch = parseScalingOverride(request.body.scaling);
+        } catch (err) {
+          if (err instanceof AppConfigError) throw new FerryError('FERRY_SCALING_INVALID', err.message);
+          throw err;
+        }
+        override = { ...(storedScalingOverride(found.scaling_json) ?? {}), ...patch };
+        const base = (await activeConfig(services.store, { ...found, scaling_json: null }))?.scaling ?? DEFAULT_SCALING;
+        const merged = { ...base, ...override };
+        if (merged.min_replicas > merged.max_replicas) {
+          throw new FerryError(
+            'FERRY_SCALING_INVALID',
+            `scaling.min_replicas: ${merged.min_replicas} is more than scaling.max_replicas (${merged.max_replicas})`,
+          );
+        }
+        if (Object.keys(override).length === 0) override = null;
+      }
+      await services.store
+        .updateTable('apps')
+        .set({ scaling_json: override ? JSON.stringify(override) : null, updated_at: new Date().toISOString() })
+        .where('project_id', '=', project_id)
+        .where('id', '=', app_id)
+        .execute();
+      // Every process (this one before the answer) reloads the app's target and rescales its replicas.
+      await services.changes.publish({ type: 'app.changed', projectId: project_id, appId: app_id });
+      await services.replicas.activate(project_id, app_id);
+      request.log.info({ app: app_id, scaling: override }, 'app scaling changed');
+      return getApp(services.store, project_id, app_id);
+    },
   );
 
   app.get(

@@ -75,7 +75,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
         );
         services.pipeline.enqueue(build);
         request.log.info({ buildId: build.id, app: build.app_id, bytes: build.archive_bytes }, 'build received');
-        return reply.code(201).send(viewBuild(build));
+        return reply.code(201).send(viewBuild(build, false, null));
       },
     );
   });
@@ -98,14 +98,14 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
       },
     },
     async (request) => {
-      await findApp(store, request.params.project_id, request.params.app_id);
+      const found = await findApp(store, request.params.project_id, request.params.app_id);
       const limit = request.query.limit ?? 50;
       const builds = await listBuilds(store, request.params.project_id, request.params.app_id, {
         limit,
         before: request.query.before,
       });
       return {
-        builds: builds.map((b) => viewBuild(b)),
+        builds: builds.map((b) => viewBuild(b, false, found.active_build_id)),
         next_before: builds.length === limit ? (builds.at(-1)?.id ?? null) : null,
       };
     },
@@ -119,7 +119,75 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
-      return viewBuild(await findBuild(store, project_id, app_id, build_id), true);
+      const found = await findApp(store, project_id, app_id);
+      return viewBuild(await findBuild(store, project_id, app_id, build_id), true, found.active_build_id);
+    },
+  );
+
+  app.delete(
+    '/v2/projects/:project_id/apps/:app_id/builds/:build_id',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Delete a build and its files',
+        description:
+          'Not the active build (409 FERRY_BUILD_ACTIVE) nor one still being made (409 FERRY_BUILD_IN_PROGRESS: ' +
+          'cancel it first). Its row, log, archive and build output go; runs that ran it keep their records.',
+        params: BuildParams,
+        response: {
+          200: Type.Object({ build_id: Type.String(), deleted: Type.Literal(true) }),
+          ...errors(401, 403, 404, 409),
+        },
+      },
+    },
+    async (request) => {
+      const { project_id, app_id, build_id } = request.params;
+      await services.housekeeping.deleteBuild(project_id, app_id, build_id);
+      return { build_id, deleted: true as const };
+    },
+  );
+
+  app.post(
+    '/v2/projects/:project_id/apps/:app_id/builds/:build_id/activate',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Activate a build (roll back): make an earlier ready build the one calls run',
+        description:
+          'The build must be ready (else 409 FERRY_BUILD_NOT_READY). Replicas switch as they do after a deploy: ' +
+          'the old build’s replicas take no new runs and stop once their runs are done, new runs go to the ' +
+          'activated build, on every node within a second. A later deploy that becomes ready is active in turn.',
+        params: BuildParams,
+        response: { 200: Build, ...errors(401, 403, 404, 409) },
+      },
+    },
+    async (request) => {
+      const { project_id, app_id, build_id } = request.params;
+      await findApp(store, project_id, app_id);
+      const build = await findBuild(store, project_id, app_id, build_id);
+      if (build.state !== 'ready') {
+        throw new FerryError(
+          'FERRY_BUILD_NOT_READY',
+          `Build ${build_id} is ${build.state}: only a ready build can be activated`,
+        );
+      }
+      await store
+        .updateTable('apps')
+        .set({ active_build_id: build.id, updated_at: new Date().toISOString() })
+        .where('project_id', '=', project_id)
+        .where('id', '=', app_id)
+        .execute();
+      // Every process (this one before the answer) forgets the app's run target and switches its replicas.
+      await services.changes.publish({
+        type: 'build.activated',
+        projectId: project_id,
+        appId: app_id,
+        buildId: build.id,
+      });
+      // This process has switched before it answers: a call sent after the answer runs the activated build.
+      await services.replicas.activate(project_id, app_id);
+      request.log.info({ app: app_id, build: build.id }, 'build activated');
+      return viewBuild(build, false, build.id);
     },
   );
 
@@ -135,7 +203,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
-      return viewBuild(await services.pipeline.cancel(project_id, app_id, build_id));
+      return viewBuild(await services.pipeline.cancel(project_id, app_id, build_id), false, null);
     },
   );
 

@@ -251,6 +251,8 @@ function eventText(value: unknown): string {
 /** How a stream that failed ends, as the run records it. */
 function endStateOf(err: FerryError, clientGone: boolean): StreamEndState {
   if (err.code === 'FERRY_RUN_TIMEOUT') return 'timeout';
+  // Cancelled through the API (POST .../runs/{run_id}/cancel): `event: error` FERRY_RUN_CANCELLED, then this.
+  if (err.code === 'FERRY_RUN_CANCELLED') return 'cancelled';
   return clientGone ? 'cancelled' : 'failure';
 }
 

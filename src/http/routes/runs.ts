@@ -1,7 +1,8 @@
 /** `/v2/projects/{project_id}/apps/{app_id}/runs`: list runs, get one, read its logs. */
 import { Type } from 'typebox';
 import { findApp } from '../../apps/apps.js';
-import { findRun, listRuns, runLogs, viewRun } from '../../runs/runs.js';
+import { FerryError } from '../../errors.js';
+import { cancelQueuedRun, findRun, listRuns, runLogs, viewRun } from '../../runs/runs.js';
 import type { Services } from '../../services.js';
 import { WebhookViewSchema, webhookView } from '../../webhooks/view.js';
 import { requireScope } from '../auth.js';
@@ -16,6 +17,10 @@ const RunState = Type.Union([
   Type.Literal('timeout'),
   Type.Literal('cancelled'),
 ]);
+/** The longest `?wait=` on GET .../runs/{run_id}. */
+const MAX_WAIT_SECONDS = 60;
+const FINAL_STATES = new Set(['success', 'failure', 'timeout', 'cancelled']);
+
 const RunMode = Type.Union([Type.Literal('sync'), Type.Literal('async'), Type.Literal('stream')]);
 
 const Run = Type.Object({
@@ -98,15 +103,92 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
       onRequest: manage,
       schema: {
         summary: 'Get a run, with its input and result',
+        description:
+          'With `wait=N` (seconds, 1 to 60) the answer waits until the run has ended (success, failure, ' +
+          'timeout or cancelled) or N seconds have passed, whichever is first, and then shows the run as it ' +
+          'is: a run still queued or running after N seconds is answered as such (poll again). The wait is ' +
+          'woken by the run’s end on whichever node runs it; nothing polls per waiting caller.',
         params: RunParams,
+        querystring: Type.Object({
+          wait: Type.Optional(
+            Type.Integer({
+              minimum: 0,
+              maximum: MAX_WAIT_SECONDS,
+              description: 'Seconds to wait for the run to end before answering (0 to 60; default 0)',
+            }),
+          ),
+        }),
         response: { 200: Run, ...errors(400, 401, 403, 404) },
       },
     },
     async (request) => {
       const { project_id, app_id, run_id } = request.params;
+      const waitMs = (request.query.wait ?? 0) * 1000;
       await services.recorder.flush();
-      const run = viewRun(await findRun(store, project_id, app_id, run_id), true);
+      let found = await findRun(store, project_id, app_id, run_id);
+      if (waitMs > 0 && !FINAL_STATES.has(found.state)) {
+        // Registered before the second read: a run that ends in between wakes it, or that read sees the end.
+        const gone = new AbortController();
+        const onClose = () => gone.abort();
+        request.raw.once('close', onClose);
+        const waited = services.runWaiters.wait(run_id, waitMs, gone.signal);
+        found = await findRun(store, project_id, app_id, run_id);
+        if (FINAL_STATES.has(found.state)) gone.abort();
+        await waited;
+        request.raw.off('close', onClose);
+        if (!FINAL_STATES.has(found.state)) {
+          await services.recorder.flush();
+          found = await findRun(store, project_id, app_id, run_id);
+        }
+      }
+      const run = viewRun(found, true);
       return { ...run, webhook: await webhookView(store, run_id) };
+    },
+  );
+
+  app.post(
+    '/v2/projects/:project_id/apps/:app_id/runs/:run_id/cancel',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Cancel a run',
+        description:
+          'A queued async run ends `cancelled` and never starts. A running run is stopped on whichever node runs ' +
+          'it: a TypeScript/JavaScript function’s `context.signal` aborts, an async Python function gets ' +
+          '`asyncio.CancelledError`, and the replica is stopped if the function has not returned within ' +
+          '`FERRY_CANCEL_GRACE_SECONDS` (5); a custom app’s request is closed. A run waiting for a replica ends at ' +
+          'once. The answer comes once the run has ended (200), or after the grace and 10 s more with the run as ' +
+          'it is then (202: the cancel is under way). A run that has already finished: 409 FERRY_RUN_FINISHED. ' +
+          'Its webhook, if any, carries `"state": "cancelled"` and the error FERRY_RUN_CANCELLED.',
+        params: RunParams,
+        response: { 200: Run, 202: Run, ...errors(400, 401, 403, 404, 409) },
+      },
+    },
+    async (request, reply) => {
+      const { project_id, app_id, run_id } = request.params;
+      await services.recorder.flush();
+      const found = await findRun(store, project_id, app_id, run_id);
+      if (FINAL_STATES.has(found.state)) {
+        throw new FerryError('FERRY_RUN_FINISHED', `Run ${run_id} has already finished (${found.state})`);
+      }
+      const gone = new AbortController();
+      const onClose = () => gone.abort();
+      request.raw.once('close', onClose);
+      const ended = services.runWaiters.wait(run_id, (services.config.cancelGraceSeconds + 10) * 1000, gone.signal);
+      if (await cancelQueuedRun(store, found)) {
+        services.runWaiters.finished([run_id]);
+        services.webhooks.wake();
+      }
+      // The node performing it (this one or another) stops it; one holding it queued lets it go.
+      await services.changes.publish({ type: 'run.cancel', projectId: project_id, appId: app_id, runId: run_id });
+      request.log.info({ app: app_id, runId: run_id }, 'run cancel requested');
+      await ended;
+      request.raw.off('close', onClose);
+      await services.recorder.flush();
+      const run = await findRun(store, project_id, app_id, run_id);
+      return reply
+        .code(FINAL_STATES.has(run.state) ? 200 : 202)
+        .send({ ...viewRun(run, true), webhook: await webhookView(store, run_id) });
     },
   );
 

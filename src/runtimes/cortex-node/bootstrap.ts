@@ -15,6 +15,8 @@ import { pathToFileURL } from 'node:url';
 const PROTOCOL = 1;
 const HEALTH_PATH = '/_ferry/health';
 const CALL_PREFIX = '/_ferry/call/';
+/** `POST /_ferry/cancel/<run id>`: the run's AbortSignal fires (POST .../runs/{run_id}/cancel). */
+const CANCEL_PREFIX = '/_ferry/cancel/';
 // Longer than the gateway's keep-alive, so the replica never closes a connection the gateway is about to reuse.
 const KEEP_ALIVE_TIMEOUT_MS = 65_000;
 // The gateway is local and sends a request's headers at once; a connection stuck inside them is broken.
@@ -26,7 +28,12 @@ const FALLBACK_ERROR_FRAME =
 const STREAM_NAMES = ['stdout', 'stderr'] as const;
 
 type StreamIndex = 0 | 1;
-type PublicFunction = (args: Record<string, unknown>) => unknown;
+/** What a function gets besides its arguments: `signal` aborts when the run is cancelled. */
+interface RunContext {
+  signal: AbortSignal;
+  runId: string;
+}
+type PublicFunction = (args: Record<string, unknown>, context: RunContext) => unknown;
 
 interface AnyIterator {
   next(): unknown;
@@ -44,7 +51,13 @@ interface Run {
   readonly decoders: [TextDecoder | undefined, TextDecoder | undefined];
   /** The generator being streamed, until it is finished or has been told to return. */
   iterator: AnyIterator | undefined;
+  /** Aborted when the run is cancelled (its signal is the function's `context.signal`). */
+  readonly controller: AbortController;
+  readonly runId: string;
 }
+
+/** Runs in progress by run id (the gateway's `x-ferry-run-id`), for cancellation. */
+const active = new Map<string, Run>();
 
 class SerializationError extends Error {
   override name = 'SerializationError';
@@ -152,6 +165,17 @@ function route(req: IncomingMessage, res: ServerResponse): void {
     return;
   }
   req.resume();
+  if (req.method === 'POST' && pathname.startsWith(CANCEL_PREFIX)) {
+    const run = active.get(decodeURIComponent(pathname.slice(CANCEL_PREFIX.length)));
+    let cancelled = false;
+    if (run?.open && !run.controller.signal.aborted) {
+      cancelled = true;
+      // In the run's own context: what its abort listeners print goes to the run's log.
+      runs.run(run, () => run.controller.abort(new DOMException('The run was cancelled', 'AbortError')));
+    }
+    sendJson(res, 200, JSON.stringify({ cancelled }));
+    return;
+  }
   if (req.method === 'GET' && pathname === HEALTH_PATH) {
     sendJson(res, 200, healthBody);
     return;
@@ -183,7 +207,8 @@ function handleCall(req: IncomingMessage, res: ServerResponse, rawName: string):
       sendJson(res, 400, errorBody('BadRequest', parsed));
       return;
     }
-    startRun(res, fn, parsed);
+    const runId = req.headers['x-ferry-run-id'];
+    startRun(res, fn, parsed, typeof runId === 'string' ? runId : '');
   });
 }
 
@@ -202,9 +227,19 @@ function parseArgs(chunks: Buffer[]): Record<string, unknown> | string {
   return value as Record<string, unknown>;
 }
 
-function startRun(res: ServerResponse, fn: PublicFunction, args: Record<string, unknown>): void {
-  const run: Run = { res, open: true, partial: ['', ''], decoders: [undefined, undefined], iterator: undefined };
+function startRun(res: ServerResponse, fn: PublicFunction, args: Record<string, unknown>, runId: string): void {
+  const run: Run = {
+    res,
+    open: true,
+    partial: ['', ''],
+    decoders: [undefined, undefined],
+    iterator: undefined,
+    controller: new AbortController(),
+    runId,
+  };
+  if (runId !== '') active.set(runId, run);
   res.on('close', () => {
+    if (active.get(runId) === run) active.delete(runId);
     if (run.open) abandon(run);
   });
   res.writeHead(200, { 'content-type': 'application/x-ndjson' });
@@ -219,7 +254,7 @@ function startRun(res: ServerResponse, fn: PublicFunction, args: Record<string, 
 async function execute(run: Run, fn: PublicFunction, args: Record<string, unknown>): Promise<void> {
   let value: unknown;
   try {
-    value = fn(args);
+    value = fn(args, { signal: run.controller.signal, runId: run.runId });
     // By shape rather than by constructor, so generators transpiled to plain iterator objects stream too.
     if (isIterator(value)) {
       await stream(run, value);
@@ -286,6 +321,10 @@ function abandon(run: Run): void {
   for (const index of [0, 1] as const) {
     const tail = takeTail(run, index);
     if (tail !== '') (index === 0 ? writeOut : writeErr)(`${tail}\n`);
+  }
+  // The function is told too: its caller is gone (or the run timed out), nothing it returns is heard.
+  if (!run.controller.signal.aborted) {
+    runs.run(run, () => run.controller.abort(new DOMException('The run was abandoned', 'AbortError')));
   }
   void runs.run(run, closeIterator, run);
 }

@@ -43,6 +43,8 @@ from urllib.parse import unquote  # noqa: E402
 PROTOCOL = 1
 HEALTH_PATH = "/_ferry/health"
 CALL_PREFIX = "/_ferry/call/"
+# POST /_ferry/cancel/<run id>: an async function's task is cancelled (asyncio.CancelledError where it awaits).
+CANCEL_PREFIX = "/_ferry/cancel/"
 # Longer than the gateway's keep-alive, so the replica never closes a connection the gateway is about to reuse.
 KEEP_ALIVE_TIMEOUT = 65.0
 # The gateway is local and sends a request's headers at once; a connection stuck inside them is broken.
@@ -386,6 +388,10 @@ class Run:
         # Set while a generator is being streamed: a stopping replica lets it close.
         self.streaming = False
         self.settled = asyncio.Event()
+        # The task running the function, and whether cancelling it reaches the function (async functions and
+        # async generators only: a plain function runs in a thread, which nothing can interrupt).
+        self.task = None
+        self.cancellable = False
 
     def add_output(self, index, text):
         if isinstance(text, bytes):
@@ -741,7 +747,14 @@ async def handle_request(conn, method, path, headers, body, keep_alive):
     inflight += 1
     try:
         if method == "POST" and path.startswith(CALL_PREFIX):
-            return await handle_call(conn, path[len(CALL_PREFIX) :], body, keep_alive)
+            return await handle_call(conn, path[len(CALL_PREFIX) :], body, keep_alive, headers.get("x-ferry-run-id", ""))
+        if method == "POST" and path.startswith(CANCEL_PREFIX):
+            run = active_runs.get(unquote(path[len(CANCEL_PREFIX) :]))
+            cancelled = run is not None and run.open and run.cancellable and run.task is not None and not run.task.done()
+            if cancelled:
+                run.task.cancel()
+            conn.send_json(200, json.dumps({"cancelled": cancelled}), keep_alive)
+            return keep_alive
         if method == "GET" and path == HEALTH_PATH:
             conn.send_json(200, health_body, keep_alive)
         else:
@@ -755,7 +768,11 @@ async def handle_request(conn, method, path, headers, body, keep_alive):
         exit_when_idle()
 
 
-async def handle_call(conn, raw_name, body, keep_alive):
+# Runs in progress by run id (the gateway's x-ferry-run-id), for cancellation.
+active_runs = {}
+
+
+async def handle_call(conn, raw_name, body, keep_alive, run_id=""):
     name = raw_name
     try:
         name = unquote(raw_name, errors="strict")
@@ -785,11 +802,17 @@ async def handle_call(conn, raw_name, body, keep_alive):
     context = contextvars.copy_context()
     context.run(current_run.set, run)
     # The task copies the current context, which is `context` here: the run is set for all it does.
-    keep(context.run(loop.create_task, guarded_execute(run, fn, args)), run)
+    run.cancellable = is_async_callable(fn)
+    run.task = context.run(loop.create_task, guarded_execute(run, fn, args))
+    keep(run.task, run)
+    if run_id:
+        active_runs[run_id] = run
     watcher = loop.create_task(watch_connection(conn, run))
     try:
         await run.settled.wait()
     finally:
+        if active_runs.get(run_id) is run:
+            del active_runs[run_id]
         watcher.cancel()
         # Until the watcher has really stopped reading, the next request cannot be read (Python 3.12+ checks).
         await asyncio.wait([watcher])

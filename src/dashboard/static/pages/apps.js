@@ -177,6 +177,7 @@ function appCard(app) {
       h('a', { href: appHref(app.id, 'builds') }, 'Builds'),
       h('a', { href: appHref(app.id, 'runs') }, 'Runs'),
       h('a', { href: appHref(app.id, 'charts') }, 'Charts'),
+      h('a', { href: appHref(app.id, 'settings') }, 'Settings'),
     ),
   );
 

@@ -3,6 +3,7 @@ import { api, streamEvents } from '../api.js';
 import { appHeader, appHref } from '../shared.js';
 import {
   announce,
+  confirmButton,
   errorBox,
   errorText,
   facts,
@@ -33,7 +34,7 @@ export async function renderBuilds(ctx) {
     appHeader(ctx, appId, 'builds', `Builds of ${appId}`),
     tableEl({
       caption: `Builds of ${appId}, newest first`,
-      head: ['Build', 'State', 'Runtime', 'Files', 'Archive', 'Created', 'Duration', 'Error'],
+      head: ['Build', 'State', 'Runtime', 'Files', 'Archive', 'Created', 'Duration', 'Error', 'Actions'],
       body,
     }),
     pager,
@@ -41,6 +42,44 @@ export async function renderBuilds(ctx) {
   const pages = [];
   let before = ctx.query.get('before') ?? '';
   let activeId = null;
+
+  /** Activate (roll back to) a ready build that is not the active one; delete one that is neither active nor being made. */
+  function buildActions(b) {
+    if (b.id === activeId) return '';
+    const base = `/apps/${encodeURIComponent(appId)}/builds/${encodeURIComponent(b.id)}`;
+    const out = [];
+    if (b.state === 'ready') {
+      const activate = h('button', { type: 'button', 'aria-label': `Activate build ${shortId(b.id)}` }, 'Activate');
+      activate.addEventListener('click', async () => {
+        activate.disabled = true;
+        try {
+          await api(`${base}/activate`, { method: 'POST', signal: ctx.signal });
+          announce(`Build ${shortId(b.id)} is now active`);
+          await refresh();
+        } catch (err) {
+          activate.disabled = false;
+          activate.after(errorText(err));
+        }
+      });
+      out.push(activate, ' ');
+    }
+    if (FINAL.includes(b.state)) {
+      out.push(
+        confirmButton({
+          label: 'Delete',
+          ariaLabel: `Delete build ${shortId(b.id)}`,
+          question: 'Delete this build and its files?',
+          confirmLabel: 'Delete the build',
+          async onConfirm() {
+            await api(base, { method: 'DELETE', signal: ctx.signal });
+            announce(`Build ${shortId(b.id)} deleted`);
+            await refresh();
+          },
+        }),
+      );
+    }
+    return out;
+  }
 
   async function refresh() {
     const [app, list] = await Promise.all([
@@ -69,9 +108,10 @@ export async function renderBuilds(ctx) {
         h('td', {}, timeEl(b.created_at)),
         h('td', { class: 'num' }, formatDuration(buildDuration(b))),
         h('td', { class: 'build-error' }, b.error ? h('span', { class: 'error-text', title: b.error }, b.error) : ''),
+        h('td', { class: 'actions' }, buildActions(b)),
       ),
     );
-    if (rows.length === 0) rows.push(h('tr', {}, h('td', { colspan: '8', class: 'empty-row' }, 'No builds.')));
+    if (rows.length === 0) rows.push(h('tr', {}, h('td', { colspan: '9', class: 'empty-row' }, 'No builds.')));
     replaceKeepingFocus(body, rows);
     const older = h('button', { type: 'button', disabled: !list.next_before }, 'Older');
     older.addEventListener('click', () => {

@@ -4,6 +4,7 @@ import { api } from '../api.js';
 import { appHeader, appHref } from '../shared.js';
 import {
   announce,
+  confirmButton,
   errorBox,
   errorText,
   facts,
@@ -306,11 +307,13 @@ export async function renderRun(ctx) {
   let last = '';
   let current = null;
 
-  async function load() {
-    const [run, log] = await Promise.all([
-      api(base, { signal: ctx.signal }),
-      api(`${base}/logs`, { signal: ctx.signal }),
-    ]);
+  async function load({ wait = false } = {}) {
+    // An unfinished run is asked for with ?wait: the answer comes when it ends (or after 20 s).
+    const run = await api(base, {
+      query: wait && current && !FINAL.includes(current.state) ? { wait: 20 } : undefined,
+      signal: ctx.signal,
+    });
+    const log = await api(`${base}/logs`, { signal: ctx.signal });
     current = run;
     const key = JSON.stringify([run, log]);
     if (key === last) return false;
@@ -325,6 +328,22 @@ export async function renderRun(ctx) {
         modeBadge(run.mode),
         run.cold_start ? [' ', h('span', { class: 'badge cold' }, 'cold start')] : null,
       ),
+      FINAL.includes(run.state)
+        ? null
+        : h(
+            'p',
+            { class: 'run-actions' },
+            confirmButton({
+              label: 'Cancel run',
+              question: 'Cancel this run? Its function is told to stop.',
+              confirmLabel: 'Cancel the run',
+              async onConfirm() {
+                await api(`${base}/cancel`, { method: 'POST', signal: ctx.signal });
+                announce('Run cancelled');
+                await load();
+              },
+            }),
+          ),
       facts([
         ['Run id', h('span', { class: 'mono' }, run.run_id)],
         ['Function', h('span', { class: 'mono' }, run.function)],
@@ -406,6 +425,6 @@ export async function renderRun(ctx) {
   let quiet = 0;
   ctx.every(POLL_MS, async () => {
     if (current && !moving(current) && quiet >= 2) return;
-    quiet = (await load()) ? 0 : quiet + 1;
+    quiet = (await load({ wait: true })) ? 0 : quiet + 1;
   });
 }

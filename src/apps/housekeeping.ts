@@ -1,0 +1,371 @@
+/**
+ * Removing what is no longer wanted (issue 14): an app with its builds, one build, and what retention
+ * lets go of in the background.
+ *
+ * - **Delete an app**: its queued async runs end `cancelled` (webhooks sent), the records of its finished
+ *   runs (logs and webhook deliveries included) and its builds' rows go in one transaction, then its
+ *   archives and published build outputs are deleted, and every process is told (`app.deleted`): it stops
+ *   the app's replicas once their runs are done, drops its queue consumer and removes its local copies.
+ *   Runs in flight at that moment finish (within the response grace period) and their records stay until
+ *   retention removes them.
+ * - **Delete a build**: not the active one, nor one still being made; its row, log and files.
+ * - **Retention** (`FERRY_KEEP_BUILDS`, `FERRY_RUN_RETENTION_DAYS`): a pass every RETENTION_EVERY_MS on
+ *   each process that keeps builds, bounded per pass; idempotent, so several processes may run it.
+ * - **Local copies**: a build deleted while a replica here still runs it (an old build draining after a
+ *   rollback, a deleted app's replicas finishing their runs) keeps its folder here until that replica has
+ *   stopped (`released`); the published copy and the archive go at once. A process also removes the build
+ *   folders in its data directory whose build is gone from the store, that no replica uses and that are
+ *   more than two minutes old (after a delete made on another process, or after a crash).
+ */
+import fs from 'node:fs/promises';
+import path from 'node:path';
+import type { Logger } from 'pino';
+import type { ArtifactStore } from '../builds/artifact-store.js';
+import type { BuildOutput } from '../builds/build-output.js';
+import type { ChangeFeed } from '../cluster/change-feed.js';
+import { ERRORS, FerryError } from '../errors.js';
+import { cancelQueued } from '../runs/runs.js';
+import type { Store } from '../store/index.js';
+import type { Build } from '../store/schema.js';
+import { findApp } from './apps.js';
+
+const FINAL = ['success', 'failure', 'timeout', 'cancelled'] as const;
+const CHUNK = 500;
+/** Builds and runs removed at most per retention pass (the next pass takes the rest). */
+export const RETENTION_MAX_BUILDS = 100;
+export const RETENTION_MAX_RUNS = 1000;
+/** Local build folders younger than this are left alone by the sweep (an upload may be under way). */
+const LOCAL_MIN_AGE_MS = 2 * 60_000;
+const BUILD_ID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
+
+export interface HousekeepingDeps {
+  store: Store;
+  artifacts: ArtifactStore;
+  buildOutput: BuildOutput;
+  changes: ChangeFeed;
+  /** `<data-dir>/builds`. */
+  buildsDir: string;
+  /** Builds whose replicas run here now (their files stay). */
+  buildsInUse(): Set<string>;
+  /**
+   * Removes the build's view here (replicas bind a view of hard links to the build's files, which would
+   * keep the files' space taken after the build folder is gone: replica/build-view.ts).
+   */
+  dropView?: (buildId: string) => Promise<void>;
+  /** Cancels a build being made (the pipeline). */
+  cancelBuild(projectId: string, appId: string, buildId: string): Promise<unknown>;
+  logger: Logger;
+  /** Told what each delete through the API removed (metrics; retention's passes answer theirs). */
+  onRemoved?: (what: { builds?: number; runs?: number; bytes?: number }) => void;
+}
+
+export interface Housekeeping {
+  deleteApp(projectId: string, appId: string): Promise<{ builds: number; cancelledRuns: number; deletedRuns: number }>;
+  deleteBuild(projectId: string, appId: string, buildId: string): Promise<void>;
+  /** One retention pass: what it removed. */
+  retain(settings: { keepBuilds: number; runRetentionDays: number; now?: number }): Promise<{
+    builds: number;
+    runs: number;
+    bytes: number;
+  }>;
+  /** Removes local build folders whose build is gone from the store; resolves with the bytes freed. */
+  sweepLocal(): Promise<number>;
+  /**
+   * No replica here runs `buildId` any more (its draining pool stopped): if the build was deleted (here or
+   * on another process), its folder, kept while it ran, goes now. Resolves with the bytes freed.
+   */
+  released(buildId: string): Promise<number>;
+}
+
+/** The smallest uuidv7 of time `ms`: ids below it were made before then (ids sort by time, byte order). */
+export function idBefore(ms: number): string {
+  const hex = Math.max(0, Math.floor(ms)).toString(16).padStart(12, '0');
+  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-7000-8000-000000000000`;
+}
+
+export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
+  const { store, logger } = deps;
+
+  /** Deleted builds whose folder here stays until the replica running it stops (`released`). */
+  const kept = new Set<string>();
+
+  /**
+   * Deletes a build's archive and build output (the published copy, and this process's unless a replica
+   * here still runs the build: then once it stops).
+   */
+  async function removeFiles(build: Pick<Build, 'id' | 'archive_bytes'>): Promise<number> {
+    let bytes = 0;
+    try {
+      const keepLocal = deps.buildsInUse().has(build.id);
+      if (keepLocal) {
+        if (kept.size >= 10_000) kept.clear();
+        kept.add(build.id);
+      }
+      bytes += await deps.buildOutput.remove(build.id, { shared: true, keepLocal });
+      if (!keepLocal) await deps.dropView?.(build.id);
+      await deps.artifacts.delete(build.id);
+      bytes += Number(build.archive_bytes) || 0;
+    } catch (err) {
+      // The row is gone already: a file left behind is found again by no one but this log line.
+      logger.warn({ err, buildId: build.id }, 'deleting a build’s files failed');
+    }
+    return bytes;
+  }
+
+  async function deleteRunHistory(db: Store, ids: string[]): Promise<void> {
+    for (let i = 0; i < ids.length; i += CHUNK) {
+      const chunk = ids.slice(i, i + CHUNK);
+      await db.deleteFrom('run_log_lines').where('run_id', 'in', chunk).execute();
+      await db.deleteFrom('webhook_attempts').where('run_id', 'in', chunk).execute();
+      await db.deleteFrom('webhook_deliveries').where('run_id', 'in', chunk).execute();
+      await db.deleteFrom('runs').where('id', 'in', chunk).execute();
+    }
+  }
+
+  const housekeeping: Housekeeping = {
+    async deleteApp(projectId, appId) {
+      await findApp(store, projectId, appId);
+      // Builds being made stop first: their pipeline would write to rows about to go.
+      const making = await store
+        .selectFrom('builds')
+        .select('id')
+        .where('project_id', '=', projectId)
+        .where('app_id', '=', appId)
+        .where('state', 'in', ['pending', 'building'])
+        .execute();
+      for (const b of making) await deps.cancelBuild(projectId, appId, b.id).catch(() => undefined);
+
+      const now = Date.now();
+      const result = await store.transaction().execute(async (trx) => {
+        const builds = await trx
+          .selectFrom('builds')
+          .select(['id', 'archive_bytes'])
+          .where('project_id', '=', projectId)
+          .where('app_id', '=', appId)
+          .execute();
+        const finished = (
+          await trx
+            .selectFrom('runs')
+            .select('id')
+            .where('project_id', '=', projectId)
+            .where('app_id', '=', appId)
+            .where('state', 'in', [...FINAL])
+            .execute()
+        ).map((r) => r.id);
+        const queued = await trx
+          .selectFrom('runs')
+          .select(['id', 'webhook_endpoint'])
+          .where('project_id', '=', projectId)
+          .where('app_id', '=', appId)
+          .where('state', '=', 'queued')
+          .where('mode', '=', 'async')
+          .execute();
+        for (let i = 0; i < queued.length; i += CHUNK) {
+          await cancelQueued(
+            trx,
+            queued.slice(i, i + CHUNK),
+            { message: `${ERRORS.FERRY_RUN_CANCELLED.message}: its app was deleted`, reason: 'app_deleted' },
+            now,
+          );
+        }
+        await deleteRunHistory(trx, finished);
+        // The records left (runs in flight, those just cancelled) let go of their Idempotency-Keys: an app
+        // deployed again under this name is a new app, and a key it is called with names its own runs.
+        await trx
+          .updateTable('runs')
+          .set({ idempotency_key: null })
+          .where('project_id', '=', projectId)
+          .where('app_id', '=', appId)
+          .where('idempotency_key', 'is not', null)
+          .execute();
+        const buildIds = builds.map((b) => b.id);
+        for (let i = 0; i < buildIds.length; i += CHUNK) {
+          await trx
+            .deleteFrom('build_log_lines')
+            .where('build_id', 'in', buildIds.slice(i, i + CHUNK))
+            .execute();
+        }
+        await trx.deleteFrom('builds').where('project_id', '=', projectId).where('app_id', '=', appId).execute();
+        await trx.deleteFrom('apps').where('project_id', '=', projectId).where('id', '=', appId).execute();
+        return { builds, cancelledRuns: queued.length, deletedRuns: finished.length };
+      });
+      // Every process (this one before the answer): refuse its calls, stop its replicas, drop its queue.
+      await deps.changes.publish({ type: 'app.deleted', projectId, appId });
+      let bytes = 0;
+      for (const b of result.builds) bytes += await removeFiles(b);
+      deps.onRemoved?.({ builds: result.builds.length, runs: result.deletedRuns, bytes });
+      logger.info(
+        { app: appId, builds: result.builds.length, cancelledRuns: result.cancelledRuns, runs: result.deletedRuns },
+        'app deleted',
+      );
+      return { builds: result.builds.length, cancelledRuns: result.cancelledRuns, deletedRuns: result.deletedRuns };
+    },
+
+    async deleteBuild(projectId, appId, buildId) {
+      const app = await findApp(store, projectId, appId);
+      const build = await store
+        .selectFrom('builds')
+        .select(['id', 'state', 'archive_bytes'])
+        .where('project_id', '=', projectId)
+        .where('app_id', '=', appId)
+        .where('id', '=', buildId)
+        .executeTakeFirst();
+      if (!build) throw new FerryError('FERRY_BUILD_NOT_FOUND', `No build ${buildId} of app "${appId}"`);
+      if (app.active_build_id === buildId) {
+        throw new FerryError(
+          'FERRY_BUILD_ACTIVE',
+          `Build ${buildId} is the active build of "${appId}": activate another build first, or delete the app`,
+        );
+      }
+      if (build.state === 'pending' || build.state === 'building') {
+        throw new FerryError('FERRY_BUILD_IN_PROGRESS', `Build ${buildId} is ${build.state}: cancel it first`);
+      }
+      const deleted = await store.transaction().execute(async (trx) => {
+        // Not the active one at the moment of the delete either (an activate may have raced it).
+        const still = await trx
+          .selectFrom('apps')
+          .select('active_build_id')
+          .where('project_id', '=', projectId)
+          .where('id', '=', appId)
+          .executeTakeFirst();
+        if (still?.active_build_id === buildId) return false;
+        await trx.deleteFrom('build_log_lines').where('build_id', '=', buildId).execute();
+        await trx.deleteFrom('builds').where('id', '=', buildId).execute();
+        return true;
+      });
+      if (!deleted)
+        throw new FerryError('FERRY_BUILD_ACTIVE', `Build ${buildId} became the active build of "${appId}"`);
+      await deps.changes.publish({ type: 'build.deleted', projectId, appId, buildId });
+      const bytes = await removeFiles(build);
+      deps.onRemoved?.({ builds: 1, bytes });
+    },
+
+    async retain({ keepBuilds, runRetentionDays, now = Date.now() }) {
+      let builds = 0;
+      let bytes = 0;
+      // Builds: per app, the newest keepBuilds ready builds and the active one stay; older builds go
+      // (failed and cancelled ones older than the oldest kept ready build too).
+      const apps =
+        keepBuilds > 0 ? await store.selectFrom('apps').select(['project_id', 'id', 'active_build_id']).execute() : [];
+      for (const app of apps) {
+        if (builds >= RETENTION_MAX_BUILDS) break;
+        const ready = await store
+          .selectFrom('builds')
+          .select('id')
+          .where('project_id', '=', app.project_id)
+          .where('app_id', '=', app.id)
+          .where('state', '=', 'ready')
+          .orderBy('id', 'desc')
+          .limit(keepBuilds)
+          .execute();
+        if (ready.length < keepBuilds) continue;
+        const oldestKept = ready.at(-1)!.id;
+        const old = await store
+          .selectFrom('builds')
+          .select(['id', 'archive_bytes'])
+          .where('project_id', '=', app.project_id)
+          .where('app_id', '=', app.id)
+          .where('id', '<', oldestKept)
+          .where('state', 'in', ['ready', 'failed', 'cancelled'])
+          .orderBy('id', 'asc')
+          .limit(RETENTION_MAX_BUILDS - builds)
+          .execute();
+        for (const b of old) {
+          if (b.id === app.active_build_id) continue;
+          const gone = await store.transaction().execute(async (trx) => {
+            const current = await trx
+              .selectFrom('apps')
+              .select('active_build_id')
+              .where('project_id', '=', app.project_id)
+              .where('id', '=', app.id)
+              .executeTakeFirst();
+            if (current?.active_build_id === b.id) return false;
+            await trx.deleteFrom('build_log_lines').where('build_id', '=', b.id).execute();
+            const res = await trx.deleteFrom('builds').where('id', '=', b.id).executeTakeFirst();
+            return Number(res.numDeletedRows) > 0;
+          });
+          if (!gone) continue;
+          builds += 1;
+          bytes += await removeFiles(b);
+          await deps.changes.publish({
+            type: 'build.deleted',
+            projectId: app.project_id,
+            appId: app.id,
+            buildId: b.id,
+          });
+        }
+      }
+      // Runs: finished runs made before the retention window, their logs and webhook records with them.
+      const cutoff = idBefore(now - runRetentionDays * 86_400_000);
+      const old = (
+        runRetentionDays === 0
+          ? []
+          : await store
+              .selectFrom('runs')
+              .select('id')
+              .where('id', '<', cutoff)
+              .where('state', 'in', [...FINAL])
+              .orderBy('id', 'asc')
+              .limit(RETENTION_MAX_RUNS)
+              .execute()
+      ).map((r) => r.id);
+      if (old.length > 0) await store.transaction().execute((trx) => deleteRunHistory(trx, old));
+      bytes += await housekeeping.sweepLocal();
+      if (builds > 0 || old.length > 0 || bytes > 0) {
+        logger.info({ builds, runs: old.length, bytes }, 'retention removed old builds and runs');
+      }
+      return { builds, runs: old.length, bytes };
+    },
+
+    async released(buildId) {
+      if (deps.buildsInUse().has(buildId)) return 0;
+      if (!kept.delete(buildId)) {
+        // Deleted through another process (app.deleted, build.deleted came while it ran here)?
+        const row = await store.selectFrom('builds').select('id').where('id', '=', buildId).executeTakeFirst();
+        if (row) return 0;
+      }
+      // No row names it any more, so nothing starts a replica of it again.
+      try {
+        const bytes = await deps.buildOutput.remove(buildId);
+        await deps.dropView?.(buildId);
+        return bytes;
+      } catch (err) {
+        logger.warn({ err, buildId }, 'removing a deleted build’s folder failed');
+        return 0;
+      }
+    },
+
+    async sweepLocal() {
+      let names: string[];
+      try {
+        names = await fs.readdir(deps.buildsDir);
+      } catch {
+        return 0;
+      }
+      const ids = names.filter((n) => BUILD_ID.test(n));
+      if (ids.length === 0) return 0;
+      const inUse = deps.buildsInUse();
+      const known = new Set<string>();
+      for (let i = 0; i < ids.length; i += CHUNK) {
+        const rows = await store
+          .selectFrom('builds')
+          .select('id')
+          .where('id', 'in', ids.slice(i, i + CHUNK))
+          .execute();
+        for (const r of rows) known.add(r.id);
+      }
+      let bytes = 0;
+      const now = Date.now();
+      for (const id of ids) {
+        if (known.has(id) || inUse.has(id)) continue;
+        // A folder made in the last minutes may be an upload whose row is not committed yet.
+        const stat = await fs.lstat(path.join(deps.buildsDir, id)).catch(() => undefined);
+        if (!stat || now - stat.mtimeMs < LOCAL_MIN_AGE_MS) continue;
+        bytes += await deps.buildOutput.remove(id).catch(() => 0);
+        await deps.dropView?.(id).catch(() => undefined);
+      }
+      return bytes;
+    },
+  };
+  return housekeeping;
+}
