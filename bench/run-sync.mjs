@@ -4,7 +4,9 @@
  * in the same run on the same warm replica:
  *   (a) direct: POST /_ferry/call/run on the replica's Unix socket (no gateway at all);
  *   (b) nginx:  the same call through nginx (1 worker, keep-alive upstream to the socket);
- *   (c) Ferry:  POST /v4/<project>/<app>/run with a bearer token (auth, run record, replica protocol).
+ *   (c) Ferry:  POST /v4/<project>/<app>/run with a bearer token (auth, run record, replica protocol);
+ *   (d) node proxy: the same call through a bare Node proxy (bench/node-proxy.mjs: node:http and an undici
+ *       Pool to the socket, about 20 lines), what a gateway in Node needs at the least (issue 15).
  * Prints figures and ratios; asserts nothing about timing (shared, noisy machines).
  *
  *   npm run build && npm run bench:run-sync
@@ -22,6 +24,7 @@ import {
   loadAverage,
   machineReport,
   nginxVersion,
+  onCleanup,
   onlyReplicaSocket,
   replicaSockets,
   requireDist,
@@ -42,6 +45,8 @@ const APP = 'bench';
 
 const TARGET_THROUGHPUT = 0.8; // Ferry / nginx, at least
 const TARGET_ADDED_P50_MS = 1; // Ferry p50 - direct p50, less than
+const TARGET_CPU_VS_PROXY = 1.6; // Ferry's gateway CPU per call / the bare Node proxy's, at most (issue 15)
+const TARGET_RPS_VS_PROXY = 0.6; // Ferry / bare Node proxy throughput, at least (issue 15)
 
 const APP_FILES = {
   'ferry.toml': `[app]
@@ -103,6 +108,7 @@ async function load(name, opts, pids) {
     failed,
     codes,
     cpu: { loadgen: share(cpu.loadgen), gateway: share(cpu.gateway), replica: share(cpu.replica) },
+    gatewayUsPerCall: Number.isFinite(cpu.gateway) ? (cpu.gateway / total) * 1000 : Number.NaN,
     valid: non2xx === 0 && failed === 0 && result['2xx'] > 0,
   };
 }
@@ -141,9 +147,24 @@ async function unloaded(targets, count) {
   return times.map(summarize);
 }
 
+/** Starts bench/node-proxy.mjs in front of the replica socket; resolves once it listens. */
+async function startNodeProxy(socketPath) {
+  const { spawn } = await import('node:child_process');
+  const child = spawn(process.execPath, [new URL('./node-proxy.mjs', import.meta.url).pathname], {
+    env: { PATH: process.env.PATH, SOCKET: socketPath, PORT: '0' },
+    stdio: ['ignore', 'pipe', 'inherit'],
+  });
+  onCleanup(() => child.kill('SIGKILL'));
+  const port = await new Promise((resolve, reject) => {
+    child.stdout.once('data', (d) => resolve(Number(String(d).trim())));
+    child.once('exit', (code) => reject(new Error(`the node proxy exited with ${code}`)));
+  });
+  return { child, port };
+}
+
 async function main() {
   requireDist();
-  console.log('Ferry bench: synchronous runs, direct vs nginx vs Ferry\n');
+  console.log('Ferry bench: synchronous runs, direct vs nginx vs Ferry vs a bare Node proxy\n');
   console.log(machineReport());
   const nginxBin = ensureNginx();
   console.log(`nginx: ${nginxVersion(nginxBin)} (${nginxBin})`);
@@ -162,6 +183,10 @@ async function main() {
   const nginxPort = await freePort();
   const nginx = await startNginx(nginxBin, nginxDir, socketPath, nginxPort);
   console.log(`nginx: 127.0.0.1:${nginxPort} -> unix:${socketPath} (worker_processes 1, keepalive 64)`);
+  const proxy = await startNodeProxy(socketPath);
+  console.log(
+    `node proxy: 127.0.0.1:${proxy.port} -> unix:${socketPath} (bench/node-proxy.mjs, pid ${proxy.child.pid})`,
+  );
 
   const replicaHeaders = { 'content-type': 'application/json', 'x-ferry-run-id': 'bench' };
   const ferryHeaders = { 'content-type': 'application/json', authorization: `Bearer ${auth.token}` };
@@ -188,13 +213,20 @@ async function main() {
       headers: ferryHeaders,
       load: { url: `${ferry.url}${ferryPath}`, headers: ferryHeaders },
     },
+    {
+      name: '(d) node proxy',
+      client: new Client(`http://127.0.0.1:${proxy.port}`),
+      path: '/_ferry/call/run',
+      headers: replicaHeaders,
+      load: { url: `http://127.0.0.1:${proxy.port}/_ferry/call/run`, headers: replicaHeaders },
+    },
   ];
   for (const t of targets) await sanityCheck(t.name, t.client, t);
 
   console.log(`\nLoad (autocannon, pipelining 1, body {}), one target after the other:`);
   const results = [];
   const replicaPid = ferry.replicaProcesses().find((p) => p.comm !== 'bwrap')?.pid;
-  const gateways = [undefined, nginx.workerPid(), ferry.child.pid];
+  const gateways = [undefined, nginx.workerPid(), ferry.child.pid, proxy.child.pid];
   for (const [i, t] of targets.entries()) {
     results.push(await load(t.name, t.load, { gateway: gateways[i], replica: replicaPid }));
     await new Promise((r) => setTimeout(r, 1000));
@@ -208,7 +240,7 @@ async function main() {
   const after = replicaSockets(dataDir, ferry);
   const sameReplica = after.length === 1 && after[0] === socketPath;
 
-  const [a, b, c] = results;
+  const [a, b, c, d] = results;
   console.log(`\nResults (${DURATION} s per target, ${CONNECTIONS} connections; latency of 2xx responses)\n`);
   const rows = [['target', 'req/s (mean)', 'p50 ms', 'p99 ms', '2xx', 'non-2xx', 'errors', 'status']];
   const cpuRows = [['target', 'load generator', 'gateway', 'replica']];
@@ -227,7 +259,7 @@ async function main() {
   }
   console.log(table(rows));
   console.log(
-    '\nCPU during each measured run (% of one core, CPU time per request; gateway = nginx worker or Ferry)\n',
+    '\nCPU during each measured run (% of one core, CPU time per request; gateway = nginx worker, Ferry or the node proxy)\n',
   );
   console.log(table(cpuRows));
 
@@ -256,6 +288,18 @@ async function main() {
       verdict(added < TARGET_ADDED_P50_MS),
     ],
     [`p50 added b - a, ${CONNECTIONS} connections`, `${fmt(b.p50 - a.p50)} ms`, '-', '-'],
+    [
+      'throughput c/d (Ferry / node proxy)',
+      fmt(c.rps / d.rps),
+      `>= ${TARGET_RPS_VS_PROXY}`,
+      verdict(c.rps / d.rps >= TARGET_RPS_VS_PROXY),
+    ],
+    [
+      'gateway CPU per call c/d (Ferry / node proxy)',
+      `${fmt(c.gatewayUsPerCall / d.gatewayUsPerCall)} (${fmt(c.gatewayUsPerCall, 0)} / ${fmt(d.gatewayUsPerCall, 0)} µs)`,
+      `<= ${TARGET_CPU_VS_PROXY}`,
+      verdict(c.gatewayUsPerCall / d.gatewayUsPerCall <= TARGET_CPU_VS_PROXY),
+    ],
   ];
   if (idle) {
     const idleAdded = idle[2].median - idle[0].median;
