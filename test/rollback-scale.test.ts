@@ -8,6 +8,7 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
+import { lockApp } from '../src/store/active-build.js';
 import { deployFiles, http, runCli, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 
 function version(v: number, scaling = 'max_replicas = 2\nreplica_concurrency = 4\n'): Record<string, string> {
@@ -122,6 +123,49 @@ describe('roll back and scale without a build', { timeout: 300_000 }, () => {
     assert.deepEqual((await call()).json.result, { version: 3 });
   });
 
+  it('an activation waits for a delete of the build that holds the app, and then finds the build gone', async () => {
+    // A delete holds the app's row (src/store/active-build.ts) from its "not the active build" check to its
+    // commit. An activation of that build sent meanwhile must wait, then answer 404: it must never point
+    // the app at a build the delete removed.
+    const doomed = builds[0]!;
+    const activeBefore = (await http(base(), { token: auth.token })).json.active_build_id;
+    let release!: () => void;
+    const held = new Promise<void>((resolve) => {
+      release = resolve;
+    });
+    let locked!: () => void;
+    const lockTaken = new Promise<void>((resolve) => {
+      locked = resolve;
+    });
+    const deleting = server.services.store.transaction().execute(async (trx) => {
+      const app = await lockApp(trx, auth.projectId, 'ver');
+      assert.notEqual(app?.active_build_id, doomed);
+      locked();
+      await held;
+      await trx.deleteFrom('build_log_lines').where('build_id', '=', doomed).execute();
+      await trx.deleteFrom('builds').where('id', '=', doomed).execute();
+    });
+    await lockTaken;
+    const events: string[] = [];
+    const activating = http(`${base()}/builds/${doomed}/activate`, { method: 'POST', token: auth.token }).then(
+      (res) => {
+        events.push('activate answered');
+        return res;
+      },
+    );
+    await new Promise((resolve) => setTimeout(resolve, 500));
+    events.push('delete commits');
+    release();
+    await deleting;
+    const res = await activating;
+    assert.deepEqual(events, ['delete commits', 'activate answered']);
+    assert.equal(res.status, 404, res.text);
+    assert.equal(res.json.error.code, 'FERRY_BUILD_NOT_FOUND');
+    const app = (await http(base(), { token: auth.token })).json;
+    assert.equal(app.active_build_id, activeBefore);
+    assert.deepEqual((await call()).json.result, { version: 3 });
+  });
+
   it('scales without a build: min up starts replicas, max down stops them, bad values are refused', async () => {
     const patch = (body: unknown) => http(base(), { method: 'PATCH', token: auth.token, body });
     // Bad input, with ferry.toml's wording.
@@ -161,6 +205,9 @@ describe('roll back and scale without a build', { timeout: 300_000 }, () => {
     assert.equal(app.scaling.min_replicas, 1);
     assert.equal(app.scaling.max_replicas, 1);
     await waitFor(async () => liveReplicas() === 1, 60_000, 'the minimum kept on the new build');
+    // The stats show the limits in force (the override), not the build's ferry.toml.
+    const stats = (await http(`${base()}/stats`, { token: auth.token })).json;
+    assert.deepEqual([stats.replicas.min, stats.replicas.max], [1, 1]);
     assert.deepEqual((await call()).json.result, { version: 4 });
 
     // A new replica_concurrency replaces the replicas; calls keep working.

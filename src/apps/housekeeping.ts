@@ -25,6 +25,7 @@ import type { BuildOutput } from '../builds/build-output.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
 import { ERRORS, FerryError } from '../errors.js';
 import { cancelQueued } from '../runs/runs.js';
+import { lockApp } from '../store/active-build.js';
 import type { Store } from '../store/index.js';
 import type { Build } from '../store/schema.js';
 import { findApp } from './apps.js';
@@ -222,12 +223,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       }
       const deleted = await store.transaction().execute(async (trx) => {
         // Not the active one at the moment of the delete either (an activate may have raced it).
-        const still = await trx
-          .selectFrom('apps')
-          .select('active_build_id')
-          .where('project_id', '=', projectId)
-          .where('id', '=', appId)
-          .executeTakeFirst();
+        const still = await lockApp(trx, projectId, appId);
         if (still?.active_build_id === buildId) return false;
         await trx.deleteFrom('build_log_lines').where('build_id', '=', buildId).execute();
         await trx.deleteFrom('builds').where('id', '=', buildId).execute();
@@ -273,12 +269,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
         for (const b of old) {
           if (b.id === app.active_build_id) continue;
           const gone = await store.transaction().execute(async (trx) => {
-            const current = await trx
-              .selectFrom('apps')
-              .select('active_build_id')
-              .where('project_id', '=', app.project_id)
-              .where('id', '=', app.id)
-              .executeTakeFirst();
+            const current = await lockApp(trx, app.project_id, app.id);
             if (current?.active_build_id === b.id) return false;
             await trx.deleteFrom('build_log_lines').where('build_id', '=', b.id).execute();
             const res = await trx.deleteFrom('builds').where('id', '=', b.id).executeTakeFirst();

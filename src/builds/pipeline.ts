@@ -17,6 +17,7 @@ import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
 import type { SandboxCapabilities } from '../replicas/sandbox.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
+import { lockApp } from '../store/active-build.js';
 import { claimFreeBuilds, startBuild } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
@@ -184,12 +185,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       if (Number(changed.numUpdatedRows) === 0) return false;
       if (finalState === 'ready') {
         // Build ids are time-ordered: never let an older build replace a newer active one.
-        const app = await trx
-          .selectFrom('apps')
-          .select('active_build_id')
-          .where('project_id', '=', build.project_id)
-          .where('id', '=', build.app_id)
-          .executeTakeFirst();
+        const app = await lockApp(trx, build.project_id, build.app_id);
         if (!app?.active_build_id || app.active_build_id < build.id) {
           await trx
             .updateTable('apps')

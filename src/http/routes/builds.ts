@@ -11,6 +11,7 @@ import { FINAL_BUILD_STATES } from '../../builds/pipeline.js';
 import { receiveBuild } from '../../builds/upload.js';
 import { listZip } from '../../builds/zip-archive.js';
 import { FerryError } from '../../errors.js';
+import { lockApp } from '../../store/active-build.js';
 import type { Services } from '../../services.js';
 import { requireScope } from '../auth.js';
 import { bodyTooLarge, unsupportedMediaType } from '../body-parsers.js';
@@ -164,19 +165,27 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
       await findApp(store, project_id, app_id);
-      const build = await findBuild(store, project_id, app_id, build_id);
-      if (build.state !== 'ready') {
-        throw new FerryError(
-          'FERRY_BUILD_NOT_READY',
-          `Build ${build_id} is ${build.state}: only a ready build can be activated`,
-        );
-      }
-      await store
-        .updateTable('apps')
-        .set({ active_build_id: build.id, updated_at: new Date().toISOString() })
-        .where('project_id', '=', project_id)
-        .where('id', '=', app_id)
-        .execute();
+      // Under the app's row lock, as a delete of the build takes it: the build is checked and made active
+      // with no delete in between (src/store/active-build.ts).
+      const build = await store.transaction().execute(async (trx) => {
+        if (!(await lockApp(trx, project_id, app_id))) {
+          throw new FerryError('FERRY_APP_NOT_FOUND', `No app "${app_id}" in this project`);
+        }
+        const found = await findBuild(trx, project_id, app_id, build_id);
+        if (found.state !== 'ready') {
+          throw new FerryError(
+            'FERRY_BUILD_NOT_READY',
+            `Build ${build_id} is ${found.state}: only a ready build can be activated`,
+          );
+        }
+        await trx
+          .updateTable('apps')
+          .set({ active_build_id: found.id, updated_at: new Date().toISOString() })
+          .where('project_id', '=', project_id)
+          .where('id', '=', app_id)
+          .execute();
+        return found;
+      });
       // Every process (this one before the answer) forgets the app's run target and switches its replicas.
       await services.changes.publish({
         type: 'build.activated',

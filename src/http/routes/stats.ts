@@ -5,8 +5,7 @@
  * portable between SQLite and PostgreSQL) and from the in-memory replica history.
  */
 import { Type } from 'typebox';
-import type { AppConfig } from '../../apps/app-config.js';
-import { findApp } from '../../apps/apps.js';
+import { activeConfig, findApp } from '../../apps/apps.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
 import { HISTORY_MINUTES, minuteOf, type ReplicaHistory } from '../../dashboard/replica-history.js';
 import type { Services } from '../../services.js';
@@ -31,8 +30,8 @@ const Stats = Type.Object({
       ready: Count('Replicas ready now'),
       inflight: Count('Runs in flight now'),
       queued: Count('Runs waiting for a replica slot now'),
-      min: Nullable(Type.Integer({ description: 'min_replicas of the active build (null: no active build)' })),
-      max: Nullable(Type.Integer({ description: 'max_replicas of the active build (null: no active build)' })),
+      min: Nullable(Type.Integer({ description: 'min_replicas in force: the active build’s, or the app’s override (null: no active build)' })),
+      max: Nullable(Type.Integer({ description: 'max_replicas in force: the active build’s, or the app’s override (null: no active build)' })),
     },
     {
       description:
@@ -116,17 +115,9 @@ export function registerStatsRoutes(app: TypedServer, services: Services, histor
         live.queued += s.queued;
       }
       let limits: { min: number | null; max: number | null } = { min: null, max: null };
-      if (found.active_build_id) {
-        const build = await store
-          .selectFrom('builds')
-          .select('config_json')
-          .where('id', '=', found.active_build_id)
-          .executeTakeFirst();
-        if (build) {
-          const config = JSON.parse(build.config_json) as AppConfig;
-          limits = { min: config.scaling.min_replicas, max: config.scaling.max_replicas };
-        }
-      }
+      // The limits in force: the active build's ferry.toml with the app's scaling override (PATCH .../apps).
+      const config = await activeConfig(store, found);
+      if (config) limits = { min: config.scaling.min_replicas, max: config.scaling.max_replicas };
 
       // The window: `minutes` whole minutes, the last one being the current minute.
       const now = Date.now();

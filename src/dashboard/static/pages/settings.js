@@ -53,9 +53,13 @@ export async function renderSettings(ctx) {
   const base = `/apps/${encodeURIComponent(appId)}`;
 
   let overridden = false;
+  // The values as loaded: only fields changed from these are sent, so saving one field does not pin the
+  // others (still from ferry.toml) as overrides.
+  let shown = {};
   function show(app) {
     overridden = Boolean(app.scaling_override);
     for (const [key] of FIELDS) inputs[key].value = app.scaling ? String(app.scaling[key]) : '';
+    shown = Object.fromEntries(FIELDS.map(([key]) => [key, inputs[key].value]));
     origin.textContent = !app.scaling
       ? 'The app has no ready build yet: saved values apply to its first one.'
       : app.scaling_override
@@ -85,7 +89,12 @@ export async function renderSettings(ctx) {
     event.preventDefault();
     const scaling = {};
     for (const [key] of FIELDS) {
-      if (inputs[key].value !== '') scaling[key] = Number(inputs[key].value);
+      if (inputs[key].value !== '' && inputs[key].value !== shown[key]) scaling[key] = Number(inputs[key].value);
+    }
+    if (Object.keys(scaling).length === 0) {
+      status.textContent = 'Nothing changed';
+      announce('Nothing changed');
+      return;
     }
     void submit({ scaling }, 'Scaling saved');
   });
