@@ -30,8 +30,16 @@ const Stats = Type.Object({
       ready: Count('Replicas ready now'),
       inflight: Count('Runs in flight now'),
       queued: Count('Runs waiting for a replica slot now'),
-      min: Nullable(Type.Integer({ description: 'min_replicas in force: the active build’s, or the app’s override (null: no active build)' })),
-      max: Nullable(Type.Integer({ description: 'max_replicas in force: the active build’s, or the app’s override (null: no active build)' })),
+      min: Nullable(
+        Type.Integer({
+          description: 'min_replicas in force: the active build’s, or the app’s override (null: no active build)',
+        }),
+      ),
+      max: Nullable(
+        Type.Integer({
+          description: 'max_replicas in force: the active build’s, or the app’s override (null: no active build)',
+        }),
+      ),
     },
     {
       description:
