@@ -492,7 +492,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         .catch((err: unknown) => logger.warn({ err, app: appId }, 'dropping the deleted app’s queue failed'));
       sweepLocal();
     },
-    buildDeleted: () => sweepLocal(),
+    // Its copy here goes now, or when the last replica running it stops (onDrained).
+    buildDeleted: (buildId) => releaseBuild(buildId),
     ...(runsCode
       ? {
           claimBuilds: () =>

@@ -6,6 +6,8 @@
  * workers' replicas stop); and retention, run by the workers, deleting an app's oldest build.
  */
 import assert from 'node:assert/strict';
+import fs from 'node:fs/promises';
+import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { startCluster, type TestCluster } from './helpers/cluster.js';
 import { http, waitFor } from './helpers/ferry.js';
@@ -124,7 +126,11 @@ describe('day-two operations in a cluster', { timeout: 600_000 }, () => {
     assert.ok(Date.now() - started < 40_000, 'answered at the end of the run, not at the end of the wait');
   });
 
-  it('deletes the app through gateway B: gateway A refuses its calls, the workers stop its replicas', async () => {
+  it('deletes the app through gateway B: gateway A refuses its calls, the workers stop its replicas and remove its builds', async () => {
+    const ids = (await http(`${app(a)}/builds`, { token: cluster.auth.token })).json.builds.map(
+      (x: { id: string }) => x.id,
+    ) as string[];
+    assert.ok(ids.length >= 2);
     const res = await http(app(b), { method: 'DELETE', token: cluster.auth.token });
     assert.equal(res.status, 200, res.text);
     await waitFor(async () => (await call(a)).status === 404, 10_000, 'calls through A to be refused');
@@ -138,6 +144,20 @@ describe('day-two operations in a cluster', { timeout: 600_000 }, () => {
       },
       60_000,
       'no replica of ops left in the cluster',
+    );
+    // No worker keeps a copy of its builds (folder or download marker) once its replicas have stopped.
+    const leftovers = async () => {
+      const found: string[] = [];
+      for (const w of cluster.workers) {
+        const names = await fs.readdir(path.join(w.dataDir, 'builds')).catch(() => [] as string[]);
+        for (const n of names) if (ids.some((id) => n.startsWith(id))) found.push(`${w.label}/${n}`);
+      }
+      return found;
+    };
+    await waitFor(async () => (await leftovers()).length === 0, 60_000, 'the workers to remove its builds').catch(
+      async (err: Error) => {
+        throw new Error(`${err.message}: ${(await leftovers()).join(', ')}`);
+      },
     );
   });
 

@@ -157,6 +157,22 @@ describe('deleting apps and builds, and retention', { timeout: 300_000 }, () => 
     assert.equal(call.json.result.version, 2);
   });
 
+  it('stops the replicas of a build gone from the store without word of it, and removes its folder', async () => {
+    // As on a node that missed the delete (or made the pool just after it): no event, only the store says.
+    const build = await deployFiles(server, auth, 'ghost', app('ghost', 1));
+    const call = await http(`${server.url}/v4/${auth.projectId}/ghost/run`, {
+      method: 'POST',
+      token: auth.token,
+      body: {},
+    });
+    assert.equal(call.status, 200, call.text);
+    const pools = () => server.services.replicas.pools().filter((p) => p.build.buildId === build.id);
+    assert.equal(pools().length, 1);
+    await server.services.store.deleteFrom('builds').where('id', '=', build.id).execute();
+    await waitFor(async () => pools().length === 0, 60_000, 'the pool of the vanished build to drain');
+    await waitFor(async () => !existsSync(buildDir(build.id)), 30_000, 'its folder to go');
+  });
+
   it('keeps the newest FERRY_KEEP_BUILDS ready builds and the active one, and deletes old runs, bounded per pass', async () => {
     const builds: Array<{ id: string }> = [];
     for (let v = 1; v <= 4; v++) builds.push(await deployFiles(server, auth, 'kept', app('kept', v)));

@@ -194,6 +194,11 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       await deps.changes.publish({ type: 'app.deleted', projectId, appId });
       let bytes = 0;
       for (const b of result.builds) bytes += await removeFiles(b);
+      // Then each build by name: the other processes remove their copies of it once no replica there runs
+      // it (a copy not in use goes at once; without the name, only a sweep would find it, minutes later).
+      for (const b of result.builds) {
+        await deps.changes.publish({ type: 'build.deleted', projectId, appId, buildId: b.id });
+      }
       deps.onRemoved?.({ builds: result.builds.length, runs: result.deletedRuns, bytes });
       logger.info(
         { app: appId, builds: result.builds.length, cancelledRuns: result.cancelledRuns, runs: result.deletedRuns },

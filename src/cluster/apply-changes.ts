@@ -9,7 +9,8 @@
  * - an app changed (its scaling, through the API): the same; its replicas take the new scaling in place;
  * - a run cancelled: the process performing it stops it (invoke.ts cancel);
  * - an app deleted: forget its run target (its calls get 404), stop its replicas once their runs are
- *   done, drop its queue consumer, remove local copies of its builds; a build deleted: the local copy;
+ *   done, drop its queue consumer; a build deleted (alone, or one event per build of a deleted app): the
+ *   local copy, at once or when the last replica running it stops;
  * - a build queued by a gateway (which builds nothing): a process that builds claims it;
  * - a project's secrets changed: nothing to forget. Replicas read the project's secrets from the store
  *   when they start, so new replicas get the change and running ones keep the environment they started
@@ -32,7 +33,7 @@ export interface ApplyChangesDeps {
   cancelRun?: (runId: string) => void;
   /** The app was deleted: stop its replicas, drop its queue, remove local copies of its builds. */
   deleteApp?: (projectId: string, appId: string) => void;
-  /** A build was deleted: remove the local copy. */
+  /** A build was deleted (alone, or with its app): remove the local copy once no replica here runs it. */
   buildDeleted?: (buildId: string) => void;
   logger: Logger;
 }

@@ -19,6 +19,11 @@ export interface ReplicaManagerDeps {
   maxQueue: number;
   startTimeoutMs: number;
   reapEveryMs?: number;
+  /**
+   * How often the pools' builds are checked against the store (default 10 s): a pool whose build was
+   * deleted drains, whether or not this node heard the delete (a call may have made the pool just after).
+   */
+  verifyEveryMs?: number;
   onChange?: () => void;
   /** A draining pool (an old build, or a deleted app's) stopped its last replica: its build runs here no more. */
   onDrained?: (buildId: string) => void;
@@ -179,6 +184,50 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
     return { projectId, appId, buildId: row.id, config };
   }
 
+  /** Drains the app's pool if the build it runs is no longer in the store (deleted, alone or with its app). */
+  function retire(p: ReplicaPool): void {
+    const key = `${p.build.projectId}/${p.build.appId}`;
+    if (current.get(key) !== p) return;
+    if (removed.size >= 10_000) removed.clear();
+    removed.add(p.build.buildId);
+    current.delete(key);
+    activeIds.delete(key);
+    p.drain();
+    draining.add(p);
+    deps.logger.info(
+      { app: p.build.appId, build: p.build.buildId },
+      'build deleted: its replicas stop once their runs are done',
+    );
+    changed();
+  }
+
+  let verifying = false;
+  async function verifyBuilds(): Promise<void> {
+    const pools = [...current.values()];
+    if (verifying || pools.length === 0) return;
+    verifying = true;
+    try {
+      const ids = [...new Set(pools.map((p) => p.build.buildId))];
+      const alive = new Set<string>();
+      for (let i = 0; i < ids.length; i += 500) {
+        const rows = await deps.store
+          .selectFrom('builds')
+          .select('id')
+          .where('id', 'in', ids.slice(i, i + 500))
+          .execute();
+        for (const r of rows) alive.add(r.id);
+      }
+      for (const p of pools) if (!alive.has(p.build.buildId)) retire(p);
+    } finally {
+      verifying = false;
+    }
+  }
+  const verifyTimer = setInterval(
+    () => void verifyBuilds().catch((err: unknown) => deps.logger.debug({ err }, 'checking pools’ builds failed')),
+    deps.verifyEveryMs ?? 10_000,
+  );
+  verifyTimer.unref();
+
   const timer = setInterval(() => {
     for (const p of current.values()) p.reapIdle();
     for (const p of draining) {
@@ -250,6 +299,7 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
     },
     async close(graceMs) {
       clearInterval(timer);
+      clearInterval(verifyTimer);
       await Promise.all([...current.values(), ...draining].map((p) => p.close(graceMs)));
     },
   };

@@ -121,6 +121,8 @@ interface AppFeed {
   fetching: boolean;
   lastSeen: number;
   current?: ConsumerMessages;
+  /** The app was deleted: its loop ends and never makes its consumer again. */
+  forgotten?: boolean;
 }
 
 export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueue {
@@ -321,6 +323,9 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       })
     : undefined;
 
+  /** Apps being forgotten (deleted) now: discovery leaves them alone until their messages are purged. */
+  const forgetting = new Set<string>();
+
   function feedFor(projectId: string, appId: string): AppFeed {
     const key = `${projectId}/${appId}`;
     let feed = feeds.get(key);
@@ -353,7 +358,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       for (const [subject, count] of Object.entries(info.state.subjects ?? {})) {
         if (count <= 0 || !subject.startsWith(prefix)) continue;
         const [projectId, appId] = subject.slice(prefix.length).split('.');
-        if (!projectId || !appId) continue;
+        if (!projectId || !appId || forgetting.has(`${projectId}/${appId}`)) continue;
         feedFor(projectId, appId).lastSeen = now;
       }
       kick();
@@ -394,6 +399,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
   }
 
   async function consumerOf(feed: AppFeed): Promise<Consumer> {
+    if (feed.forgotten) throw new Error(`app ${feed.key} was deleted`);
     if (feed.consumer) return feed.consumer;
     const jsm = await manager();
     try {
@@ -418,7 +424,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     if (!worker || feed.fetching) return;
     feed.fetching = true;
     try {
-      while (!closed && link.connected && Date.now() - feed.lastSeen <= APP_IDLE_MS) {
+      while (!closed && !feed.forgotten && link.connected && Date.now() - feed.lastSeen <= APP_IDLE_MS) {
         const room = worker.room(feed.projectId, feed.appId);
         const n = Math.min(FETCH_MAX, room.app, room.total - reservedTotal);
         if (n <= 0) return;
@@ -547,14 +553,28 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
 
   return {
     async forgetApp(projectId, appId) {
-      const feed = feeds.get(`${projectId}/${appId}`);
-      feeds.delete(`${projectId}/${appId}`);
-      const jsm = await manager();
-      // Its runs are cancelled in the store: their messages would only be fetched to be dropped.
-      await jsm.streams.purge(names.runsStream, { filter: names.runsSubject(projectId, appId) }).catch(() => undefined);
-      await jsm.consumers
-        .delete(names.runsStream, feed?.durable ?? `runs_${projectId}_${appId}`)
-        .catch(() => undefined);
+      const key = `${projectId}/${appId}`;
+      const feed = feeds.get(key);
+      feeds.delete(key);
+      // Its fetch loop ends first (a loop left running would make the consumer again after the delete),
+      // and until the purge is done a discovery pass does not start another.
+      forgetting.add(key);
+      if (feed) {
+        feed.forgotten = true;
+        feed.current?.stop();
+      }
+      try {
+        const jsm = await manager();
+        // Its runs are cancelled in the store: their messages would only be fetched to be dropped.
+        await jsm.streams
+          .purge(names.runsStream, { filter: names.runsSubject(projectId, appId) })
+          .catch(() => undefined);
+        await jsm.consumers
+          .delete(names.runsStream, feed?.durable ?? `runs_${projectId}_${appId}`)
+          .catch(() => undefined);
+      } finally {
+        forgetting.delete(key);
+      }
     },
     ownerFor() {
       // Every accepted run goes through the stream, so any consuming node may take it.
