@@ -1,7 +1,7 @@
 /**
  * Cancelling runs (issue 14, point 4) on one process, both runtimes: a queued async run ends `cancelled`
  * and never starts; a running TypeScript function sees its AbortSignal and a running async Python function
- * gets asyncio.CancelledError, while another run on the same replica is not disturbed and the replica stays;
+ * gets asyncio.CancelledError and a plain def sees ferry_run.context().cancelled, while another run on the same replica is not disturbed and the replica stays;
  * a function that ignores the cancel has its replica stopped after FERRY_CANCEL_GRACE_SECONDS; the slot is
  * free again; the webhook carries the cancelled state; a finished run answers 409; `ferry runs cancel`.
  */
@@ -47,6 +47,8 @@ const PY_APP = {
   'ferry.toml': '[app]\nname = "pycancel"\n\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 4\n',
   'main.py': `import asyncio
 
+import ferry_run
+
 
 async def run(ms=0):
     try:
@@ -55,6 +57,15 @@ async def run(ms=0):
     except asyncio.CancelledError:
         print("saw cancel")
         raise
+
+
+def plain(ms=0):
+    # A plain def runs in a thread: it looks at the run's cancel flag instead.
+    ctx = ferry_run.context()
+    if ctx.wait_cancelled(ms / 1000):
+        print("plain saw cancel " + ctx.run_id)
+        return {"stopped": True}
+    return {"slept": ms}
 `,
 };
 
@@ -204,7 +215,27 @@ describe('cancelling runs', { timeout: 300_000 }, () => {
     assert.equal(next.status, 200, next.text);
   });
 
-  it('ferry runs cancel cancels a run', async () => {
+  it('tells a plain Python def through ferry_run.context(), which returns in time and keeps its replica', async () => {
+    const id = await submit('pycancel', 'plain', { ms: 60_000 });
+    await untilRunning('pycancel', id);
+    const [replica] = replicaIds('pycancel');
+    const res = await cancel('pycancel', id);
+    assert.ok([200, 202].includes(res.status), res.text);
+    await waitFor(async () => (await getRun('pycancel', id)).state === 'cancelled', 30_000, 'the run to end cancelled');
+    await waitFor(
+      async () =>
+        (await http(`${runsOf('pycancel')}/${id}/logs`, { token: auth.token })).json.lines.some(
+          (l: { line: string }) => l.line === `plain saw cancel ${id}`,
+        ),
+      30_000,
+      'the function to see the cancel',
+    );
+    // Past the cancel grace (2 s here): the function returned in time, so its replica was left alone.
+    await new Promise((resolve) => setTimeout(resolve, 4_000));
+    assert.deepEqual(replicaIds('pycancel'), [replica], 'the replica was not stopped');
+  });
+
+    it('ferry runs cancel cancels a run', async () => {
     const id = await submit('cancelme', 'run', { ms: 60_000 });
     await untilRunning('cancelme', id);
     const env = {

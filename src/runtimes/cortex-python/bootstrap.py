@@ -37,6 +37,7 @@ import signal  # noqa: E402
 import site  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
+import types  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from urllib.parse import unquote  # noqa: E402
 
@@ -392,6 +393,10 @@ class Run:
         # async generators only: a plain function runs in a thread, which nothing can interrupt).
         self.task = None
         self.cancellable = False
+        # Set when the run is cancelled or its caller goes away: what a plain `def` function (in a thread,
+        # which nothing can interrupt) can look at through `ferry_run.context()`.
+        self.cancel_event = threading.Event()
+        self.run_id = ""
 
     def add_output(self, index, text):
         if isinstance(text, bytes):
@@ -451,6 +456,7 @@ def abandon(run):
     if not run.open:
         return
     run.open = False
+    run.cancel_event.set()
     for index in (0, 1):
         tail = run.take_tail(index)
         if tail:
@@ -750,9 +756,12 @@ async def handle_request(conn, method, path, headers, body, keep_alive):
             return await handle_call(conn, path[len(CALL_PREFIX) :], body, keep_alive, headers.get("x-ferry-run-id", ""))
         if method == "POST" and path.startswith(CANCEL_PREFIX):
             run = active_runs.get(unquote(path[len(CANCEL_PREFIX) :]))
-            cancelled = run is not None and run.open and run.cancellable and run.task is not None and not run.task.done()
+            cancelled = run is not None and run.open and run.task is not None and not run.task.done()
             if cancelled:
-                run.task.cancel()
+                # Every function can see it (ferry_run.context().cancelled); async ones are also interrupted.
+                run.cancel_event.set()
+                if run.cancellable:
+                    run.task.cancel()
             conn.send_json(200, json.dumps({"cancelled": cancelled}), keep_alive)
             return keep_alive
         if method == "GET" and path == HEALTH_PATH:
@@ -803,6 +812,7 @@ async def handle_call(conn, raw_name, body, keep_alive, run_id=""):
     context.run(current_run.set, run)
     # The task copies the current context, which is `context` here: the run is set for all it does.
     run.cancellable = is_async_callable(fn)
+    run.run_id = run_id
     run.task = context.run(loop.create_task, guarded_execute(run, fn, args))
     keep(run.task, run)
     if run_id:
@@ -920,6 +930,47 @@ async def serve(socket_path):
         pass
 
 
+# ---- the ferry_run module: what a function may ask about the run it is in ----
+
+
+class RunContext:
+    """The run a function is performing, as `ferry_run.context()` gives it."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run):
+        self._run = run
+
+    @property
+    def run_id(self):
+        """The run's id (as the API names it)."""
+        return self._run.run_id
+
+    @property
+    def cancelled(self):
+        """True once the run was cancelled, or its caller went away: stop and return."""
+        return self._run.cancel_event.is_set()
+
+    def wait_cancelled(self, timeout=None):
+        """Sleeps up to `timeout` seconds (None: for ever), waking early when cancelled; returns `cancelled`."""
+        return self._run.cancel_event.wait(timeout)
+
+
+def run_context():
+    """The run being performed where this is called (its thread or task); LookupError outside a run."""
+    run = current_run.get()
+    if run is None:
+        raise LookupError("ferry_run.context() is called outside a run")
+    return RunContext(run)
+
+
+def install_run_module():
+    module = types.ModuleType("ferry_run", "What a function may ask about the run it performs (Ferry).")
+    module.context = run_context
+    module.RunContext = RunContext
+    sys.modules["ferry_run"] = module
+
+
 # ---- loading the app ----
 
 
@@ -992,6 +1043,7 @@ def main():
     sys.stderr = RunOutput(REAL_STDERR, 1)
 
     try:
+        install_run_module()
         module = load_module(entry)
     except BaseException as err:  # noqa: B036 - SystemExit and KeyboardInterrupt at import fail the start too
         log_error("failed to load %s:\n%s" % (entry, format_traceback(err).rstrip()))
