@@ -305,7 +305,9 @@ export async function bootstrapProject(dataDir, env = {}) {
  * settings such as `FERRY_MAX_ASYNC_BACKLOG` or `FERRY_WEBHOOK_ALLOW`).
  */
 export async function startFerry(dataDir, options = {}) {
-  const child = spawn(process.execPath, [FERRY_BIN, 'serve', '--port', '0', '--data-dir', dataDir], {
+  // BENCH_FERRY_NODE_ARGS: extra node options for the server, e.g. "--cpu-prof --cpu-prof-dir=/tmp/prof".
+  const nodeArgs = (process.env.BENCH_FERRY_NODE_ARGS ?? '').split(/\s+/).filter(Boolean);
+  const child = spawn(process.execPath, [...nodeArgs, FERRY_BIN, 'serve', '--port', '0', '--data-dir', dataDir], {
     env: ferryEnv(options.env),
     stdio: ['ignore', 'pipe', 'pipe'],
     detached: true,
