@@ -235,7 +235,7 @@ describe('cancelling runs', { timeout: 300_000 }, () => {
     assert.deepEqual(replicaIds('pycancel'), [replica], 'the replica was not stopped');
   });
 
-    it('ferry runs cancel cancels a run', async () => {
+  it('ferry runs cancel cancels a run', async () => {
     const id = await submit('cancelme', 'run', { ms: 60_000 });
     await untilRunning('cancelme', id);
     const env = {
