@@ -9,6 +9,7 @@
  */
 import type { Logger } from 'pino';
 import type { Store } from '../store/index.js';
+import { insertRunsIgnoring } from '../store/run-inserts.js';
 import type { Run } from '../store/schema.js';
 
 export type RunRow = Run;
@@ -188,11 +189,7 @@ export function createRunRecorder(deps: {
     const fenced = new Set<string>();
     await store.transaction().execute(async (trx) => {
       for (let i = 0; i < inserts.length; i += INSERT_CHUNK) {
-        await trx
-          .insertInto('runs')
-          .values(inserts.slice(i, i + INSERT_CHUNK))
-          .onConflict((oc) => oc.doNothing())
-          .execute();
+        await insertRunsIgnoring(trx, inserts.slice(i, i + INSERT_CHUNK));
       }
       for (const [id, changes] of updates) {
         let update = trx.updateTable('runs').set(changes).where('id', '=', id);
@@ -363,13 +360,8 @@ export function createRunRecorder(deps: {
       const rows = group.map((g) => g.row);
       for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
         // Per row, not per group: one clash on the idempotency key must not roll back the others.
-        const ids = await trx
-          .insertInto('runs')
-          .values(rows.slice(i, i + INSERT_CHUNK))
-          .onConflict((oc) => oc.doNothing())
-          .returning('id')
-          .execute();
-        for (const { id } of ids) inserted.add(id);
+        const { ids } = await insertRunsIgnoring(trx, rows.slice(i, i + INSERT_CHUNK), true);
+        for (const id of ids) inserted.add(id);
       }
       for (const row of rows) {
         if (inserted.has(row.id)) {
