@@ -215,7 +215,15 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     // A sentinel, made into the real error only when it fires: an Error per run (stack capture) is costly.
     const timeout = TIMED_OUT;
     const timer = request.noDeadline ? undefined : setTimeout(() => deadline.abort(timeout), grace);
-    const signal = request.signal ? AbortSignal.any([request.signal, deadline.signal]) : deadline.signal;
+    // The caller's signal (the client went away) aborts the deadline's, with its own reason: one signal for
+    // the run, without AbortSignal.any (a signal more per run, tracked by weak references until collected).
+    const outer = request.signal;
+    const forward = outer ? () => deadline.abort(outer.reason) : undefined;
+    if (outer && forward) {
+      if (outer.aborted) forward();
+      else outer.addEventListener('abort', forward, { once: true });
+    }
+    const signal = deadline.signal;
 
     let coldStart = false;
     let started = 0;
@@ -338,6 +346,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     } finally {
       clearTimeout(timer);
       clearTimeout(cancelTimer);
+      if (outer && forward) outer.removeEventListener('abort', forward);
       if (cancels.get(runId) === cancel) cancels.delete(runId);
       slot?.release();
     }
