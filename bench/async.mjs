@@ -48,8 +48,8 @@ const SAMPLE_MS = 200;
 const MAX_ASYNC_BACKLOG = 10_000_000;
 const APP = 'noop';
 
-const TARGET_ACCEPTED = 3000; // accepted (committed) async runs per second, at least
-const TARGET_COMPLETED = 3000; // async runs completed per second, at least (read as the same bar)
+const TARGET_ACCEPTED = 8000; // accepted (committed) async runs per second, at least (issue 15; issue 4 asked 3000)
+const TARGET_COMPLETED = 3000; // async runs completed per second, at least (issue 4's bar)
 
 const APP_FILES = {
   'ferry.toml': `[app]

@@ -6,7 +6,7 @@
  */
 import { maxHeaderSize, STATUS_CODES } from 'node:http';
 import type { Socket } from 'node:net';
-import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
+import type { FastifyBaseLogger, FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import { type ErrorCode, FerryError } from '../errors.js';
 import { isStoreUnavailable } from '../store/index.js';
 import { acceptedType, bodyTooLarge, unsupportedMediaType } from './body-parsers.js';
@@ -61,14 +61,19 @@ export function toFerryError(err: unknown, request?: FastifyRequest): FerryError
   return new FerryError('FERRY_INTERNAL', undefined, { cause: err });
 }
 
+/** Logs what an error answer says about the server: internal errors, the store out of reach, a caller gone. */
+export function logError(log: FastifyBaseLogger, ferry: FerryError, err: unknown, runId: string | undefined): void {
+  if (ferry.code === 'FERRY_INTERNAL') log.error({ err, runId }, 'unhandled error');
+  if (ferry.code === 'FERRY_STORE_UNAVAILABLE') log.warn({ err, runId }, 'the store cannot be reached');
+  // The caller hung up on a run: an everyday event, and nobody is left to answer.
+  if (ferry.code === 'FERRY_CLIENT_GONE') log.debug({ runId }, 'the caller disconnected before the run ended');
+}
+
 /** The one renderer of Ferry's JSON error body for a Fastify reply. */
 export function errorHandler(err: unknown, request: FastifyRequest, reply: FastifyReply): void {
   const ferry = toFerryError(err, request);
   const runId = request.runId;
-  if (ferry.code === 'FERRY_INTERNAL') request.log.error({ err, runId }, 'unhandled error');
-  if (ferry.code === 'FERRY_STORE_UNAVAILABLE') request.log.warn({ err, runId }, 'the store cannot be reached');
-  // The caller hung up on a run: an everyday event, and nobody is left to answer.
-  if (ferry.code === 'FERRY_CLIENT_GONE') request.log.debug({ runId }, 'the caller disconnected before the run ended');
+  logError(request.log, ferry, err, runId);
   const body: Record<string, unknown> = ferry.toJSON();
   if (runId) body.run_id = runId;
   void reply.code(ferry.status).headers(ferry.headers).type('application/json; charset=utf-8').send(body);

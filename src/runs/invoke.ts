@@ -113,6 +113,8 @@ export interface HttpBodySink {
 
 export interface InvokeResult {
   result: unknown;
+  /** `result` as JSON, when the invoker made it (for the record): callers send these bytes instead of stringifying again. */
+  resultJson?: string | undefined;
   /** The function was a generator: its items went to `onItem` (or were collected into `result`). */
   streamed: boolean;
   runTimeMs: number;
@@ -302,7 +304,14 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           ? { resultOmitted: outcome.resultOmitted }
           : { result, resultEncoding: outcome.resultEncoding },
       );
-      return { result, runTimeMs, coldStart, streamed: outcome.streamed, statusCode: outcome.statusCode };
+      return {
+        result,
+        resultJson: text ?? undefined,
+        runTimeMs,
+        coldStart,
+        streamed: outcome.streamed,
+        statusCode: outcome.statusCode,
+      };
     } catch (caught) {
       if (caught instanceof RunNotClaimedError || caught instanceof RunStartError) throw caught;
       // Not started, and the app is only busy: the async worker tries again later, nothing to record.

@@ -10,6 +10,7 @@
 import type { Logger } from 'pino';
 import type { Store } from '../store/index.js';
 import { insertRunsIgnoring } from '../store/run-inserts.js';
+import { updateRun } from '../store/run-updates.js';
 import type { Run } from '../store/schema.js';
 
 export type RunRow = Run;
@@ -192,10 +193,7 @@ export function createRunRecorder(deps: {
         await insertRunsIgnoring(trx, inserts.slice(i, i + INSERT_CHUNK));
       }
       for (const [id, changes] of updates) {
-        let update = trx.updateTable('runs').set(changes).where('id', '=', id);
-        if (owner !== undefined) update = update.where('owner', '=', owner);
-        const changed = await update.executeTakeFirst();
-        if (Number(changed.numUpdatedRows) === 0) fenced.add(id);
+        if ((await updateRun(trx, id, changes, owner)) === 0) fenced.add(id);
       }
       for (let i = 0; i < lines.length; i += INSERT_CHUNK) {
         await trx

@@ -46,7 +46,7 @@ const RunParams = Type.Object({
 });
 
 /** Checks the body is one JSON object and keeps its bytes. */
-function parseRunBody(raw: Buffer): RawJson {
+export function parseRunBody(raw: Buffer): RawJson {
   if (raw.length === 0) return { raw: Buffer.from('{}') };
   let value: unknown;
   try {
@@ -63,7 +63,7 @@ function parseRunBody(raw: Buffer): RawJson {
 }
 
 /** Finds the app's active build, authenticating unless the build turns auth off. */
-async function resolveTarget(
+export async function resolveTarget(
   services: Services,
   projectId: string,
   appName: string,
@@ -79,6 +79,13 @@ async function resolveTarget(
     build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
     functions: found.functions,
   };
+}
+
+/** Refuses a function the app does not have, or one that is not public (a leading `_`). */
+export function checkFunction(target: RunTarget, fn: string): void {
+  if (fn.startsWith('_') || (target.functions && !target.functions.includes(fn))) {
+    throw new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`);
+  }
 }
 
 /** The `webhookEndpoint` query parameter: an absolute http(s) URL without credentials, or undefined. */
@@ -100,7 +107,7 @@ function parseWebhookEndpoint(value: unknown): string | undefined {
 
 const IDEMPOTENCY_WINDOW_MS = 24 * 3600 * 1000;
 
-interface CallParts {
+export interface CallParts {
   runId: string;
   target: RunTarget;
   fn: string;
@@ -113,24 +120,24 @@ interface CallParts {
   input?: string | null;
 }
 
+/** The `Idempotency-Key` header: up to 255 visible ASCII characters, or undefined when not sent. */
+export function parseIdempotencyKey(key: string | string[] | undefined): string | undefined {
+  if (key === undefined) return undefined;
+  if (typeof key !== 'string' || !/^[\x21-\x7e]{1,255}$/.test(key))
+    throw new FerryError('FERRY_IDEMPOTENCY_KEY_INVALID');
+  return key;
+}
+
 /**
- * `?async=true`: stores the run with its input and answers 202 {"run_id"} only once it is committed.
- * With `Idempotency-Key`, a repeat within 24 hours answers the first call's run id and runs nothing.
+ * `?async=true`: stores the run with its input and resolves with its run id only once it is committed.
+ * With `Idempotency-Key`, a repeat within 24 hours resolves with the first call's run id and runs nothing.
  */
-async function acceptAsync(
+export async function acceptAsyncCall(
   services: Services,
-  request: FastifyRequest,
-  reply: FastifyReply,
   call: CallParts,
-): Promise<FastifyReply> {
+  idempotencyKey: string | undefined,
+): Promise<string> {
   const { store } = services;
-  const key = request.headers['idempotency-key'];
-  let idempotencyKey: string | undefined;
-  if (key !== undefined) {
-    if (typeof key !== 'string' || !/^[\x21-\x7e]{1,255}$/.test(key))
-      throw new FerryError('FERRY_IDEMPOTENCY_KEY_INVALID');
-    idempotencyKey = key;
-  }
   const { build } = call.target;
   const replay = async (): Promise<string | undefined> => {
     if (!idempotencyKey) return undefined;
@@ -147,11 +154,9 @@ async function acceptAsync(
     await store.updateTable('runs').set({ idempotency_key: null }).where('id', '=', earlier.id).execute();
     return undefined;
   };
-  const send = (runId: string) =>
-    reply.code(202).header('x-request-id', runId).type('application/json; charset=utf-8').send({ run_id: runId });
 
   const earlier = await replay();
-  if (earlier) return send(earlier);
+  if (earlier) return earlier;
   if (services.asyncWorker.backlog >= services.config.maxAsyncBacklog) {
     throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
   }
@@ -176,9 +181,21 @@ async function acceptAsync(
       owner,
     }),
   );
-  if (runId !== call.runId) return send(runId);
+  if (runId !== call.runId) return runId;
   services.asyncWorker.accepted({ id: call.runId, projectId: build.projectId, appId: build.appId }, owner);
-  return send(call.runId);
+  return call.runId;
+}
+
+/** `?async=true` through Fastify: 202 {"run_id"} once the run is committed (see acceptAsyncCall). */
+async function acceptAsync(
+  services: Services,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  call: CallParts,
+): Promise<FastifyReply> {
+  const idempotencyKey = parseIdempotencyKey(request.headers['idempotency-key']);
+  const runId = await acceptAsyncCall(services, call, idempotencyKey);
+  return reply.code(202).header('x-request-id', runId).type('application/json; charset=utf-8').send({ run_id: runId });
 }
 
 /** What a streaming run's clients are told to wait before reconnecting (the SSE `retry:` field), ms. */
@@ -416,9 +433,7 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
         const target = request.runTarget!;
         const runId = request.runId!;
         const fn = (request.params as { function: string }).function;
-        if (fn.startsWith('_') || (target.functions && !target.functions.includes(fn))) {
-          throw new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`);
-        }
+        checkFunction(target, fn);
         const query = request.query as Record<string, unknown>;
         const streaming = wantsEventStream(request.headers.accept);
         const last = streaming ? parseLastEventId(request.headers['last-event-id'], query.lastEventId) : undefined;
@@ -453,9 +468,11 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
           throw err;
         };
         const outcome = await services.invoker.invoke({ ...common, signal: gone.signal, mode: 'sync' }).catch(orGone);
+        // The result's JSON, made once by the invoker for the run record, is spliced into the envelope.
+        const result = outcome.resultJson ?? JSON.stringify(outcome.result) ?? 'null';
         return reply
           .type('application/json; charset=utf-8')
-          .send({ run_id: runId, result: outcome.result, run_time_ms: outcome.runTimeMs });
+          .send(`{"run_id":"${runId}","result":${result},"run_time_ms":${outcome.runTimeMs}}`);
       },
     );
   });

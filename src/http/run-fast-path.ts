@@ -1,0 +1,192 @@
+/**
+ * The hot cases of the run endpoint without Fastify: a plain sync or async call of a cortex function.
+ *
+ * `POST /v4/{project_id}/{app_name}/{function}` with no query string (or exactly `?async=true`), a JSON
+ * body (or none), and no `Accept: text/event-stream` is what almost every call is. Fastify's routing,
+ * hooks, content-type parsers, schema validation and reply serialization cost more per call than the call
+ * itself; this handler does only what such a run needs, with the same checks, the same records and the
+ * same answers (success and error bodies, status codes, `X-Request-Id`, metrics) as the Fastify route in
+ * routes/run.ts, which still serves every other case: webhooks, streams, custom apps, other content types.
+ *
+ * `handle` decides from the request line and headers alone, before any byte of the body is read, and
+ * returns false for anything it does not serve; a custom app found after the lookup is handed to Fastify
+ * too (its body still unread).
+ */
+import type { IncomingMessage, ServerResponse } from 'node:http';
+import { FerryError } from '../errors.js';
+import { uuidv7 } from '../ids.js';
+import type { Services } from '../services.js';
+import { bodyTooLarge, JSON_SUFFIX_TYPE } from './body-parsers.js';
+import { logError, toFerryError } from './errors.js';
+import { acceptAsyncCall, checkFunction, parseIdempotencyKey, parseRunBody, resolveTarget } from './routes/run.js';
+import { wantsEventStream } from './sse.js';
+
+/** The route label the Fastify route reports in metrics, kept the same for this path. */
+const ROUTE = '/v4/:project_id/:app_name/:function';
+/** Path segments this path serves: unescaped, within the route's schema lengths; anything else goes to Fastify. */
+const RUN_PATH =
+  /^\/v4\/([A-Za-z0-9_][A-Za-z0-9._~-]{0,63})\/([A-Za-z0-9_][A-Za-z0-9._~-]{0,63})\/([A-Za-z0-9_][A-Za-z0-9._~-]{0,127})$/;
+const JSON_TYPE = /^application\/json\s*(?:;.*)?$/i;
+const CONTENT_TYPE = 'application/json; charset=utf-8';
+
+export interface RunFastPath {
+  /** Serves the request and returns true, or returns false having touched nothing. */
+  handle(req: IncomingMessage, res: ServerResponse): boolean;
+  /** Once the server is closing, every request goes to Fastify (which answers 503). */
+  close(): void;
+}
+
+export function createRunFastPath(
+  services: Services,
+  fallback: (req: IncomingMessage, res: ServerResponse) => void,
+): RunFastPath {
+  const { httpRequests, httpDuration } = services.metrics;
+  const limit = services.config.maxBodyBytes;
+  let closing = false;
+  // Metric children by status: prom-client hashes a labels object on every call otherwise.
+  const counted = new Map<number, ReturnType<typeof httpRequests.labels>>();
+  const timed = httpDuration.labels('POST', ROUTE);
+
+  function count(res: ServerResponse, begun: bigint): void {
+    const status = res.statusCode;
+    let child = counted.get(status);
+    if (!child) {
+      child = httpRequests.labels('POST', ROUTE, String(status));
+      counted.set(status, child);
+    }
+    child.inc();
+    timed.observe(Number(process.hrtime.bigint() - begun) / 1e9);
+  }
+
+  function answer(res: ServerResponse, status: number, body: string, headers?: Record<string, string>): void {
+    if (res.headersSent || res.destroyed) return;
+    res.statusCode = status;
+    if (headers) for (const name in headers) res.setHeader(name, headers[name]!);
+    res.setHeader('content-type', CONTENT_TYPE);
+    res.setHeader('content-length', Buffer.byteLength(body));
+    res.end(body);
+  }
+
+  function fail(req: IncomingMessage, res: ServerResponse, err: unknown, runId: string): void {
+    const ferry = toFerryError(err);
+    logError(services.logger, ferry, err, runId);
+    const body = ferry.toJSON() as Record<string, unknown>;
+    body.run_id = runId;
+    answer(res, ferry.status, JSON.stringify(body), ferry.headers);
+    // A body the caller is still sending (refused before it was read): read and dropped, as Fastify does.
+    if (!req.complete) req.resume();
+  }
+
+  /** The body's bytes, at most `limit` of them; rejects with FERRY_BODY_TOO_LARGE past it. */
+  function readBody(req: IncomingMessage): Promise<Buffer> {
+    return new Promise((resolve, reject) => {
+      const chunks: Buffer[] = [];
+      let size = 0;
+      req.on('data', (chunk: Buffer) => {
+        size += chunk.length;
+        if (size > limit) {
+          req.removeAllListeners('data');
+          req.resume();
+          reject(bodyTooLarge(limit));
+          return;
+        }
+        chunks.push(chunk);
+      });
+      req.on('error', reject);
+      req.on('end', () => {
+        if (size <= limit) resolve(chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, size));
+      });
+    });
+  }
+
+  async function serve(
+    req: IncomingMessage,
+    res: ServerResponse,
+    match: RegExpExecArray,
+    async: boolean,
+    begun: bigint,
+  ): Promise<void> {
+    const runId = uuidv7();
+    const [, projectId, appName, fn] = match as unknown as [string, string, string, string];
+    const gone = new AbortController();
+    const closed = () => {
+      if (!res.writableFinished) gone.abort(new Error('client disconnected'));
+      count(res, begun);
+    };
+    res.on('close', closed);
+    try {
+      const target = await resolveTarget(services, projectId, appName, req.headers.authorization);
+      if (target.build.config.app.runtime === 'custom') {
+        // Served by the proxy behind the Fastify route; the body is still unread.
+        res.removeListener('close', closed);
+        fallback(req, res);
+        return;
+      }
+      res.setHeader('x-request-id', runId);
+      checkFunction(target, fn);
+      const declared = Number(req.headers['content-length']);
+      if (declared > limit) throw bodyTooLarge(limit);
+      const body = parseRunBody(await readBody(req)).raw;
+      if (async) {
+        const idempotencyKey = parseIdempotencyKey(req.headers['idempotency-key']);
+        const call = { runId, target, fn, body, webhookUrl: undefined, webhookSecret: undefined };
+        // A repeated Idempotency-Key answers the first call's run id.
+        const accepted = await acceptAsyncCall(services, call, idempotencyKey);
+        res.setHeader('x-request-id', accepted);
+        answer(res, 202, `{"run_id":"${accepted}"}`);
+        return;
+      }
+      const outcome = await services.invoker
+        .invoke({
+          runId,
+          build: target.build,
+          fn,
+          body,
+          webhookUrl: undefined,
+          webhookSecret: undefined,
+          signal: gone.signal,
+          mode: 'sync',
+        })
+        .catch((err: unknown) => {
+          if (gone.signal.aborted && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
+          throw err;
+        });
+      // The result's JSON, made once by the invoker for the run record, is spliced into the envelope.
+      const result = outcome.resultJson ?? JSON.stringify(outcome.result) ?? 'null';
+      answer(res, 200, `{"run_id":"${runId}","result":${result},"run_time_ms":${outcome.runTimeMs}}`);
+    } catch (err) {
+      if (!res.hasHeader('x-request-id')) res.setHeader('x-request-id', runId);
+      fail(req, res, err, runId);
+    }
+  }
+
+  return {
+    handle(req, res) {
+      if (closing || req.method !== 'POST') return false;
+      const url = req.url;
+      if (url === undefined || !url.startsWith('/v4/')) return false;
+      // No query string, or exactly `?async=true`; anything else (webhooks, streams) is Fastify's.
+      const query = url.indexOf('?');
+      const async = query >= 0 && url.slice(query) === '?async=true';
+      if (query >= 0 && !async) return false;
+      const match = RUN_PATH.exec(query >= 0 ? url.slice(0, query) : url);
+      if (!match) return false;
+      const headers = req.headers;
+      if (wantsEventStream(headers.accept)) return false;
+      const type = headers['content-type'];
+      if (
+        type !== undefined &&
+        !JSON_TYPE.test(type) &&
+        !JSON_SUFFIX_TYPE.test(type) &&
+        !/^text\/plain\s*(?:;.*)?$/i.test(type)
+      )
+        return false;
+      if (headers['content-encoding'] !== undefined || headers['last-event-id'] !== undefined) return false;
+      void serve(req, res, match, async, process.hrtime.bigint());
+      return true;
+    },
+    close() {
+      closing = true;
+    },
+  };
+}
