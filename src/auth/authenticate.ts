@@ -11,6 +11,11 @@ export interface Principal extends TokenClaims {}
 export interface Authenticator {
   /** Resolves the principal for a request to `projectId` that needs `scope`, or throws a coded 401/403/404. */
   authenticate(authorization: string | undefined, projectId: string, scope: Scope): Promise<Principal>;
+  /**
+   * The principal when this token's check is cached and still good for this project and scope, without a
+   * Promise; undefined otherwise (then `authenticate`, which also says what is wrong).
+   */
+  peek(authorization: string | undefined, projectId: string, scope: Scope): Principal | undefined;
   /** Forgets every cached check (called when an account is revoked, so revocation is immediate here). */
   invalidate(): void;
 }
@@ -42,6 +47,15 @@ export function createAuthenticator(deps: { store: Store; key: Uint8Array }): Au
   return {
     invalidate() {
       verified.clear();
+    },
+    peek(authorization, projectId, scope) {
+      const match = authorization === undefined ? null : BEARER.exec(authorization);
+      const cached = match?.[1] === undefined ? undefined : verified.get(match[1]);
+      if (!cached) return undefined;
+      const now = Date.now();
+      if (cached.until <= now || cached.claims.expiresAt.getTime() <= now) return undefined;
+      const { claims } = cached;
+      return claims.projectId === projectId && claims.scopes.includes(scope) ? claims : undefined;
     },
     async authenticate(authorization, projectId, scope) {
       const token = bearerToken(authorization);
@@ -85,9 +99,11 @@ export function createAuthenticator(deps: { store: Store; key: Uint8Array }): Au
 }
 
 /** Extracts the token from `Authorization: Bearer <token>`. */
+const BEARER = /^Bearer\s+(\S+)\s*$/i;
+
 export function bearerToken(authorization: string | undefined): string {
   if (!authorization) throw new FerryError('FERRY_UNAUTHENTICATED');
-  const match = /^Bearer\s+(\S+)\s*$/i.exec(authorization);
+  const match = BEARER.exec(authorization);
   if (!match?.[1]) throw new FerryError('FERRY_TOKEN_INVALID', 'The Authorization header must be "Bearer <token>"');
   return match[1];
 }

@@ -15,10 +15,18 @@
 import type { IncomingMessage, ServerResponse } from 'node:http';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
+import { RunAbort } from '../runs/run-abort.js';
 import type { Services } from '../services.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE } from './body-parsers.js';
 import { logError, toFerryError } from './errors.js';
-import { acceptAsyncCall, checkFunction, parseIdempotencyKey, parseRunBody, resolveTarget } from './routes/run.js';
+import {
+  acceptAsyncCall,
+  checkFunction,
+  parseIdempotencyKey,
+  parseRunBody,
+  resolveTarget,
+  resolveTargetCached,
+} from './routes/run.js';
 import { wantsEventStream } from './sse.js';
 
 /** The route label the Fastify route reports in metrics, kept the same for this path. */
@@ -28,6 +36,8 @@ const RUN_PATH =
   /^\/v4\/([A-Za-z0-9_][A-Za-z0-9._~-]{0,63})\/([A-Za-z0-9_][A-Za-z0-9._~-]{0,63})\/([A-Za-z0-9_][A-Za-z0-9._~-]{0,127})$/;
 const JSON_TYPE = /^application\/json\s*(?:;.*)?$/i;
 const CONTENT_TYPE = 'application/json; charset=utf-8';
+/** The reason a run is aborted with when its caller hangs up (made once: an Error per run costs a stack). */
+const CLIENT_GONE = new Error('client disconnected');
 
 export interface RunFastPath {
   /** Serves the request and returns true, or returns false having touched nothing. */
@@ -108,14 +118,19 @@ export function createRunFastPath(
   ): Promise<void> {
     const runId = uuidv7();
     const [, projectId, appName, fn] = match as unknown as [string, string, string, string];
-    const gone = new AbortController();
+    // The run's one abort (run-abort.ts): the caller hanging up stops the run.
+    const run = new RunAbort();
     const closed = () => {
-      if (!res.writableFinished) gone.abort(new Error('client disconnected'));
+      if (!res.writableFinished) run.abort(CLIENT_GONE);
       count(res, begun);
     };
     res.on('close', closed);
     try {
-      const target = await resolveTarget(services, projectId, appName, req.headers.authorization);
+      const authorization = req.headers.authorization;
+      // Both caches hit on a warm path: no Promise, no await.
+      const target =
+        resolveTargetCached(services, projectId, appName, authorization) ??
+        (await resolveTarget(services, projectId, appName, authorization));
       if (target.build.config.app.runtime === 'custom') {
         // Served by the proxy behind the Fastify route; the body is still unread.
         res.removeListener('close', closed);
@@ -144,11 +159,11 @@ export function createRunFastPath(
           body,
           webhookUrl: undefined,
           webhookSecret: undefined,
-          signal: gone.signal,
+          abort: run,
           mode: 'sync',
         })
         .catch((err: unknown) => {
-          if (gone.signal.aborted && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
+          if (run.reason === CLIENT_GONE && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
           throw err;
         });
       // The result's JSON, made once by the invoker for the run record, is spliced into the envelope.

@@ -190,6 +190,16 @@ export class ReplicaPool {
     };
   }
 
+  /**
+   * Takes a free slot at once, without a Promise, when one is free and no run waits before this one;
+   * undefined otherwise (then `acquire` waits for one). The hot path of a warm app.
+   */
+  tryAcquire(): Slot | undefined {
+    if (this.draining || this.waiters.length > 0) return undefined;
+    const replica = this.free();
+    return replica ? this.take(replica, false) : undefined;
+  }
+
   /** Takes a slot, waiting (and starting replicas) when none is free. */
   acquire(signal?: AbortSignal): Promise<Slot> {
     if (this.draining)

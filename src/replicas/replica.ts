@@ -12,6 +12,10 @@ import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
 import { type Dispatcher, Pool } from 'undici';
 import { FerryError } from '../errors.js';
+import type { RunAbort } from '../runs/run-abort.js';
+import { type Frame, FrameSplitter } from './frames.js';
+
+export type { Frame } from './frames.js';
 
 /** A replica ready to be started, as prepared by the launcher (sandbox and runtime together). */
 export interface LaunchPlan {
@@ -27,14 +31,6 @@ export interface LaunchPlan {
   /** Removes what the launch made (cgroup, socket folder); called once the process has exited. */
   cleanup(): Promise<void>;
 }
-
-/** A frame of the replica protocol. */
-export type Frame =
-  | { type: 'log'; stream: 'stdout' | 'stderr'; line: string }
-  | { type: 'item'; data: unknown }
-  | { type: 'result'; data: unknown }
-  | { type: 'end' }
-  | { type: 'error'; error: { type: string; message: string; stack?: string } };
 
 export type ReplicaState = 'starting' | 'ready' | 'stopping' | 'exited';
 
@@ -171,37 +167,87 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   }
 
   /**
-   * Calls a function and yields the protocol frames as they arrive. Aborting `signal` closes the request,
-   * which makes the bootstrap stop a generator. Throws FERRY_FUNCTION_NOT_FOUND for a 404.
+   * Calls a function and hands each protocol frame to `onFrame` as it arrives; resolves once the answer
+   * has ended. Aborting `abort` closes the request, which makes the bootstrap stop a generator. A throw
+   * from `onFrame` closes it too and rejects with what was thrown. Rejects with FERRY_FUNCTION_NOT_FOUND
+   * for a 404, and with the coded error saying what happened to the replica when the transport fails.
+   *
+   * Built on undici's dispatch rather than `request`: a run's answer then goes from the socket to the run
+   * without a body stream, an async iterator and an AbortSignal listener in between (issue 15).
    */
-  async *call(fn: string, runId: string, body: Buffer | string, signal: AbortSignal): AsyncGenerator<Frame> {
-    let res: Awaited<ReturnType<Pool['request']>>;
-    try {
-      res = await this.requirePool().request({
-        path: `/_ferry/call/${encodeURIComponent(fn)}`,
-        method: 'POST',
-        headers: { 'content-type': 'application/json', 'x-ferry-run-id': runId },
-        body,
-        signal,
-      });
-    } catch (err) {
-      throw await this.failure(err, signal);
-    }
-    if (res.statusCode === 404) {
-      await res.body.dump();
-      throw new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`);
-    }
-    if (res.statusCode !== 200) {
-      const text = await res.body.text().catch(() => '');
-      throw new FerryError('FERRY_INTERNAL', `replica answered ${res.statusCode}: ${text.slice(0, 200)}`);
-    }
-    try {
-      for await (const frame of readFrames(res.body)) yield frame;
-    } catch (err) {
-      throw await this.failure(err, signal);
-    } finally {
-      if (!res.body.destroyed) res.body.destroy();
-    }
+  callFrames(
+    fn: string,
+    runId: string,
+    body: Buffer | string,
+    abort: RunAbort,
+    onFrame: (frame: Frame) => void,
+  ): Promise<void> {
+    const pool = this.pool;
+    if (!pool) return Promise.reject(new FerryError('FERRY_REPLICA_DIED', 'The replica is not serving'));
+    return new Promise((resolve, reject) => {
+      let controller: Dispatcher.DispatchController | undefined;
+      let status = 0;
+      let other = '';
+      /** What onFrame threw: the call is closed, and this is the answer. */
+      let thrown: { error: unknown } | undefined;
+      const splitter = new FrameSplitter(onFrame);
+      const stopFollowing = abort.onAbort(() => controller?.abort(abortError(abort.reason)));
+      const settle = (err?: unknown) => {
+        stopFollowing();
+        if (err === undefined) resolve();
+        else reject(err);
+      };
+      const handler: Dispatcher.DispatchHandler = {
+        onRequestStart(c) {
+          controller = c;
+          if (abort.aborted) c.abort(abortError(abort.reason));
+        },
+        onResponseStart(_c, statusCode) {
+          status = statusCode;
+        },
+        onResponseData(c, chunk) {
+          if (status !== 200) {
+            if (other.length < 200) other += chunk.toString('utf8');
+            return;
+          }
+          if (thrown) return;
+          try {
+            splitter.push(chunk);
+          } catch (err) {
+            thrown = { error: err };
+            c.abort(err instanceof Error ? err : new Error('frame handling failed'));
+          }
+        },
+        onResponseEnd: () => {
+          if (thrown) return settle(thrown.error);
+          if (status === 404) {
+            return settle(new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`));
+          }
+          if (status !== 200) {
+            return settle(new FerryError('FERRY_INTERNAL', `replica answered ${status}: ${other.slice(0, 200)}`));
+          }
+          try {
+            splitter.end();
+          } catch (err) {
+            return void this.failure(err, abort).then(settle);
+          }
+          settle();
+        },
+        onResponseError: (_c, err) => {
+          if (thrown) return settle(thrown.error);
+          void this.failure(err, abort).then(settle);
+        },
+      };
+      pool.dispatch(
+        {
+          path: `/_ferry/call/${encodeURIComponent(fn)}`,
+          method: 'POST',
+          headers: ['content-type', 'application/json', 'x-ferry-run-id', runId],
+          body,
+        },
+        handler,
+      );
+    });
   }
 
   /**
@@ -275,7 +321,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   }
 
   /** Turns a transport error into the coded error that says what happened to the replica. */
-  async failure(err: unknown, signal: AbortSignal): Promise<unknown> {
+  async failure(err: unknown, signal: { readonly aborted: boolean; readonly reason?: unknown }): Promise<unknown> {
     if (signal.aborted) return signal.reason ?? err;
     // The socket closes a moment before the exit status is known: wait briefly for it.
     const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
@@ -339,21 +385,9 @@ function canConnect(socketPath: string): Promise<boolean> {
   });
 }
 
-/** Parses NDJSON frames from a response body as they arrive. */
-async function* readFrames(body: Readable): AsyncGenerator<Frame> {
-  let buffered = '';
-  body.setEncoding('utf8');
-  for await (const chunk of body as AsyncIterable<string>) {
-    buffered += chunk;
-    let newline = buffered.indexOf('\n');
-    while (newline >= 0) {
-      const line = buffered.slice(0, newline);
-      buffered = buffered.slice(newline + 1);
-      if (line.length > 0) yield JSON.parse(line) as Frame;
-      newline = buffered.indexOf('\n');
-    }
-  }
-  if (buffered.trim().length > 0) yield JSON.parse(buffered) as Frame;
+/** What a run's request is closed with: its abort's reason when that is an Error (undici wants one). */
+function abortError(reason: unknown): Error {
+  return reason instanceof Error ? reason : new Error('the run was aborted');
 }
 
 /** Starts a replica process; use `waitReady` before calling it. */

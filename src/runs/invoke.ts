@@ -9,11 +9,13 @@
 import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
+import type { Frame } from '../replicas/frames.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { RunMode, RunState } from '../store/schema.js';
 import { buildWebhookPayload, MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
+import { RunAbort } from './run-abort.js';
 
 /** Inputs over this size are not kept on the run record (the run still gets them). */
 export const MAX_STORED_INPUT_BYTES = 64 * 1024;
@@ -34,6 +36,12 @@ export interface RunRequestBase {
   mode: RunMode;
   /** Aborted when the caller is gone (sync, stream): the run stops. */
   signal?: AbortSignal | undefined;
+  /**
+   * The run's own abort, made by the caller, which aborts it when it is gone (instead of `signal`); the
+   * invoker aborts it too, for the deadline and a cancel. The run endpoint's hot path passes one: an
+   * AbortSignal costs microseconds to make (run-abort.ts).
+   */
+  abort?: RunAbort | undefined;
   /** Set when the record already exists (async runs are inserted before they are acknowledged). */
   recorded?: boolean;
   /** Where to forward the response payload when the run ends (written to the outbox with the final state). */
@@ -154,6 +162,8 @@ interface CallOutcome {
   /** Set when the result is too large to keep for the webhook (a long stream, a large body). */
   resultOmitted?: string | undefined;
   resultEncoding?: 'base64' | undefined;
+  /** `result` as JSON, as the replica wrote it (checked): recorded and answered as it is. */
+  resultJson?: string | undefined;
 }
 
 type Slot = Awaited<ReturnType<ReturnType<ReplicaManager['pool']>['acquire']>>;
@@ -188,7 +198,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
   async function perform(
     request: RunRequestBase,
     input: { stored: string | null; bytes: number },
-    call: (slot: Slot, signal: AbortSignal, runId: string) => Promise<CallOutcome>,
+    call: (slot: Slot, abort: RunAbort, runId: string) => Promise<CallOutcome>,
     /** Cortex functions are told of a cancel and given time to return; custom apps' requests are closed. */
     cooperative = false,
   ): Promise<InvokeResult> {
@@ -213,19 +223,12 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     }
 
     const grace = build.config.scaling.response_grace_period * 1000;
-    const deadline = new AbortController();
+    // One abort for the run: the caller going away, the deadline and a cancel all end the call through it.
+    const run = request.abort ?? new RunAbort();
     // A sentinel, made into the real error only when it fires: an Error per run (stack capture) is costly.
     const timeout = TIMED_OUT;
-    const timer = request.noDeadline ? undefined : setTimeout(() => deadline.abort(timeout), grace);
-    // The caller's signal (the client went away) aborts the deadline's, with its own reason: one signal for
-    // the run, without AbortSignal.any (a signal more per run, tracked by weak references until collected).
-    const outer = request.signal;
-    const forward = outer ? () => deadline.abort(outer.reason) : undefined;
-    if (outer && forward) {
-      if (outer.aborted) forward();
-      else outer.addEventListener('abort', forward, { once: true });
-    }
-    const signal = deadline.signal;
+    const timer = request.noDeadline ? undefined : setTimeout(() => run.abort(timeout), grace);
+    const unfollow = request.signal ? run.follow(request.signal) : undefined;
 
     let coldStart = false;
     let started = 0;
@@ -239,17 +242,17 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       cancelRequested = true;
       const taken = slot;
       if (!taken || started === 0 || !cooperative) {
-        deadline.abort(CANCELLED);
+        run.abort(CANCELLED);
         return;
       }
       // Told first; the call goes on until the function returns, or until the grace is over.
       void taken.replica.cancel(runId).then((found) => {
         // The bootstrap may not have the run yet (the call was just sent): once more, a moment later.
-        if (!found && !deadline.signal.aborted) setTimeout(() => void taken.replica.cancel(runId), 200).unref();
+        if (!found && !run.aborted) setTimeout(() => void taken.replica.cancel(runId), 200).unref();
       });
       cancelTimer = setTimeout(() => {
         stopReplica = true;
-        deadline.abort(CANCELLED);
+        run.abort(CANCELLED);
       }, cancelGraceMs);
       cancelTimer.unref();
     };
@@ -257,7 +260,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     try {
       // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
       const pool = deps.replicas.pool(build);
-      slot = await pool.acquire(signal);
+      // A free slot is taken without a Promise; waiting for one needs an AbortSignal (made only then).
+      slot = pool.tryAcquire() ?? (await pool.acquire(run.signal));
       if (request.claim) {
         let mine: boolean;
         try {
@@ -279,12 +283,12 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       if (coldStart) recorder.log(runId, 'system', `cold start: waited ${started - created} ms for a replica`);
       request.onStarted?.();
 
-      const outcome = await call(slot, signal, runId);
+      const outcome = await call(slot, run, runId);
       // Cancelled while it ran: it returned within the grace, but the run was cancelled all the same.
       if (cancelRequested) throw CANCELLED;
       const { result } = outcome;
       const runTimeMs = Date.now() - started;
-      const text = outcome.resultOmitted ? null : (JSON.stringify(result) ?? 'null');
+      const text = outcome.resultOmitted ? null : (outcome.resultJson ?? JSON.stringify(result) ?? 'null');
       const keep = text !== null && Buffer.byteLength(text) <= maxStoredResult;
       if (text !== null && !keep)
         recorder.log(
@@ -302,7 +306,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         },
         outcome.resultOmitted
           ? { resultOmitted: outcome.resultOmitted }
-          : { result, resultEncoding: outcome.resultEncoding },
+          : { result, resultJson: text ?? undefined, resultEncoding: outcome.resultEncoding },
       );
       return {
         result,
@@ -316,7 +320,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       if (caught instanceof RunNotClaimedError || caught instanceof RunStartError) throw caught;
       // Not started, and the app is only busy: the async worker tries again later, nothing to record.
       if (request.claim && !claimed && caught instanceof FerryError && caught.code === 'FERRY_QUEUE_FULL') throw caught;
-      const timedOut = caught === timeout || signal.reason === timeout;
+      const timedOut = caught === timeout || run.reason === timeout;
       const cancelled = !timedOut && cancelRequested;
       const err = timedOut
         ? new FerryError(
@@ -332,7 +336,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             )
           : caught;
       const ferry = err instanceof FerryError ? err : undefined;
-      const clientGone = !ferry && request.signal?.aborted === true;
+      // Aborted for a reason of the caller's own: it went away.
+      const clientGone = !ferry && run.aborted && run.reason !== timeout && run.reason !== CANCELLED;
       const state: RunState = timedOut ? 'timeout' : clientGone || cancelled ? 'cancelled' : 'failure';
       if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
       const code = ferry?.code ?? (clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
@@ -355,7 +360,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     } finally {
       clearTimeout(timer);
       clearTimeout(cancelTimer);
-      if (outer && forward) outer.removeEventListener('abort', forward);
+      unfollow?.();
       if (cancels.get(runId) === cancel) cancels.delete(runId);
       slot?.release();
     }
@@ -366,6 +371,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       values: Parameters<RunRecorder['update']>[1],
       outcome: {
         result?: unknown;
+        resultJson?: string | undefined;
         resultOmitted?: string;
         resultEncoding?: 'base64' | undefined;
         error?: { code: string; message: string; type?: string | undefined };
@@ -397,14 +403,15 @@ export function createInvoker(deps: InvokerDeps): Invoker {
 
   /** Cortex: calls the function over the replica protocol and gathers its frames. */
   function callFunction(request: InvokeRequest) {
-    return async (slot: Slot, signal: AbortSignal, runId: string): Promise<CallOutcome> => {
+    return async (slot: Slot, abort: RunAbort, runId: string): Promise<CallOutcome> => {
       let result: unknown;
+      let resultJson: string | undefined;
       const items: unknown[] = [];
       let ended = false;
       let streamed = false;
       let itemsBytes = 0;
       let itemsOmitted = false;
-      for await (const frame of slot.replica.call(request.fn, runId, request.body, signal)) {
+      const onFrame = (frame: Frame): void => {
         if (frame.type === 'log') recorder.log(runId, frame.stream, frame.line);
         else if (frame.type === 'item') {
           if (request.onItem) {
@@ -421,6 +428,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           } else items.push(frame.data);
         } else if (frame.type === 'result') {
           result = frame.data;
+          resultJson = frame.json;
           ended = true;
         } else if (frame.type === 'end') {
           result = request.onItem && !request.webhookUrl ? null : items;
@@ -434,7 +442,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           if (type === 'ArgumentError') throw new FerryError('FERRY_ARGUMENT_ERROR', message, { details: { type } });
           throw new FerryError('FERRY_FUNCTION_ERROR', `${type}: ${message}`, { details: { type } });
         }
-      }
+      };
+      await slot.replica.callFrames(request.fn, runId, request.body, abort, onFrame);
       if (!ended) throw new FerryError('FERRY_REPLICA_DIED', 'The replica ended the call without a result');
       if (itemsOmitted) {
         return {
@@ -444,7 +453,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           resultOmitted: `the items are larger than ${MAX_WEBHOOK_RESULT_BYTES} bytes`,
         };
       }
-      return { result, streamed, statusCode: 200 };
+      return { result, resultJson, streamed, statusCode: 200 };
     };
   }
 
@@ -453,7 +462,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
    * keeping the body (up to a limit) as the run's result for the record and the webhook.
    */
   function callServer(request: HttpInvokeRequest) {
-    return async (slot: Slot, signal: AbortSignal, runId: string): Promise<CallOutcome> => {
+    return async (slot: Slot, abort: RunAbort, runId: string): Promise<CallOutcome> => {
+      const signal = abort.signal;
       const res = await slot.replica.forward({ ...request.http, signal });
       const sink = request.onResponse?.({ statusCode: res.statusCode, headers: res.headers });
       // An async or webhook run's body is its result, up to the webhook limit; a sync run keeps what the
@@ -516,8 +526,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       return perform(request, { stored: request.input ?? null, bytes }, callServer(request));
     },
     invokeSession(request, session) {
-      return perform(request, { stored: null, bytes: 0 }, async (slot, signal, runId) => {
-        const statusCode = await session(slot.replica, signal, runId);
+      return perform(request, { stored: null, bytes: 0 }, async (slot, abort, runId) => {
+        const statusCode = await session(slot.replica, abort.signal, runId);
         return { result: null, streamed: false, statusCode, failed: statusCode >= 500 };
       });
     },

@@ -18,6 +18,8 @@ export interface AppTarget {
 export interface RunTargets {
   /** The app's target, or undefined when the project has no such app. */
   get(projectId: string, appId: string): Promise<AppTarget | undefined>;
+  /** The app's target when it is cached and fresh, without a Promise; undefined otherwise (then `get`). */
+  peek(projectId: string, appId: string): AppTarget | undefined;
   forget(projectId: string, appId: string): void;
 }
 
@@ -50,6 +52,10 @@ export function createRunTargets(deps: { store: Store }): RunTargets {
       // Apps without a ready build are not cached: a first deploy must be callable at once.
       if (value.buildId) cache.set(key, { value, until: now + CACHE_MS });
       return value;
+    },
+    peek(projectId, appId) {
+      const cached = cache.get(`${projectId}/${appId}`);
+      return cached && cached.until > Date.now() ? cached.value : undefined;
     },
     forget(projectId, appId) {
       cache.delete(`${projectId}/${appId}`);

@@ -31,6 +31,8 @@ export function buildWebhookPayload(input: {
   statusCode: number;
   runTimeMs: number | null;
   result?: unknown;
+  /** `result` as JSON when the caller has it already (the replica's bytes): spliced in, not made again. */
+  resultJson?: string | undefined;
   /** Set when the caller already knows the result is too large to send (a long stream). */
   resultOmitted?: string | undefined;
   resultEncoding?: 'base64' | undefined;
@@ -50,13 +52,15 @@ export function buildWebhookPayload(input: {
     payload.result = null;
     payload.result_omitted = input.resultOmitted;
   } else {
-    const text = JSON.stringify(input.result ?? null);
+    const text = input.resultJson ?? JSON.stringify(input.result ?? null);
     if (Buffer.byteLength(text) > MAX_WEBHOOK_RESULT_BYTES) {
       payload.result = null;
       payload.result_omitted = `the result is larger than ${MAX_WEBHOOK_RESULT_BYTES} bytes`;
     } else {
-      payload.result = input.result ?? null;
-      if (input.resultEncoding) payload.result_encoding = input.resultEncoding;
+      // `result` (and its encoding) come last in the payload either way: spliced as text after the rest.
+      const rest = JSON.stringify(payload);
+      const encoding = input.resultEncoding ? `,"result_encoding":${JSON.stringify(input.resultEncoding)}` : '';
+      return `${rest.slice(0, -1)},"result":${text}${encoding}}`;
     }
   }
   return JSON.stringify(payload);

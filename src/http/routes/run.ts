@@ -81,6 +81,26 @@ export async function resolveTarget(
   };
 }
 
+/**
+ * `resolveTarget` without a Promise when the app's target and the token's check are both cached (the warm
+ * path of the run endpoint); undefined when either is not, or when something is wrong (then
+ * `resolveTarget` finds it again and throws the coded error).
+ */
+export function resolveTargetCached(
+  services: Services,
+  projectId: string,
+  appName: string,
+  authorization: string | undefined,
+): RunTarget | undefined {
+  const found = services.runTargets.peek(projectId, appName);
+  if (!found?.config || !found.buildId) return undefined;
+  if (!found.config.app.disable_auth && !services.auth.peek(authorization, projectId, 'run')) return undefined;
+  return {
+    build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
+    functions: found.functions,
+  };
+}
+
 /** Refuses a function the app does not have, or one that is not public (a leading `_`). */
 export function checkFunction(target: RunTarget, fn: string): void {
   if (fn.startsWith('_') || (target.functions && !target.functions.includes(fn))) {
