@@ -6,15 +6,16 @@
  * labels, so a Prometheus scraping several processes of one cluster tells their series apart.
  */
 import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from 'prom-client';
+import { HotCounter, HotHistogram } from './hot-metrics.js';
 
 export interface Metrics {
   registry: Registry;
-  httpRequests: Counter<'method' | 'route' | 'status'>;
-  httpDuration: Histogram<'method' | 'route'>;
+  httpRequests: HotCounter<'method' | 'route' | 'status'>;
+  httpDuration: HotHistogram<'method' | 'route'>;
   builds: Counter<'state'>;
   buildDuration: Histogram<'state'>;
-  runs: Counter<'project' | 'app' | 'state' | 'status'>;
-  runDuration: Histogram<'project' | 'app'>;
+  runs: HotCounter<'project' | 'app' | 'state' | 'status'>;
+  runDuration: HotHistogram<'project' | 'app'>;
   coldStarts: Counter<'project' | 'app'>;
   coldStartDuration: Histogram<'project' | 'app'>;
   replicas: Gauge<'project' | 'app' | 'state'>;
@@ -44,13 +45,13 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
   collectDefaultMetrics({ register: registry, prefix: 'ferry_' });
   return {
     registry,
-    httpRequests: new Counter({
+    httpRequests: new HotCounter({
       name: 'ferry_http_requests_total',
       help: 'HTTP requests answered, by route and status',
       labelNames: ['method', 'route', 'status'],
       registers: [registry],
     }),
-    httpDuration: new Histogram({
+    httpDuration: new HotHistogram({
       name: 'ferry_http_request_duration_seconds',
       help: 'Time to answer HTTP requests',
       labelNames: ['method', 'route'],
@@ -70,13 +71,13 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
       buckets: [0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600],
       registers: [registry],
     }),
-    runs: new Counter({
+    runs: new HotCounter({
       name: 'ferry_runs_total',
       help: 'Runs that ended, by app, final state and HTTP status',
       labelNames: ['project', 'app', 'state', 'status'],
       registers: [registry],
     }),
-    runDuration: new Histogram({
+    runDuration: new HotHistogram({
       name: 'ferry_run_duration_seconds',
       help: 'Time from a run being accepted to its end (queueing and cold start included)',
       labelNames: ['project', 'app'],

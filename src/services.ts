@@ -285,6 +285,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     },
   });
   const replicaLogger = logger.child({ component: 'replica-output' });
+  // Run metrics by app, state and status, each found once (hot-metrics.ts).
+  const runTallies = new Map<
+    string,
+    { ended: ReturnType<Metrics['runs']['child']>; took: ReturnType<Metrics['runDuration']['child']> }
+  >();
   const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
     cancelGraceMs: config.cancelGraceSeconds * 1000,
@@ -292,9 +297,17 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     recorder,
     logger: logger.child({ component: 'runs' }),
     onFinished(build, state, statusCode, seconds) {
-      const labels = { project: build.projectId, app: build.appId };
-      metrics.runs.inc({ ...labels, state, status: String(statusCode) });
-      metrics.runDuration.observe(labels, seconds);
+      const key = `${build.projectId}/${build.appId}/${state}/${statusCode}`;
+      let tally = runTallies.get(key);
+      if (!tally) {
+        tally = {
+          ended: metrics.runs.child(build.projectId, build.appId, state, String(statusCode)),
+          took: metrics.runDuration.child(build.projectId, build.appId),
+        };
+        runTallies.set(key, tally);
+      }
+      tally.ended.inc();
+      tally.took.observe(seconds);
     },
   });
   const remote =

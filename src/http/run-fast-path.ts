@@ -54,14 +54,14 @@ export function createRunFastPath(
   const limit = services.config.maxBodyBytes;
   let closing = false;
   // Metric children by status: prom-client hashes a labels object on every call otherwise.
-  const counted = new Map<number, ReturnType<typeof httpRequests.labels>>();
-  const timed = httpDuration.labels('POST', ROUTE);
+  const counted = new Map<number, ReturnType<typeof httpRequests.child>>();
+  const timed = httpDuration.child('POST', ROUTE);
 
   function count(res: ServerResponse, begun: bigint): void {
     const status = res.statusCode;
     let child = counted.get(status);
     if (!child) {
-      child = httpRequests.labels('POST', ROUTE, String(status));
+      child = httpRequests.child('POST', ROUTE, String(status));
       counted.set(status, child);
     }
     child.inc();
