@@ -265,6 +265,7 @@ export async function* count({ n = 4, ms = 300 }: { n?: number; ms?: number }) {
 }
 export function* words() { yield 'plain'; yield 42; }
 export async function* forever() { let i = 0; for (;;) { await sleep(50); yield i++; } }
+export async function hang() { await sleep(600_000); return 'never'; }
 `,
     });
     const url = (g: FleetProcess, fn: string) => `${g.url}/v4/${auth.projectId}/streamer/${fn}`;
@@ -293,6 +294,44 @@ export async function* forever() { let i = 0; for (;;) { await sleep(50); yield 
     );
     assert.equal(run.state, 'cancelled');
     assert.equal(run.reason, 'client_disconnected');
+
+    // The same for a plain sync call (the gateway's run endpoint fast path): the caller hangs up while the
+    // function runs on the worker, and the worker's run ends and frees the one slot.
+    const hung = new AbortController();
+    const call = fetch(url(gatewayA, 'hang'), {
+      method: 'POST',
+      headers: { authorization: `Bearer ${auth.token}`, 'content-type': 'application/json' },
+      body: '{}',
+      signal: hung.signal,
+    }).catch((err: unknown) => err);
+    const running = await waitFor(
+      async () => {
+        const r = await http(`${gatewayA.url}/v2/projects/${auth.projectId}/apps/streamer/runs?limit=5`, {
+          token: auth.token,
+        });
+        return (r.json.runs as Array<{ run_id: string; function: string; state: string }>).find(
+          (x) => x.function === 'hang' && x.state === 'running',
+        );
+      },
+      30_000,
+      'the sync call to run on the worker',
+    );
+    hung.abort();
+    await call;
+    const after = await streamRequest(url(gatewayB, 'words'), auth.token, {});
+    assert.equal(after.status, 200);
+    const ended = await waitFor(
+      async () => {
+        const r = await http(`${gatewayB.url}/v2/projects/${auth.projectId}/apps/streamer/runs/${running.run_id}`, {
+          token: auth.token,
+        });
+        return r.json.state !== 'running' && r.json.state !== 'queued' ? r.json : undefined;
+      },
+      30_000,
+      'the abandoned sync run to end',
+    );
+    assert.equal(ended.state, 'cancelled');
+    assert.equal(ended.reason, 'client_disconnected');
   });
 
   it('keeps min_replicas and max_replicas for the whole cluster', async () => {

@@ -182,7 +182,7 @@ export function createRunRecorder(deps: {
     const inserts: RunRow[] = [];
     const updates: Array<[string, RunChanges]> = [];
     for (const [id, p] of batch) {
-      if (!p.inserted) inserts.push({ ...p.row, ...p.changes });
+      if (!p.inserted) inserts.push(isEmpty(p.changes) ? p.row : { ...p.row, ...p.changes });
       else if (Object.keys(p.changes).length > 0) updates.push([id, p.changes]);
     }
     // Every INSERT ignores rows already there: a retried batch whose earlier commit did happen (a lost
@@ -441,7 +441,8 @@ export function createRunRecorder(deps: {
     },
     update(runId, changes) {
       const p = pending.get(runId);
-      if (p) Object.assign(p.changes, changes);
+      // A run not written yet is written whole, once: its changes go into the row itself.
+      if (p) Object.assign(p.inserted ? p.changes : p.row, changes);
       else pending.set(runId, { row: { id: runId } as RunRow, inserted: true, changes: { ...changes } });
       if (changes.state !== undefined && isFinal(changes.state)) seqs.delete(runId);
       schedule();
@@ -483,6 +484,11 @@ export function createRunRecorder(deps: {
     },
   };
   return recorder;
+}
+
+function isEmpty(changes: RunChanges): boolean {
+  for (const _ in changes) return false;
+  return true;
 }
 
 function isFinal(state: string): boolean {

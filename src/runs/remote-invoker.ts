@@ -177,7 +177,8 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
     // A gateway runs nothing: the worker running the run cancels it (the change feed's run.cancel).
     cancel: () => false,
 
-    invoke(request: InvokeRequest): Promise<InvokeResult> {
+    invoke(given: InvokeRequest): Promise<InvokeResult> {
+      const request = withSignal(given);
       const line = Buffer.from(`${JSON.stringify(metaOf(request))}\n`);
       const body = Buffer.concat([line, request.body]);
       return dispatch(request, async (worker) => {
@@ -207,7 +208,8 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
       });
     },
 
-    invokeHttp(request: HttpInvokeRequest): Promise<InvokeResult> {
+    invokeHttp(given: HttpInvokeRequest): Promise<InvokeResult> {
+      const request = withSignal(given);
       const http = request.http;
       const meta: CallMeta = {
         ...metaOf(request),
@@ -261,7 +263,8 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
       });
     },
 
-    invokeSession(request, session) {
+    invokeSession(given, session) {
+      const request = withSignal(given);
       const meta = encodeHeaderMeta(metaOf(request));
       const started = Date.now();
       const signal = request.signal ?? new AbortController().signal;
@@ -391,6 +394,11 @@ function errorFromWorker(value: unknown, status: number): FerryError {
 }
 
 /** Waits until the caller's response takes more data (or goes away). */
+/** The request with its caller's RunAbort as an AbortSignal too: this invoker's transport takes signals. */
+function withSignal<T extends RunRequestBase>(request: T): T {
+  return request.abort && !request.signal ? { ...request, signal: request.abort.signal } : request;
+}
+
 function drained(sink: HttpBodySink, signal: AbortSignal | undefined): Promise<void> {
   if (sink.destroyed) return Promise.reject(signal?.reason ?? new Error('the caller went away'));
   return new Promise((resolve) => {
