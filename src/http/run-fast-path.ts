@@ -68,12 +68,17 @@ export function createRunFastPath(
     timed.observe(Number(process.hrtime.bigint() - begun) / 1e9);
   }
 
-  function answer(res: ServerResponse, status: number, body: string, headers?: Record<string, string>): void {
+  /** A success: the head as one raw array (no header map to fill and read back). */
+  function answer(res: ServerResponse, status: number, body: string, runId: string): void {
     if (res.headersSent || res.destroyed) return;
-    res.statusCode = status;
-    if (headers) for (const name in headers) res.setHeader(name, headers[name]!);
-    res.setHeader('content-type', CONTENT_TYPE);
-    res.setHeader('content-length', Buffer.byteLength(body));
+    res.writeHead(status, [
+      'content-type',
+      CONTENT_TYPE,
+      'content-length',
+      String(Buffer.byteLength(body)),
+      'x-request-id',
+      runId,
+    ]);
     res.end(body);
   }
 
@@ -82,7 +87,15 @@ export function createRunFastPath(
     logError(services.logger, ferry, err, runId);
     const body = ferry.toJSON() as Record<string, unknown>;
     body.run_id = runId;
-    answer(res, ferry.status, JSON.stringify(body), ferry.headers);
+    if (!res.headersSent && !res.destroyed) {
+      const text = JSON.stringify(body);
+      res.statusCode = ferry.status;
+      for (const name in ferry.headers) res.setHeader(name, ferry.headers[name]!);
+      if (!res.hasHeader('x-request-id')) res.setHeader('x-request-id', runId);
+      res.setHeader('content-type', CONTENT_TYPE);
+      res.setHeader('content-length', Buffer.byteLength(text));
+      res.end(text);
+    }
     // A body the caller is still sending (refused before it was read): read and dropped, as Fastify does.
     if (!req.complete) req.resume();
   }
@@ -137,7 +150,6 @@ export function createRunFastPath(
         fallback(req, res);
         return;
       }
-      res.setHeader('x-request-id', runId);
       checkFunction(target, fn);
       const declared = Number(req.headers['content-length']);
       if (declared > limit) throw bodyTooLarge(limit);
@@ -147,8 +159,7 @@ export function createRunFastPath(
         const call = { runId, target, fn, body, webhookUrl: undefined, webhookSecret: undefined };
         // A repeated Idempotency-Key answers the first call's run id.
         const accepted = await acceptAsyncCall(services, call, idempotencyKey);
-        res.setHeader('x-request-id', accepted);
-        answer(res, 202, `{"run_id":"${accepted}"}`);
+        answer(res, 202, `{"run_id":"${accepted}"}`, accepted);
         return;
       }
       const outcome = await services.invoker
@@ -168,9 +179,8 @@ export function createRunFastPath(
         });
       // The result's JSON, made once by the invoker for the run record, is spliced into the envelope.
       const result = outcome.resultJson ?? JSON.stringify(outcome.result) ?? 'null';
-      answer(res, 200, `{"run_id":"${runId}","result":${result},"run_time_ms":${outcome.runTimeMs}}`);
+      answer(res, 200, `{"run_id":"${runId}","result":${result},"run_time_ms":${outcome.runTimeMs}}`, runId);
     } catch (err) {
-      if (!res.hasHeader('x-request-id')) res.setHeader('x-request-id', runId);
       fail(req, res, err, runId);
     }
   }
