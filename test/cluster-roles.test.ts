@@ -282,16 +282,19 @@ export async function hang() { await sleep(600_000); return 'never'; }
     // One slot: the next call gets through only once the endless generator on the worker let go of it.
     const next = await streamRequest(url(gatewayA, 'words'), auth.token, {});
     assert.equal(next.status, 200);
-    const run = await waitFor(
-      async () => {
-        const r = await http(`${gatewayA.url}/v2/projects/${auth.projectId}/apps/streamer/runs/${runId}`, {
-          token: auth.token,
-        });
-        return r.json.state !== 'running' && r.json.state !== 'queued' ? r.json : undefined;
-      },
-      30_000,
-      'the abandoned run to end',
-    );
+    /** The run once it has ended, read through `gateway`. */
+    const ended = (gateway: FleetProcess, id: string) =>
+      waitFor(
+        async () => {
+          const r = await http(`${gateway.url}/v2/projects/${auth.projectId}/apps/streamer/runs/${id}`, {
+            token: auth.token,
+          });
+          return r.json.state !== 'running' && r.json.state !== 'queued' ? r.json : undefined;
+        },
+        30_000,
+        `run ${id} to end`,
+      );
+    const run = await ended(gatewayA, runId);
     assert.equal(run.state, 'cancelled');
     assert.equal(run.reason, 'client_disconnected');
 
@@ -320,18 +323,9 @@ export async function hang() { await sleep(600_000); return 'never'; }
     await call;
     const after = await streamRequest(url(gatewayB, 'words'), auth.token, {});
     assert.equal(after.status, 200);
-    const ended = await waitFor(
-      async () => {
-        const r = await http(`${gatewayB.url}/v2/projects/${auth.projectId}/apps/streamer/runs/${running.run_id}`, {
-          token: auth.token,
-        });
-        return r.json.state !== 'running' && r.json.state !== 'queued' ? r.json : undefined;
-      },
-      30_000,
-      'the abandoned sync run to end',
-    );
-    assert.equal(ended.state, 'cancelled');
-    assert.equal(ended.reason, 'client_disconnected');
+    const abandoned = await ended(gatewayB, running.run_id);
+    assert.equal(abandoned.state, 'cancelled');
+    assert.equal(abandoned.reason, 'client_disconnected');
   });
 
   it('keeps min_replicas and max_replicas for the whole cluster', async () => {
