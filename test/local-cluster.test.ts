@@ -15,9 +15,12 @@ import { http, REPO_ROOT, tempDir } from './helpers/ferry.js';
 import { ADMIN_DATABASE_URL } from './helpers/fleet.js';
 import { deleteClusterStreams, freePort } from './helpers/nats.js';
 
+const SCRIPT = path.join(REPO_ROOT, 'scripts', 'local-cluster.sh');
+
+/** Runs the script as the docs do, by its path (so it must be executable). */
 function script(args: string[]): Promise<{ code: number; out: string }> {
   return new Promise((resolve) => {
-    const child = spawn('bash', [path.join(REPO_ROOT, 'scripts', 'local-cluster.sh'), ...args], {
+    const child = spawn(SCRIPT, args, {
       env: { ...process.env, FERRY_LOCAL_ADMIN_URL: ADMIN_DATABASE_URL },
       stdio: ['ignore', 'pipe', 'pipe'],
     });
