@@ -9,6 +9,7 @@
 import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
+import { isoTime } from '../ids.js';
 import type { Frame } from '../replicas/frames.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
@@ -277,7 +278,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       recorder.update(runId, {
         state: 'running',
         build_id: pool.build.buildId,
-        started_at: new Date(started).toISOString(),
+        started_at: isoTime(started),
         cold_start: coldStart ? 1 : 0,
       });
       if (coldStart) recorder.log(runId, 'system', `cold start: waited ${started - created} ms for a replica`);
@@ -392,11 +393,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
             }),
           }
         : undefined;
-      recorder.finish(
-        runId,
-        { ...values, state, status_code: statusCode, finished_at: new Date(now).toISOString() },
-        outbox,
-      );
+      recorder.finish(runId, { ...values, state, status_code: statusCode, finished_at: isoTime(now) }, outbox);
       deps.onFinished?.(build, state, statusCode, (now - created) / 1000, coldStart);
     }
   }

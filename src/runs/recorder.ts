@@ -8,6 +8,7 @@
  * before they are acknowledged (async) use `insertNow`.
  */
 import type { Logger } from 'pino';
+import { isoTime } from '../ids.js';
 import type { Store } from '../store/index.js';
 import { insertRunsIgnoring } from '../store/run-inserts.js';
 import { updateRun } from '../store/run-updates.js';
@@ -54,7 +55,7 @@ export function newRunRow(fields: {
     attempts: fields.mode === 'async' ? 0 : 1,
     published_at: null,
     publishes: 0,
-    created_at: new Date(fields.createdAt ?? Date.now()).toISOString(),
+    created_at: isoTime(fields.createdAt ?? Date.now()),
     started_at: null,
     finished_at: null,
     run_time_ms: null,
@@ -458,7 +459,7 @@ export function createRunRecorder(deps: {
             : text;
       if (logBytes + line.length > limits.maxBufferedLogBytes) return dropLine();
       seqs.set(runId, seq);
-      logs.push({ run_id: runId, seq, at: new Date().toISOString(), stream, line });
+      logs.push({ run_id: runId, seq, at: isoTime(Date.now()), stream, line });
       logBytes += line.length;
       schedule();
     },
