@@ -11,7 +11,8 @@
  * The protocol (version 1), all over HTTP/1.1 keep-alive:
  * - `POST /internal/v1/invoke`: body = one line of JSON (the call: CallMeta) + `\n` + the arguments JSON.
  *   Answer: `application/x-ndjson` lines: `{"e":"started"}` and `{"e":"item","d":…}` (streaming calls
- *   only), then `{"e":"done",…}` or `{"e":"error","error":{code,message,…},"headers":{…}}`.
+ *   only), then `{"e":"done",…,"result":…}` (the result last, as the replica wrote it: a gateway answers
+ *   those bytes as they are) or `{"e":"error","error":{code,message,…},"headers":{…}}`.
  * - `POST /internal/v1/http`: body = the call line + the request body to forward, streamed. Answer: one
  *   line `{"e":"head","status":…,"headers":{…}}` (or `{"e":"error",…}`) then the server's body, streamed.
  *   A failure after the head cuts the answer (the gateway cuts its caller's).
@@ -29,6 +30,7 @@ import { refuseUpgrade } from '../http/custom-proxy.js';
 import type { Metrics } from '../metrics.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { Invoker } from '../runs/invoke.js';
+import { RunAbort } from '../runs/run-abort.js';
 import { probeStore, type Store } from '../store/index.js';
 import type { RunMode } from '../store/schema.js';
 import type { CallerTally } from './caller-tally.js';
@@ -143,7 +145,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
 
   async function invokeCounted(res: ServerResponse, meta: CallMeta, body: Buffer): Promise<void> {
     const build = await builds.get(meta);
-    const gone = goneSignal(res);
+    const gone = goneAbort(res);
     const streaming = meta.mode === 'stream';
     let opened = false;
     const open = () => {
@@ -163,21 +165,23 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         fn: meta.fn,
         mode: meta.mode,
         body,
-        signal: gone,
+        abort: gone,
         webhookUrl: meta.webhookUrl,
         webhookSecret: meta.webhookSecret,
         ...(streaming
           ? { onStarted: () => line({ e: 'started' }), onItem: (data: unknown) => line({ e: 'item', d: data ?? null }) }
           : {}),
       });
-      const done = `${JSON.stringify({
+      // `result` last, as the replica's bytes: the gateway answers them as they are (remote-invoker.ts).
+      const result = outcome.resultJson ?? JSON.stringify(outcome.result ?? null);
+      const head = JSON.stringify({
         e: 'done',
-        result: outcome.result ?? null,
         streamed: outcome.streamed,
         runTimeMs: outcome.runTimeMs,
         coldStart: outcome.coldStart,
         statusCode: outcome.statusCode,
-      })}\n`;
+      });
+      const done = `${head.slice(0, -1)},"result":${result}}\n`;
       if (opened) res.end(done);
       else {
         res.writeHead(200, { 'content-type': 'application/x-ndjson', 'content-length': Buffer.byteLength(done) });
@@ -214,7 +218,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     rest: Buffer,
   ): Promise<void> {
     const build = await builds.get(meta);
-    const gone = goneSignal(res);
+    const gone = goneAbort(res);
     let body: PassThrough | null = null;
     if (call.hasBody) {
       body = new PassThrough();
@@ -228,7 +232,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         build,
         fn: meta.fn,
         mode: meta.mode,
-        signal: gone,
+        abort: gone,
         webhookUrl: meta.webhookUrl,
         webhookSecret: meta.webhookSecret,
         input: meta.input ?? null,
@@ -335,12 +339,15 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
 }
 
 /** Aborted when the gateway goes away before the answer is complete (its caller went away, or it died). */
-function goneSignal(res: ServerResponse): AbortSignal {
-  const gone = new AbortController();
+const GATEWAY_GONE = new Error('gateway went away');
+
+/** The run's abort (run-abort.ts), aborted when the gateway closes the call before its answer ended. */
+function goneAbort(res: ServerResponse): RunAbort {
+  const gone = new RunAbort();
   res.on('close', () => {
-    if (!res.writableFinished) gone.abort(new Error('gateway went away'));
+    if (!res.writableFinished) gone.abort(GATEWAY_GONE);
   });
-  return gone.signal;
+  return gone;
 }
 
 function errorLine(err: unknown): { e: 'error'; error: Record<string, string>; status: number; headers: object } {

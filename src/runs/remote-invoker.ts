@@ -192,6 +192,7 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
             else if (event.e === 'done') {
               return {
                 result: event.result,
+                ...(typeof event.resultJson === 'string' ? { resultJson: event.resultJson } : {}),
                 streamed: event.streamed === true,
                 runTimeMs: Number(event.runTimeMs) || 0,
                 coldStart: event.coldStart === true,
@@ -340,8 +341,32 @@ async function* bodyOf(line: Buffer, body: Readable | Buffer | null): AsyncGener
 
 /** A sync call's answer: one event (or none, if the worker went away). */
 async function* oneLine(body: Dispatcher.ResponseData['body']): AsyncGenerator<Record<string, unknown>> {
-  const event = parseJson(await body.text());
+  const event = doneEvent(await body.text());
   if (event && typeof event === 'object') yield event as Record<string, unknown>;
+}
+
+const RESULT_MEMBER = ',"result":';
+
+/**
+ * A worker's answer line. A `done` line ends with its result (worker-api.ts writes it last): the rest is
+ * read as JSON and the result is kept as its text (`resultJson`), which the worker took from the replica
+ * and checked, so the gateway answers those bytes without parsing and writing them again. Any other
+ * line, or a done line of another form, is read as JSON.
+ */
+export function doneEvent(text: string): unknown {
+  if (text.startsWith('{"e":"done",')) {
+    const at = text.indexOf(RESULT_MEMBER);
+    const end = text.trimEnd();
+    if (at > 0 && end.endsWith('}')) {
+      const event = parseJson(`${text.slice(0, at)}}`);
+      // The head of this form has every other member (an older worker wrote `result` first, then the rest).
+      if (event && typeof event === 'object' && typeof (event as { statusCode?: unknown }).statusCode === 'number') {
+        const resultJson = end.slice(at + RESULT_MEMBER.length, -1);
+        return { ...event, resultJson, result: undefined };
+      }
+    }
+  }
+  return parseJson(text);
 }
 
 /** The events of an NDJSON answer, as they arrive. */
