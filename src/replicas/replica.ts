@@ -67,7 +67,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   state: ReplicaState = 'starting';
   inflight = 0;
   lastUsed = Date.now();
-  readonly startedAt = Date.now();
+  startedAt = Date.now();
   readyAt = 0;
   exitInfo: ReplicaExit | undefined;
   readonly exited: Promise<ReplicaExit>;
@@ -78,7 +78,9 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   /** Made once the socket's path is known (before the replica is ready, so every call finds it). */
   private pool: Pool | undefined;
   private socketPath: string | undefined;
-  private readonly concurrency: number;
+  private concurrency: number;
+  /** A warm sandbox's load of its app (beginLoad), until waitReady has seen it end. */
+  private loading: Promise<boolean> | undefined;
   private readonly tail: string[] = [];
   private stopRequested = false;
   private stopCause: string | undefined;
@@ -103,15 +105,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     void started.socketPath.then((socketPath) => {
       if (socketPath === null || this.state === 'exited') return;
       this.socketPath = socketPath;
-      this.pool = new Pool('http://replica', {
-        socketPath,
-        connections: this.concurrency,
-        pipelining: 1,
-        keepAliveTimeout: 60_000,
-        keepAliveMaxTimeout: 600_000,
-        headersTimeout: 0,
-        bodyTimeout: 0,
-      });
+      this.pool = this.connectionPool(socketPath);
     });
     this.exited = new Promise((resolve) => {
       this.child.once('exit', (code, signal) => {
@@ -122,6 +116,40 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
         if (this.child.exitCode === null && this.child.signalCode === null) void this.onExit(127, null).then(resolve);
       });
     });
+  }
+
+  private connectionPool(socketPath: string): Pool {
+    return new Pool('http://replica', {
+      socketPath,
+      connections: this.concurrency,
+      pipelining: 1,
+      keepAliveTimeout: 60_000,
+      keepAliveMaxTimeout: 600_000,
+      headersTimeout: 0,
+      bodyTimeout: 0,
+    });
+  }
+
+  /**
+   * A warm sandbox (warm-pool.ts) is given its app: `POST /_ferry/load` with the entry and the environment.
+   * The replica is 'starting' again until waitReady has seen the load succeed; a failed load makes the
+   * bootstrap exit (start-failed, with its reason in the tail). Called once, on a ready replica that has
+   * served nothing, so its connection pool (made for no app) is remade for the app's concurrency.
+   */
+  beginLoad(body: string, concurrency: number): void {
+    const socketPath = this.socketPath;
+    if (this.state !== 'ready' || this.loading || socketPath === undefined) {
+      throw new Error(`replica ${this.id} cannot load an app (${this.state})`);
+    }
+    this.state = 'starting';
+    this.readyAt = 0;
+    this.startedAt = Date.now();
+    if (concurrency !== this.concurrency) {
+      this.concurrency = concurrency;
+      void this.pool?.destroy().catch(() => {});
+      this.pool = this.connectionPool(socketPath);
+    }
+    this.loading = postLoad(socketPath, body);
   }
 
   get pid(): number | undefined {
@@ -147,6 +175,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
 
   /** Resolves once the replica accepts connections; rejects with FERRY_REPLICA_START_FAILED otherwise. */
   async waitReady(timeoutMs: number): Promise<void> {
+    if (this.loading) return this.waitLoaded(timeoutMs);
     const deadline = Date.now() + timeoutMs;
     let delay = 2;
     while (this.state === 'starting') {
@@ -168,6 +197,32 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
       const exit = await this.exited;
       throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
     }
+  }
+
+  private async waitLoaded(timeoutMs: number): Promise<void> {
+    const loading = this.loading!;
+    let timer: NodeJS.Timeout | undefined;
+    const timedOut = new Promise<'timeout'>((resolve) => {
+      timer = setTimeout(resolve, timeoutMs, 'timeout');
+    });
+    const outcome = await Promise.race([loading, timedOut]);
+    clearTimeout(timer);
+    if (outcome === true && this.state === 'starting') {
+      this.state = 'ready';
+      this.readyAt = Date.now();
+      return;
+    }
+    if (outcome === 'timeout') {
+      await this.kill();
+      throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica did not load its app within ${timeoutMs} ms`);
+    }
+    // The bootstrap exits after a failed load; one that does not is not left running.
+    if (this.state === 'starting') {
+      const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
+      if (!exit) await this.kill();
+    }
+    const exit = await this.exited;
+    throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
   }
 
   /**
@@ -326,6 +381,27 @@ export function describeExit(exit: ReplicaExit): string {
     .slice(-3)
     .join(' | ');
   return last ? `${how}: ${last.slice(0, 500)}` : how;
+}
+
+/** Sends a warm sandbox its load request; resolves whether it answered 200 (never rejects). */
+function postLoad(socketPath: string, body: string): Promise<boolean> {
+  return new Promise((resolve) => {
+    const req = http.request(
+      {
+        socketPath,
+        method: 'POST',
+        path: '/_ferry/load',
+        headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body) },
+      },
+      (res) => {
+        res.resume();
+        res.on('end', () => resolve(res.statusCode === 200));
+        res.on('error', () => resolve(false));
+      },
+    );
+    req.on('error', () => resolve(false));
+    req.end(body);
+  });
 }
 
 function canConnect(socketPath: string): Promise<boolean> {
