@@ -131,6 +131,27 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   }
 
   /**
+   * A warm sandbox (warm-pool.ts), before any app: a health request and a call of no function through the
+   * replica's own connection pool, so the bootstrap's request path has run once (Node compiles it lazily:
+   * tens of ms on a first request) and a kept-alive connection is open for the first run. Never rejects.
+   */
+  async warmUp(): Promise<void> {
+    const pool = this.pool;
+    if (!pool || this.state !== 'ready') return;
+    for (const [method, path] of [
+      ['GET', '/_ferry/health'],
+      ['POST', '/_ferry/call/_warm'],
+    ] as const) {
+      try {
+        const res = await pool.request({ method, path, body: method === 'POST' ? '{}' : null });
+        await res.body.dump();
+      } catch {
+        // The first run connects anew; nothing is lost.
+      }
+    }
+  }
+
+  /**
    * A warm sandbox (warm-pool.ts) is given its app: `POST /_ferry/load` with the entry and the environment.
    * The replica is 'starting' again until waitReady has seen the load succeed; a failed load makes the
    * bootstrap exit (start-failed, with its reason in the tail). Called once, on a ready replica that has

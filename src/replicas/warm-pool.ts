@@ -191,6 +191,7 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
       };
       replica.once('exit', (exit) => onExit(sandbox, exit));
       await replica.waitReady(deps.startTimeoutMs);
+      await replica.warmUp();
       starting[runtime] -= 1;
       if (closed) {
         await replica.stop(STOP_GRACE_MS);
