@@ -165,12 +165,16 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     this.state = 'starting';
     this.readyAt = 0;
     this.startedAt = Date.now();
-    if (concurrency !== this.concurrency) {
-      this.concurrency = concurrency;
-      void this.pool?.destroy().catch(() => {});
-      this.pool = this.connectionPool(socketPath);
-    }
-    this.loading = postLoad(socketPath, body);
+    const warmPool = this.pool;
+    // On the connection warmUp left open: a new one costs the bootstrap an accept on the critical path.
+    this.loading = (warmPool ? loadThrough(warmPool, body) : postLoad(socketPath, body)).then((ok) => {
+      if (ok && concurrency !== this.concurrency && this.state === 'starting') {
+        this.concurrency = concurrency;
+        this.pool = this.connectionPool(socketPath);
+        void warmPool?.close().catch(() => {});
+      }
+      return ok;
+    });
   }
 
   get pid(): number | undefined {
@@ -402,6 +406,22 @@ export function describeExit(exit: ReplicaExit): string {
     .slice(-3)
     .join(' | ');
   return last ? `${how}: ${last.slice(0, 500)}` : how;
+}
+
+/** `postLoad` through the replica's connection pool. */
+async function loadThrough(pool: Pool, body: string): Promise<boolean> {
+  try {
+    const res = await pool.request({
+      method: 'POST',
+      path: '/_ferry/load',
+      headers: { 'content-type': 'application/json' },
+      body,
+    });
+    await res.body.dump();
+    return res.statusCode === 200;
+  } catch {
+    return false;
+  }
 }
 
 /** Sends a warm sandbox its load request; resolves whether it answered 200 (never rejects). */

@@ -262,19 +262,18 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
       ) {
         return undefined;
       }
-      const row = await deps.store
-        .selectFrom('builds')
-        .select(['entry', 'runtime'])
-        .where('id', '=', build.buildId)
-        .executeTakeFirst();
+      // Side by side: each is a wait a cold start has too, and here they are most of the claim's time.
+      const [row, secrets] = await Promise.all([
+        deps.store.selectFrom('builds').select(['entry', 'runtime']).where('id', '=', build.buildId).executeTakeFirst(),
+        deps.secrets(build.projectId),
+        deps.ensureLocal?.(build.buildId),
+      ]);
       const runtime = row?.runtime as WarmRuntime | undefined;
       if (!row || runtime === undefined || !runtimes.has(runtime) || idle[runtime].length === 0) return undefined;
-      const secrets = await deps.secrets(build.projectId);
       const startup = STARTUP_VARIABLES[runtime];
       if ([...Object.keys(secrets), ...Object.keys(build.config.env)].some((name) => startup.test(name))) {
         return undefined;
       }
-      await deps.ensureLocal?.(build.buildId);
       const launchInfo = RUNTIMES[runtime]!;
       const paths = sandboxPaths({ buildDir: '/', socketDir: '/', runtimeFiles: [launchInfo.bootstrap] }, true);
       const env = replicaEnvironment(build, launchInfo, secrets, paths, row.entry);

@@ -48,8 +48,6 @@ CALL_PREFIX = "/_ferry/call/"
 CANCEL_PREFIX = "/_ferry/cancel/"
 # POST /_ferry/load (warm sandboxes only, once): {"entry", "env"} names the app's module and its environment.
 LOAD_PATH = "/_ferry/load"
-# The gateway sends an entry path and an environment: bounded so a broken request cannot fill memory.
-MAX_LOAD_BYTES = 4 * 1024 * 1024
 # Longer than the gateway's keep-alive, so the replica never closes a connection the gateway is about to reuse.
 KEEP_ALIVE_TIMEOUT = 65.0
 # The gateway is local and sends a request's headers at once; a connection stuck inside them is broken.
@@ -67,7 +65,7 @@ FALLBACK_ERROR_FRAME = (
     '"stack":""}}'
 )
 STREAM_NAMES = ("stdout", "stderr")
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 409: "Conflict", 500: "Internal Server Error"}
 
 BOOTSTRAP_FILE = os.path.abspath(__file__)
 # Frames of these files, at the start of a traceback, are the bootstrap's plumbing, not the app's code.
@@ -758,6 +756,8 @@ async def handle_request(conn, method, path, headers, body, keep_alive):
     try:
         if method == "POST" and path.startswith(CALL_PREFIX):
             return await handle_call(conn, path[len(CALL_PREFIX) :], body, keep_alive, headers.get("x-ferry-run-id", ""))
+        if method == "POST" and path == LOAD_PATH:
+            return await handle_load(conn, body, keep_alive)
         if method == "POST" and path.startswith(CANCEL_PREFIX):
             run = active_runs.get(unquote(path[len(CANCEL_PREFIX) :]))
             cancelled = run is not None and run.open and run.task is not None and not run.task.done()
@@ -905,26 +905,27 @@ def on_loop_exception(_loop, context):
 server = None
 
 
-async def serve(socket_path, listening=None):
-    global server, stop_event
-    stop_event = asyncio.Event()
-    if listening is None:
-        try:
-            os.unlink(socket_path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            # A folder in the way: listening fails below with a clear message.
-            pass
+async def listen(socket_path):
+    global server
     try:
-        if listening is not None:
-            # A warm sandbox's socket, listening since before the app was loaded: no moment without it.
-            server = await asyncio.start_unix_server(on_connection, sock=listening)
-        else:
-            server = await asyncio.start_unix_server(on_connection, path=socket_path)
+        os.unlink(socket_path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        # A folder in the way: listening fails below with a clear message.
+        pass
+    try:
+        server = await asyncio.start_unix_server(on_connection, path=socket_path)
     except OSError as err:
         log_error("cannot listen on %s: %s" % (socket_path, err))
         exit_now(1)
+
+
+async def serve(socket_path, listening=False):
+    global stop_event
+    stop_event = asyncio.Event()
+    if not listening:
+        await listen(socket_path)
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop)
     await stop_event.wait()
@@ -1036,107 +1037,44 @@ def public_functions(module):
 
 # ---- warm sandboxes ----
 
+# FERRY_WARM=1: a generic sandbox started before any app needs it (src/replicas/warm-pool.ts). Its server
+# runs at once; the one POST /_ferry/load stops the event loop, the app is imported with the loop stopped
+# (as in a replica started for it, so asyncio.run() at import works), and the loop goes on serving it.
+warm = False
+load_started = False
+# Set by the load request: (entry, env); then main() sets load_done to whether the app loaded.
+load_request = None
+load_done = None
 
-def listen_warm(socket_path):
-    """A warm sandbox's socket: listening at once, before any app is known (blocking; no event loop runs)."""
-    import socket
 
+async def handle_load(conn, body, keep_alive):
+    global load_started
+    if not warm or load_started:
+        conn.send_json(409, error_body("AlreadyLoaded", "This replica has loaded its app already"), keep_alive)
+        return keep_alive
+    load_started = True
     try:
-        os.unlink(socket_path)
-    except OSError:
-        pass
+        value = json.loads(body.decode("utf-8"))
+        entry = value["entry"]
+        env = value["env"]
+        if not isinstance(entry, str) or not isinstance(env, dict):
+            raise ValueError('it needs "entry" (a path) and "env" (an object)')
+    except Exception as err:
+        log_error("bad load request: %s" % describe(err))
+        load_request.set_result(None)
+        return False
+    load_request.set_result((entry, env))
+    loaded = await load_done
+    if loaded:
+        conn.send_json(200, health_body, keep_alive)
+        await conn.drain()
+        return keep_alive
+    conn.send_json(500, error_body("LoadFailed", "The app could not be loaded"), False)
     try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(socket_path)
-        sock.listen(128)
-    except OSError as err:
-        log_error("cannot listen on %s: %s" % (socket_path, err))
-        exit_now(1)
-    return sock
-
-
-def read_warm_request(conn):
-    """One HTTP/1.1 request from a blocking connection: (method, path, body), or None when it sent none."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = conn.recv(READ_SIZE)
-        if not chunk:
-            return None
-        data += chunk
-        if len(data) > MAX_HEAD_BYTES:
-            return None
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) < 2:
-        return None
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            try:
-                length = int(value.strip())
-            except ValueError:
-                return None
-    if length > MAX_LOAD_BYTES:
-        return None
-    while len(body) < length:
-        chunk = conn.recv(READ_SIZE)
-        if not chunk:
-            return None
-        body += chunk
-    return parts[0], parts[1], body[:length]
-
-
-def send_warm(conn, status, body):
-    data = body.encode("utf-8")
-    head = "HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (
-        status,
-        REASONS.get(status, "Error"),
-        len(data),
-    )
-    try:
-        conn.sendall(head.encode("latin-1") + data)
-    except OSError:
-        pass
-
-
-def wait_for_load(sock):
-    """
-    Serves the warm socket until the gateway's one POST /_ferry/load; returns (entry, env, connection),
-    the connection to answer once the app is loaded. Connections that send nothing (the gateway's
-    readiness check) are closed; health answers with no functions. Runs before the event loop runs, so
-    an app that calls asyncio.run() at import works as in a replica started for it.
-    """
-    while True:
-        conn, _ = sock.accept()
-        conn.settimeout(HEADERS_TIMEOUT)
-        try:
-            request = read_warm_request(conn)
-        except OSError:
-            request = None
-        if request is None:
-            conn.close()
-            continue
-        method, path, body = request
-        if method == "POST" and path == LOAD_PATH:
-            try:
-                value = json.loads(body.decode("utf-8"))
-                entry = value["entry"]
-                env = value["env"]
-                if not isinstance(entry, str) or not isinstance(env, dict):
-                    raise ValueError("it needs \"entry\" (a path) and \"env\" (an object)")
-            except Exception as err:
-                log_error("bad load request: %s" % describe(err))
-                send_warm(conn, 500, error_body("LoadFailed", "The load request is not valid"))
-                conn.close()
-                exit_now(3)
-            return entry, env, conn
-        if method == "GET" and path == HEALTH_PATH:
-            send_warm(conn, 200, json.dumps({"protocol": PROTOCOL, "functions": []}))
-        else:
-            send_warm(conn, 404, error_body("NotFound", "No route %s %s" % (method, path)))
-        conn.close()
+        await conn.drain()
+    finally:
+        # As a replica started for the app whose module raised: exit 3 (main() printed why).
+        exit_now(3)
 
 
 def take_environment(env):
@@ -1151,11 +1089,9 @@ def take_environment(env):
 
 
 def main():
-    global loop, loop_thread, health_body, functions
+    global loop, loop_thread, health_body, functions, warm, load_request, load_done
     socket_path = os.environ.get("FERRY_SOCKET")
     entry = os.environ.get("FERRY_ENTRY")
-    # FERRY_WARM=1: a generic sandbox started before any app needs it (src/replicas/warm-pool.ts); it loads
-    # the one app its POST /_ferry/load names, once, and serves it for the rest of its life.
     warm = os.environ.get("FERRY_WARM") == "1"
     if not socket_path or (not entry and not warm):
         log_error("FERRY_SOCKET and FERRY_ENTRY must both be set")
@@ -1170,12 +1106,17 @@ def main():
     sys.stdout = RunOutput(REAL_STDOUT, 0)
     sys.stderr = RunOutput(REAL_STDERR, 1)
 
-    listening = None
-    load_conn = None
     if warm:
-        # Everything above is done while the sandbox waits; only the app's own import is left for the load.
-        listening = listen_warm(socket_path)
-        entry, env, load_conn = wait_for_load(listening)
+        # Everything above is done while the sandbox waits, and its server has served (the gateway warms it
+        # up): only the app's own import is left for the load.
+        health_body = json.dumps({"protocol": PROTOCOL, "functions": []})
+        load_request = loop.create_future()
+        load_done = loop.create_future()
+        loop.run_until_complete(listen(socket_path))
+        request = loop.run_until_complete(load_request)
+        if request is None:
+            exit_now(3)
+        entry, env = request
         take_environment(env)
 
     try:
@@ -1183,20 +1124,21 @@ def main():
         module = load_module(entry)
     except BaseException as err:  # noqa: B036 - SystemExit and KeyboardInterrupt at import fail the start too
         log_error("failed to load %s:\n%s" % (entry, format_traceback(err).rstrip()))
-        if load_conn is not None:
-            send_warm(load_conn, 500, error_body("LoadFailed", "The app could not be loaded"))
-            load_conn.close()
+        if warm:
+            # The load request is answered, then the process exits (handle_load); at most a second for it.
+            asyncio.set_event_loop(loop)
+            load_done.set_result(False)
+            loop.run_until_complete(asyncio.sleep(1.0))
         exit_now(3)
     # The app may have run asyncio.run() at import, which unsets the current loop.
     asyncio.set_event_loop(loop)
 
     functions = public_functions(module)
     health_body = json.dumps({"protocol": PROTOCOL, "functions": list(functions)})
-    if load_conn is not None:
-        send_warm(load_conn, 200, health_body)
-        load_conn.close()
+    if warm:
+        load_done.set_result(True)
     try:
-        loop.run_until_complete(serve(socket_path, listening))
+        loop.run_until_complete(serve(socket_path, listening=warm))
     except BaseException:  # noqa: B036
         log_error("internal error:\n%s" % traceback.format_exc().rstrip())
         exit_now(1)
