@@ -157,7 +157,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
    * bootstrap exit (start-failed, with its reason in the tail). Called once, on a ready replica that has
    * served nothing, so its connection pool (made for no app) is remade for the app's concurrency.
    */
-  beginLoad(body: string, concurrency: number): void {
+  beginLoad(body: string, concurrency: number): Promise<boolean> {
     const socketPath = this.socketPath;
     if (this.state !== 'ready' || this.loading || socketPath === undefined) {
       throw new Error(`replica ${this.id} cannot load an app (${this.state})`);
@@ -167,14 +167,21 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     this.startedAt = Date.now();
     const warmPool = this.pool;
     // On the connection warmUp left open: a new one costs the bootstrap an accept on the critical path.
-    this.loading = (warmPool ? loadThrough(warmPool, body) : postLoad(socketPath, body)).then((ok) => {
+    const loading = (async () => {
+      let answer = warmPool ? await loadThrough(warmPool, body) : 'unsent';
+      // The kept-alive connection was closed under the request before it was sent: once more, anew. (Had
+      // the bootstrap received it, it answers 409 now and the start fails, as it should.)
+      if (answer === 'unsent') answer = await postLoad(socketPath, body);
+      const ok = answer === 200;
       if (ok && concurrency !== this.concurrency && this.state === 'starting') {
         this.concurrency = concurrency;
         this.pool = this.connectionPool(socketPath);
         void warmPool?.close().catch(() => {});
       }
       return ok;
-    });
+    })();
+    this.loading = loading;
+    return loading;
   }
 
   get pid(): number | undefined {
@@ -408,24 +415,32 @@ export function describeExit(exit: ReplicaExit): string {
   return last ? `${how}: ${last.slice(0, 500)}` : how;
 }
 
-/** `postLoad` through the replica's connection pool. */
-async function loadThrough(pool: Pool, body: string): Promise<boolean> {
+/**
+ * A warm sandbox's load request through the replica's connection pool: the answer's status, 'unsent' when
+ * the connection failed before any answer, 0 when the answer broke off.
+ */
+async function loadThrough(pool: Pool, body: string): Promise<number | 'unsent'> {
+  let res: Dispatcher.ResponseData;
   try {
-    const res = await pool.request({
+    res = await pool.request({
       method: 'POST',
       path: '/_ferry/load',
       headers: { 'content-type': 'application/json' },
       body,
     });
-    await res.body.dump();
-    return res.statusCode === 200;
   } catch {
-    return false;
+    return 'unsent';
+  }
+  try {
+    await res.body.dump();
+    return res.statusCode;
+  } catch {
+    return 0;
   }
 }
 
-/** Sends a warm sandbox its load request; resolves whether it answered 200 (never rejects). */
-function postLoad(socketPath: string, body: string): Promise<boolean> {
+/** A warm sandbox's load request on a connection of its own: the answer's status, 0 without one. */
+function postLoad(socketPath: string, body: string): Promise<number> {
   return new Promise((resolve) => {
     const req = http.request(
       {
@@ -436,11 +451,11 @@ function postLoad(socketPath: string, body: string): Promise<boolean> {
       },
       (res) => {
         res.resume();
-        res.on('end', () => resolve(res.statusCode === 200));
-        res.on('error', () => resolve(false));
+        res.on('end', () => resolve(res.statusCode ?? 0));
+        res.on('error', () => resolve(0));
       },
     );
-    req.on('error', () => resolve(false));
+    req.on('error', () => resolve(0));
     req.end(body);
   });
 }

@@ -48,6 +48,11 @@ const STARTUP_VARIABLES: Record<WarmRuntime, RegExp> = {
 
 /** Restart back-off after a warm sandbox failed to start or died while waiting: 1 s, doubling, at most 60 s. */
 const BACKOFF_MS = { first: 1_000, max: 60_000 };
+/**
+ * After a claim, the pool is refilled once the claimed sandbox has loaded its app and a moment more: starting
+ * a runtime takes a core for tens of ms, which the app's load and first run should not share.
+ */
+const REFILL_AFTER_LOAD_MS = 50;
 /** How long a warm sandbox has to stop at shutdown before SIGKILL (it runs no user code). */
 const STOP_GRACE_MS = 2_000;
 
@@ -279,19 +284,25 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
       const env = replicaEnvironment(build, launchInfo, secrets, paths, row.entry);
       if (closed) return undefined;
       const sandbox = take(runtime);
-      refill(runtime);
-      if (!sandbox) return undefined;
+      if (!sandbox) {
+        refill(runtime);
+        return undefined;
+      }
       // From here on the sandbox is this build's, whatever happens: it never goes back to the pool.
       sandbox.claimed = true;
       handing.add(sandbox);
+      const refillLater = () => {
+        const timer = setTimeout(() => refill(runtime), REFILL_AFTER_LOAD_MS);
+        timer.unref();
+      };
       try {
         await deps.views.fillSlot(sandbox.slot, build.buildId);
         sandbox.setOutput((stream, line) => onOutput(sandbox.id, stream, line));
-        sandbox.replica.beginLoad(
-          JSON.stringify({ entry: env.FERRY_ENTRY, env }),
-          build.config.scaling.replica_concurrency,
-        );
+        void sandbox.replica
+          .beginLoad(JSON.stringify({ entry: env.FERRY_ENTRY, env }), build.config.scaling.replica_concurrency)
+          .then(refillLater);
       } catch (err) {
+        refillLater();
         await sandbox.replica.kill();
         throw err;
       } finally {

@@ -47,6 +47,18 @@ function bootstrapPid(pid: number): number {
   return found;
 }
 
+/** The host folder bound at /app in the sandbox of `pid` (the source of the bind, from its mountinfo). */
+function slotOf(pid: number): string {
+  const mount = fs
+    .readFileSync(`/proc/${pid}/mountinfo`, 'utf8')
+    .split('\n')
+    .find((l) => l.split(' ')[4] === '/app');
+  assert.ok(mount, 'a folder is bound at /app');
+  const slot = mount.split(' ')[3]!;
+  assert.match(slot, /\/ferry-view-[^/]+\/warm\.[A-Za-z0-9_-]+$/, 'a warm slot in the views folder');
+  return slot;
+}
+
 function alive(pid: number): boolean {
   try {
     process.kill(pid, 0);
@@ -243,9 +255,13 @@ def whoami():
 
   it('gives a scaled-to-zero app a new sandbox, never its old one', async () => {
     // beta has cooldown 0: its replica stops within a few reaper ticks.
-    const [old] = replicaIds('beta');
-    assert.ok(old);
+    const replica = [...server.services.replicas.pools().find((p) => p.build.appId === 'beta')!.replicas][0];
+    assert.ok(replica?.pid);
+    const slot = slotOf(bootstrapPid(replica.pid));
+    assert.ok(fs.existsSync(slot), 'the slot holds the build while the replica runs');
+    await replica.exited;
     await waitFor(async () => replicaIds('beta').length === 0, 30_000, "beta's replica to stop");
+    assert.equal(fs.existsSync(slot), false, 'the slot is removed when its sandbox has exited');
     await waitWarm();
     for (const id of claimed) assert.ok(!warmIds().has(id), `claimed sandbox ${id} is back in the pool`);
     const res = await run(second, 'beta', 'whoami');
@@ -309,14 +325,7 @@ describe('warm pool shutdown', () => {
         'two ready warm sandboxes per runtime',
       );
       const pids = server.services.warmPool!.list().flatMap((w) => [w.pid!, ...descendants(w.pid!)]);
-      const slots = server.services.warmPool!.list().map((w) => {
-        const mount = fs
-          .readFileSync(`/proc/${bootstrapPid(w.pid!)}/mountinfo`, 'utf8')
-          .split('\n')
-          .find((l) => l.split(' ')[4] === '/app');
-        assert.ok(mount, 'the slot is bound at /app');
-        return mount.split(' ')[3]!;
-      });
+      const slots = server.services.warmPool!.list().map((w) => slotOf(bootstrapPid(w.pid!)));
       assert.equal(pids.length >= 4, true);
       await server.close();
       closed = true;
