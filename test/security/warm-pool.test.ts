@@ -9,6 +9,7 @@
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import http from 'node:http';
+import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { resolveServerConfig } from '../../src/config.js';
 import { deployFiles, http as request, startServer, type TestServer, waitFor } from '../helpers/ferry.js';
@@ -94,6 +95,10 @@ import fs from 'node:fs';
 import { randomUUID } from 'node:crypto';
 const token = randomUUID();
 console.log('${name} loaded at import');
+export async function hold({ ms }: { ms: number }) {
+  await new Promise((resolve) => setTimeout(resolve, ms));
+  return true;
+}
 export function whoami() {
   console.log('${name} run line');
   const env: Record<string, string | undefined> = {};
@@ -107,8 +112,8 @@ describe('warm pool', () => {
   let server: TestServer;
   let first: { projectId: string; token: string };
   let second: { projectId: string; token: string };
-  const run = (auth: { projectId: string; token: string }, app: string, fn: string) =>
-    request(`${server.url}/v4/${auth.projectId}/${app}/${fn}`, { method: 'POST', token: auth.token, body: {} });
+  const run = (auth: { projectId: string; token: string }, app: string, fn: string, body: unknown = {}) =>
+    request(`${server.url}/v4/${auth.projectId}/${app}/${fn}`, { method: 'POST', token: auth.token, body });
   const record = (auth: { projectId: string; token: string }, app: string, runId: string) =>
     request(`${server.url}/v2/projects/${auth.projectId}/apps/${app}/runs/${runId}`, { token: auth.token });
   const warmIds = () => new Set(server.services.warmPool!.list().map((w) => w.id));
@@ -117,6 +122,12 @@ describe('warm pool', () => {
       .pools()
       .filter((p) => p.build.appId === app)
       .flatMap((p) => [...p.replicas].map((r) => r.id));
+  /** The replicas that printed "<app> loaded at import" (at their start), oldest first. */
+  const loadedBy = (projectId: string, app: string) =>
+    server.services.appLog
+      .read(projectId, app, 0, 1000)
+      .filter((l) => l.line === `${app} loaded at import`)
+      .map((l) => l.replica);
   const waitWarm = () =>
     waitFor(
       async () => {
@@ -229,7 +240,7 @@ def whoami():
     );
     assert.equal(again.status, 409, again.text);
     const health = await onSocket(socket, 'GET', '/_ferry/health');
-    assert.deepEqual(JSON.parse(health.text).functions, ['whoami']);
+    assert.deepEqual(JSON.parse(health.text).functions.sort(), ['hold', 'whoami']);
     const rerun = await run(first, 'alpha', 'whoami');
     assert.equal(rerun.json.result.token, alpha.token, 'the same replica, still alpha');
 
@@ -239,7 +250,8 @@ def whoami():
     assert.ok(!beforeBeta.has(alphaReplica), "alpha's sandbox is not back in the pool");
     const b = await run(second, 'beta', 'whoami');
     assert.equal(b.status, 200, b.text);
-    const [betaReplica] = replicaIds('beta');
+    // From the app log, not the pool: with cooldown 0 the replica may already be stopping.
+    const betaReplica = loadedBy(second.projectId, 'beta').at(-1);
     assert.ok(betaReplica && beforeBeta.has(betaReplica), 'beta got a warm sandbox');
     assert.notEqual(betaReplica, alphaReplica);
     claimed.add(betaReplica);
@@ -254,11 +266,22 @@ def whoami():
   });
 
   it('gives a scaled-to-zero app a new sandbox, never its old one', async () => {
-    // beta has cooldown 0: its replica stops within a few reaper ticks.
-    const replica = [...server.services.replicas.pools().find((p) => p.build.appId === 'beta')!.replicas][0];
-    assert.ok(replica?.pid);
+    // beta has cooldown 0: its replica stops within a few reaper ticks once idle; a run in flight holds it.
+    // With the pool full, the replica is a warm sandbox (or the one the last test claimed, still up).
+    await waitWarm();
+    const holding = run(second, 'beta', 'hold', { ms: 3000 });
+    const replica = await waitFor(
+      async () =>
+        [...(server.services.replicas.pools().find((p) => p.build.appId === 'beta')?.replicas ?? [])].find(
+          (r) => r.state === 'ready' && r.inflight > 0,
+        ),
+      30_000,
+      'a replica of beta running a run',
+    );
+    assert.ok(replica.pid);
     const slot = slotOf(bootstrapPid(replica.pid));
-    assert.ok(fs.existsSync(slot), 'the slot holds the build while the replica runs');
+    assert.ok(fs.existsSync(path.join(slot, 'source', 'main.ts')), 'the slot holds the build while the replica runs');
+    assert.equal((await holding).status, 200);
     await replica.exited;
     await waitFor(async () => replicaIds('beta').length === 0, 30_000, "beta's replica to stop");
     assert.equal(fs.existsSync(slot), false, 'the slot is removed when its sandbox has exited');
@@ -266,7 +289,7 @@ def whoami():
     for (const id of claimed) assert.ok(!warmIds().has(id), `claimed sandbox ${id} is back in the pool`);
     const res = await run(second, 'beta', 'whoami');
     assert.equal(res.status, 200, res.text);
-    const [fresh] = replicaIds('beta');
+    const fresh = loadedBy(second.projectId, 'beta').at(-1);
     assert.ok(fresh && !claimed.has(fresh), 'a sandbox never used before');
     assert.equal((await record(second, 'beta', res.json.run_id)).json.cold_start, true);
   });
