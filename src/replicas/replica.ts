@@ -131,9 +131,10 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   }
 
   /**
-   * A warm sandbox (warm-pool.ts), before any app: a health request and a call of no function through the
-   * replica's own connection pool, so the bootstrap's request path has run once (Node compiles it lazily:
-   * tens of ms on a first request) and a kept-alive connection is open for the first run. Never rejects.
+   * A warm sandbox (warm-pool.ts), before any app: a health request and a call of `_warm` (the one function
+   * a warm bootstrap has until its load) through the replica's own connection pool, so the bootstrap's
+   * request and call paths have run once (Node compiles them lazily: tens of ms on a first request) and a
+   * kept-alive connection is open for the load and the first run. Never rejects.
    */
   async warmUp(): Promise<void> {
     const pool = this.pool;

@@ -140,11 +140,13 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
     try {
       slot = await deps.views.newSlot(id);
       if (!slot) throw new Error(`no folder for warm slots: ${deps.views.reason ?? 'views are off'}`);
+      const slotDir = slot;
+      // Until the process is started, a failure undoes here what was made; after, its exit does.
+      release = () => deps.views.dropSlot(slotDir);
       const launchInfo = RUNTIMES[runtime]!;
       const layout = { buildDir: slot, socketDir: slot, runtimeFiles: [launchInfo.bootstrap] };
       const paths = sandboxPaths(layout, true);
       const lease = await deps.network.acquire(id);
-      const slotDir = slot;
       release = async () => {
         await lease.release();
         await deps.views.dropSlot(slotDir);
@@ -164,7 +166,6 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
         deps.sandbox,
       );
       const releaseAll = release;
-      release = undefined;
       const plan: LaunchPlan = {
         spawn: () => prepared.spawn(['ignore', 'pipe', 'pipe']),
         sandboxed: prepared.sandboxed,
@@ -174,6 +175,7 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
           await releaseAll();
         },
       };
+      release = () => plan.cleanup();
       let output = (stream: 'stdout' | 'stderr', line: string): void => {
         logger.info({ replica: id, runtime, stream }, line);
       };

@@ -9,6 +9,7 @@
  */
 import { AsyncLocalStorage } from 'node:async_hooks';
 import { unlinkSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
 import { pathToFileURL } from 'node:url';
 
@@ -96,7 +97,11 @@ process.on('unhandledRejection', (reason) => {
   process.stderr.write(`ferry bootstrap: unhandled promise rejection: ${formatForLog(reason)}\n`);
 });
 
-let functions = new Map<string, PublicFunction>();
+/**
+ * Before its app, a warm sandbox has one function, `_warm`, which the gateway calls once (Replica.warmUp) so
+ * the whole call path has run before an app's first run needs it; the load replaces it with the app's.
+ */
+let functions = new Map<string, PublicFunction>(warm ? [['_warm', () => null]] : []);
 let healthBody = JSON.stringify({ protocol: PROTOCOL, functions: [] });
 /** Whether an app was loaded (or a load began): a warm sandbox takes one app, once, for its whole life. */
 let loaded = false;
@@ -134,6 +139,8 @@ if (warm) {
   const warmModule =
     "data:text/javascript,import { createRequire } from 'node:module'; import { fileURLToPath } from 'node:url'; import { dirname } from 'node:path'; createRequire('file:///ferry/warm.mjs'); dirname(fileURLToPath('file:///ferry/warm.mjs'));";
   await import(warmModule);
+  // The module loader reads files on libuv's thread pool, whose threads start on first use: started now.
+  await readFile(new URL(import.meta.url));
 }
 
 let inFlight = 0;

@@ -1110,6 +1110,9 @@ def main():
         # Everything above is done while the sandbox waits, and its server has served (the gateway warms it
         # up): only the app's own import is left for the load.
         health_body = json.dumps({"protocol": PROTOCOL, "functions": []})
+        # Until the load, one function the gateway calls once (Replica.warmUp): the call path, and the
+        # thread a plain function runs in, are ready before an app's first run needs them.
+        functions = {"_warm": lambda: None}
         load_request = loop.create_future()
         load_done = loop.create_future()
         loop.run_until_complete(listen(socket_path))
