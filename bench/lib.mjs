@@ -282,6 +282,8 @@ function ferryEnv(extra = {}) {
   if (process.env.FERRY_SANDBOX !== undefined) env.FERRY_SANDBOX = process.env.FERRY_SANDBOX;
   // FERRY_EGRESS=off compares cold starts without the sandbox's network namespace (docs/operations.md).
   if (process.env.FERRY_EGRESS !== undefined) env.FERRY_EGRESS = process.env.FERRY_EGRESS;
+  // FERRY_WARM_POOL=0 compares cold starts without the warm pool (docs/operations.md).
+  if (process.env.FERRY_WARM_POOL !== undefined) env.FERRY_WARM_POOL = process.env.FERRY_WARM_POOL;
   return env;
 }
 
@@ -489,6 +491,15 @@ export async function replicaGauges(ferry, app) {
     if (state === 'starting' || state === 'ready') out[state] += Number(line.slice(line.lastIndexOf(' ') + 1));
   }
   return out;
+}
+
+/** Warm sandboxes waiting for an app (ferry_warm_sandboxes, FERRY_WARM_POOL), over runtimes; 0 on servers without. */
+export async function warmGauges(ferry) {
+  const res = await http(`${ferry.url}/metrics`);
+  return {
+    ready: metricSum(res.text, 'ferry_warm_sandboxes', { state: 'ready' }),
+    starting: metricSum(res.text, 'ferry_warm_sandboxes', { state: 'starting' }),
+  };
 }
 
 /**

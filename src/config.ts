@@ -131,6 +131,11 @@ export interface ServerConfig {
   advertiseUrl: string | undefined;
   /** `FERRY_WORKER_MAX_REPLICAS`: replicas this node runs over all apps at once (0: no cap). */
   workerMaxReplicas: number;
+  /**
+   * `FERRY_WARM_POOL`: generic sandboxes kept started per cortex runtime (Node, Python), handed to an app
+   * when it needs a replica, so its first run does not wait for a runtime to start (0: none).
+   */
+  warmPool: number;
   /** Largest accepted archive upload, bytes. */
   maxUploadBytes: number;
   /** Largest accepted JSON body (management API and run endpoint), bytes. */
@@ -222,6 +227,7 @@ export const DEFAULTS = {
   runRetentionDays: 30,
   retentionIntervalSeconds: 600,
   leaseSeconds: 10,
+  warmPool: 1,
 } as const;
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
@@ -296,6 +302,7 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     role,
     advertiseUrl: checkAdvertiseUrl(flags.advertiseUrl ?? (env.FERRY_ADVERTISE_URL || undefined)),
     workerMaxReplicas: intFrom(env.FERRY_WORKER_MAX_REPLICAS, 'FERRY_WORKER_MAX_REPLICAS', 0, 100_000) ?? 0,
+    warmPool: intFrom(env.FERRY_WARM_POOL, 'FERRY_WARM_POOL', 0, 64) ?? DEFAULTS.warmPool,
     storeBusyTimeoutMs:
       intFrom(env.FERRY_STORE_BUSY_TIMEOUT_MS, 'FERRY_STORE_BUSY_TIMEOUT_MS', 0, 600_000) ??
       DEFAULTS.storeBusyTimeoutMs,

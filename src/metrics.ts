@@ -21,6 +21,8 @@ export interface Metrics {
   replicas: Gauge<'project' | 'app' | 'state'>;
   queueDepth: Gauge<'project' | 'app'>;
   runsInFlight: Gauge<'project' | 'app'>;
+  /** Warm sandboxes (FERRY_WARM_POOL) by runtime and state (ready, starting). */
+  warmSandboxes: Gauge<'runtime' | 'state'>;
   webhookAttempts: Counter<'outcome'>;
   webhookDeliveries: Counter<'state'>;
   /** With --nats-url: async runs published to the runs stream, at acceptance or by the relay. */
@@ -125,6 +127,12 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
       name: 'ferry_runs_in_flight',
       help: 'Runs executing in replicas',
       labelNames: ['project', 'app'],
+      registers: [registry],
+    }),
+    warmSandboxes: new Gauge({
+      name: 'ferry_warm_sandboxes',
+      help: 'Warm sandboxes waiting for an app (FERRY_WARM_POOL), by runtime and state (ready, starting)',
+      labelNames: ['runtime', 'state'],
       registers: [registry],
     }),
     buildsDeleted: new Counter({

@@ -43,6 +43,7 @@ import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
 import type { ReplicaPool } from './replicas/pool.js';
 import { detectSandbox, type SandboxCapabilities } from './replicas/sandbox.js';
+import { createWarmPool, type WarmPool } from './replicas/warm-pool.js';
 import { createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createJetStreamRunQueue } from './runs/jetstream-queue.js';
@@ -104,6 +105,8 @@ export interface Services {
   /** Callers waiting for runs to end (`GET .../runs/{run_id}?wait=N`). */
   runWaiters: RunWaiters;
   replicas: ReplicaManager;
+  /** Generic sandboxes waiting for an app (FERRY_WARM_POOL); undefined when off, on a gateway, or without bwrap. */
+  warmPool: WarmPool | undefined;
   invoker: Invoker;
   /** Brings the gauges (replicas, queue depth) up to date; called before /metrics is rendered. */
   refreshGauges(): void;
@@ -256,6 +259,29 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ensureLocal: (buildId) => buildOutput.ensureLocal(buildId),
     secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
   });
+  // A gateway runs no user code, so it keeps no warm sandboxes. Without bwrap (plain processes) there is
+  // none either: the pool's guarantee is a sandbox that saw nothing before its app, and a plain process
+  // starting as today is as good a cold start as that path gets.
+  let warmPool: WarmPool | undefined;
+  if (runsCode && config.warmPool > 0) {
+    if (!sandbox.bwrap || !views || views.reason) {
+      logger.info(
+        `warm pool off (FERRY_WARM_POOL=${config.warmPool}): ${!sandbox.bwrap ? 'replicas are not sandboxed' : 'no views folder on the builds’ filesystem'}; replicas start cold`,
+      );
+    } else {
+      warmPool = createWarmPool({
+        size: config.warmPool,
+        store,
+        sandbox,
+        views,
+        network,
+        startTimeoutMs: config.replicaStartTimeoutMs,
+        logger: logger.child({ component: 'warm-pool' }),
+        ensureLocal: (buildId) => buildOutput.ensureLocal(buildId),
+        secrets: (projectId) => secretEnvironment(store, secretsKey, projectId),
+      });
+    }
+  }
   /** Set once housekeeping exists: a deleted build's folder, kept while its replicas ran, goes. */
   let releaseBuild: (buildId: string) => void = () => {};
   const replicas = createReplicaManager({
@@ -269,6 +295,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     // Gateways hear of a replica started or stopped here at once, not at the next announcement.
     onChange: () => announcer?.announceNow(),
     onDrained: (buildId) => releaseBuild(buildId),
+    ...(warmPool ? { claimWarm: warmPool.claim } : {}),
     launch: runsCode
       ? launch
       : async () => {
@@ -594,6 +621,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     network,
     recorder,
     replicas,
+    warmPool,
     invoker,
     asyncWorker,
     projectBacklog: createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject }),
@@ -605,6 +633,13 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       metrics.replicas.reset();
       metrics.queueDepth.reset();
       metrics.runsInFlight.reset();
+      metrics.warmSandboxes.reset();
+      if (warmPool) {
+        for (const [runtime, counts] of Object.entries(warmPool.stats())) {
+          metrics.warmSandboxes.set({ runtime, state: 'ready' }, counts.ready);
+          metrics.warmSandboxes.set({ runtime, state: 'starting' }, counts.starting);
+        }
+      }
       for (const pool of replicas.pools()) {
         const labels = { project: pool.build.projectId, app: pool.build.appId };
         const { starting, ready, inflight, queued } = pool.stats;
@@ -627,6 +662,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       clearTimeout(retentionTimer); // the first pass's timeout, or the interval after it
       // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
       await announcer?.close();
+      // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.
+      await warmPool?.close();
       await replicas.close();
       await remote?.close();
       await workers?.close();

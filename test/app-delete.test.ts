@@ -105,7 +105,9 @@ describe('deleting an app', { timeout: 300_000 }, () => {
     (await http(`${appUrl(name)}/runs/${id}`, { token: auth.token })).json?.state as string | undefined;
 
   before(async () => {
-    server = await startServer();
+    // These tests follow build views (<tmp>/ferry-view-*/<build id>); a replica from the warm pool runs
+    // from a slot of its own instead (test/security/warm-pool.test.ts), so the pool is off here.
+    server = await startServer({ env: { FERRY_WARM_POOL: '0' } });
     auth = await server.bootstrap();
     cliEnv = {
       HOME: await tempDir('ferry-home-'),

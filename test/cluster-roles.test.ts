@@ -397,6 +397,19 @@ export async function hang() { await sleep(600_000); return 'never'; }
     assert.equal(publicRoute.status, 401);
   });
 
+  it('keeps warm sandboxes on workers only: a gateway runs no user code', async () => {
+    const warm = async (url: string): Promise<number> => {
+      const text = await (await fetch(`${url}/metrics`)).text();
+      let n = 0;
+      for (const line of text.split('\n')) {
+        if (line.startsWith('ferry_warm_sandboxes{')) n += Number(line.slice(line.lastIndexOf(' ') + 1));
+      }
+      return n;
+    };
+    await waitFor(async () => (await warm(workers[0]!.url)) >= 1, 60_000, 'a warm sandbox on a worker');
+    for (const gateway of [gatewayA, gatewayB]) assert.equal(await warm(gateway.url), 0, gateway.label);
+  });
+
   it('loses only the calls in flight on a worker killed with SIGKILL; later calls succeed within 5 s', async () => {
     const url = `${gatewayB.url}/v4/${auth.projectId}/hello/run`;
     const call = async () => {

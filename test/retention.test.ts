@@ -91,7 +91,9 @@ describe('retention and deleting builds', { timeout: 400_000 }, () => {
 
   before(async () => {
     // The default interval (600 s): the first pass must come soon after start all the same.
-    server = await startServer({ env: { FERRY_KEEP_BUILDS: '2' } });
+    // These tests follow build views (<tmp>/ferry-view-*/<build id>); a replica from the warm pool runs
+    // from a slot of its own instead (test/security/warm-pool.test.ts), so the pool is off here.
+    server = await startServer({ env: { FERRY_KEEP_BUILDS: '2', FERRY_WARM_POOL: '0' } });
     auth = await server.bootstrap();
   });
 

@@ -15,6 +15,13 @@
  *   const dir = await views.viewOf(buildId);     // bind this at /app
  *   views.reason                                  // null, or why builds are bound directly
  *   await views.close();                          // removes the views (server shutdown)
+ *
+ * Warm slots (warm-pool.ts): an empty folder a warm sandbox binds at /app before it knows its app. When
+ * the sandbox is claimed, the build's files are linked into it from the host side; the bind shows them at
+ * once. A slot is filled once, for one build, and removed when its sandbox has exited: never reused.
+ *   const slot = await views.newSlot(replicaId);  // null without a views folder (no warm pool then)
+ *   await views.fillSlot(slot, buildId);
+ *   await views.dropSlot(slot);
  */
 import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
@@ -28,6 +35,11 @@ export interface BuildViews {
   drop(buildId: string): Promise<void>;
   /** null when views work; else why replicas bind build folders directly (their path shows in mountinfo). */
   readonly reason: string | null;
+  /** A new, empty, never-used folder for one warm sandbox's /app; null when there is no views folder. */
+  newSlot(replicaId: string): Promise<string | null>;
+  /** Links the build's files into an empty slot; refuses a slot that is not empty or was filled before. */
+  fillSlot(slot: string, buildId: string): Promise<void>;
+  dropSlot(slot: string): Promise<void>;
   close(): Promise<void>;
 }
 
@@ -56,6 +68,8 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
     reason = `no folder outside the data directory on its filesystem (tried ${candidates.join(', ')}): replicas bind build folders directly, so their path shows in /proc/self/mountinfo`;
   }
   const views = new Map<string, Promise<string>>();
+  /** Warm slots made and not filled yet. */
+  const slots = new Set<string>();
 
   async function makeView(buildId: string): Promise<string> {
     const source = path.join(buildsDir, buildId);
@@ -96,6 +110,26 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
     get reason() {
       return reason;
     },
+    async newSlot(replicaId) {
+      if (!root || reason) return null;
+      if (!/^[A-Za-z0-9_-]{1,100}$/.test(replicaId)) throw new Error(`Invalid replica id ${replicaId}`);
+      // A "." cannot be in a build id, so a slot never shares a name with a build's view.
+      const slot = path.join(root, `warm.${replicaId}`);
+      await fs.mkdir(slot, { mode: 0o700 });
+      slots.add(slot);
+      return slot;
+    },
+    async fillSlot(slot, buildId) {
+      if (!/^[A-Za-z0-9_-]{1,100}$/.test(buildId)) throw new Error(`Invalid build id ${buildId}`);
+      // Once, for one build: the sandbox bound to the slot belongs to that build for life.
+      if (!slots.delete(slot)) throw new Error(`${slot} is not an unused warm slot`);
+      if ((await fs.readdir(slot)).length > 0) throw new Error(`warm slot ${slot} is not empty`);
+      await mirrorInto(path.join(buildsDir, buildId), slot);
+    },
+    async dropSlot(slot) {
+      slots.delete(slot);
+      if (root && path.dirname(slot) === root) await fs.rm(slot, { recursive: true, force: true });
+    },
     async close() {
       views.clear();
       if (root) await fs.rm(root, { recursive: true, force: true });
@@ -107,6 +141,12 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
 async function mirror(source: string, target: string): Promise<void> {
   const stat = await fs.stat(source);
   await fs.mkdir(target, { mode: stat.mode & 0o777 });
+  await mirrorInto(source, target, stat.mode);
+}
+
+/** `mirror` into a folder that exists already (a warm slot). */
+async function mirrorInto(source: string, target: string, mode?: number): Promise<void> {
+  const sourceMode = mode ?? (await fs.stat(source)).mode;
   const entries = await fs.readdir(source, { withFileTypes: true });
   for (const entry of entries) {
     const from = path.join(source, entry.name);
@@ -116,5 +156,5 @@ async function mirror(source: string, target: string): Promise<void> {
     else if (entry.isFile()) await fs.link(from, to);
     // Sockets, FIFOs and devices have no place in a build: left out.
   }
-  await fs.chmod(target, stat.mode & 0o777);
+  await fs.chmod(target, sourceMode & 0o777);
 }

@@ -56,23 +56,24 @@ export const CUSTOM_SUPERVISOR = fileURLToPath(new URL('../runtimes/custom/super
 const HEAP_SHARE = 0.75;
 
 /** What differs between runtimes: the bootstrap copied into the sandbox, the command, a few variables. */
-interface RuntimeLaunch {
+export interface RuntimeLaunch {
   bootstrap: { host: string; sandbox: string };
   defaultEntry: string;
-  command(bootstrapPath: string, build: PoolBuild): Promise<string[]>;
+  /** The command; Node's heap size follows the memory limit, so a warm pool keeps one shape of resources. */
+  command(bootstrapPath: string, resources: PoolBuild['config']['resources']): Promise<string[]>;
   env: Record<string, string>;
   /** Custom runtime: its variables, and the app folder as working folder. */
   custom?: true;
 }
 
-const RUNTIMES: Record<string, RuntimeLaunch> = {
+export const RUNTIMES: Readonly<Record<string, RuntimeLaunch>> = {
   node: {
     // .mjs: alone in the sandbox, with no package.json beside it, the file must say it is an ES module.
     bootstrap: { host: NODE_BOOTSTRAP, sandbox: '/ferry/bootstrap.mjs' },
     defaultEntry: 'out/main.mjs',
-    command: async (bootstrap, build) => [
+    command: async (bootstrap, resources) => [
       process.execPath,
-      `--max-old-space-size=${Math.max(16, Math.floor(build.config.resources.memory * HEAP_SHARE))}`,
+      `--max-old-space-size=${Math.max(16, Math.floor(resources.memory * HEAP_SHARE))}`,
       bootstrap,
     ],
     env: { NODE_ENV: 'production' },
@@ -147,17 +148,7 @@ export function createLauncher(deps: LauncherDeps) {
       custom = customEnv(build, sandboxed ? build.config.runtime.custom!.port : await freePort());
     }
     const env: Record<string, string> = {
-      ...(await deps.secrets(build.projectId)),
-      ...build.config.env,
-      PATH: '/usr/local/bin:/usr/bin:/bin',
-      HOME: '/tmp',
-      ...runtime.env,
-      APP_NAME: build.appId,
-      PROJECT_ID: build.projectId,
-      BUILD_ID: build.buildId,
-      FERRY_PROTOCOL: '1',
-      FERRY_SOCKET: paths.socketPath,
-      FERRY_ENTRY: `${paths.appDir}/${row.entry ?? runtime.defaultEntry}`,
+      ...replicaEnvironment(build, runtime, await deps.secrets(build.projectId), paths, row.entry),
       ...custom,
     };
     const lease = sandboxed ? await deps.network.acquire(replicaId) : null;
@@ -170,7 +161,7 @@ export function createLauncher(deps: LauncherDeps) {
           memoryMiB: build.config.resources.memory,
           maxProcesses: build.config.resources.max_processes,
           cpu: build.config.resources.cpu,
-          command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build),
+          command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build.config.resources),
           env,
           ...(lease ? { network: lease } : {}),
           ...(runtime.custom ? { cwd: row.entry ?? runtime.defaultEntry } : {}),
@@ -191,6 +182,44 @@ export function createLauncher(deps: LauncherDeps) {
         await fs.rm(socketDir, { recursive: true, force: true });
       },
     };
+  };
+}
+
+/** Ferry's own variables of every replica: the base of a warm sandbox's environment too (warm-pool.ts). */
+export function baseEnvironment(runtime: RuntimeLaunch, socketPath: string): Record<string, string> {
+  return {
+    PATH: '/usr/local/bin:/usr/bin:/bin',
+    HOME: '/tmp',
+    ...runtime.env,
+    FERRY_PROTOCOL: '1',
+    FERRY_SOCKET: socketPath,
+  };
+}
+
+/**
+ * A replica's environment: the project's secrets, the app's [env], then Ferry's variables (which win). A
+ * warm sandbox is given the same at load (warm-pool.ts), so an app cannot tell how its replica started.
+ */
+export function replicaEnvironment(
+  build: PoolBuild,
+  runtime: RuntimeLaunch,
+  secrets: Record<string, string>,
+  paths: { socketPath: string; appDir: string },
+  entry: string | null,
+): Record<string, string> {
+  const base = baseEnvironment(runtime, paths.socketPath);
+  return {
+    ...secrets,
+    ...build.config.env,
+    PATH: base.PATH!,
+    HOME: base.HOME!,
+    ...runtime.env,
+    APP_NAME: build.appId,
+    PROJECT_ID: build.projectId,
+    BUILD_ID: build.buildId,
+    FERRY_PROTOCOL: '1',
+    FERRY_SOCKET: paths.socketPath,
+    FERRY_ENTRY: `${paths.appDir}/${entry ?? runtime.defaultEntry}`,
   };
 }
 

@@ -30,6 +30,14 @@ export interface ReplicaManagerDeps {
   onColdStart?: (build: PoolBuild, ms: number) => void;
   /** Lines replicas print outside runs, and what happened to them (`system`): the app's log. */
   onReplicaOutput?: (build: PoolBuild, replicaId: string, stream: 'stdout' | 'stderr' | 'system', line: string) => void;
+  /**
+   * A replica of `build` from the warm pool (warm-pool.ts), already loading the app; undefined when there
+   * is none to be had, and the replica starts cold.
+   */
+  claimWarm?: (
+    build: PoolBuild,
+    onOutput: (replicaId: string, stream: 'stdout' | 'stderr', line: string) => void,
+  ) => Promise<Replica | undefined>;
   /** `FERRY_WORKER_MAX_REPLICAS`: replicas of all apps this node runs at once; 0 or unset: no cap. */
   maxReplicas?: number;
   /**
@@ -117,6 +125,10 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
       onColdStart: (ms) => deps.onColdStart?.(build, ms),
       onEvent: (replicaId, line) => deps.onReplicaOutput?.(build, replicaId, 'system', line),
       async startReplica(): Promise<Replica> {
+        const warm = await deps.claimWarm?.(build, (replicaId, stream, line) =>
+          deps.onReplicaOutput?.(build, replicaId, stream, line),
+        );
+        if (warm) return warm;
         const id = uuidv7().slice(-12);
         const plan = await deps.launch(build, id);
         return startReplica({

@@ -63,7 +63,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   state: ReplicaState = 'starting';
   inflight = 0;
   lastUsed = Date.now();
-  readonly startedAt = Date.now();
+  startedAt = Date.now();
   readyAt = 0;
   exitInfo: ReplicaExit | undefined;
   readonly exited: Promise<ReplicaExit>;
@@ -74,7 +74,9 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
   /** Made once the socket's path is known (before the replica is ready, so every call finds it). */
   private pool: Pool | undefined;
   private socketPath: string | undefined;
-  private readonly concurrency: number;
+  private concurrency: number;
+  /** A warm sandbox's load of its app (beginLoad), until waitReady has seen it end. */
+  private loading: Promise<boolean> | undefined;
   private readonly tail: string[] = [];
   private stopRequested = false;
   private stopCause: string | undefined;
@@ -99,15 +101,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     void started.socketPath.then((socketPath) => {
       if (socketPath === null || this.state === 'exited') return;
       this.socketPath = socketPath;
-      this.pool = new Pool('http://replica', {
-        socketPath,
-        connections: this.concurrency,
-        pipelining: 1,
-        keepAliveTimeout: 60_000,
-        keepAliveMaxTimeout: 600_000,
-        headersTimeout: 0,
-        bodyTimeout: 0,
-      });
+      this.pool = this.connectionPool(socketPath);
     });
     this.exited = new Promise((resolve) => {
       this.child.once('exit', (code, signal) => {
@@ -118,6 +112,73 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
         if (this.child.exitCode === null && this.child.signalCode === null) void this.onExit(127, null).then(resolve);
       });
     });
+  }
+
+  private connectionPool(socketPath: string): Pool {
+    return new Pool('http://replica', {
+      socketPath,
+      connections: this.concurrency,
+      pipelining: 1,
+      keepAliveTimeout: 60_000,
+      keepAliveMaxTimeout: 600_000,
+      headersTimeout: 0,
+      bodyTimeout: 0,
+    });
+  }
+
+  /**
+   * A warm sandbox (warm-pool.ts), before any app: a health request and a call of `_warm` (the one function
+   * a warm bootstrap has until its load) through the replica's own connection pool, so the bootstrap's
+   * request and call paths have run once (Node compiles them lazily: tens of ms on a first request) and a
+   * kept-alive connection is open for the load and the first run. Never rejects.
+   */
+  async warmUp(): Promise<void> {
+    const pool = this.pool;
+    if (!pool || this.state !== 'ready') return;
+    for (const [method, path] of [
+      ['GET', '/_ferry/health'],
+      ['POST', '/_ferry/call/_warm'],
+    ] as const) {
+      try {
+        const res = await pool.request({ method, path, body: method === 'POST' ? '{}' : null });
+        await res.body.dump();
+      } catch {
+        // The first run connects anew; nothing is lost.
+      }
+    }
+  }
+
+  /**
+   * A warm sandbox (warm-pool.ts) is given its app: `POST /_ferry/load` with the entry and the environment.
+   * The replica is 'starting' again until waitReady has seen the load succeed; a failed load makes the
+   * bootstrap exit (start-failed, with its reason in the tail). Called once, on a ready replica that has
+   * served nothing, so its connection pool (made for no app) is remade for the app's concurrency.
+   */
+  beginLoad(body: string, concurrency: number): Promise<boolean> {
+    const socketPath = this.socketPath;
+    if (this.state !== 'ready' || this.loading || socketPath === undefined) {
+      throw new Error(`replica ${this.id} cannot load an app (${this.state})`);
+    }
+    this.state = 'starting';
+    this.readyAt = 0;
+    this.startedAt = Date.now();
+    const warmPool = this.pool;
+    // On the connection warmUp left open: a new one costs the bootstrap an accept on the critical path.
+    const loading = (async () => {
+      let answer = warmPool ? await loadThrough(warmPool, body) : 'unsent';
+      // The kept-alive connection was closed under the request before it was sent: once more, anew. (Had
+      // the bootstrap received it, it answers 409 now and the start fails, as it should.)
+      if (answer === 'unsent') answer = await postLoad(socketPath, body);
+      const ok = answer === 200;
+      if (ok && concurrency !== this.concurrency && this.state === 'starting') {
+        this.concurrency = concurrency;
+        this.pool = this.connectionPool(socketPath);
+        void warmPool?.close().catch(() => {});
+      }
+      return ok;
+    })();
+    this.loading = loading;
+    return loading;
   }
 
   get pid(): number | undefined {
@@ -143,6 +204,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
 
   /** Resolves once the replica accepts connections; rejects with FERRY_REPLICA_START_FAILED otherwise. */
   async waitReady(timeoutMs: number): Promise<void> {
+    if (this.loading) return this.waitLoaded(timeoutMs);
     const deadline = Date.now() + timeoutMs;
     let delay = 2;
     while (this.state === 'starting') {
@@ -164,6 +226,32 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
       const exit = await this.exited;
       throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
     }
+  }
+
+  private async waitLoaded(timeoutMs: number): Promise<void> {
+    const loading = this.loading!;
+    let timer: NodeJS.Timeout | undefined;
+    const timedOut = new Promise<'timeout'>((resolve) => {
+      timer = setTimeout(resolve, timeoutMs, 'timeout');
+    });
+    const outcome = await Promise.race([loading, timedOut]);
+    clearTimeout(timer);
+    if (outcome === true && this.state === 'starting') {
+      this.state = 'ready';
+      this.readyAt = Date.now();
+      return;
+    }
+    if (outcome === 'timeout') {
+      await this.kill();
+      throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica did not load its app within ${timeoutMs} ms`);
+    }
+    // The bootstrap exits after a failed load; one that does not is not left running.
+    if (this.state === 'starting') {
+      const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
+      if (!exit) await this.kill();
+    }
+    const exit = await this.exited;
+    throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
   }
 
   /**
@@ -372,6 +460,51 @@ export function describeExit(exit: ReplicaExit): string {
     .slice(-3)
     .join(' | ');
   return last ? `${how}: ${last.slice(0, 500)}` : how;
+}
+
+/**
+ * A warm sandbox's load request through the replica's connection pool: the answer's status, 'unsent' when
+ * the connection failed before any answer, 0 when the answer broke off.
+ */
+async function loadThrough(pool: Pool, body: string): Promise<number | 'unsent'> {
+  let res: Dispatcher.ResponseData;
+  try {
+    res = await pool.request({
+      method: 'POST',
+      path: '/_ferry/load',
+      headers: { 'content-type': 'application/json' },
+      body,
+    });
+  } catch {
+    return 'unsent';
+  }
+  try {
+    await res.body.dump();
+    return res.statusCode;
+  } catch {
+    return 0;
+  }
+}
+
+/** A warm sandbox's load request on a connection of its own: the answer's status, 0 without one. */
+function postLoad(socketPath: string, body: string): Promise<number> {
+  return new Promise((resolve) => {
+    const req = http.request(
+      {
+        socketPath,
+        method: 'POST',
+        path: '/_ferry/load',
+        headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body) },
+      },
+      (res) => {
+        res.resume();
+        res.on('end', () => resolve(res.statusCode ?? 0));
+        res.on('error', () => resolve(0));
+      },
+    );
+    req.on('error', () => resolve(0));
+    req.end(body);
+  });
 }
 
 function canConnect(socketPath: string): Promise<boolean> {

@@ -9,6 +9,7 @@
  */
 import { AsyncLocalStorage } from 'node:async_hooks';
 import { unlinkSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
 import { pathToFileURL } from 'node:url';
 
@@ -17,6 +18,13 @@ const HEALTH_PATH = '/_ferry/health';
 const CALL_PREFIX = '/_ferry/call/';
 /** `POST /_ferry/cancel/<run id>`: the run's AbortSignal fires (POST .../runs/{run_id}/cancel). */
 const CANCEL_PREFIX = '/_ferry/cancel/';
+/**
+ * `POST /_ferry/load` (warm sandboxes only, once): the body `{"entry", "env"}` names the app's module and its
+ * environment; the bootstrap takes that environment as its own and imports the module.
+ */
+const LOAD_PATH = '/_ferry/load';
+/** The gateway sends an entry path and an environment: bounded so a broken request cannot fill memory. */
+const MAX_LOAD_BYTES = 4 * 1024 * 1024;
 // Longer than the gateway's keep-alive, so the replica never closes a connection the gateway is about to reuse.
 const KEEP_ALIVE_TIMEOUT_MS = 65_000;
 // The gateway is local and sends a request's headers at once; a connection stuck inside them is broken.
@@ -68,8 +76,13 @@ const writeOut = patchStream(process.stdout, 0);
 const writeErr = patchStream(process.stderr, 1);
 
 const socketPath = process.env.FERRY_SOCKET;
-const entry = process.env.FERRY_ENTRY;
-if (!socketPath || !entry) {
+/**
+ * FERRY_WARM=1: a generic sandbox started before any app needs it (src/replicas/warm-pool.ts). It knows no
+ * app: it listens at once and loads the app named by its one `POST /_ferry/load`.
+ */
+const warm = process.env.FERRY_WARM === '1';
+const startEntry = process.env.FERRY_ENTRY;
+if (!socketPath || (!startEntry && !warm)) {
   writeErr('ferry bootstrap: FERRY_SOCKET and FERRY_ENTRY must both be set\n');
   process.exit(2);
 }
@@ -84,26 +97,51 @@ process.on('unhandledRejection', (reason) => {
   process.stderr.write(`ferry bootstrap: unhandled promise rejection: ${formatForLog(reason)}\n`);
 });
 
-let moduleNamespace: Record<string, unknown>;
-try {
-  moduleNamespace = (await import(pathToFileURL(entry).href)) as Record<string, unknown>;
-} catch (err) {
-  // A Node stack names the error first and ends with frames, but the gateway reports a start failure by
-  // the last lines the replica printed; so the error itself comes again last, as Python's traceback does.
-  writeErr(`ferry bootstrap: failed to load ${entry}: ${formatForLog(err)}\n`);
-  writeErr(`ferry bootstrap: ${summarize(err)}\n`);
-  process.exit(3);
+/**
+ * Before its app, a warm sandbox has one function, `_warm`, which the gateway calls once (Replica.warmUp) so
+ * the whole call path has run before an app's first run needs it; the load replaces it with the app's.
+ */
+let functions = new Map<string, PublicFunction>(warm ? [['_warm', () => null]] : []);
+let healthBody = JSON.stringify({ protocol: PROTOCOL, functions: [] });
+/** Whether an app was loaded (or a load began): a warm sandbox takes one app, once, for its whole life. */
+let loaded = false;
+
+/** Imports the app's module and finds its public functions; on failure reports why and exits 3. */
+async function loadEntry(entry: string): Promise<boolean> {
+  loaded = true;
+  let moduleNamespace: Record<string, unknown>;
+  try {
+    moduleNamespace = (await import(pathToFileURL(entry).href)) as Record<string, unknown>;
+  } catch (err) {
+    // A Node stack names the error first and ends with frames, but the gateway reports a start failure by
+    // the last lines the replica printed; so the error itself comes again last, as Python's traceback does.
+    writeErr(`ferry bootstrap: failed to load ${entry}: ${formatForLog(err)}\n`);
+    writeErr(`ferry bootstrap: ${summarize(err)}\n`);
+    return false;
+  }
+  // Named exports only: `default` is not callable by name (an app wanting a function public exports it by
+  // name). Classes are typeof 'function' too, but cannot be called without `new`, so they are left out.
+  const found = new Map<string, PublicFunction>();
+  for (const name of Object.keys(moduleNamespace)) {
+    if (name === 'default' || name.startsWith('_')) continue;
+    const value = moduleNamespace[name];
+    if (typeof value === 'function' && !isClass(value)) found.set(name, value as PublicFunction);
+  }
+  functions = found;
+  healthBody = JSON.stringify({ protocol: PROTOCOL, functions: [...functions.keys()] });
+  return true;
 }
 
-// Named exports only: `default` is not callable by name (an app wanting a function public exports it by
-// name). Classes are typeof 'function' too, but cannot be called without `new`, so they are left out.
-const functions = new Map<string, PublicFunction>();
-for (const name of Object.keys(moduleNamespace)) {
-  if (name === 'default' || name.startsWith('_')) continue;
-  const value = moduleNamespace[name];
-  if (typeof value === 'function' && !isClass(value)) functions.set(name, value as PublicFunction);
+if (!warm && !(await loadEntry(startEntry!))) process.exit(3);
+if (warm) {
+  // A first dynamic import compiles much of Node's module loader; done now, the app's import is quicker. The
+  // module is what Ferry's bundles start with (src/builds/builders/node.ts), from a data: URL: no file.
+  const warmModule =
+    "data:text/javascript,import { createRequire } from 'node:module'; import { fileURLToPath } from 'node:url'; import { dirname } from 'node:path'; createRequire('file:///ferry/warm.mjs'); dirname(fileURLToPath('file:///ferry/warm.mjs'));";
+  await import(warmModule);
+  // The module loader reads files on libuv's thread pool, whose threads start on first use: started now.
+  await readFile(new URL(import.meta.url));
 }
-const healthBody = JSON.stringify({ protocol: PROTOCOL, functions: [...functions.keys()] });
 
 let inFlight = 0;
 let stopping = false;
@@ -164,6 +202,10 @@ function route(req: IncomingMessage, res: ServerResponse): void {
     handleCall(req, res, pathname.slice(CALL_PREFIX.length));
     return;
   }
+  if (req.method === 'POST' && pathname === LOAD_PATH) {
+    handleLoad(req, res);
+    return;
+  }
   req.resume();
   if (req.method === 'POST' && pathname.startsWith(CANCEL_PREFIX)) {
     const run = active.get(decodeURIComponent(pathname.slice(CANCEL_PREFIX.length)));
@@ -210,6 +252,61 @@ function handleCall(req: IncomingMessage, res: ServerResponse, rawName: string):
     const runId = req.headers['x-ferry-run-id'];
     startRun(res, fn, parsed, typeof runId === 'string' ? runId : '');
   });
+}
+
+/**
+ * A warm sandbox's one load: replaces the environment with the app's (as a cold replica would have had it
+ * from the start, PWD kept), imports the entry, answers like /_ferry/health. A second load is refused: the
+ * sandbox belongs to the first app for life. A failed load exits 3 once the answer is written, as a cold
+ * replica whose module throws does.
+ */
+function handleLoad(req: IncomingMessage, res: ServerResponse): void {
+  if (!warm || loaded) {
+    req.resume();
+    sendJson(res, 409, errorBody('AlreadyLoaded', 'This replica has loaded its app already'));
+    return;
+  }
+  loaded = true;
+  const chunks: Buffer[] = [];
+  let size = 0;
+  req.on('data', (chunk: Buffer) => {
+    size += chunk.length;
+    if (size <= MAX_LOAD_BYTES) chunks.push(chunk);
+  });
+  req.on('error', () => process.exit(3));
+  req.on('end', () => {
+    void load(Buffer.concat(chunks), size).then((ok) => {
+      if (ok) {
+        sendJson(res, 200, healthBody);
+        return;
+      }
+      res.on('close', () => process.exit(3));
+      sendJson(res, 500, errorBody('LoadFailed', 'The app could not be loaded'));
+    });
+  });
+}
+
+async function load(body: Buffer, size: number): Promise<boolean> {
+  let request: { entry?: unknown; env?: unknown };
+  try {
+    if (size > MAX_LOAD_BYTES) throw new Error(`the load request is over ${MAX_LOAD_BYTES} bytes`);
+    request = JSON.parse(body.toString('utf8')) as { entry?: unknown; env?: unknown };
+  } catch (err) {
+    writeErr(`ferry bootstrap: bad load request: ${formatForLog(err)}\n`);
+    return false;
+  }
+  const { entry, env } = request;
+  if (typeof entry !== 'string' || env === null || typeof env !== 'object' || Array.isArray(env)) {
+    writeErr('ferry bootstrap: bad load request: it needs "entry" (a path) and "env" (an object)\n');
+    return false;
+  }
+  const pwd = process.env.PWD;
+  for (const name of Object.keys(process.env)) delete process.env[name];
+  if (pwd !== undefined) process.env.PWD = pwd;
+  for (const [name, value] of Object.entries(env as Record<string, unknown>)) {
+    if (typeof value === 'string') process.env[name] = value;
+  }
+  return loadEntry(entry);
 }
 
 /** The arguments object, or why the body is not one (the gateway validates first; this is a second line). */

@@ -46,6 +46,8 @@ HEALTH_PATH = "/_ferry/health"
 CALL_PREFIX = "/_ferry/call/"
 # POST /_ferry/cancel/<run id>: an async function's task is cancelled (asyncio.CancelledError where it awaits).
 CANCEL_PREFIX = "/_ferry/cancel/"
+# POST /_ferry/load (warm sandboxes only, once): {"entry", "env"} names the app's module and its environment.
+LOAD_PATH = "/_ferry/load"
 # Longer than the gateway's keep-alive, so the replica never closes a connection the gateway is about to reuse.
 KEEP_ALIVE_TIMEOUT = 65.0
 # The gateway is local and sends a request's headers at once; a connection stuck inside them is broken.
@@ -63,7 +65,7 @@ FALLBACK_ERROR_FRAME = (
     '"stack":""}}'
 )
 STREAM_NAMES = ("stdout", "stderr")
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error"}
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 409: "Conflict", 500: "Internal Server Error"}
 
 BOOTSTRAP_FILE = os.path.abspath(__file__)
 # Frames of these files, at the start of a traceback, are the bootstrap's plumbing, not the app's code.
@@ -754,6 +756,8 @@ async def handle_request(conn, method, path, headers, body, keep_alive):
     try:
         if method == "POST" and path.startswith(CALL_PREFIX):
             return await handle_call(conn, path[len(CALL_PREFIX) :], body, keep_alive, headers.get("x-ferry-run-id", ""))
+        if method == "POST" and path == LOAD_PATH:
+            return await handle_load(conn, body, keep_alive)
         if method == "POST" and path.startswith(CANCEL_PREFIX):
             run = active_runs.get(unquote(path[len(CANCEL_PREFIX) :]))
             cancelled = run is not None and run.open and run.task is not None and not run.task.done()
@@ -901,9 +905,8 @@ def on_loop_exception(_loop, context):
 server = None
 
 
-async def serve(socket_path):
-    global server, stop_event
-    stop_event = asyncio.Event()
+async def listen(socket_path):
+    global server
     try:
         os.unlink(socket_path)
     except FileNotFoundError:
@@ -916,6 +919,13 @@ async def serve(socket_path):
     except OSError as err:
         log_error("cannot listen on %s: %s" % (socket_path, err))
         exit_now(1)
+
+
+async def serve(socket_path, listening=False):
+    global stop_event
+    stop_event = asyncio.Event()
+    if not listening:
+        await listen(socket_path)
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop)
     await stop_event.wait()
@@ -1025,11 +1035,65 @@ def public_functions(module):
     return found
 
 
+# ---- warm sandboxes ----
+
+# FERRY_WARM=1: a generic sandbox started before any app needs it (src/replicas/warm-pool.ts). Its server
+# runs at once; the one POST /_ferry/load stops the event loop, the app is imported with the loop stopped
+# (as in a replica started for it, so asyncio.run() at import works), and the loop goes on serving it.
+warm = False
+load_started = False
+# Set by the load request: (entry, env); then main() sets load_done to whether the app loaded.
+load_request = None
+load_done = None
+
+
+async def handle_load(conn, body, keep_alive):
+    global load_started
+    if not warm or load_started:
+        conn.send_json(409, error_body("AlreadyLoaded", "This replica has loaded its app already"), keep_alive)
+        return keep_alive
+    load_started = True
+    try:
+        value = json.loads(body.decode("utf-8"))
+        entry = value["entry"]
+        env = value["env"]
+        if not isinstance(entry, str) or not isinstance(env, dict):
+            raise ValueError('it needs "entry" (a path) and "env" (an object)')
+    except Exception as err:
+        log_error("bad load request: %s" % describe(err))
+        load_request.set_result(None)
+        return False
+    load_request.set_result((entry, env))
+    loaded = await load_done
+    if loaded:
+        conn.send_json(200, health_body, keep_alive)
+        await conn.drain()
+        return keep_alive
+    conn.send_json(500, error_body("LoadFailed", "The app could not be loaded"), False)
+    try:
+        await conn.drain()
+    finally:
+        # As a replica started for the app whose module raised: exit 3 (main() printed why).
+        exit_now(3)
+
+
+def take_environment(env):
+    """The app's environment, as a replica started for it would have had it from the start (PWD kept)."""
+    pwd = os.environ.get("PWD")
+    os.environ.clear()
+    if pwd is not None:
+        os.environ["PWD"] = pwd
+    for name, value in env.items():
+        if isinstance(name, str) and isinstance(value, str):
+            os.environ[name] = value
+
+
 def main():
-    global loop, loop_thread, health_body, functions
+    global loop, loop_thread, health_body, functions, warm, load_request, load_done
     socket_path = os.environ.get("FERRY_SOCKET")
     entry = os.environ.get("FERRY_ENTRY")
-    if not socket_path or not entry:
+    warm = os.environ.get("FERRY_WARM") == "1"
+    if not socket_path or (not entry and not warm):
         log_error("FERRY_SOCKET and FERRY_ENTRY must both be set")
         exit_now(2)
 
@@ -1042,19 +1106,42 @@ def main():
     sys.stdout = RunOutput(REAL_STDOUT, 0)
     sys.stderr = RunOutput(REAL_STDERR, 1)
 
+    if warm:
+        # Everything above is done while the sandbox waits, and its server has served (the gateway warms it
+        # up): only the app's own import is left for the load.
+        health_body = json.dumps({"protocol": PROTOCOL, "functions": []})
+        # Until the load, one function the gateway calls once (Replica.warmUp): the call path, and the
+        # thread a plain function runs in, are ready before an app's first run needs them.
+        functions = {"_warm": lambda: None}
+        load_request = loop.create_future()
+        load_done = loop.create_future()
+        loop.run_until_complete(listen(socket_path))
+        request = loop.run_until_complete(load_request)
+        if request is None:
+            exit_now(3)
+        entry, env = request
+        take_environment(env)
+
     try:
         install_run_module()
         module = load_module(entry)
     except BaseException as err:  # noqa: B036 - SystemExit and KeyboardInterrupt at import fail the start too
         log_error("failed to load %s:\n%s" % (entry, format_traceback(err).rstrip()))
+        if warm:
+            # The load request is answered, then the process exits (handle_load); at most a second for it.
+            asyncio.set_event_loop(loop)
+            load_done.set_result(False)
+            loop.run_until_complete(asyncio.sleep(1.0))
         exit_now(3)
     # The app may have run asyncio.run() at import, which unsets the current loop.
     asyncio.set_event_loop(loop)
 
     functions = public_functions(module)
     health_body = json.dumps({"protocol": PROTOCOL, "functions": list(functions)})
+    if warm:
+        load_done.set_result(True)
     try:
-        loop.run_until_complete(serve(socket_path))
+        loop.run_until_complete(serve(socket_path, listening=warm))
     except BaseException:  # noqa: B036
         log_error("internal error:\n%s" % traceback.format_exc().rstrip())
         exit_now(1)
