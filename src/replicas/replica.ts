@@ -181,6 +181,32 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     return loading;
   }
 
+  private async waitLoaded(timeoutMs: number): Promise<void> {
+    const loading = this.loading!;
+    let timer: NodeJS.Timeout | undefined;
+    const timedOut = new Promise<'timeout'>((resolve) => {
+      timer = setTimeout(resolve, timeoutMs, 'timeout');
+    });
+    const outcome = await Promise.race([loading, timedOut]);
+    clearTimeout(timer);
+    if (outcome === true && this.state === 'starting') {
+      this.state = 'ready';
+      this.readyAt = Date.now();
+      return;
+    }
+    if (outcome === 'timeout') {
+      await this.kill();
+      throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica did not load its app within ${timeoutMs} ms`);
+    }
+    // The bootstrap exits after a failed load; one that does not is not left running.
+    if (this.state === 'starting') {
+      const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
+      if (!exit) await this.kill();
+    }
+    const exit = await this.exited;
+    throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
+  }
+
   get pid(): number | undefined {
     return this.child.pid;
   }
@@ -226,32 +252,6 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
       const exit = await this.exited;
       throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
     }
-  }
-
-  private async waitLoaded(timeoutMs: number): Promise<void> {
-    const loading = this.loading!;
-    let timer: NodeJS.Timeout | undefined;
-    const timedOut = new Promise<'timeout'>((resolve) => {
-      timer = setTimeout(resolve, timeoutMs, 'timeout');
-    });
-    const outcome = await Promise.race([loading, timedOut]);
-    clearTimeout(timer);
-    if (outcome === true && this.state === 'starting') {
-      this.state = 'ready';
-      this.readyAt = Date.now();
-      return;
-    }
-    if (outcome === 'timeout') {
-      await this.kill();
-      throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica did not load its app within ${timeoutMs} ms`);
-    }
-    // The bootstrap exits after a failed load; one that does not is not left running.
-    if (this.state === 'starting') {
-      const exit = await Promise.race([this.exited, new Promise<undefined>((r) => setTimeout(r, 2000, undefined))]);
-      if (!exit) await this.kill();
-    }
-    const exit = await this.exited;
-    throw new FerryError('FERRY_REPLICA_START_FAILED', `The replica could not start: ${describeExit(exit)}`);
   }
 
   /**
