@@ -67,6 +67,8 @@ interface Pending {
   /** True once the row exists in the store; later changes are UPDATEs. */
   inserted: boolean;
   changes: RunChanges;
+  /** When the oldest unwritten change of a row already inserted was made (see takeBatch). */
+  changedAt?: number;
 }
 
 /** A webhook delivery to write in the same transaction as the run's final state (invariant 2). */
@@ -243,7 +245,12 @@ export function createRunRecorder(deps: {
   function requeue(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): void {
     for (const [id, p] of batch) {
       const since = pending.get(id);
-      pending.set(id, since ? { row: p.row, inserted: p.inserted, changes: { ...p.changes, ...since.changes } } : p);
+      pending.set(
+        id,
+        since
+          ? { row: p.row, inserted: p.inserted, changes: { ...p.changes, ...since.changes }, changedAt: p.changedAt }
+          : p,
+      );
     }
     logs = lines.concat(logs);
     for (const l of lines) logBytes += l.line.length;
@@ -289,11 +296,26 @@ export function createRunRecorder(deps: {
   function takeBatch(force: boolean) {
     const batch = new Map<string, Pending>();
     const held = new Map<string, Pending>();
+    let holding = 0;
     const now = Date.now();
     for (const [id, p] of pending) {
+      // A row written with nothing new to write (an async run waiting or running) stays as it is: it is
+      // neither written nor copied, however many flushes it waits through.
+      if (p.inserted && isEmpty(p.changes)) {
+        held.set(id, p);
+        continue;
+      }
       const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
-      if (!force && !done && !p.inserted && now - Date.parse(p.row.created_at) < HOLD_MS) held.set(id, p);
-      else batch.set(id, p);
+      // A row already written holds back its changes for HOLD_MS too, from the first unwritten one: an async
+      // run's `running` (its start is committed by startRuns already) is then most often written with its
+      // end, in one UPDATE instead of two.
+      const young = p.inserted
+        ? p.changedAt !== undefined && now - p.changedAt < HOLD_MS
+        : now - Date.parse(p.row.created_at) < HOLD_MS;
+      if (!force && !done && young) {
+        held.set(id, p);
+        holding += 1;
+      } else batch.set(id, p);
     }
     const lines = logs;
     const deliveries = outbox;
@@ -306,14 +328,15 @@ export function createRunRecorder(deps: {
       const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
       if (!done) pending.set(id, { row: { ...p.row, ...p.changes }, inserted: true, changes: {} });
     }
-    if (held.size > 0) schedule();
+    if (holding > 0) schedule();
     return { batch, lines, deliveries };
   }
 
   /**
    * Writes what is pending. The timer's flushes (`force` false) hold back runs that are not finished and
    * not yet written while they are younger than HOLD_MS: most runs end by then, and are written once,
-   * final, instead of as an INSERT then an UPDATE. Readers (the API) flush with `force`.
+   * final, instead of as an INSERT then an UPDATE. Changes to a run already written (not its end) are held
+   * HOLD_MS from the first of them in the same way. Readers (the API) flush with `force`.
    *
    * The batch is taken when the write before it has ended, not when flush is called: a batch that failed
    * is back in the pending state by then, so no later write can UPDATE a run whose INSERT has not happened.
@@ -441,8 +464,16 @@ export function createRunRecorder(deps: {
     },
     update(runId, changes) {
       const p = pending.get(runId);
-      if (p) Object.assign(p.changes, changes);
-      else pending.set(runId, { row: { id: runId } as RunRow, inserted: true, changes: { ...changes } });
+      if (p) {
+        if (p.inserted && p.changedAt === undefined) p.changedAt = Date.now();
+        Object.assign(p.changes, changes);
+      } else
+        pending.set(runId, {
+          row: { id: runId } as RunRow,
+          inserted: true,
+          changes: { ...changes },
+          changedAt: Date.now(),
+        });
       if (changes.state !== undefined && isFinal(changes.state)) seqs.delete(runId);
       schedule();
     },
@@ -483,6 +514,11 @@ export function createRunRecorder(deps: {
     },
   };
   return recorder;
+}
+
+function isEmpty(changes: RunChanges): boolean {
+  for (const _ in changes) return false;
+  return true;
 }
 
 function isFinal(state: string): boolean {
