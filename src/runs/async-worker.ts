@@ -18,9 +18,8 @@
  */
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
-import { nowIso } from '../ids.js';
 import type { PoolBuild } from '../replicas/pool.js';
-import { claimQueuedRuns, releaseQueuedRuns, startRuns } from '../store/claims.js';
+import { claimQueuedRuns, releaseQueuedRuns } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
 import { type Invoker, RunNotClaimedError, RunStartError } from './invoke.js';
@@ -190,32 +189,12 @@ export function createAsyncWorker(deps: {
   }
 
   /**
-   * Marks runs started, many in one statement: the runs that take a replica slot in one turn of the event
-   * loop share an UPDATE (one write per run would cost the run endpoint a fifth of its async throughput).
+   * Marks a run started. The runs that take a replica slot in one turn of the event loop share one UPDATE
+   * (one write per run would cost the run endpoint a fifth of its async throughput); on SQLite that UPDATE
+   * shares its commit with the async runs accepted meanwhile (recorder.startNow).
    */
-  let starting: Array<{ id: string; resolve(started: boolean): void; reject(err: unknown): void }> = [];
   function start(id: string): Promise<boolean> {
-    return new Promise((resolve, reject) => {
-      if (starting.length === 0) setImmediate(flushStarts);
-      starting.push({ id, resolve, reject });
-    });
-  }
-  function flushStarts(): void {
-    const batch = starting;
-    starting = [];
-    startRuns(
-      store,
-      owner,
-      batch.map((b) => b.id),
-      nowIso(),
-    ).then(
-      (started) => {
-        for (const b of batch) b.resolve(started.has(b.id));
-      },
-      (err: unknown) => {
-        for (const b of batch) b.reject(err);
-      },
-    );
+    return recorder.startNow(id, owner);
   }
 
   const pumping = new Set<string>();

@@ -8,7 +8,8 @@
  * before they are acknowledged (async) use `insertNow`.
  */
 import type { Logger } from 'pino';
-import type { Store } from '../store/index.js';
+import { startRuns } from '../store/claims.js';
+import { type Store, writesOneAtATime } from '../store/index.js';
 import { insertRunsIgnoring } from '../store/run-inserts.js';
 import { updateRun } from '../store/run-updates.js';
 import type { Run } from '../store/schema.js';
@@ -88,6 +89,13 @@ export interface RunRecorder {
    * group or before it), that run's id and nothing is inserted.
    */
   insertNow(row: RunRow): Promise<string>;
+  /**
+   * Marks a queued async run `owner` holds `running` (one more start, store/claims.ts startRuns) and
+   * resolves, once that is committed, with whether it was: false when the run is no longer that node's
+   * queued run. The starts of a turn of the event loop are one statement; on SQLite (one writer) they share
+   * the transaction of insertNow's group, so under load the inserts and starts are one commit instead of two.
+   */
+  startNow(runId: string, owner: string): Promise<boolean>;
   update(runId: string, changes: RunChanges): void;
   /** Records the run's final state and its webhook delivery together, in one transaction. */
   finish(runId: string, changes: RunChanges, outbox?: OutboxEntry): void;
@@ -157,7 +165,10 @@ export function createRunRecorder(deps: {
   let logBytes = 0;
   let outbox: OutboxEntry[] = [];
   let durable: Array<{ row: RunRow; resolve(id: string): void; reject(err: unknown): void }> = [];
+  let starts: Array<{ id: string; owner: string; resolve(started: boolean): void; reject(err: unknown): void }> = [];
   let durableScheduled = false;
+  /** Starts written by themselves, beside the inserts (PostgreSQL: another connection of the pool). */
+  let startsAlone: typeof starts = [];
   const seqs = new Map<string, number>();
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
@@ -373,10 +384,21 @@ export function createRunRecorder(deps: {
     return writing;
   }
 
-  /** Inserts a group of async runs; a row whose idempotency key another run holds resolves to that run. */
-  async function insertGroup(group: typeof durable): Promise<void> {
+  /**
+   * Inserts a group of async runs and marks another group started, in one transaction; a row whose
+   * idempotency key another run holds resolves to that run.
+   */
+  async function insertGroup(group: typeof durable, starting: typeof starts): Promise<void> {
     const resolved = new Map<string, string>();
+    const started = new Set<string>();
     await store.transaction().execute(async (trx) => {
+      // Starts first: they never concern the rows inserted here (a run is started only once its insert
+      // resolved), and a node's starts are a single statement.
+      const owners = new Set(starting.map((s) => s.owner));
+      for (const by of owners) {
+        const ids = starting.filter((s) => s.owner === by).map((s) => s.id);
+        for (const id of await startRuns(trx, by, ids, new Date().toISOString())) started.add(id);
+      }
       const inserted = new Set<string>();
       const rows = group.map((g) => g.row);
       for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
@@ -400,6 +422,7 @@ export function createRunRecorder(deps: {
         if (winner) resolved.set(row.id, winner.id);
       }
     });
+    for (const s of starting) s.resolve(started.has(s.id));
     for (const g of group) {
       const id = resolved.get(g.row.id);
       if (id) g.resolve(id);
@@ -417,12 +440,49 @@ export function createRunRecorder(deps: {
   function flushDurable(): void {
     durableScheduled = false;
     const group = durable;
+    const starting = starts;
     durable = [];
+    starts = [];
     durableWriting = durableWriting
-      .then(() => insertGroup(group))
+      .then(() => insertGroup(group, starting))
       .catch((err: unknown) => {
+        for (const s of starting) s.reject(err);
         for (const g of group) g.reject(err);
       });
+  }
+
+  function flushStartsAlone(): void {
+    const batch = startsAlone;
+    startsAlone = [];
+    const by = batch[0]?.owner;
+    if (by === undefined) return;
+    // One node's worker: one owner (any other owner's starts go in their own statement).
+    const mine = batch.filter((s) => s.owner === by);
+    const others = batch.filter((s) => s.owner !== by);
+    if (others.length > 0) {
+      startsAlone = others;
+      setImmediate(flushStartsAlone);
+    }
+    startRuns(
+      store,
+      by,
+      mine.map((s) => s.id),
+      new Date().toISOString(),
+    ).then(
+      (started) => {
+        for (const s of mine) s.resolve(started.has(s.id));
+      },
+      (err: unknown) => {
+        for (const s of mine) s.reject(err);
+      },
+    );
+  }
+
+  function scheduleDurable(): void {
+    if (!durableScheduled) {
+      durableScheduled = true;
+      setImmediate(flushDurable);
+    }
   }
 
   function dropLine(): void {
@@ -452,10 +512,18 @@ export function createRunRecorder(deps: {
           },
           reject,
         });
-        if (!durableScheduled) {
-          durableScheduled = true;
-          setImmediate(flushDurable);
+        scheduleDurable();
+      });
+    },
+    startNow(runId, by) {
+      return new Promise<boolean>((resolve, reject) => {
+        if (writesOneAtATime(store)) {
+          starts.push({ id: runId, owner: by, resolve, reject });
+          scheduleDurable();
+          return;
         }
+        if (startsAlone.length === 0) setImmediate(flushStartsAlone);
+        startsAlone.push({ id: runId, owner: by, resolve, reject });
       });
     },
     finish(runId, changes, entry) {
