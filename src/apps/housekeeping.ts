@@ -28,6 +28,7 @@ import { cancelQueued } from '../runs/runs.js';
 import { lockApp } from '../store/active-build.js';
 import type { Store } from '../store/index.js';
 import type { Build } from '../store/schema.js';
+import { unfinishedRun } from '../store/unfinished.js';
 import { findApp } from './apps.js';
 
 const FINAL = ['success', 'failure', 'timeout', 'cancelled'] as const;
@@ -160,6 +161,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
           .where('app_id', '=', appId)
           .where('state', '=', 'queued')
           .where('mode', '=', 'async')
+          .where(unfinishedRun())
           .execute();
         for (let i = 0; i < queued.length; i += CHUNK) {
           await cancelQueued(

@@ -20,6 +20,7 @@
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import type { Store } from '../store/index.js';
+import { unfinishedRun } from '../store/unfinished.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
 import { LEASE_ENDED, type NodeLease } from './node.js';
 
@@ -82,6 +83,7 @@ export function createRecovery(deps: {
           .where('owner', '=', owner)
           .where('state', '=', 'queued')
           .where('mode', '=', 'async')
+          .where(unfinishedRun())
           .executeTakeFirst();
         result.requeued += Number(freed.numUpdatedRows);
       }
@@ -104,6 +106,7 @@ export function createRecovery(deps: {
             eb.and([eb('runs.mode', '!=', 'async'), eb('runs.state', '=', 'queued')]),
           ]),
         )
+        .where(unfinishedRun('runs.state'))
         .execute();
       for (const run of unfinished) {
         const retry =

@@ -18,9 +18,8 @@
  */
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
-import { nowIso } from '../ids.js';
 import type { PoolBuild } from '../replicas/pool.js';
-import { claimQueuedRuns, releaseQueuedRuns, startRuns } from '../store/claims.js';
+import { claimQueuedRuns, releaseQueuedRuns } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
 import { type Invoker, RunNotClaimedError, RunStartError } from './invoke.js';
@@ -33,8 +32,8 @@ export interface AsyncWorker {
    * to queue it now (then `enqueue` it), or null to leave it free for whichever node has room first.
    */
   ownerFor(projectId: string, appId: string): string | null;
-  /** Queues a committed async run this node holds. */
-  enqueue(run: { id: string; projectId: string; appId: string }): void;
+  /** Queues a committed async run this node holds (with its call when it was accepted here). */
+  enqueue(run: { id: string; projectId: string; appId: string; call?: RunCall | undefined }): void;
   /** Looks for free queued runs now (a run was accepted free, or recovery freed some). */
   wake(): void;
   /** Async runs this node holds and has not finished (queued here or running). */
@@ -50,10 +49,23 @@ export interface AsyncWorker {
   close(): Promise<void>;
 }
 
+/** What the worker reads of a run record to perform it. */
+export interface RunCall {
+  function_name: string;
+  input: string | null;
+  webhook_endpoint: string | null;
+  http_request: string | null;
+}
+
 interface Queued {
   id: string;
   projectId: string;
   appId: string;
+  /**
+   * The run's call, known when the run was accepted on this node: no read of its record before it is
+   * performed (whether it is still queued and this node's is checked when it is started, see `claim`).
+   */
+  call?: RunCall | undefined;
 }
 
 /** Runs this node holds queued, in all: past it, new runs are left free for other nodes. */
@@ -113,13 +125,19 @@ export function createAsyncWorker(deps: {
     return { projectId: q.projectId, appId: q.appId, buildId: found.buildId, config: found.config };
   }
 
-  async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry'> {
+  /** The run's call from its record, or undefined when it is no longer this node's queued run. */
+  async function readCall(id: string): Promise<RunCall | undefined> {
     const run = await store
       .selectFrom('runs')
       .select(['input', 'function_name', 'webhook_endpoint', 'state', 'owner', 'http_request'])
-      .where('id', '=', q.id)
+      .where('id', '=', id)
       .executeTakeFirst();
-    if (run?.state !== 'queued' || run.owner !== owner) return 'done';
+    return run?.state === 'queued' && run.owner === owner ? run : undefined;
+  }
+
+  async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry'> {
+    const run = q.call ?? (await readCall(q.id));
+    if (!run) return 'done';
     const common = {
       runId: q.id,
       build,
@@ -171,32 +189,12 @@ export function createAsyncWorker(deps: {
   }
 
   /**
-   * Marks runs started, many in one statement: the runs that take a replica slot in one turn of the event
-   * loop share an UPDATE (one write per run would cost the run endpoint a fifth of its async throughput).
+   * Marks a run started. The runs that take a replica slot in one turn of the event loop share one UPDATE
+   * (one write per run would cost the run endpoint a fifth of its async throughput); on SQLite that UPDATE
+   * shares its commit with the async runs accepted meanwhile (recorder.startNow).
    */
-  let starting: Array<{ id: string; resolve(started: boolean): void; reject(err: unknown): void }> = [];
   function start(id: string): Promise<boolean> {
-    return new Promise((resolve, reject) => {
-      if (starting.length === 0) setImmediate(flushStarts);
-      starting.push({ id, resolve, reject });
-    });
-  }
-  function flushStarts(): void {
-    const batch = starting;
-    starting = [];
-    startRuns(
-      store,
-      owner,
-      batch.map((b) => b.id),
-      nowIso(),
-    ).then(
-      (started) => {
-        for (const b of batch) b.resolve(started.has(b.id));
-      },
-      (err: unknown) => {
-        for (const b of batch) b.reject(err);
-      },
-    );
+    return recorder.startNow(id, owner);
   }
 
   const pumping = new Set<string>();

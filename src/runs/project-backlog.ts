@@ -8,6 +8,7 @@
  * ended within one `ttlMs`.
  */
 import type { Store } from '../store/index.js';
+import { unfinishedRun } from '../store/unfinished.js';
 
 export interface ProjectBacklog {
   /**
@@ -44,7 +45,7 @@ export function createProjectBacklog(deps: {
       .selectFrom('runs')
       .select((eb) => eb.fn.countAll().as('n'))
       .where('project_id', '=', projectId)
-      .where('state', 'in', ['queued', 'running'])
+      .where(unfinishedRun())
       .where('mode', '=', 'async')
       .executeTakeFirst();
     // PostgreSQL answers COUNT as a bigint (a string through most drivers).

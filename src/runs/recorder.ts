@@ -9,7 +9,8 @@
  */
 import type { Logger } from 'pino';
 import { isoTime } from '../ids.js';
-import type { Store } from '../store/index.js';
+import { startRuns } from '../store/claims.js';
+import { type Store, writesOneAtATime } from '../store/index.js';
 import { insertRunsIgnoring } from '../store/run-inserts.js';
 import { updateRun } from '../store/run-updates.js';
 import type { Run } from '../store/schema.js';
@@ -68,6 +69,8 @@ interface Pending {
   /** True once the row exists in the store; later changes are UPDATEs. */
   inserted: boolean;
   changes: RunChanges;
+  /** When the oldest unwritten change of a row already inserted was made (see takeBatch). */
+  changedAt?: number;
 }
 
 /** A webhook delivery to write in the same transaction as the run's final state (invariant 2). */
@@ -87,6 +90,13 @@ export interface RunRecorder {
    * group or before it), that run's id and nothing is inserted.
    */
   insertNow(row: RunRow): Promise<string>;
+  /**
+   * Marks a queued async run `owner` holds `running` (one more start, store/claims.ts startRuns) and
+   * resolves, once that is committed, with whether it was: false when the run is no longer that node's
+   * queued run. The starts of a turn of the event loop are one statement; on SQLite (one writer) they share
+   * the transaction of insertNow's group, so under load the inserts and starts are one commit instead of two.
+   */
+  startNow(runId: string, owner: string): Promise<boolean>;
   update(runId: string, changes: RunChanges): void;
   /** Records the run's final state and its webhook delivery together, in one transaction. */
   finish(runId: string, changes: RunChanges, outbox?: OutboxEntry): void;
@@ -156,7 +166,10 @@ export function createRunRecorder(deps: {
   let logBytes = 0;
   let outbox: OutboxEntry[] = [];
   let durable: Array<{ row: RunRow; resolve(id: string): void; reject(err: unknown): void }> = [];
+  let starts: Array<{ id: string; owner: string; resolve(started: boolean): void; reject(err: unknown): void }> = [];
   let durableScheduled = false;
+  /** Starts written by themselves, beside the inserts (PostgreSQL: another connection of the pool). */
+  let startsAlone: typeof starts = [];
   const seqs = new Map<string, number>();
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
@@ -244,7 +257,12 @@ export function createRunRecorder(deps: {
   function requeue(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): void {
     for (const [id, p] of batch) {
       const since = pending.get(id);
-      pending.set(id, since ? { row: p.row, inserted: p.inserted, changes: { ...p.changes, ...since.changes } } : p);
+      pending.set(
+        id,
+        since
+          ? { row: p.row, inserted: p.inserted, changes: { ...p.changes, ...since.changes }, changedAt: p.changedAt }
+          : p,
+      );
     }
     logs = lines.concat(logs);
     for (const l of lines) logBytes += l.line.length;
@@ -290,11 +308,26 @@ export function createRunRecorder(deps: {
   function takeBatch(force: boolean) {
     const batch = new Map<string, Pending>();
     const held = new Map<string, Pending>();
+    let holding = 0;
     const now = Date.now();
     for (const [id, p] of pending) {
+      // A row written with nothing new to write (an async run waiting or running) stays as it is: it is
+      // neither written nor copied, however many flushes it waits through.
+      if (p.inserted && isEmpty(p.changes)) {
+        held.set(id, p);
+        continue;
+      }
       const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
-      if (!force && !done && !p.inserted && now - Date.parse(p.row.created_at) < HOLD_MS) held.set(id, p);
-      else batch.set(id, p);
+      // A row already written holds back its changes for HOLD_MS too, from the first unwritten one: an async
+      // run's `running` (its start is committed by startRuns already) is then most often written with its
+      // end, in one UPDATE instead of two.
+      const young = p.inserted
+        ? p.changedAt !== undefined && now - p.changedAt < HOLD_MS
+        : now - Date.parse(p.row.created_at) < HOLD_MS;
+      if (!force && !done && young) {
+        held.set(id, p);
+        holding += 1;
+      } else batch.set(id, p);
     }
     const lines = logs;
     const deliveries = outbox;
@@ -307,14 +340,15 @@ export function createRunRecorder(deps: {
       const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
       if (!done) pending.set(id, { row: { ...p.row, ...p.changes }, inserted: true, changes: {} });
     }
-    if (held.size > 0) schedule();
+    if (holding > 0) schedule();
     return { batch, lines, deliveries };
   }
 
   /**
    * Writes what is pending. The timer's flushes (`force` false) hold back runs that are not finished and
    * not yet written while they are younger than HOLD_MS: most runs end by then, and are written once,
-   * final, instead of as an INSERT then an UPDATE. Readers (the API) flush with `force`.
+   * final, instead of as an INSERT then an UPDATE. Changes to a run already written (not its end) are held
+   * HOLD_MS from the first of them in the same way. Readers (the API) flush with `force`.
    *
    * The batch is taken when the write before it has ended, not when flush is called: a batch that failed
    * is back in the pending state by then, so no later write can UPDATE a run whose INSERT has not happened.
@@ -351,10 +385,21 @@ export function createRunRecorder(deps: {
     return writing;
   }
 
-  /** Inserts a group of async runs; a row whose idempotency key another run holds resolves to that run. */
-  async function insertGroup(group: typeof durable): Promise<void> {
+  /**
+   * Inserts a group of async runs and marks another group started, in one transaction; a row whose
+   * idempotency key another run holds resolves to that run.
+   */
+  async function insertGroup(group: typeof durable, starting: typeof starts): Promise<void> {
     const resolved = new Map<string, string>();
+    const started = new Set<string>();
     await store.transaction().execute(async (trx) => {
+      // Starts first: they never concern the rows inserted here (a run is started only once its insert
+      // resolved), and a node's starts are a single statement.
+      const owners = new Set(starting.map((s) => s.owner));
+      for (const by of owners) {
+        const ids = starting.filter((s) => s.owner === by).map((s) => s.id);
+        for (const id of await startRuns(trx, by, ids, new Date().toISOString())) started.add(id);
+      }
       const inserted = new Set<string>();
       const rows = group.map((g) => g.row);
       for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
@@ -378,6 +423,7 @@ export function createRunRecorder(deps: {
         if (winner) resolved.set(row.id, winner.id);
       }
     });
+    for (const s of starting) s.resolve(started.has(s.id));
     for (const g of group) {
       const id = resolved.get(g.row.id);
       if (id) g.resolve(id);
@@ -395,12 +441,49 @@ export function createRunRecorder(deps: {
   function flushDurable(): void {
     durableScheduled = false;
     const group = durable;
+    const starting = starts;
     durable = [];
+    starts = [];
     durableWriting = durableWriting
-      .then(() => insertGroup(group))
+      .then(() => insertGroup(group, starting))
       .catch((err: unknown) => {
+        for (const s of starting) s.reject(err);
         for (const g of group) g.reject(err);
       });
+  }
+
+  function flushStartsAlone(): void {
+    const batch = startsAlone;
+    startsAlone = [];
+    const by = batch[0]?.owner;
+    if (by === undefined) return;
+    // One node's worker: one owner (any other owner's starts go in their own statement).
+    const mine = batch.filter((s) => s.owner === by);
+    const others = batch.filter((s) => s.owner !== by);
+    if (others.length > 0) {
+      startsAlone = others;
+      setImmediate(flushStartsAlone);
+    }
+    startRuns(
+      store,
+      by,
+      mine.map((s) => s.id),
+      new Date().toISOString(),
+    ).then(
+      (started) => {
+        for (const s of mine) s.resolve(started.has(s.id));
+      },
+      (err: unknown) => {
+        for (const s of mine) s.reject(err);
+      },
+    );
+  }
+
+  function scheduleDurable(): void {
+    if (!durableScheduled) {
+      durableScheduled = true;
+      setImmediate(flushDurable);
+    }
   }
 
   function dropLine(): void {
@@ -430,10 +513,18 @@ export function createRunRecorder(deps: {
           },
           reject,
         });
-        if (!durableScheduled) {
-          durableScheduled = true;
-          setImmediate(flushDurable);
+        scheduleDurable();
+      });
+    },
+    startNow(runId, by) {
+      return new Promise<boolean>((resolve, reject) => {
+        if (writesOneAtATime(store)) {
+          starts.push({ id: runId, owner: by, resolve, reject });
+          scheduleDurable();
+          return;
         }
+        if (startsAlone.length === 0) setImmediate(flushStartsAlone);
+        startsAlone.push({ id: runId, owner: by, resolve, reject });
       });
     },
     finish(runId, changes, entry) {
@@ -442,9 +533,17 @@ export function createRunRecorder(deps: {
     },
     update(runId, changes) {
       const p = pending.get(runId);
-      // A run not written yet is written whole, once: its changes go into the row itself.
-      if (p) Object.assign(p.inserted ? p.changes : p.row, changes);
-      else pending.set(runId, { row: { id: runId } as RunRow, inserted: true, changes: { ...changes } });
+      if (p) {
+        if (p.inserted && p.changedAt === undefined) p.changedAt = Date.now();
+        // A run not written yet is written whole, once: its changes go into the row itself.
+        Object.assign(p.inserted ? p.changes : p.row, changes);
+      } else
+        pending.set(runId, {
+          row: { id: runId } as RunRow,
+          inserted: true,
+          changes: { ...changes },
+          changedAt: Date.now(),
+        });
       if (changes.state !== undefined && isFinal(changes.state)) seqs.delete(runId);
       schedule();
     },

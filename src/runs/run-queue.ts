@@ -8,12 +8,14 @@
  * Either way the store is the truth: a run is committed before its 202, and claimed with an owner before it
  * runs.
  */
-import type { AsyncWorker } from './async-worker.js';
+import type { AsyncWorker, RunCall } from './async-worker.js';
 
 export interface AcceptedRun {
   id: string;
   projectId: string;
   appId: string;
+  /** The call as it was committed (the store queue performs a run it holds from it, without reading it back). */
+  call?: RunCall;
 }
 
 export interface RunQueue {

@@ -12,6 +12,7 @@
 import { type Kysely, type RawBuilder, type SelectQueryBuilder, type SqlBool, sql } from 'kysely';
 import { dialectOf } from './index.js';
 import type { Build, Database } from './schema.js';
+import { unfinishedRun } from './unfinished.js';
 
 type Db = Kysely<Database>;
 
@@ -54,6 +55,7 @@ export async function claimQueuedRuns(
     .where('state', '=', 'queued')
     .where('mode', '=', 'async')
     .where('owner', 'is', null)
+    .where(unfinishedRun())
     .orderBy('id')
     .limit(limit);
   if (skipApps.length > 0) {
@@ -197,10 +199,11 @@ export async function claimRunsToPublish(
     .where('owner', 'is', null)
     .limit(options.limit);
   const { staleBefore } = options;
+  // Unpublished runs: runs_unpublished holds just them. Stale ones: runs_state, the free queued runs.
   pick =
     staleBefore === undefined
       ? pick.where('published_at', 'is', null).where('created_at', '<', options.createdBefore).orderBy('created_at')
-      : pick.where('published_at', '<', staleBefore).orderBy('published_at');
+      : pick.where(unfinishedRun()).where('published_at', '<', staleBefore).orderBy('published_at');
   if ((await pick.execute()).length === 0) return [];
   return db
     .updateTable('runs')

@@ -25,6 +25,15 @@ export function dialectOf(db: Kysely<Database>): StoreDialect {
 }
 
 /**
+ * Whether the store writes one statement at a time (SQLite: one connection, one writer). Writes that must
+ * be committed soon are then best put in one transaction, since each waits for the one before it anyway;
+ * on PostgreSQL they run side by side on connections of the pool, and joining them would make one wait.
+ */
+export function writesOneAtATime(db: Kysely<Database>): boolean {
+  return dialectOf(db) === 'sqlite';
+}
+
+/**
  * Opens the store the settings name: PostgreSQL when `databaseUrl` is set (`--database-url`,
  * `FERRY_DATABASE_URL`), else the embedded SQLite file in the data directory.
  */

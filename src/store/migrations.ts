@@ -250,6 +250,38 @@ const migrations: Record<string, Migration> = {
       if (isPostgres(db)) await sql`alter table apps alter column scaling_json type text collate "C"`.execute(db);
     },
   },
+  '0010_runs_partial_indexes': {
+    async up(db: Kysely<unknown>) {
+      // The indexes over runs' state serve only questions about unfinished runs (claims, recovery, the
+      // project backlog), yet held every run ever made, and every run's end moved its entries: each is
+      // now kept for queued and running runs only, so a run's end only removes entries and the indexes stay
+      // small. SQLite uses such an index only for a query with this very term (`state in ('queued',
+      // 'running')`, written out, not bound): store/unfinished.ts makes it for the queries that need it.
+      for (const [name, columns] of [
+        // With `owner`: a claim looks for free queued runs (owner null), not at every queued and running one.
+        ['runs_state', 'state, mode, owner'],
+        ['runs_project_state', 'project_id, state, mode'],
+        ['runs_owner_state', 'owner, state'],
+      ] as const) {
+        await sql`drop index ${sql.ref(name)}`.execute(db);
+        await sql`create index ${sql.ref(name)} on runs (${sql.raw(columns)}) where state in ('queued', 'running')`.execute(
+          db,
+        );
+      }
+      // The relay (--nats-url) looks only for runs nobody holds: a run held from its insert (the store queue's
+      // runs, accepted by a node with room) never needs to be in its index.
+      await sql`drop index runs_unpublished`.execute(db);
+      await sql`create index runs_unpublished on runs (created_at) where published_at is null and state = 'queued' and owner is null`.execute(
+        db,
+      );
+      // Most runs have no Idempotency-Key, and NULL keys never collided: only keys are kept. The uniqueness is
+      // the same, and `idempotency_key = ?` implies the index's condition on both stores.
+      await sql`drop index runs_idempotency`.execute(db);
+      await sql`create unique index runs_idempotency on runs (project_id, app_id, idempotency_key) where idempotency_key is not null`.execute(
+        db,
+      );
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

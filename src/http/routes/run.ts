@@ -186,23 +186,33 @@ export async function acceptAsyncCall(
   // Held by this node when it has room to run it soon; otherwise free for whichever node has room first.
   const owner = services.asyncWorker.ownerFor(build.projectId, build.appId);
   // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
-  const runId = await services.recorder.insertNow(
-    newRunRow({
-      id: call.runId,
-      build,
-      fn: call.fn,
-      mode: 'async',
-      // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
-      input: call.input !== undefined ? call.input : call.body.toString('utf8'),
-      httpRequest: call.httpRequest,
-      webhookUrl: call.webhookUrl,
-      webhookSecret: call.webhookSecret,
-      idempotencyKey,
-      owner,
-    }),
-  );
+  const row = newRunRow({
+    id: call.runId,
+    build,
+    fn: call.fn,
+    mode: 'async',
+    // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
+    input: call.input !== undefined ? call.input : call.body.toString('utf8'),
+    httpRequest: call.httpRequest,
+    webhookUrl: call.webhookUrl,
+    webhookSecret: call.webhookSecret,
+    idempotencyKey,
+    owner,
+  });
+  const runId = await services.recorder.insertNow(row);
   if (runId !== call.runId) return runId;
-  services.asyncWorker.accepted({ id: call.runId, projectId: build.projectId, appId: build.appId }, owner);
+  // The committed row's call: a run this node holds is performed from it, not read back (the recorder
+  // keeps the row until the run ends anyway, so this holds no more memory).
+  const { function_name, input, webhook_endpoint, http_request } = row;
+  services.asyncWorker.accepted(
+    {
+      id: call.runId,
+      projectId: build.projectId,
+      appId: build.appId,
+      call: { function_name, input, webhook_endpoint, http_request },
+    },
+    owner,
+  );
   return call.runId;
 }
 
