@@ -104,6 +104,8 @@ export interface RunRecorder {
   onOutbox?: () => void;
   /** Called after each flush that committed runs' final states, with their ids (wakes waiting callers). */
   onFinished?: (runIds: string[]) => void;
+  /** Runs whose record is held in memory here: waiting to be written, or in progress on this node. */
+  pendingRuns(): number;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
   /**
@@ -506,11 +508,9 @@ export function createRunRecorder(deps: {
       return new Promise<string>((resolve, reject) => {
         durable.push({
           row,
-          resolve: (id) => {
-            // Later changes to the run are UPDATEs of the committed row.
-            if (id === row.id && !pending.has(row.id)) pending.set(row.id, { row, inserted: true, changes: {} });
-            resolve(id);
-          },
+          // Nothing is kept of the row: later changes (update) are UPDATEs of the committed run. A gateway of
+          // a cluster accepts runs it never performs; keeping each row until its end leaked them all.
+          resolve,
           reject,
         });
         scheduleDurable();
@@ -546,6 +546,9 @@ export function createRunRecorder(deps: {
         });
       if (changes.state !== undefined && isFinal(changes.state)) seqs.delete(runId);
       schedule();
+    },
+    pendingRuns() {
+      return pending.size;
     },
     log(runId, stream, text) {
       const seq = (seqs.get(runId) ?? 0) + 1;
