@@ -169,7 +169,8 @@ async function main() {
   const nginxBin = ensureNginx();
   console.log(`nginx: ${nginxVersion(nginxBin)} (${nginxBin})`);
 
-  const { dataDir, auth, ferry } = await startDeployed('sync', APP, APP_FILES);
+  // One replica socket to find and measure: no warm sandboxes waiting beside it (they have sockets too).
+  const { dataDir, auth, ferry } = await startDeployed('sync', APP, APP_FILES, { FERRY_WARM_POOL: '0' });
   const runUrl = `${ferry.url}/v4/${auth.projectId}/${APP}/run`;
   const first = await http(runUrl, { method: 'POST', token: auth.token, body: {} });
   if (first.status !== 200 || first.json?.result?.ok !== true)

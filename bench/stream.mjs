@@ -173,7 +173,8 @@ async function main() {
   console.log('Ferry bench: streaming runs, latency added per event, direct vs Ferry (SSE, SSE + gzip)\n');
   console.log(machineReport());
 
-  const { dataDir, auth, ferry } = await startDeployed('stream', APP, APP_FILES);
+  // One replica socket to find and measure: no warm sandboxes waiting beside it (they have sockets too).
+  const { dataDir, auth, ferry } = await startDeployed('stream', APP, APP_FILES, { FERRY_WARM_POOL: '0' });
   const runPath = `/v4/${auth.projectId}/${APP}/run`;
   const first = await http(`${ferry.url}${runPath}`, { method: 'POST', token: auth.token, body: { n: 2, ms: 0 } });
   if (first.status !== 200 || first.json?.result?.length !== 2)
