@@ -72,22 +72,34 @@ export function useJsonBodies(
       done(bodyTooLarge(bodyLimit));
       return;
     }
+    readLimitedBody(payload, bodyLimit).then(
+      (body) => parser(request, body, done),
+      (err: Error) => done(err),
+    );
+  });
+}
+
+/**
+ * A request body's bytes, at most `limit` of them: past it, rejects with FERRY_BODY_TOO_LARGE and reads the
+ * rest only to drop it (the caller still gets its answer on a kept-alive connection).
+ */
+export function readLimitedBody(stream: NodeJS.ReadableStream, limit: number): Promise<Buffer> {
+  return new Promise((resolve, reject) => {
     const chunks: Buffer[] = [];
     let size = 0;
-    payload.on('data', (chunk: Buffer) => {
+    stream.on('data', (chunk: Buffer) => {
       size += chunk.length;
-      if (size > bodyLimit) {
-        payload.removeAllListeners('data');
-        payload.resume();
-        done(bodyTooLarge(bodyLimit));
+      if (size > limit) {
+        stream.removeAllListeners('data');
+        stream.resume();
+        reject(bodyTooLarge(limit));
         return;
       }
       chunks.push(chunk);
     });
-    payload.on('error', (err) => done(err));
-    payload.on('end', () => {
-      if (size > bodyLimit) return;
-      parser(request, Buffer.concat(chunks), done);
+    stream.on('error', reject);
+    stream.on('end', () => {
+      if (size <= limit) resolve(chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, size));
     });
   });
 }

@@ -17,7 +17,7 @@ import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import { RunAbort } from '../runs/run-abort.js';
 import type { Services } from '../services.js';
-import { bodyTooLarge, JSON_SUFFIX_TYPE } from './body-parsers.js';
+import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
 import { logError, toFerryError } from './errors.js';
 import {
   acceptAsyncCall,
@@ -100,28 +100,6 @@ export function createRunFastPath(
     if (!req.complete) req.resume();
   }
 
-  /** The body's bytes, at most `limit` of them; rejects with FERRY_BODY_TOO_LARGE past it. */
-  function readBody(req: IncomingMessage): Promise<Buffer> {
-    return new Promise((resolve, reject) => {
-      const chunks: Buffer[] = [];
-      let size = 0;
-      req.on('data', (chunk: Buffer) => {
-        size += chunk.length;
-        if (size > limit) {
-          req.removeAllListeners('data');
-          req.resume();
-          reject(bodyTooLarge(limit));
-          return;
-        }
-        chunks.push(chunk);
-      });
-      req.on('error', reject);
-      req.on('end', () => {
-        if (size <= limit) resolve(chunks.length === 1 ? chunks[0]! : Buffer.concat(chunks, size));
-      });
-    });
-  }
-
   async function serve(
     req: IncomingMessage,
     res: ServerResponse,
@@ -153,7 +131,7 @@ export function createRunFastPath(
       checkFunction(target, fn);
       const declared = Number(req.headers['content-length']);
       if (declared > limit) throw bodyTooLarge(limit);
-      const body = parseRunBody(await readBody(req)).raw;
+      const body = parseRunBody(await readLimitedBody(req, limit)).raw;
       if (async) {
         const idempotencyKey = parseIdempotencyKey(req.headers['idempotency-key']);
         const call = { runId, target, fn, body, webhookUrl: undefined, webhookSecret: undefined };
