@@ -240,6 +240,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
   const views = sandbox.bwrap && runsCode ? await createBuildViews({ buildsDir: dataDir.builds }) : undefined;
   if (views?.reason) logger.warn(views.reason);
+  void views?.swept.then((removed) => {
+    if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');
+  });
   const network = runsCode
     ? await createSandboxNetwork({
         egress: config.egress,

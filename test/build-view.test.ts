@@ -3,6 +3,8 @@
  * build outside the data directory, so the sandbox's mountinfo does not name the data directory.
  */
 import assert from 'node:assert/strict';
+import { type ChildProcess, spawn } from 'node:child_process';
+import { once } from 'node:events';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
@@ -52,5 +54,77 @@ describe('build views', () => {
     } finally {
       await views.close();
     }
+  });
+
+  describe('the views folders of servers that are gone', () => {
+    const children: ChildProcess[] = [];
+    after(() => {
+      for (const child of children) child.kill('SIGKILL');
+    });
+
+    /** A real process that makes its views folder in `parent`, views build b1, and waits; resolves with the folder. */
+    async function server(parent: string): Promise<{ child: ChildProcess; folder: string }> {
+      const module = new URL('../src/replicas/build-view.js', import.meta.url).href;
+      const script = `
+        const { createBuildViews } = await import(${JSON.stringify(module)});
+        const views = await createBuildViews({ buildsDir: ${JSON.stringify(buildsDir)}, candidates: [${JSON.stringify(parent)}] });
+        const view = await views.viewOf('b1');
+        process.stdout.write(JSON.stringify({ view }) + '\\n');
+        setInterval(() => {}, 1000);
+      `;
+      const child = spawn(process.execPath, ['--input-type=module', '-e', script], {
+        stdio: ['ignore', 'pipe', 'inherit'],
+      });
+      children.push(child);
+      let out = '';
+      for await (const chunk of child.stdout as AsyncIterable<Buffer>) {
+        out += chunk.toString();
+        if (out.includes('\n')) break;
+      }
+      const { view } = JSON.parse(out) as { view: string };
+      return { child, folder: path.dirname(view) };
+    }
+
+    it("removes a killed server's folder at the next start and leaves live, foreign and linked ones alone", async () => {
+      const parent = path.join(root, 'tmp');
+      await fs.mkdir(parent);
+      const dead = await server(parent);
+      const live = await server(parent);
+      assert.notEqual(dead.folder, live.folder);
+      dead.child.kill('SIGKILL');
+      await once(dead.child, 'exit');
+      assert.ok((await fs.readdir(dead.folder)).includes('b1'), 'a killed server leaves its folder behind');
+
+      // The live server's pid with another start time: that pid was reused, its server is gone.
+      const liveOwner = JSON.parse(await fs.readFile(path.join(live.folder, '.owner'), 'utf8')) as { pid: number };
+      const reused = path.join(parent, 'ferry-view-reused');
+      await fs.mkdir(reused);
+      await fs.writeFile(path.join(reused, '.owner'), JSON.stringify({ pid: liveOwner.pid, start: '1' }));
+      // No .owner: not known to be a server's; a link: never followed or removed.
+      const foreign = path.join(parent, 'ferry-view-foreign');
+      await fs.mkdir(foreign);
+      await fs.writeFile(path.join(foreign, 'keep.txt'), 'mine');
+      const target = path.join(root, 'elsewhere');
+      await fs.mkdir(target);
+      await fs.writeFile(path.join(target, '.owner'), JSON.stringify({ pid: dead.child.pid, start: null }));
+      await fs.symlink(target, path.join(parent, 'ferry-view-link'));
+
+      const views = await createBuildViews({ buildsDir, candidates: [parent] });
+      try {
+        assert.equal(await views.swept, 2);
+        const left = await fs.readdir(parent);
+        assert.ok(!left.includes(path.basename(dead.folder)), "the killed server's folder is removed");
+        assert.ok(!left.includes('ferry-view-reused'), 'a folder of a reused pid is removed');
+        assert.ok(left.includes(path.basename(live.folder)), "a live server's folder is left");
+        assert.ok((await fs.readdir(live.folder)).includes('b1'), 'and its views too');
+        assert.equal(await fs.readFile(path.join(foreign, 'keep.txt'), 'utf8'), 'mine');
+        assert.ok(left.includes('ferry-view-link'), 'a link is left');
+        assert.ok((await fs.readdir(target)).includes('.owner'), 'and what it points to');
+        // The original build is untouched by removing a view of it.
+        assert.equal(await fs.readFile(path.join(buildsDir, 'b1', 'out', 'deep', 'data.txt'), 'utf8'), 'data');
+      } finally {
+        await views.close();
+      }
+    });
   });
 });

@@ -15,6 +15,15 @@
  *   const dir = await views.viewOf(buildId);     // bind this at /app
  *   views.reason                                  // null, or why builds are bound directly
  *   await views.close();                          // removes the views (server shutdown)
+ *   await views.swept                             // folders of dead servers removed at start (below)
+ *
+ * A server that is killed (SIGKILL, a crash, the machine losing power) cannot remove its views folder,
+ * and after its builds are deleted the links there are the files' last names: disk that is never freed.
+ * Each views folder therefore names its server in `.owner` (pid and the process's start time, so a reused
+ * pid is not mistaken for it), and a server starting removes the `ferry-view-*` folders in the places it
+ * would make its own whose server is gone. Only folders that are real folders (not links), owned by this
+ * user and named in a readable `.owner` are touched: anything else is left alone. `.owner` cannot meet a
+ * build's view or a warm slot (a build id has no ".", and slots start with "warm.").
  *
  * Warm slots (warm-pool.ts): an empty folder a warm sandbox binds at /app before it knows its app. When
  * the sandbox is claimed, the build's files are linked into it from the host side; the bind shows them at
@@ -41,6 +50,84 @@ export interface BuildViews {
   fillSlot(slot: string, buildId: string): Promise<void>;
   dropSlot(slot: string): Promise<void>;
   close(): Promise<void>;
+  /** Resolves, once the start's sweep is over, with the number of dead servers' views folders removed. */
+  readonly swept: Promise<number>;
+}
+
+const OWNER_FILE = '.owner';
+
+interface Owner {
+  pid: number;
+  /** The process's start time in clock ticks since boot (/proc/<pid>/stat field 22); null where unknown. */
+  start: string | null;
+}
+
+/** A process's state (field 3 of /proc/<pid>/stat) and start time (field 22), or null (no /proc, no process). */
+async function procStat(pid: number): Promise<{ state: string; start: string } | null> {
+  try {
+    const stat = await fs.readFile(`/proc/${pid}/stat`, 'utf8');
+    // The command name (field 2) is in parentheses and may hold spaces: count fields after its last ')'.
+    const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+    return fields[0] && fields[19] ? { state: fields[0], start: fields[19] } : null;
+  } catch {
+    return null;
+  }
+}
+
+async function startTimeOf(pid: number): Promise<string | null> {
+  return (await procStat(pid))?.start ?? null;
+}
+
+/** Whether the server named in an `.owner` file is still running (true when it cannot be told). */
+async function ownerAlive(owner: Owner): Promise<boolean> {
+  try {
+    process.kill(owner.pid, 0);
+  } catch (err) {
+    // EPERM: a process of another user has that pid now; the folder's server (this user's) is gone.
+    const code = (err as NodeJS.ErrnoException).code;
+    return !(code === 'ESRCH' || code === 'EPERM');
+  }
+  const stat = await procStat(owner.pid);
+  if (stat === null) return true; // no /proc: the pid is taken, so it may be the server
+  // A zombie (killed, not reaped yet) is gone; so is a process of that pid started at another time.
+  if (stat.state === 'Z' || stat.state === 'X') return false;
+  return owner.start === null || stat.start === owner.start;
+}
+
+function parseOwner(text: string): Owner | null {
+  try {
+    const value = JSON.parse(text) as Partial<Owner>;
+    if (!Number.isInteger(value.pid) || (value.pid as number) <= 0) return null;
+    if (value.start !== null && typeof value.start !== 'string') return null;
+    return { pid: value.pid as number, start: value.start };
+  } catch {
+    return null;
+  }
+}
+
+/** Removes the `ferry-view-*` folders in `parents` whose server is gone (see the top of this file). */
+async function sweepDeadViews(parents: string[], own: string | null): Promise<number> {
+  const uid = process.getuid?.();
+  let removed = 0;
+  for (const parent of new Set(parents.map((p) => path.resolve(p)))) {
+    const names = await fs.readdir(parent).catch(() => [] as string[]);
+    for (const name of names) {
+      if (!name.startsWith('ferry-view-')) continue;
+      const folder = path.join(parent, name);
+      if (folder === own) continue;
+      const stat = await fs.lstat(folder).catch(() => null);
+      if (!stat?.isDirectory() || (uid !== undefined && stat.uid !== uid)) continue;
+      const owner = parseOwner(await fs.readFile(path.join(folder, OWNER_FILE), 'utf8').catch(() => ''));
+      if (!owner || owner.pid === process.pid || (await ownerAlive(owner))) continue;
+      try {
+        await fs.rm(folder, { recursive: true, force: true });
+        removed += 1;
+      } catch {
+        // Another server's sweep, or a file it cannot remove: left for the next start.
+      }
+    }
+  }
+  return removed;
 }
 
 export async function createBuildViews(options: { buildsDir: string; candidates?: string[] }): Promise<BuildViews> {
@@ -59,14 +146,19 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
     try {
       root = await fs.mkdtemp(path.join(parent, 'ferry-view-'));
       await fs.chmod(root, 0o700);
+      const owner: Owner = { pid: process.pid, start: await startTimeOf(process.pid) };
+      await fs.writeFile(path.join(root, OWNER_FILE), JSON.stringify(owner), { mode: 0o600 });
       break;
     } catch {
+      if (root) await fs.rm(root, { recursive: true, force: true }).catch(() => {});
       root = null;
     }
   }
   if (!root) {
     reason = `no folder outside the data directory on its filesystem (tried ${candidates.join(', ')}): replicas bind build folders directly, so their path shows in /proc/self/mountinfo`;
   }
+  // In the background: the server does not wait for a dead one's folders to go.
+  const swept = sweepDeadViews(candidates, root).catch(() => 0);
   const views = new Map<string, Promise<string>>();
   /** Warm slots made and not filled yet. */
   const slots = new Set<string>();
@@ -110,6 +202,7 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
     get reason() {
       return reason;
     },
+    swept,
     async newSlot(replicaId) {
       if (!root || reason) return null;
       if (!/^[A-Za-z0-9_-]{1,100}$/.test(replicaId)) throw new Error(`Invalid replica id ${replicaId}`);
