@@ -193,12 +193,18 @@ describe('a cluster losing a worker, a gateway and NATS under async load', { tim
     // Every accepted run ends in a final state.
     const client = new pg.Client({ connectionString: db!.url });
     await client.connect();
-    let rows: Array<{ id: string; state: string; reason: string | null }> = [];
+    let rows: Array<{
+      id: string;
+      state: string;
+      reason: string | null;
+      error_code: string | null;
+      error_message: string | null;
+    }> = [];
     try {
       await waitFor(
         async () => {
-          const result = await client.query<{ id: string; state: string; reason: string | null }>(
-            'SELECT id, state, reason FROM runs WHERE id = ANY($1)',
+          const result = await client.query<(typeof rows)[number]>(
+            'SELECT id, state, reason, error_code, error_message FROM runs WHERE id = ANY($1)',
             [[...ids]],
           );
           rows = result.rows;
@@ -225,7 +231,11 @@ describe('a cluster losing a worker, a gateway and NATS under async load', { tim
     }
     // A run cut by the worker's death ends `interrupted`; nothing else may fail.
     for (const [key, count] of byState) {
-      assert.ok(key === 'success' || key === 'failure/interrupted', `${count} runs ended ${key}`);
+      const sample = rows.find((r) => (r.state === 'success' ? 'success' : `${r.state}/${r.reason}`) === key);
+      assert.ok(
+        key === 'success' || key === 'failure/interrupted',
+        `${count} runs ended ${key} (for example ${sample?.id}: ${sample?.error_code} ${sample?.error_message}); ${events.join('; ')}`,
+      );
     }
 
     // Every run's webhook arrives at least once.
