@@ -189,8 +189,15 @@ export function createInvoker(deps: InvokerDeps): Invoker {
   const { recorder } = deps;
   const maxStoredResult = deps.maxStoredResultBytes ?? MAX_STORED_RESULT_BYTES;
   const cancelGraceMs = deps.cancelGraceMs ?? DEFAULT_CANCEL_GRACE_MS;
-  /** Runs in progress here, by id: how to cancel each. */
-  const cancels = new Map<string, () => void>();
+  /**
+   * Runs in progress here, by id: how to cancel each. A null-prototype object (in dictionary mode), not a
+   * Map: a Map never reuses a deleted entry's slot, so with one run in and one out per call its table is
+   * rebuilt every few dozen calls, and each table left behind points at the runs in flight at that moment
+   * and at the next table. Once one of them is in the old generation, that chain keeps every run's state
+   * alive until a full collection: most of the gateway's young-generation survivors (issue 15,
+   * bench/README.md). A dictionary reuses deleted slots and keeps no chain.
+   */
+  const cancels: Record<string, () => void> = Object.create(null);
 
   /**
    * The one path every run takes: record it, take a replica slot within the app's response_grace_period,
@@ -257,7 +264,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       }, cancelGraceMs);
       cancelTimer.unref();
     };
-    cancels.set(runId, cancel);
+    cancels[runId] = cancel;
     try {
       // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
       const pool = deps.replicas.pool(build);
@@ -362,7 +369,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       clearTimeout(timer);
       clearTimeout(cancelTimer);
       unfollow?.();
-      if (cancels.get(runId) === cancel) cancels.delete(runId);
+      if (cancels[runId] === cancel) delete cancels[runId];
       slot?.release();
     }
 
@@ -513,7 +520,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       );
     },
     cancel(runId) {
-      const cancel = cancels.get(runId);
+      const cancel = cancels[runId];
       if (!cancel) return false;
       cancel();
       return true;

@@ -172,7 +172,8 @@ export function createRunRecorder(deps: {
   let durableScheduled = false;
   /** Starts written by themselves, beside the inserts (PostgreSQL: another connection of the pool). */
   let startsAlone: typeof starts = [];
-  const seqs = new Map<string, number>();
+  // Per run with log lines: a null-prototype object, not a Map (runs/invoke.ts says why: `cancels`).
+  const seqs: Record<string, number> = Object.create(null);
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
   /** Consecutive failed writes (0: the store is writing). */
@@ -544,14 +545,14 @@ export function createRunRecorder(deps: {
           changes: { ...changes },
           changedAt: Date.now(),
         });
-      if (changes.state !== undefined && isFinal(changes.state)) seqs.delete(runId);
+      if (changes.state !== undefined && isFinal(changes.state)) delete seqs[runId];
       schedule();
     },
     pendingRuns() {
       return pending.size;
     },
     log(runId, stream, text) {
-      const seq = (seqs.get(runId) ?? 0) + 1;
+      const seq = (seqs[runId] ?? 0) + 1;
       if (seq > MAX_LINES_PER_RUN) return;
       const line =
         seq === MAX_LINES_PER_RUN
@@ -560,7 +561,7 @@ export function createRunRecorder(deps: {
             ? `${text.slice(0, MAX_LINE)}… (line cut)`
             : text;
       if (logBytes + line.length > limits.maxBufferedLogBytes) return dropLine();
-      seqs.set(runId, seq);
+      seqs[runId] = seq;
       logs.push({ run_id: runId, seq, at: isoTime(Date.now()), stream, line });
       logBytes += line.length;
       schedule();

@@ -64,8 +64,12 @@ interface Run {
   readonly runId: string;
 }
 
-/** Runs in progress by run id (the gateway's `x-ferry-run-id`), for cancellation. */
-const active = new Map<string, Run>();
+/**
+ * Runs in progress by run id (the gateway's `x-ferry-run-id`), for cancellation. A null-prototype object,
+ * not a Map: with one run in and one out per call, a Map rebuilds its table every few dozen calls and the
+ * tables it leaves behind keep the runs of that moment alive (see runs/invoke.ts in the server).
+ */
+const active: Record<string, Run> = Object.create(null);
 
 class SerializationError extends Error {
   override name = 'SerializationError';
@@ -208,7 +212,7 @@ function route(req: IncomingMessage, res: ServerResponse): void {
   }
   req.resume();
   if (req.method === 'POST' && pathname.startsWith(CANCEL_PREFIX)) {
-    const run = active.get(decodeURIComponent(pathname.slice(CANCEL_PREFIX.length)));
+    const run = active[decodeURIComponent(pathname.slice(CANCEL_PREFIX.length))];
     let cancelled = false;
     if (run?.open && !run.controller.signal.aborted) {
       cancelled = true;
@@ -334,9 +338,9 @@ function startRun(res: ServerResponse, fn: PublicFunction, args: Record<string, 
     controller: new AbortController(),
     runId,
   };
-  if (runId !== '') active.set(runId, run);
+  if (runId !== '') active[runId] = run;
   res.on('close', () => {
-    if (active.get(runId) === run) active.delete(runId);
+    if (active[runId] === run) delete active[runId];
     if (run.open) abandon(run);
   });
   res.writeHead(200, { 'content-type': 'application/x-ndjson' });
