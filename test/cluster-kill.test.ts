@@ -224,17 +224,19 @@ describe('a cluster losing a worker, a gateway and NATS under async load', { tim
     } finally {
       await client.end();
     }
-    const byState = new Map<string, number>();
+    // Per outcome: how many runs, and the first of them (its error tells why, should the outcome be wrong).
+    const byState = new Map<string, { count: number; first: (typeof rows)[number] }>();
     for (const r of rows) {
       const key = r.state === 'success' ? 'success' : `${r.state}/${r.reason}`;
-      byState.set(key, (byState.get(key) ?? 0) + 1);
+      const seen = byState.get(key);
+      if (seen) seen.count += 1;
+      else byState.set(key, { count: 1, first: r });
     }
     // A run cut by the worker's death ends `interrupted`; nothing else may fail.
-    for (const [key, count] of byState) {
-      const sample = rows.find((r) => (r.state === 'success' ? 'success' : `${r.state}/${r.reason}`) === key);
+    for (const [key, { count, first }] of byState) {
       assert.ok(
         key === 'success' || key === 'failure/interrupted',
-        `${count} runs ended ${key} (for example ${sample?.id}: ${sample?.error_code} ${sample?.error_message}); ${events.join('; ')}`,
+        `${count} runs ended ${key} (for example ${first.id}: ${first.error_code} ${first.error_message}); ${events.join('; ')}`,
       );
     }
 
@@ -257,7 +259,7 @@ describe('a cluster losing a worker, a gateway and NATS under async load', { tim
     const failedOver = accepted.filter((a) => a.connectionFailures > 0).length;
     console.log(
       `${RUNS} runs accepted (${failedOver} sent again after a connection failure): ${[...byState]
-        .map(([k, v]) => `${v} ${k}`)
+        .map(([k, v]) => `${v.count} ${k}`)
         .join(', ')}; webhooks for all ${delivered.size} runs (${receiver!.requests.length} deliveries); ${events.join(
         '; ',
       )}`,
