@@ -13,7 +13,18 @@
  */
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
-import { envInt, fmt, loadAverage, machineReport, REPO_ROOT, requireDist, runMain, table, tempDir } from './lib.mjs';
+import {
+  envInt,
+  fmt,
+  loadAverage,
+  machineReport,
+  REPO_ROOT,
+  requireDist,
+  runMain,
+  summarize,
+  table,
+  tempDir,
+} from './lib.mjs';
 
 const RUNS = envInt('BENCH_RUNS', 100_000);
 const WORK_US = envInt('BENCH_WORK_US', 70, 0);
@@ -80,10 +91,11 @@ runMain(async () => {
     const before = process.cpuUsage();
     const began = Date.now();
     flushes = 0;
-    await Promise.all(Array.from({ length: LANES }, () => lane(Math.ceil(runs / LANES), record)));
+    const perLane = Math.ceil(runs / LANES);
+    await Promise.all(Array.from({ length: LANES }, () => lane(perLane, record)));
     await recorder.flush(true);
     const used = process.cpuUsage(before);
-    const n = Math.ceil(runs / LANES) * LANES;
+    const n = perLane * LANES;
     return {
       us: (used.user + used.system) / n,
       sys: used.system / n,
@@ -118,12 +130,11 @@ runMain(async () => {
     ]);
   }
   console.log(table(rows));
-  const sorted = [...diffs].sort((a, b) => a - b);
   const stored = await store
     .selectFrom('runs')
     .select((eb) => eb.fn.countAll().as('n'))
     .executeTakeFirstOrThrow();
-  console.log(`\nrecord per run (median of ${ROUNDS}): ${fmt(sorted[Math.floor(sorted.length / 2)])} µs of CPU`);
+  console.log(`\nrecord per run (median of ${ROUNDS}): ${fmt(summarize(diffs).median)} µs of CPU`);
   console.log(`rows in the runs table at the end: ${stored.n}`);
   console.log(`load average at end: ${loadAverage()}`);
   await recorder.close();
