@@ -15,6 +15,7 @@ import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { RunMode, RunState } from '../store/schema.js';
 import { buildWebhookPayload, MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
+import { InFlightRuns } from './in-flight.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
 import { RunAbort } from './run-abort.js';
 
@@ -189,15 +190,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
   const { recorder } = deps;
   const maxStoredResult = deps.maxStoredResultBytes ?? MAX_STORED_RESULT_BYTES;
   const cancelGraceMs = deps.cancelGraceMs ?? DEFAULT_CANCEL_GRACE_MS;
-  /**
-   * Runs in progress here, by id: how to cancel each. A null-prototype object (in dictionary mode), not a
-   * Map: a Map never reuses a deleted entry's slot, so with one run in and one out per call its table is
-   * rebuilt every few dozen calls, and each table left behind points at the runs in flight at that moment
-   * and at the next table. Once one of them is in the old generation, that chain keeps every run's state
-   * alive until a full collection: most of the gateway's young-generation survivors (issue 15,
-   * bench/README.md). A dictionary reuses deleted slots and keeps no chain.
-   */
-  const cancels: Record<string, () => void> = Object.create(null);
+  /** Runs in progress here, by id: how to cancel each (in-flight.ts says why not a Map). */
+  const cancels = new InFlightRuns<() => void>();
 
   /**
    * The one path every run takes: record it, take a replica slot within the app's response_grace_period,
@@ -264,7 +258,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       }, cancelGraceMs);
       cancelTimer.unref();
     };
-    cancels[runId] = cancel;
+    const cancelSlot = cancels.add(runId, cancel);
     try {
       // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
       const pool = deps.replicas.pool(build);
@@ -307,11 +301,10 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       finish(
         outcome.failed ? 'failure' : 'success',
         outcome.statusCode,
-        {
-          result: keep ? text : null,
-          run_time_ms: runTimeMs,
-          ...(outcome.failed ? { reason: `http_${outcome.statusCode}` } : {}),
-        },
+        keep ? text : null,
+        runTimeMs,
+        outcome.failed ? `http_${outcome.statusCode}` : null,
+        null,
         outcome.resultOmitted
           ? { resultOmitted: outcome.resultOmitted }
           : { result, resultJson: text ?? undefined, resultEncoding: outcome.resultEncoding },
@@ -353,12 +346,10 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       finish(
         state,
         ferry?.status ?? (clientGone ? 499 : 500),
-        {
-          error_code: code,
-          error_message: message,
-          reason: clientGone ? 'client_disconnected' : cancelled ? 'cancelled' : (ferry?.code ?? null),
-          run_time_ms: started ? Date.now() - started : null,
-        },
+        null,
+        started ? Date.now() - started : null,
+        clientGone ? 'client_disconnected' : cancelled ? 'cancelled' : (ferry?.code ?? null),
+        { code, message },
         { error: { code, message, type: ferry?.details.type } },
       );
       // Recorded as `timeout` first; then the replica, which may still be running it, is stopped.
@@ -369,14 +360,21 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       clearTimeout(timer);
       clearTimeout(cancelTimer);
       unfollow?.();
-      if (cancels[runId] === cancel) delete cancels[runId];
+      cancels.remove(cancelSlot);
       slot?.release();
     }
 
+    /**
+     * The run's final record, always the same fields in the same order (one object shape: a spread of
+     * varying fields cost a property-definition miss per run, issue 15).
+     */
     function finish(
       state: RunState,
       statusCode: number,
-      values: Parameters<RunRecorder['update']>[1],
+      result: string | null,
+      runTimeMs: number | null,
+      reason: string | null,
+      error: { code: string; message: string } | null,
       outcome: {
         result?: unknown;
         resultJson?: string | undefined;
@@ -395,12 +393,25 @@ export function createInvoker(deps: InvokerDeps): Invoker {
               state,
               finishedAt: now,
               statusCode,
-              runTimeMs: values.run_time_ms ?? null,
+              runTimeMs,
               ...outcome,
             }),
           }
         : undefined;
-      recorder.finish(runId, { ...values, state, status_code: statusCode, finished_at: isoTime(now) }, outbox);
+      recorder.finish(
+        runId,
+        {
+          state,
+          status_code: statusCode,
+          finished_at: isoTime(now),
+          result,
+          run_time_ms: runTimeMs,
+          reason,
+          error_code: error?.code ?? null,
+          error_message: error?.message ?? null,
+        },
+        outbox,
+      );
       deps.onFinished?.(build, state, statusCode, (now - created) / 1000, coldStart);
     }
   }
@@ -520,7 +531,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       );
     },
     cancel(runId) {
-      const cancel = cancels[runId];
+      const cancel = cancels.find(runId);
       if (!cancel) return false;
       cancel();
       return true;

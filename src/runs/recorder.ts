@@ -71,6 +71,8 @@ interface Pending {
   changes: RunChanges;
   /** When the oldest unwritten change of a row already inserted was made (see takeBatch). */
   changedAt?: number;
+  /** A row not yet inserted: when the recorder got it (see takeBatch; parsing created_at per flush cost more). */
+  since?: number;
 }
 
 /** A webhook delivery to write in the same transaction as the run's final state (invariant 2). */
@@ -174,6 +176,8 @@ export function createRunRecorder(deps: {
   let startsAlone: typeof starts = [];
   // Per run with log lines: a null-prototype object, not a Map (runs/invoke.ts says why: `cancels`).
   const seqs: Record<string, number> = Object.create(null);
+  /** Runs in `seqs`: while none has lines, a run's end does not look itself up there (issue 15). */
+  let seqRuns = 0;
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
   /** Consecutive failed writes (0: the store is writing). */
@@ -326,7 +330,7 @@ export function createRunRecorder(deps: {
       // end, in one UPDATE instead of two.
       const young = p.inserted
         ? p.changedAt !== undefined && now - p.changedAt < HOLD_MS
-        : now - Date.parse(p.row.created_at) < HOLD_MS;
+        : now - (p.since ?? Date.parse(p.row.created_at)) < HOLD_MS;
       if (!force && !done && young) {
         held.set(id, p);
         holding += 1;
@@ -502,7 +506,7 @@ export function createRunRecorder(deps: {
   const recorder: RunRecorder = {
     start(row) {
       if (owner !== undefined && row.owner === null) row.owner = owner;
-      pending.set(row.id, { row, inserted: false, changes: {} });
+      pending.set(row.id, { row, inserted: false, changes: {}, since: Date.now() });
       schedule();
     },
     insertNow(row) {
@@ -545,7 +549,10 @@ export function createRunRecorder(deps: {
           changes: { ...changes },
           changedAt: Date.now(),
         });
-      if (changes.state !== undefined && isFinal(changes.state)) delete seqs[runId];
+      if (seqRuns > 0 && changes.state !== undefined && isFinal(changes.state) && seqs[runId] !== undefined) {
+        delete seqs[runId];
+        seqRuns -= 1;
+      }
       schedule();
     },
     pendingRuns() {
@@ -561,6 +568,7 @@ export function createRunRecorder(deps: {
             ? `${text.slice(0, MAX_LINE)}… (line cut)`
             : text;
       if (logBytes + line.length > limits.maxBufferedLogBytes) return dropLine();
+      if (seq === 1) seqRuns += 1;
       seqs[runId] = seq;
       logs.push({ run_id: runId, seq, at: isoTime(Date.now()), stream, line });
       logBytes += line.length;
