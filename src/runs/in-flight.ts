@@ -15,7 +15,6 @@ export class InFlightRuns<T> {
   /** When each slot's run was added (to find the latest of one id). */
   private readonly added: number[] = [];
   private readonly free: number[] = [];
-  private count = 0;
   private adds = 0;
 
   /** Adds a run; returns its slot, which `remove` takes. */
@@ -25,7 +24,6 @@ export class InFlightRuns<T> {
     this.values[slot] = value;
     this.adds += 1;
     this.added[slot] = this.adds;
-    this.count += 1;
     return slot;
   }
 
@@ -34,7 +32,6 @@ export class InFlightRuns<T> {
     this.ids[slot] = undefined;
     this.values[slot] = undefined;
     this.free.push(slot);
-    this.count -= 1;
   }
 
   /** The value of a run in progress by its id (the latest added, should an id be added twice). */
@@ -48,6 +45,6 @@ export class InFlightRuns<T> {
 
   /** Runs in progress. */
   get size(): number {
-    return this.count;
+    return this.ids.length - this.free.length;
   }
 }

@@ -263,11 +263,17 @@ export function createRunRecorder(deps: {
   /** Puts a batch whose write failed back in front of what came since, so the next write has it all. */
   function requeue(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): void {
     for (const [id, p] of batch) {
-      const since = pending.get(id);
+      const later = pending.get(id);
       pending.set(
         id,
-        since
-          ? { row: p.row, inserted: p.inserted, changes: { ...p.changes, ...since.changes }, changedAt: p.changedAt }
+        later
+          ? {
+              row: p.row,
+              inserted: p.inserted,
+              changes: { ...p.changes, ...later.changes },
+              changedAt: p.changedAt,
+              since: p.since,
+            }
           : p,
       );
     }
