@@ -3,10 +3,23 @@
 #   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; iproute2 and nftables, the
 #               sandboxes' own networks; slirp4netns, their egress when Ferry is not root); run by
 #               `npm install`
+#   Also, as root: records the sandboxes' uid range in /etc/subuid and /etc/subgid (ferry-sandbox).
 #   (default)   also what the tests use (Chromium for the dashboard's browser tests); run by .ci/run
 # Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
 # without these (`ferry doctor` says what is missing), and tests that need one say so.
 set -uo pipefail
+
+# Sandboxes of a Ferry that runs as root take host uids of their own (src/sandbox/identity.ts). The range
+# is recorded as the subordinate ids of `ferry-sandbox`, so tools that hand out such ranges see it taken.
+SANDBOX_UIDS="${FERRY_SANDBOX_UIDS:-1879048192:65536}"
+if [ "$(id -u)" = 0 ]; then
+  for file in /etc/subuid /etc/subgid; do
+    if ! grep -qs '^ferry-sandbox:' "$file"; then
+      echo "ferry-sandbox:${SANDBOX_UIDS}" >>"$file" && echo "system: sandbox ids ferry-sandbox:${SANDBOX_UIDS} added to $file"
+    fi
+  done
+fi
+
 need=()
 command -v bwrap >/dev/null 2>&1 || need+=(bubblewrap)
 has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }

@@ -238,7 +238,10 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
   // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
-  const views = sandbox.bwrap && runsCode ? await createBuildViews({ buildsDir: dataDir.builds }) : undefined;
+  const views =
+    sandbox.bwrap && runsCode
+      ? await createBuildViews({ buildsDir: dataDir.builds, othersRead: sandbox.identity !== null })
+      : undefined;
   if (views?.reason) logger.warn(views.reason);
   void views?.swept.then((removed) => {
     if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');

@@ -51,6 +51,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
     lines.push(row('Sandbox', 'NOT AVAILABLE: replicas and builds run as plain processes WITHOUT isolation'));
   }
   lines.push(row('User namespaces', caps.userNamespaces ? 'available' : 'not available'));
+  lines.push(row('Sandbox identity', describeIdentity(caps)));
   lines.push(row('Memory limits', describeMemory(caps)));
   lines.push(row('Process limits', describeController(caps, 'pids', 'max_processes')));
   lines.push(row('CPU limits', describeController(caps, 'cpu', 'cpu')));
@@ -109,6 +110,18 @@ function describeController(caps: SandboxCapabilities, controller: 'pids' | 'cpu
   const dir = caps.cgroup?.controllers[controller];
   if (dir) return `cgroup v${caps.cgroup!.version} ${controller} at ${dir} ([resources].${key})`;
   return `NONE: [resources].${key} is not enforced`;
+}
+
+/** Which host uid a sandbox's uid 65534 maps to: never root (sandbox/identity.ts). */
+function describeIdentity(caps: SandboxCapabilities): string {
+  const id = caps.identity;
+  if (id) {
+    return `each sandbox runs as a host uid of its own in ${id.first}-${id.first + id.count - 1} (from ${id.source}), never root`;
+  }
+  if (typeof process.getuid === 'function' && process.getuid() === 0) {
+    return 'Ferry is root and cannot drop sandboxes to another uid (setpriv missing): sandboxing is off';
+  }
+  return "sandboxes map to this server's own uid (Ferry is not root)";
 }
 
 /** What `ferry serve` would give sandboxes with the environment's settings (FERRY_EGRESS and friends). */

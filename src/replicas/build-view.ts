@@ -130,30 +130,70 @@ async function sweepDeadViews(parents: string[], own: string | null): Promise<nu
   return removed;
 }
 
-export async function createBuildViews(options: { buildsDir: string; candidates?: string[] }): Promise<BuildViews> {
-  const buildsDir = path.resolve(options.buildsDir);
-  await fs.mkdir(buildsDir, { recursive: true });
-  const device = (await fs.stat(buildsDir)).dev;
-  const dataDir = path.dirname(buildsDir);
-  const candidates = options.candidates ?? [os.tmpdir(), path.dirname(dataDir)];
-  let root: string | null = null;
-  let reason: string | null = null;
-  for (const parent of candidates) {
+/**
+ * Makes a `ferry-view-*` folder of this server in the first of `candidates` on the data directory's
+ * filesystem and outside it, or returns null. `othersRead`: sandboxes run as other uids than the server
+ * (Ferry is root, sandbox/identity.ts), so the folder is searchable (0711: entered, never listed).
+ */
+export async function makeViewsRoot(options: {
+  dataDir: string;
+  candidates: string[];
+  othersRead: boolean;
+}): Promise<string | null> {
+  const dataDir = path.resolve(options.dataDir);
+  const device = (await fs.stat(dataDir)).dev;
+  for (const parent of options.candidates) {
     const stat = await fs.stat(parent).catch(() => null);
     if (!stat || stat.dev !== device) continue;
     // Not inside the data directory: that is the path the view hides.
     if (path.resolve(parent).startsWith(`${dataDir}/`) || path.resolve(parent) === dataDir) continue;
+    let root: string | null = null;
     try {
       root = await fs.mkdtemp(path.join(parent, 'ferry-view-'));
-      await fs.chmod(root, 0o700);
+      await fs.chmod(root, options.othersRead ? 0o711 : 0o700);
       const owner: Owner = { pid: process.pid, start: await startTimeOf(process.pid) };
       await fs.writeFile(path.join(root, OWNER_FILE), JSON.stringify(owner), { mode: 0o600 });
-      break;
+      return root;
     } catch {
       if (root) await fs.rm(root, { recursive: true, force: true }).catch(() => {});
-      root = null;
     }
   }
+  return null;
+}
+
+const stagingRoots = new Map<string, Promise<string | null>>();
+
+/**
+ * This process's `ferry-view-*` folder for `dataDir` (made once, in the system's temporary folder or
+ * beside `dataDir`), for what is bound into sandboxes outside a server's views: build steps' folders
+ * (sandboxed-step.ts) and the build folder of a launch that bwrap, as a sandbox uid, cannot reach. Removed
+ * by the sweep of the next server that starts after this process has gone.
+ */
+export function stagingRoot(dataDir: string, othersRead: boolean): Promise<string | null> {
+  const key = `${path.resolve(dataDir)}\0${othersRead}`;
+  let root = stagingRoots.get(key);
+  if (!root) {
+    root = makeViewsRoot({ dataDir, candidates: [os.tmpdir(), path.dirname(path.resolve(dataDir))], othersRead }).catch(
+      () => null,
+    );
+    stagingRoots.set(key, root);
+  }
+  return root;
+}
+
+export async function createBuildViews(options: {
+  buildsDir: string;
+  candidates?: string[];
+  /** Sandboxes run as uids other than the server's (Ferry is root): views are made readable by others. */
+  othersRead?: boolean;
+}): Promise<BuildViews> {
+  const buildsDir = path.resolve(options.buildsDir);
+  await fs.mkdir(buildsDir, { recursive: true });
+  const dataDir = path.dirname(buildsDir);
+  const candidates = options.candidates ?? [os.tmpdir(), path.dirname(dataDir)];
+  const othersRead = options.othersRead ?? false;
+  const root = await makeViewsRoot({ dataDir, candidates, othersRead });
+  let reason: string | null = null;
   if (!root) {
     reason = `no folder outside the data directory on its filesystem (tried ${candidates.join(', ')}): replicas bind build folders directly, so their path shows in /proc/self/mountinfo`;
   }
@@ -170,7 +210,7 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
     const target = path.join(root, buildId);
     const staging = `${target}.${randomBytes(4).toString('hex')}`;
     try {
-      await mirror(source, staging);
+      await mirror(source, staging, othersRead);
       await fs.rename(staging, target);
       return target;
     } catch (err) {
@@ -208,7 +248,7 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
       if (!/^[A-Za-z0-9_-]{1,100}$/.test(replicaId)) throw new Error(`Invalid replica id ${replicaId}`);
       // A "." cannot be in a build id, so a slot never shares a name with a build's view.
       const slot = path.join(root, `warm.${replicaId}`);
-      await fs.mkdir(slot, { mode: 0o700 });
+      await fs.mkdir(slot, { mode: othersRead ? 0o755 : 0o700 });
       slots.add(slot);
       return slot;
     },
@@ -217,7 +257,7 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
       // Once, for one build: the sandbox bound to the slot belongs to that build for life.
       if (!slots.delete(slot)) throw new Error(`${slot} is not an unused warm slot`);
       if ((await fs.readdir(slot)).length > 0) throw new Error(`warm slot ${slot} is not empty`);
-      await mirrorInto(path.join(buildsDir, buildId), slot);
+      await mirrorInto(path.join(buildsDir, buildId), slot, othersRead);
     },
     async dropSlot(slot) {
       slots.delete(slot);
@@ -230,24 +270,40 @@ export async function createBuildViews(options: { buildsDir: string; candidates?
   };
 }
 
-/** Recreates `source` at `target`: folders made, files hard-linked, symbolic links copied as links. */
-async function mirror(source: string, target: string): Promise<void> {
+/**
+ * Recreates `source` at `target`: folders made, files hard-linked, symbolic links copied as links.
+ * `othersRead` (sandboxes run as other uids, Ferry is root): every folder is made readable and searchable
+ * by others, and every file readable (executable where its owner may execute it) with no set-id bit: the
+ * files are the build's own (a link shares the file), written by Ferry or by the build's sandbox, which
+ * has ended. The link is made in the view, a folder only the server may write, so the chmod cannot be
+ * turned onto another file by a link swapped in.
+ */
+export async function mirror(source: string, target: string, othersRead = false): Promise<void> {
   const stat = await fs.stat(source);
   await fs.mkdir(target, { mode: stat.mode & 0o777 });
-  await mirrorInto(source, target, stat.mode);
+  await mirrorInto(source, target, othersRead, stat.mode);
 }
 
 /** `mirror` into a folder that exists already (a warm slot). */
-async function mirrorInto(source: string, target: string, mode?: number): Promise<void> {
+async function mirrorInto(source: string, target: string, othersRead: boolean, mode?: number): Promise<void> {
   const sourceMode = mode ?? (await fs.stat(source)).mode;
   const entries = await fs.readdir(source, { withFileTypes: true });
   for (const entry of entries) {
     const from = path.join(source, entry.name);
     const to = path.join(target, entry.name);
-    if (entry.isDirectory()) await mirror(from, to);
+    if (entry.isDirectory()) await mirror(from, to, othersRead);
     else if (entry.isSymbolicLink()) await fs.symlink(await fs.readlink(from), to);
-    else if (entry.isFile()) await fs.link(from, to);
+    else if (entry.isFile()) {
+      await fs.link(from, to);
+      if (othersRead) await readableByOthers(to);
+    }
     // Sockets, FIFOs and devices have no place in a build: left out.
   }
-  await fs.chmod(target, sourceMode & 0o777);
+  await fs.chmod(target, othersRead ? (sourceMode & 0o777) | 0o555 : sourceMode & 0o777);
+}
+
+async function readableByOthers(file: string): Promise<void> {
+  const { mode } = await fs.lstat(file);
+  const wanted = ((mode & 0o777) | 0o444 | (mode & 0o100 ? 0o111 : 0)) & ~0o6000;
+  if ((mode & 0o7777) !== wanted) await fs.chmod(file, wanted);
 }

@@ -32,11 +32,15 @@
  * through `/proc/<sandbox init pid>/root/run/ferry/replica.sock`, known once bwrap reports the pid (on
  * --info-fd), hence `ReplicaProcess.socketPath` is a promise. Without bwrap the socket is in `socketDir`.
  *
- * Identity: inside, the replica is uid/gid 65534 in its own user namespace, which maps it to the server's
- * own uid on the host. So the build folder is readable whatever its modes. The flip side is that on the
- * few host paths bound in, the replica reads what the server's user may read: that is why entries of /etc
- * that an unprivileged user could not read (shadow, TLS private keys, service configs with passwords) are
- * masked, and why nothing else of the host is bound.
+ * Identity: inside, the replica is uid/gid 65534 in its own user namespace. When Ferry is not root, that
+ * maps to the server's own (unprivileged) uid on the host. When Ferry is root it never maps to host root:
+ * the wrapper drops to a host uid of the sandbox's own (sandbox/identity.ts: `setpriv`, then bwrap makes
+ * an unprivileged user namespace), so every kernel check sees an ordinary user; build views make the
+ * build's files readable by others for it (build-view.ts). /proc/sys is read-only and the host-wide
+ * entries of /proc (keys, timer_list, slabinfo, kpage*, sysrq-trigger, ...) are masked either way. On the
+ * few host paths bound in, the replica reads what an unprivileged user may read: that is why entries of
+ * /etc that such a user could not read (shadow, TLS private keys, service configs with passwords) are
+ * masked too, and why nothing else of the host is bound.
  *
  * Nothing of the host shows inside: all of bwrap's options (the environment too) reach it through a pipe
  * (`--args`), so /proc/1/cmdline in the sandbox reads `bwrap --args 4 -- <command>`, the command made of
@@ -51,7 +55,16 @@ import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
+import {
+  acquireSandboxUid,
+  dropPrivilegesArgs,
+  probeIdentity,
+  releaseSandboxUid,
+  type SandboxIdentity,
+  unreachableByOthers,
+} from '../sandbox/identity.js';
 import { joinNetworkArgs, type SandboxNetworkLease } from '../sandbox/network.js';
+import { mirror, stagingRoot } from './build-view.js';
 import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
 import { runQuiet, WRAPPER_ENV } from './run-quiet.js';
 
@@ -73,6 +86,11 @@ export interface SandboxCapabilities {
   cgroup: CgroupSupport | null;
   /** util-linux prlimit, used for RLIMIT_DATA when there is no writable memory cgroup. */
   prlimit: string | null;
+  /**
+   * When Ferry runs as root: the range of unprivileged host uids sandboxes run as (sandbox/identity.ts),
+   * so that none maps to host root. null when Ferry is not root (sandboxes map to Ferry's own uid).
+   */
+  identity: SandboxIdentity | null;
   /** Human-readable notes on what is missing and why. */
   reasons: string[];
 }
@@ -155,6 +173,8 @@ export interface PreparedLaunch {
   readonly paths: SandboxPaths;
   /** Paths as the replica sees it (= paths.socketPath). */
   readonly socketPathInside: string;
+  /** The host uid the sandbox's user maps to when Ferry is root (caps.identity); null: Ferry's own uid. */
+  readonly hostUid: number | null;
   /**
    * Starts the replica. stdio is for fds 0-2 (default: stdin ignored, stdout and stderr piped); under bwrap
    * more fds (3: status, 4: arguments, 5…: runtime files) follow and are not for the caller.
@@ -232,6 +252,7 @@ export async function probeSandbox(env: NodeJS.ProcessEnv = process.env): Promis
     userNamespaces: false,
     cgroup: null,
     prlimit: null,
+    identity: null,
     reasons,
   };
   // The cgroup first and alone: on v2 it may move this process, which needs no other process (a bwrap
@@ -240,8 +261,11 @@ export async function probeSandbox(env: NodeJS.ProcessEnv = process.env): Promis
     support: null,
     reasons: [`cgroup probe failed: ${err.message}`],
   }));
+  const identity = await probeIdentity(env, () => findExecutable('setpriv', WRAPPER_ENV));
+  caps.identity = identity.identity;
+  reasons.push(...identity.reasons);
   const [bwrap, prlimit] = await Promise.all([
-    probeBwrap(env, caps).catch((err: Error) => {
+    (identity.unusable ? Promise.resolve(null) : probeBwrap(env, caps)).catch((err: Error) => {
       reasons.push(`bubblewrap probe failed: ${err.message}`);
       return null;
     }),
@@ -290,7 +314,13 @@ async function probeBwrap(env: NodeJS.ProcessEnv, caps: SandboxCapabilities): Pr
   }
   const truePath = (await findExecutable('true', WRAPPER_ENV)) ?? '/bin/true';
   const args = [...(await baseBwrapArgs(caps.bwrapFeatures, 'host')), '--tmpfs', '/tmp', '--', truePath];
-  const result = await runQuiet(bwrap, args, PROBE_TIMEOUT_MS);
+  // As root, the probe starts bwrap the way every sandbox is started: as an unprivileged sandbox uid.
+  const probeUid = caps.identity ? acquireSandboxUid(caps.identity) : null;
+  const [probeFile, ...probeArgs] =
+    caps.identity && probeUid !== null
+      ? [...dropPrivilegesArgs(caps.identity, probeUid), bwrap, ...args]
+      : [bwrap, ...args];
+  const result = await runQuiet(probeFile!, probeArgs, PROBE_TIMEOUT_MS).finally(() => releaseSandboxUid(probeUid));
   if (result.code === 0) {
     caps.userNamespaces = true;
     return bwrap;
@@ -383,6 +413,10 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   let args: string[];
   let env: Record<string, string>;
   let bwrapArgs: string[] = [];
+  let hostUid: number | null = null;
+  /** A mirror of the build made for this launch only (see below), removed by cleanup(). */
+  let launchView: string | null = null;
+  let appBind = buildDir;
   const network = launch.network ?? 'host';
   const netnsPath = typeof network === 'object' ? network.netnsPath : null;
   if (sandboxed) {
@@ -409,6 +443,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
       buildDir,
       SANDBOX_APP_DIR,
     ];
+    const appBindAt = bwrapArgs.length - 2;
     launch.runtimeFiles.forEach((entry, i) => {
       bwrapArgs.push('--perms', '0444', '--file', String(FIRST_FILE_FD + i), entry.sandbox);
     });
@@ -419,6 +454,35 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
     file = caps.bwrap!;
     // bwrap takes the command only on its command line; it is built from sandbox paths (sandboxPaths()).
     args = ['--args', '4', '--', ...launch.command];
+    if (caps.identity) {
+      // As root: bwrap itself runs as the sandbox's own unprivileged uid (sandbox/identity.ts), so it must
+      // be able to reach what it binds. Said here, not as bwrap's terse error in the replica's stderr.
+      if (await unreachableByOthers(buildDir)) {
+        // Not a server's view (tests, tools): the build is mirrored for this launch where the uid can reach it.
+        const root = await stagingRoot(buildDir, true);
+        if (root) {
+          launchView = await fs.mkdtemp(path.join(root, 'launch-'));
+          await fs.chmod(launchView, 0o711);
+          await mirror(buildDir, path.join(launchView, 'app'), true);
+          appBind = path.join(launchView, 'app');
+        }
+      }
+      const bound = [appBind, path.dirname(process.execPath)];
+      if (typeof network === 'object' && network.resolvConf) bound.push(network.resolvConf);
+      for (const host of bound) {
+        const blocked = await unreachableByOthers(host);
+        if (blocked) {
+          throw new Error(
+            `Sandboxes run as an unprivileged uid, which cannot enter ${blocked} (on the way to ${host}): give it o+x, or move the folder`,
+          );
+        }
+      }
+      bwrapArgs[appBindAt] = appBind;
+      hostUid = acquireSandboxUid(caps.identity);
+      const [setpriv, ...drop] = dropPrivilegesArgs(caps.identity, hostUid);
+      args = [...drop, file, ...args];
+      file = setpriv!;
+    }
     if (netnsPath) {
       // The namespace is joined outside bwrap, so the sandbox holds no capability over it.
       if (typeof network === 'object') args = [...joinNetworkArgs(network), file, ...args];
@@ -435,7 +499,13 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   let memoryLimit: LimitKind = 'none';
   let cgroup: ReplicaCgroup | null = null;
   if (caps.cgroup) {
-    cgroup = await createReplicaCgroup(caps.cgroup, launch.replicaId, { memoryBytes, maxProcesses, cpu });
+    try {
+      cgroup = await createReplicaCgroup(caps.cgroup, launch.replicaId, { memoryBytes, maxProcesses, cpu });
+    } catch (err) {
+      releaseSandboxUid(hostUid);
+      if (launchView) await fs.rm(launchView, { recursive: true, force: true }).catch(() => {});
+      throw err;
+    }
     ({ file, args } = cgroup.wrap(file, args));
     if (cgroup.dirs.memory) memoryLimit = 'cgroup';
   }
@@ -478,9 +548,18 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
         hostSocketPath: paths.hostSocketPath,
         killAll: cgroup ? () => cgroup.kill() : undefined,
       }),
+    hostUid,
     wasOomKilled: async () => (cgroup ? cgroup.oomKilled() : false),
     async cleanup() {
-      await cgroup?.remove();
+      try {
+        await cgroup?.remove();
+      } finally {
+        // Only once nothing of the sandbox is left (the cgroup's removal kills stragglers) may another take it.
+        releaseSandboxUid(hostUid);
+        hostUid = null;
+        if (launchView) await fs.rm(launchView, { recursive: true, force: true }).catch(() => {});
+        launchView = null;
+      }
     },
   };
 }
@@ -688,7 +767,42 @@ export async function baseBwrapArgs(
   // bwrap binds with nodev, so a masked file opens with EACCES, as it would for an unprivileged user.
   for (const file of masks.files) args.push('--ro-bind', '/dev/null', file);
   args.push('--proc', '/proc', '--dev', '/dev');
+  // /proc/sys read-only: the settings there that are not per namespace are the host's own (a writable
+  // kernel.core_pattern is root on the host). A sandbox uid could not write them anyway (identity.ts); this
+  // holds even for a sandbox that maps to a privileged uid. bwrap cannot remount a folder of its own
+  // procfs, so the host's is bound read-only over it.
+  args.push('--ro-bind', '/proc/sys', '/proc/sys');
+  // Files of /proc that tell about the host's kernel and every user's keys: /dev/null over each (binds are
+  // nodev, so opening one fails with EACCES), only where the host has it (bwrap cannot bind over nothing).
+  for (const file of await procMasks()) args.push('--ro-bind', '/dev/null', file);
   return args;
+}
+
+/** Host-wide or root-only entries of /proc a sandbox must not read or write. */
+export const PROC_MASKED = [
+  '/proc/keys',
+  '/proc/key-users',
+  '/proc/timer_list',
+  '/proc/sched_debug',
+  '/proc/kpageflags',
+  '/proc/kpagecount',
+  '/proc/kpagecgroup',
+  '/proc/slabinfo',
+  '/proc/kcore',
+  '/proc/kmsg',
+  '/proc/latency_stats',
+  '/proc/sysrq-trigger',
+] as const;
+
+let procMaskCache: Promise<string[]> | undefined;
+
+function procMasks(): Promise<string[]> {
+  procMaskCache ??= (async () => {
+    const present: string[] = [];
+    for (const file of PROC_MASKED) if ((await fs.lstat(file).catch(() => null))?.isFile()) present.push(file);
+    return present;
+  })();
+  return procMaskCache;
 }
 
 const ETC_MASK_TTL_MS = 60_000;

@@ -1,12 +1,14 @@
 /** Builds app archives for tests with yazl, the way `ferry deploy` packs them. */
 import yazl from 'yazl';
 
-export function zipFiles(files: Record<string, string | Buffer>): Promise<Buffer> {
+/** `executable`: names of files packed with mode 0755 (scripts an app's tools run). */
+export function zipFiles(files: Record<string, string | Buffer>, executable: string[] = []): Promise<Buffer> {
   return new Promise((resolve, reject) => {
     const zip = new yazl.ZipFile();
     for (const [name, data] of Object.entries(files)) {
       zip.addBuffer(Buffer.isBuffer(data) ? data : Buffer.from(data), name, {
         mtime: new Date('2026-01-01T00:00:00Z'),
+        ...(executable.includes(name) ? { mode: 0o100755 } : {}),
       });
     }
     zip.end();

@@ -23,6 +23,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
+import { mirror, stagingRoot } from '../../replicas/build-view.js';
 import { createReplicaCgroup, type ReplicaCgroup } from '../../replicas/cgroups.js';
 import {
   baseBwrapArgs,
@@ -31,6 +32,12 @@ import {
   spawnReplica,
   WRAPPER_ENV,
 } from '../../replicas/sandbox.js';
+import {
+  acquireSandboxUid,
+  dropPrivilegesArgs,
+  releaseSandboxUid,
+  unreachableByOthers,
+} from '../../sandbox/identity.js';
 import { joinNetworkArgs, type SandboxNetwork } from '../../sandbox/network.js';
 import { abortError, type ChildExit, runChild, throwIfAborted } from './run-child.js';
 import type { BuildContext } from './types.js';
@@ -153,6 +160,12 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
   stepCounter = (stepCounter + 1) % 1_000_000;
   // The pid too: cgroups are machine-wide, and another server (or a test) may run a build of the same id.
   const stepId = `build-${ctx.buildId}-${process.pid}-${stepCounter}`;
+  for (const mount of step.writable ?? []) checkTarget(mount.sandbox, true);
+  for (const mount of step.readOnly ?? []) {
+    checkTarget(mount.sandbox, false);
+    await fs.access(mount.host);
+  }
+  const stage = await StepStage.open(ctx, cacheHost, step);
   const lease = await network.acquire(stepId.replace(/[^A-Za-z0-9_-]/g, '-'));
   let cgroup: ReplicaCgroup | null = null;
   try {
@@ -162,25 +175,20 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
       '--tmpfs',
       '/tmp',
       '--ro-bind',
-      path.resolve(ctx.sourceDir),
+      stage.source,
       STEP_SOURCE_DIR,
       '--bind',
-      path.resolve(ctx.outputDir),
+      stage.out,
       STEP_OUT_DIR,
       '--bind',
-      path.resolve(cacheHost),
+      stage.cache,
       STEP_CACHE_DIR,
     ];
     if (lease.resolvConf !== null) options.push(...(await resolvConfArgs(lease.resolvConf)));
-    for (const mount of step.writable ?? []) {
-      checkTarget(mount.sandbox, true);
-      options.push('--bind', path.resolve(mount.host), mount.sandbox);
-    }
-    for (const mount of step.readOnly ?? []) {
-      checkTarget(mount.sandbox, false);
-      await fs.access(mount.host);
-      options.push('--ro-bind', path.resolve(mount.host), mount.sandbox);
-    }
+    for (const [i, mount] of (step.writable ?? []).entries()) options.push('--bind', stage.writable[i]!, mount.sandbox);
+    for (const [i, mount] of (step.readOnly ?? []).entries())
+      options.push('--ro-bind', stage.readOnly[i]!, mount.sandbox);
+    if (caps.identity && lease.resolvConf !== null) await stage.checkReachable(lease.resolvConf);
     options.push('--chdir', step.cwd, '--info-fd', '3', '--clearenv');
     for (const [name, value] of Object.entries(step.env)) options.push('--setenv', name, value);
     // Every option (host paths, the environment) goes through a pipe: the step's /proc/1/cmdline shows none.
@@ -190,6 +198,13 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
     // network namespace, then bwrap.
     let file = caps.bwrap;
     let argv = ['--args', '4', '--', ...step.command];
+    if (stage.uid !== null && caps.identity) {
+      // As root: bwrap runs as the step's own unprivileged uid (sandbox/identity.ts), after the cgroup
+      // and the network namespace are joined as root.
+      const [setpriv, ...drop] = dropPrivilegesArgs(caps.identity, stage.uid);
+      argv = [...drop, file, ...argv];
+      file = setpriv!;
+    }
     if (lease.netnsPath !== null) {
       argv = [...joinNetworkArgs(lease), file, ...argv];
       file = 'nsenter';
@@ -251,7 +266,138 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
     // Removing a cgroup kills whatever is left in it (a daemon the step started and detached).
     await cgroup?.remove().catch(() => {});
     await lease.release();
+    // Only now, with nothing of the step left, are its folders handed back and its uid freed.
+    await stage.close();
   }
+}
+
+/**
+ * The host side of one step's sandbox. A bind mount shows its source in the sandbox's
+ * /proc/self/mountinfo, so a step does not bind the data directory's folders: for the step's time its
+ * writable folders (output, cache, node_modules) are moved (renamed: same filesystem) into a fresh folder
+ * of the staging root, and the source is mirrored there as hard links, as replicas' views are. Mountinfo
+ * then names `<tmp>/ferry-view-<random>/step-<random>/...` only. When Ferry is root the step also gets a
+ * sandbox uid of its own (sandbox/identity.ts): its writable folders are handed to that uid and the
+ * source made readable by others, and the folders bwrap opens must be searchable by it. Without a
+ * staging root (no folder outside the data directory on its filesystem) a step binds the folders
+ * themselves, except as root, where that is refused.
+ */
+class StepStage {
+  readonly writable: string[] = [];
+  readonly readOnly: string[] = [];
+  private readonly moved: Array<{ from: string; to: string }> = [];
+
+  private constructor(
+    readonly uid: number | null,
+    private readonly dir: string | null,
+    readonly source: string,
+    readonly out: string,
+    readonly cache: string,
+  ) {}
+
+  static async open(ctx: BuildContext, cacheHost: string, step: BuildStep): Promise<StepStage> {
+    const { identity } = ctx.sandbox.caps;
+    const othersRead = identity !== null;
+    const root = await stagingRoot(path.dirname(path.resolve(ctx.cacheDir)), othersRead);
+    if (!root) {
+      if (identity) {
+        throw new Error(
+          'Ferry runs as root, and build steps run as an unprivileged uid that needs a staging folder outside the data directory on its filesystem (the system temporary folder or the data directory’s parent): none could be made',
+        );
+      }
+      const stage = new StepStage(
+        null,
+        null,
+        path.resolve(ctx.sourceDir),
+        path.resolve(ctx.outputDir),
+        path.resolve(cacheHost),
+      );
+      for (const mount of step.writable ?? []) stage.writable.push(path.resolve(mount.host));
+      for (const mount of step.readOnly ?? []) stage.readOnly.push(path.resolve(mount.host));
+      return stage;
+    }
+    const dir = await fs.mkdtemp(path.join(root, 'step-'));
+    await fs.chmod(dir, othersRead ? 0o711 : 0o700);
+    const uid = identity ? acquireSandboxUid(identity) : null;
+    const stage = new StepStage(uid, dir, path.join(dir, 'source'), path.join(dir, 'out'), path.join(dir, 'cache'));
+    try {
+      await stage.moveIn(path.resolve(ctx.outputDir), stage.out);
+      await stage.moveIn(path.resolve(cacheHost), stage.cache);
+      for (const [i, mount] of (step.writable ?? []).entries()) {
+        const to = path.join(dir, `w${i}`);
+        await stage.moveIn(path.resolve(mount.host), to);
+        stage.writable.push(to);
+      }
+      await mirror(path.resolve(ctx.sourceDir), stage.source, othersRead);
+      // Writable folders bound inside the (read-only) source need a folder to be mounted on.
+      for (const mount of step.writable ?? []) {
+        const inside = path.posix.relative(STEP_SOURCE_DIR, mount.sandbox);
+        if (!inside.startsWith('..') && inside !== '')
+          await fs.mkdir(path.join(stage.source, inside), { recursive: true });
+      }
+      for (const [i, mount] of (step.readOnly ?? []).entries()) {
+        const host = path.resolve(mount.host);
+        if (uid !== null && (await unreachableByOthers(host))) {
+          // Ferry's own files (a tool under root's home): copied, since the step's uid cannot reach them.
+          const to = path.join(dir, `r${i}`);
+          await fs.cp(host, to, { recursive: true, dereference: true });
+          await mirrorModes(to);
+          stage.readOnly.push(to);
+        } else stage.readOnly.push(host);
+      }
+      if (uid !== null) {
+        for (const folder of [stage.out, stage.cache, ...stage.writable]) await chownTree(folder, uid);
+        await stage.checkReachable(path.dirname(process.execPath));
+      }
+    } catch (err) {
+      await stage.close();
+      throw err;
+    }
+    return stage;
+  }
+
+  private async moveIn(from: string, to: string): Promise<void> {
+    await fs.mkdir(from, { recursive: true });
+    await fs.rename(from, to);
+    this.moved.push({ from, to });
+  }
+
+  async checkReachable(host: string): Promise<void> {
+    const blocked = await unreachableByOthers(host);
+    if (blocked) {
+      throw new Error(
+        `Build steps run as an unprivileged uid, which cannot enter ${blocked} (on the way to ${host}): give it o+x, or move the folder`,
+      );
+    }
+  }
+
+  /** Moves the folders back (the output is the build's), removes the stage and frees the uid. */
+  async close(): Promise<void> {
+    for (const { from, to } of this.moved.splice(0).reverse()) {
+      await fs.rm(from, { recursive: true, force: true }).catch(() => {});
+      await fs.rename(to, from);
+    }
+    if (this.dir) await fs.rm(this.dir, { recursive: true, force: true }).catch(() => {});
+    releaseSandboxUid(this.uid);
+  }
+}
+
+/** Hands a folder written by Ferry or an earlier, ended, step to the step's uid; never follows a link. */
+async function chownTree(folder: string, uid: number): Promise<void> {
+  await fs.lchown(folder, uid, uid);
+  for (const entry of await fs.readdir(folder, { withFileTypes: true })) {
+    const full = path.join(folder, entry.name);
+    if (entry.isDirectory()) await chownTree(full, uid);
+    else await fs.lchown(full, uid, uid);
+  }
+}
+
+/** Makes a copied tool readable (and searchable) by others. */
+async function mirrorModes(target: string): Promise<void> {
+  const stat = await fs.lstat(target);
+  if (stat.isSymbolicLink()) return;
+  await fs.chmod(target, (stat.mode & 0o777) | 0o444 | (stat.mode & 0o100 || stat.isDirectory() ? 0o111 : 0));
+  if (stat.isDirectory()) for (const name of await fs.readdir(target)) await mirrorModes(path.join(target, name));
 }
 
 let stepCounter = 0;
