@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A Ferry cluster on one machine, for trying gateways and workers (docs/scaling-out.md):
-#   PostgreSQL and NATS with JetStream (started by scripts/start-services.sh when they do not answer),
+#   PostgreSQL and NATS with JetStream (the local ones on 127.0.0.1:5432 and :4222 started by
+#   scripts/start-services.sh when they do not answer; servers given below are only checked),
 #   2 gateways (127.0.0.1:8000 and :8001) and 2 workers (internal listeners on 127.0.0.1:9001 and :9002),
 #   each with its own data directory under the cluster folder, one shared keys folder, logs to files.
 #
@@ -22,8 +23,10 @@ DIR=./.ferry-cluster
 BASE_PORT=8000
 NAME=local
 COMMAND=start
-ADMIN_URL="${FERRY_LOCAL_ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
-NATS_URL="${FERRY_NATS_URL:-nats://127.0.0.1:4222}"
+DEFAULT_ADMIN_URL=postgres://postgres@127.0.0.1:5432/postgres
+DEFAULT_NATS_URL=nats://127.0.0.1:4222
+ADMIN_URL="${FERRY_LOCAL_ADMIN_URL:-$DEFAULT_ADMIN_URL}"
+NATS_URL="${FERRY_NATS_URL:-$DEFAULT_NATS_URL}"
 
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -48,6 +51,7 @@ GATEWAYS=("gateway-1:$BASE_PORT" "gateway-2:$((BASE_PORT + 1))")
 WORKERS=("worker-1:$((BASE_PORT + 1001))" "worker-2:$((BASE_PORT + 1002))")
 
 port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
+host_port_open() { timeout 2 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; }
 pid_of() { [ -f "$DIR/$1/serve.pid" ] && cat "$DIR/$1/serve.pid"; }
 alive() { local pid; pid="$(pid_of "$1")" && kill -0 "$pid" 2>/dev/null; }
 
@@ -82,8 +86,46 @@ wait_port() {
   done
 }
 
+# Whether one of the NATS servers of NATS_URL (comma-separated, nats://[user@]host[:port]) accepts connections.
+nats_answers() {
+  local server hostport host port
+  local -a servers
+  IFS=',' read -r -a servers <<<"$NATS_URL"
+  for server in "${servers[@]}"; do
+    hostport="${server#*://}"
+    hostport="${hostport##*@}"
+    hostport="${hostport%%/*}"
+    host="${hostport%:*}"
+    port="${hostport##*:}"
+    [ "$host" != "$hostport" ] || port=4222
+    [ -n "$host" ] || continue
+    if host_port_open "$host" "$port"; then return 0; fi
+  done
+  return 1
+}
+
+# The local servers are started when missing; servers the user named are only checked, never the defaults.
+ensure_services() {
+  local local_ones=()
+  if [ "$ADMIN_URL" = "$DEFAULT_ADMIN_URL" ]; then
+    local_ones+=(postgres)
+  elif ! psql "$ADMIN_URL" -XAtqc 'select 1' >/dev/null 2>&1; then
+    echo "local-cluster: PostgreSQL does not answer at ${ADMIN_URL%%\?*} (FERRY_LOCAL_ADMIN_URL)" >&2
+    exit 1
+  fi
+  if [ "$NATS_URL" = "$DEFAULT_NATS_URL" ]; then
+    local_ones+=(nats)
+  elif ! nats_answers; then
+    echo "local-cluster: NATS does not answer at $NATS_URL (FERRY_NATS_URL)" >&2
+    exit 1
+  fi
+  if [ "${#local_ones[@]}" -gt 0 ]; then
+    FERRY_TEST_PG_ADMIN_URL="$DEFAULT_ADMIN_URL" bash "$ROOT/scripts/start-services.sh" "${local_ones[@]}"
+  fi
+}
+
 cmd_start() {
-  bash "$ROOT/scripts/start-services.sh"
+  ensure_services
   if [ ! -f "$ROOT/dist/src/cli/index.js" ]; then
     echo "local-cluster: building Ferry first (npm run build)"
     (cd "$ROOT" && npm run build >/dev/null)

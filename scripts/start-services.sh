@@ -9,7 +9,8 @@
 # connections. Each wait is bounded (SERVICES_WAIT_SECONDS, default 60). Exits non-zero with a message
 # saying what is missing when a service cannot be had: the PostgreSQL tests then fail, they never skip.
 # Run by .ci/run before `npm test`, and by scripts/test.mjs when PostgreSQL's port is closed. Safe to run
-# again: does nothing when both answer.
+# again: does nothing when both answer. `start-services.sh postgres` or `start-services.sh nats` handles
+# only that one (scripts/local-cluster.sh, when the other is a server of the user's).
 set -euo pipefail
 
 PG_ADMIN_URL="${FERRY_TEST_PG_ADMIN_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
@@ -101,6 +102,19 @@ start_nats() {
     fail "NATS does not accept connections on 127.0.0.1:$NATS_PORT after ${WAIT_SECONDS} s (see /var/log/nats-server.log)"
 }
 
+WANT_PG=1
+WANT_NATS=1
+if [ $# -gt 0 ]; then
+  WANT_PG=0
+  WANT_NATS=0
+  for service in "$@"; do
+    case "$service" in
+      postgres) WANT_PG=1 ;;
+      nats) WANT_NATS=1 ;;
+      *) fail "unknown service $service (postgres, nats)" ;;
+    esac
+  done
+fi
 command -v psql >/dev/null 2>&1 || apt_install postgresql-client
-start_postgres
-start_nats
+[ "$WANT_PG" = 0 ] || start_postgres
+[ "$WANT_NATS" = 0 ] || start_nats

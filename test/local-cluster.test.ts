@@ -18,10 +18,10 @@ import { deleteClusterStreams, freePort } from './helpers/nats.js';
 const SCRIPT = path.join(REPO_ROOT, 'scripts', 'local-cluster.sh');
 
 /** Runs the script as the docs do, by its path (so it must be executable). */
-function script(args: string[]): Promise<{ code: number; out: string }> {
+function script(args: string[], env: NodeJS.ProcessEnv = {}): Promise<{ code: number; out: string }> {
   return new Promise((resolve) => {
     const child = spawn(SCRIPT, args, {
-      env: { ...process.env, FERRY_LOCAL_ADMIN_URL: ADMIN_DATABASE_URL },
+      env: { ...process.env, FERRY_LOCAL_ADMIN_URL: ADMIN_DATABASE_URL, ...env },
       stdio: ['ignore', 'pipe', 'pipe'],
     });
     let out = '';
@@ -76,6 +76,34 @@ describe('scripts/local-cluster.sh', { timeout: 400_000 }, () => {
     },
     { timeout: 120_000 },
   );
+
+  it('checks the servers it is told to use, not 127.0.0.1:5432 and :4222', async () => {
+    const scratch = await tempDir('ferry-local-cluster-servers-');
+    try {
+      const closed = await freePort();
+      // PostgreSQL elsewhere (a closed port here): named in the error, and the local services left alone.
+      const pgElsewhere = await script(['start', '--dir', scratch, '--name', `${name}x`], {
+        FERRY_LOCAL_ADMIN_URL: `postgres://postgres@127.0.0.1:${closed}/postgres`,
+        FERRY_NATS_URL: `nats://127.0.0.1:${closed}`,
+      });
+      assert.notEqual(pgElsewhere.code, 0, pgElsewhere.out);
+      assert.doesNotMatch(pgElsewhere.out, /start-services|5432|4222/, pgElsewhere.out);
+      assert.match(
+        pgElsewhere.out,
+        new RegExp(`PostgreSQL does not answer at postgres://postgres@127\\.0\\.0\\.1:${closed}/`),
+      );
+      // The machine's PostgreSQL reached by another name, NATS elsewhere: only NATS is named, 4222 untouched.
+      const natsElsewhere = await script(['start', '--dir', scratch, '--name', `${name}x`], {
+        FERRY_LOCAL_ADMIN_URL: ADMIN_DATABASE_URL.replace('127.0.0.1', 'localhost'),
+        FERRY_NATS_URL: `nats://127.0.0.1:${closed},localhost:${closed}`,
+      });
+      assert.notEqual(natsElsewhere.code, 0, natsElsewhere.out);
+      assert.doesNotMatch(natsElsewhere.out, /start-services|4222/, natsElsewhere.out);
+      assert.match(natsElsewhere.out, /NATS does not answer at nats:\/\/127\.0\.0\.1:/);
+    } finally {
+      await fs.rm(scratch, { recursive: true, force: true });
+    }
+  });
 
   it('starts 2 gateways and 2 workers, serves a deploy through either gateway, and stops them all', async () => {
     dir = await tempDir('ferry-local-cluster-');

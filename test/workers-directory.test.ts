@@ -160,9 +160,82 @@ describe('worker announcements and the directory', { timeout: 120_000 }, () => {
     await waitFor(async () => directory.live().some((w) => w.id === 'worker-r'), 20_000, 'live once NATS is up');
 
     await server.stop();
-    // Down: no announcements arrive, so the worker leaves the directory (nothing can reach it through NATS).
-    await waitFor(async () => directory.live().length === 0, 10_000, 'stale while NATS is down');
+    // Down: no announcements arrive, and nothing else either: silence is the directory's, not the worker's,
+    // so the worker last seen alive stays (issue 30, point 6) past the staleness limit.
+    await new Promise((r) => setTimeout(r, 5_000));
+    assert.deepEqual(
+      directory.live().map((w) => w.id),
+      ['worker-r'],
+      'held while NATS is down',
+    );
+    // Its own failure (a call that could not connect) still takes it out.
+    directory.markDown('worker-r', 100);
+    assert.deepEqual(directory.live(), []);
     await server.start();
     await waitFor(async () => directory.live().some((w) => w.id === 'worker-r'), 30_000, 'live again after restart');
+  });
+
+  it('holds the workers last seen alive while NATS is frozen; a silent one leaves once it works again', async () => {
+    const server = await ownNats();
+    closers.push(() => server.destroy());
+    await server.start();
+    const conns: NatsConnection[] = [];
+    closers.push(async () => {
+      server.thaw();
+      await Promise.all(conns.map((c) => c.close().catch(() => undefined)));
+    });
+    const own = async () => {
+      const c = await conn(server.url);
+      conns.push(c);
+      return { ready: async () => c };
+    };
+    const bucket = `${cluster}_frozen`;
+    const directory = createWorkerDirectory({ nats: await own(), bucket, logger });
+    closers.push(() => directory.close());
+    await directory.start();
+    let bSilent = false;
+    const a = createWorkerAnnouncer({ nats: await own(), bucket, logger, describe: describeWorker('worker-a') });
+    const describeB = describeWorker('worker-b');
+    const b = createWorkerAnnouncer({
+      nats: await own(),
+      bucket,
+      logger,
+      describe: () => {
+        if (bSilent) throw new Error('worker-b is gone');
+        return describeB();
+      },
+    });
+    closers.push(
+      () => a.close(),
+      () => b.close(),
+    );
+    await a.start();
+    await b.start();
+    const ids = () =>
+      directory
+        .live()
+        .map((w) => w.id)
+        .sort();
+    await waitFor(async () => ids().length === 2, 10_000, 'both workers live');
+
+    server.freeze();
+    const frozenAt = Date.now();
+    // b stops announcing during the freeze; nobody can tell until NATS works again.
+    bSilent = true;
+    // Checked every 100 ms for 6 s (twice the staleness limit): nothing leaves.
+    while (Date.now() - frozenAt < 6_000) {
+      assert.deepEqual(ids(), ['worker-a', 'worker-b'], `at ${Date.now() - frozenAt} ms into the freeze`);
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    server.thaw();
+    const thawedAt = Date.now();
+    // a announces again and stays; b, silent, leaves within the staleness limit of the directory working again.
+    await waitFor(async () => ids().join() === 'worker-a', 10_000, 'b gone after the freeze');
+    const gone = Date.now() - thawedAt;
+    assert.ok(gone <= 6_000, `the silent worker left ${gone} ms after the freeze (limit 6 s)`);
+    for (let i = 0; i < 10; i++) {
+      assert.deepEqual(ids(), ['worker-a'], 'a stays live after the freeze');
+      await new Promise((r) => setTimeout(r, 100));
+    }
   });
 });

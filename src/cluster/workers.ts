@@ -4,14 +4,24 @@
  * Each worker puts its announcement (advertised URL, version, load) into the JetStream KV bucket
  * `<cluster>_nodes` every second, under a key of its own. Gateways (and workers, to know which apps they
  * are home to) watch the bucket. A worker counts as live while its last announcement arrived less than
- * `staleMs` (3 s) ago, judged by the watcher's own clock when it received it, not by the sender's; so a
- * worker that is SIGKILLed or cut off stops getting new calls within 5 seconds. A worker that stops cleanly
- * deletes its key, and watchers drop it at once. The bucket keeps one value per key for 10 seconds (its
- * TTL), so a gateway starting up sees the workers announced just before.
+ * `staleMs` (3 s) before the directory last heard anything at all, judged by the watcher's own clock when
+ * it received it, not by the sender's; so a worker that is SIGKILLed or cut off stops getting new calls
+ * within 5 seconds. A worker that stops cleanly deletes its key, and watchers drop it at once. The bucket
+ * keeps one value per key for 10 seconds (its TTL), so a gateway starting up sees the workers announced
+ * just before.
+ *
+ * Silence proves nothing when the directory itself is unreachable (NATS down, frozen, slow, or this node
+ * cut off from it): every worker would look dead at once. So staleness is judged against the last time
+ * the watch delivered something (another worker's announcement, or this directory's own probe, a key it
+ * puts whenever the watch has been quiet for half a second), not against the clock. While nothing arrives,
+ * the workers last seen alive stay live, and leave only on their own failure (a call that could not
+ * connect: `markDown`) or when the directory, working again, has not heard from them for `staleMs`. After
+ * such a gap the workers get `staleMs` to announce again before they count as stale.
  *
  * Neither side needs NATS to be up when it starts or to stay up: both wait for the connection, retry, and
  * watch again after NATS comes back; an outage is logged once, not every tick.
  */
+import { randomBytes } from 'node:crypto';
 import { type KV, Kvm } from '@nats-io/kv';
 import type { NatsConnection } from '@nats-io/transport-node';
 import type { Logger } from 'pino';
@@ -53,6 +63,10 @@ export interface NatsSource {
 
 const BUCKET_TTL_MS = 10_000;
 const RETRY_MS = 1000;
+/** A directory whose watch has delivered nothing for this long puts a probe to hear it echo back. */
+const PROBE_QUIET_MS = 500;
+/** Silence longer than this is a gap in the directory (an outage), after which workers get staleMs to announce. */
+const GAP_MS = 1500;
 
 async function openBucket(nc: NatsConnection, bucket: string): Promise<KV> {
   return new Kvm(nc).create(bucket, { ttl: BUCKET_TTL_MS, history: 1 });
@@ -140,7 +154,10 @@ export function createWorkerAnnouncer(options: {
 
 export interface WorkerDirectory {
   start(): Promise<void>;
-  /** Workers whose last announcement arrived within staleMs, less those marked down. */
+  /**
+   * Workers whose last announcement arrived within staleMs of the last thing the watch delivered (so all
+   * of them stay while the directory is unreachable), less those marked down.
+   */
   live(): WorkerAnnouncement[];
   get(id: string): WorkerAnnouncement | undefined;
   /** A call to it could not connect: leave it out for `forMs` and until it announces again after that. */
@@ -163,6 +180,14 @@ export function createWorkerDirectory(options: {
   const staleMs = options.staleMs ?? 3000;
   const seen = new Map<string, Seen>();
   const down = new Map<string, number>();
+  // When the watch last delivered an entry (any key), and when it started delivering again after a gap.
+  let heard = 0;
+  let resumed = 0;
+  // This directory's probe key: not an announcement, so every watcher's parseAnnouncement ignores it.
+  const probeKey = `p_${randomBytes(8).toString('hex')}`;
+  let probeKv: KV | undefined;
+  let probing = false;
+  let probeTimer: NodeJS.Timeout | undefined;
   let closed = false;
   let watcher: { stop(): void } | undefined;
   let loop: Promise<void> | undefined;
@@ -172,13 +197,29 @@ export function createWorkerDirectory(options: {
   });
 
   function take(entry: { key: string; operation: string; value: Uint8Array }): void {
+    const now = Date.now();
+    if (now - heard > GAP_MS) resumed = now;
+    heard = now;
+    if (entry.key === probeKey) return;
     if (entry.operation !== 'PUT') {
       for (const [id] of seen) if (keyOf(id) === entry.key) seen.delete(id);
       return;
     }
     const parsed = parseAnnouncement(entry.value);
     if (!parsed || keyOf(parsed.id) !== entry.key) return;
-    seen.set(parsed.id, { announcement: parsed, receivedAt: Date.now() });
+    seen.set(parsed.id, { announcement: parsed, receivedAt: now });
+  }
+
+  /** Puts the probe when the watch has been quiet; one at a time, so a frozen NATS holds at most one. */
+  function probe(): void {
+    const kv = probeKv;
+    if (closed || probing || !kv || Date.now() - heard < PROBE_QUIET_MS) return;
+    probing = true;
+    kv.put(probeKey, '{"probe":1}')
+      .catch(() => undefined)
+      .finally(() => {
+        probing = false;
+      });
   }
 
   async function watchForever(): Promise<void> {
@@ -188,6 +229,7 @@ export function createWorkerDirectory(options: {
         const kv = await openBucket(await options.nats.ready(), options.bucket);
         const iterator = await kv.watch({ key: '>' });
         watcher = iterator;
+        probeKv = kv;
         if (failing) logger.info('watching the workers again');
         failing = false;
         // The watch sends the current values first; an empty bucket sends nothing, so do not wait for them.
@@ -197,6 +239,7 @@ export function createWorkerDirectory(options: {
           take(entry);
         }
       } catch (err) {
+        probeKv = undefined;
         if (closed) return;
         if (!failing) logger.warn({ err }, 'watching the workers failed; retrying every second');
         failing = true;
@@ -209,6 +252,8 @@ export function createWorkerDirectory(options: {
     async start() {
       if (loop) return;
       loop = watchForever();
+      probeTimer = setInterval(probe, PROBE_QUIET_MS);
+      probeTimer.unref();
       // A moment for the current announcements to arrive; NATS may be down at start, so not longer.
       await Promise.race([
         firstPass.then(() => new Promise((r) => setTimeout(r, 200).unref())),
@@ -219,7 +264,9 @@ export function createWorkerDirectory(options: {
       const now = Date.now();
       const result: WorkerAnnouncement[] = [];
       for (const [id, s] of seen) {
-        if (now - s.receivedAt > staleMs) continue;
+        // Stale only if the directory heard something staleMs after this worker's last word (and after
+        // the end of the last gap): silence while nothing arrives at all is the directory's, not the worker's.
+        if (heard - Math.max(s.receivedAt, resumed) > staleMs) continue;
         const until = down.get(id);
         if (until !== undefined) {
           if (now < until || s.receivedAt <= until) continue;
@@ -237,6 +284,7 @@ export function createWorkerDirectory(options: {
     },
     async close() {
       closed = true;
+      clearInterval(probeTimer);
       watcher?.stop();
       await loop?.catch(() => undefined);
     },

@@ -73,7 +73,7 @@ export async function startCluster(options: ClusterOptions = {}): Promise<TestCl
     results.push(
       ...(await Promise.allSettled([
         db.drop(),
-        deleteClusterStreams(name),
+        deleteClusterStreams(name, options.env?.FERRY_NATS_URL ?? NATS_URL),
         fs.rm(root, { recursive: true, force: true }),
       ])),
     );

@@ -29,6 +29,10 @@ export interface OwnNats {
   start(): Promise<void>;
   /** SIGKILLs the server (its store folder stays, so a start brings back its streams). */
   stop(): Promise<void>;
+  /** SIGSTOPs the server: its connections stay open and silent, as a frozen or partitioned NATS's would. */
+  freeze(): void;
+  /** SIGCONTs it. */
+  thaw(): void;
   /** Stops it and removes its store folder. */
   destroy(): Promise<void>;
 }
@@ -87,6 +91,13 @@ export async function ownNats(): Promise<OwnNats> {
       if (exited) throw new Error(`the test nats-server exited at start (port ${port} taken?)`);
     },
     stop,
+    freeze() {
+      if (!child || child.exitCode !== null) throw new Error('the test nats-server is not running');
+      child.kill('SIGSTOP');
+    },
+    thaw() {
+      child?.kill('SIGCONT');
+    },
     async destroy() {
       await stop();
       await fs.rm(storeDir, { recursive: true, force: true });
