@@ -8,7 +8,9 @@
  *     an address of the same pool (the old rules accepted DNS to any address of the pool);
  *   - A sends 20,000 UDP queries to B's forwarder address and 20,000 to its own, and holds 8 idle TCP
  *     connections to each, while B asks its own forwarder 50 UDP and 5 TCP queries: B gets at least 45
- *     UDP answers and every TCP one (before: 0 of 50 answers, and TCP queries reset).
+ *     UDP answers and every TCP one (before: 2 to 9 of 50 answers here, and TCP queries reset);
+ *   - A cannot send from B's address (IP_FREEBIND binds it, sending fails), which the forwarder's limits
+ *     per source address rely on.
  *
  * Needs root, bubblewrap, iproute2, nftables and nsenter (scripts/setup-system.sh --runtime); CI runs as root.
  */
@@ -105,10 +107,34 @@ async function systemLinkArgs(): Promise<string[]> {
 }
 
 /**
- * Runs the DNS client in a sandbox of `lease`: nsenter into its namespace, then bubblewrap with every
- * other namespace new, the network shared, uid 65534, every capability dropped (as replicas run).
+ * Tries to send a UDP query to `target`:53 from `source`, an address not the sandbox's own: IP_FREEBIND
+ * lets any process bind a foreign address, no capability needed. Prints `{"sent":true}` or the error.
  */
-function runSandboxed(lease: SandboxNetworkLease, command: object, systemLinks: string[]): Sandboxed {
+const SPOOF = `
+import json, socket, sys
+source, target = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.IPPROTO_IP, 15, 1)  # IP_FREEBIND
+s.bind((source, 0))
+query = bytes.fromhex('f1000100000100000000000007' + b'example'.hex() + '04' + b'test'.hex() + '0000010001')
+try:
+    s.sendto(query, (target, 53))
+    print(json.dumps({"sent": True}))
+except OSError as err:
+    print(json.dumps({"sent": False, "error": str(err)}))
+`;
+
+/** The DNS client (test/fixtures/security/dns-client.mjs) in a sandbox of `lease`. */
+function runClient(lease: SandboxNetworkLease, command: object, systemLinks: string[]): Sandboxed {
+  return runSandboxed(lease, [process.execPath, '/dns-client.mjs', JSON.stringify(command)], systemLinks);
+}
+
+/**
+ * Runs `argv` in a sandbox of `lease`: nsenter into its namespace, then bubblewrap with every other
+ * namespace new, the network shared, uid 65534, every capability dropped (as replicas run). Each line it
+ * prints on stdout is JSON.
+ */
+function runSandboxed(lease: SandboxNetworkLease, argv: string[], systemLinks: string[]): Sandboxed {
   const child = spawn(
     'nsenter',
     [
@@ -143,9 +169,7 @@ function runSandboxed(lease: SandboxNetworkLease, command: object, systemLinks: 
       '--tmpfs',
       '/tmp',
       '--',
-      process.execPath,
-      '/dns-client.mjs',
-      JSON.stringify(command),
+      ...argv,
     ],
     { stdio: ['ignore', 'pipe', 'pipe'] },
   );
@@ -223,7 +247,7 @@ describe('DNS between sandboxes (veth network)', { timeout: TIMEOUT }, () => {
   });
 
   it("a sandbox reaches its own forwarder, and not another sandbox's", async () => {
-    const probe = runSandboxed(a, { mode: 'probe', targets: [aForwarder, bForwarder], timeoutMs: 4000 }, links);
+    const probe = runClient(a, { mode: 'probe', targets: [aForwarder, bForwarder], timeoutMs: 4000 }, links);
     assert.equal(await probe.exited, 0, JSON.stringify(probe.lines));
     const own = probe.lines.find((line) => line.host === aForwarder);
     const other = probe.lines.find((line) => line.host === bForwarder);
@@ -233,7 +257,7 @@ describe('DNS between sandboxes (veth network)', { timeout: TIMEOUT }, () => {
   });
 
   it("a flood from one sandbox leaves another's DNS answering", async () => {
-    const flood = runSandboxed(
+    const flood = runClient(
       a,
       {
         mode: 'flood',
@@ -246,7 +270,7 @@ describe('DNS between sandboxes (veth network)', { timeout: TIMEOUT }, () => {
     );
     try {
       await flood.line((line) => line.started === true);
-      const victim = runSandboxed(
+      const victim = runClient(
         b,
         {
           mode: 'victim',
@@ -272,5 +296,14 @@ describe('DNS between sandboxes (veth network)', { timeout: TIMEOUT }, () => {
       flood.kill();
       await flood.exited;
     }
+  });
+
+  it("a sandbox cannot send from another sandbox's address (the resolver's limits are per source address)", async () => {
+    // B's own address is the other end of its /30: one above its link's host end.
+    const parts = bForwarder.split('.').map(Number);
+    const bAddress = [...parts.slice(0, 3), parts[3]! + 1].join('.');
+    const spoof = runSandboxed(a, ['/usr/bin/python3', '-c', SPOOF, bAddress, aForwarder], links);
+    assert.equal(await spoof.exited, 0, JSON.stringify(spoof.lines));
+    assert.equal(spoof.lines[0]?.sent, false, JSON.stringify(spoof.lines));
   });
 });
