@@ -320,8 +320,8 @@ ${set('blocked', DEFAULT_DENY.v4)}
   }
   chain to_host {
     ct state established,related accept
-    fib daddr . iif type local udp dport 53 accept
-    fib daddr . iif type local tcp dport 53 accept
+    meta nfproto ipv4 fib daddr . iif type local udp dport 53 accept
+    meta nfproto ipv4 fib daddr . iif type local tcp dport 53 accept
     jump refuse
   }
   chain postrouting {
