@@ -4,9 +4,13 @@
  * those nameservers itself (they are usually on loopback or the private network, both denied), so this
  * is its only way to resolve names; the answers are the host's.
  *
- * It forwards opaque messages and parses nothing but the length: a query is 12 to 4096 bytes over UDP,
- * and each listener keeps at most MAX_PENDING UDP queries and MAX_TCP connections in flight, so a
- * sandbox cannot turn it into a flood of the upstream.
+ * It forwards opaque messages and parses nothing but the length: a query is 12 to 4096 bytes over UDP.
+ * Limits are per source address, that is per sandbox, whichever listener it asks (DnsForwarderLimits):
+ * UDP queries by a token bucket and a cap on those waiting, TCP connections by a cap per source (a new
+ * one closes the source's oldest) and an idle timeout. So one sandbox flooding the forwarder, or holding
+ * idle connections, spends its own share only: it cannot starve another sandbox nor turn the forwarder
+ * into a flood of the upstream. (The nftables rules of veth-network.ts let a sandbox ask only the
+ * listener on its own link anyway.)
  */
 import dgram from 'node:dgram';
 import fs from 'node:fs';
@@ -23,12 +27,44 @@ export interface DnsForwarder {
   listen(address: string): Promise<{ close(): Promise<void> }>;
 }
 
-const QUERY_TIMEOUT_MS = 5_000;
-const TCP_IDLE_MS = 10_000;
-const MAX_PENDING = 64;
-const MAX_TCP = 16;
+/**
+ * What one source address (one sandbox) may use of the forwarder, whichever of its listeners it asks.
+ * The defaults are far above what resolving names needs, and low enough that a source flooding the
+ * forwarder leaves the upstream and the other sources their share.
+ */
+export interface DnsForwarderLimits {
+  /** UDP queries per second a source may send, sustained; more are dropped unanswered. */
+  udpPerSecond: number;
+  /** UDP queries a source may send at once after a quiet spell (the token bucket's size). */
+  udpBurst: number;
+  /** UDP queries of one source waiting for the upstream. */
+  udpPendingPerSource: number;
+  /** TCP connections one source may hold: a new one beyond it closes that source's oldest. */
+  tcpPerSource: number;
+  /** A TCP connection with nothing sent either way for this long is closed. */
+  tcpIdleMs: number;
+  /** How long a UDP query waits for the upstream's answer. */
+  queryTimeoutMs: number;
+  /** For the whole forwarder (every listener): UDP queries waiting, and TCP connections (a bound on sockets). */
+  udpPendingTotal: number;
+  tcpTotal: number;
+}
+
+export const DEFAULT_DNS_LIMITS: DnsForwarderLimits = {
+  udpPerSecond: 100,
+  udpBurst: 200,
+  udpPendingPerSource: 32,
+  tcpPerSource: 4,
+  tcpIdleMs: 10_000,
+  queryTimeoutMs: 5_000,
+  udpPendingTotal: 4096,
+  tcpTotal: 1024,
+};
+
 const MIN_MESSAGE = 12;
 const MAX_UDP_MESSAGE = 4096;
+/** Sources remembered at most; past it, those with nothing in flight and a full bucket are forgotten. */
+const MAX_SOURCES = 1024;
 
 /**
  * Parses `FERRY_EGRESS_DNS`: comma-separated nameservers, `address` or `address:port` (`[v6]:port`).
@@ -57,35 +93,86 @@ export function parseNameservers(text: string | undefined, resolvConf = '/etc/re
   });
 }
 
-export function createDnsForwarder(upstreams: readonly Nameserver[]): DnsForwarder {
+interface Source {
+  /** UDP tokens left, refilled at udpPerSecond up to udpBurst. */
+  tokens: number;
+  refilledAt: number;
+  udpPending: number;
+  /** Open TCP connections, oldest first (each closes both its sockets). */
+  tcp: Array<() => void>;
+}
+
+export function createDnsForwarder(
+  upstreams: readonly Nameserver[],
+  overrides: Partial<DnsForwarderLimits> = {},
+): DnsForwarder {
+  const limits = { ...DEFAULT_DNS_LIMITS, ...overrides };
   let next = 0;
   const pick = (): Nameserver | undefined => {
     const server = upstreams[next % Math.max(1, upstreams.length)];
     next++;
     return server;
   };
+  // Per source address, across every listener: a sandbox asking another's listener (which the nftables
+  // rules refuse anyway) still spends its own share.
+  const sources = new Map<string, Source>();
+  let udpPendingTotal = 0;
+  let tcpTotal = 0;
+
+  function source(address: string): Source {
+    let entry = sources.get(address);
+    if (!entry) {
+      if (sources.size >= MAX_SOURCES) forgetQuietSources();
+      entry = { tokens: limits.udpBurst, refilledAt: performance.now(), udpPending: 0, tcp: [] };
+      sources.set(address, entry);
+    }
+    return entry;
+  }
+
+  function forgetQuietSources(): void {
+    const now = performance.now();
+    for (const [address, entry] of sources) {
+      const full = entry.tokens + ((now - entry.refilledAt) / 1000) * limits.udpPerSecond >= limits.udpBurst;
+      if (full && entry.udpPending === 0 && entry.tcp.length === 0) sources.delete(address);
+    }
+  }
+
+  /** Whether `entry` may send one more UDP query now (and takes its token). */
+  function takeUdpToken(entry: Source): boolean {
+    const now = performance.now();
+    entry.tokens = Math.min(limits.udpBurst, entry.tokens + ((now - entry.refilledAt) / 1000) * limits.udpPerSecond);
+    entry.refilledAt = now;
+    if (entry.tokens < 1) return false;
+    entry.tokens -= 1;
+    return true;
+  }
 
   async function listen(address: string): Promise<{ close(): Promise<void> }> {
     const udp = dgram.createSocket({ type: net.isIPv6(address) ? 'udp6' : 'udp4' });
-    let pending = 0;
-    const outgoing = new Set<dgram.Socket>();
+    /** The queries waiting for the upstream, each as the function that ends it. */
+    const outgoing = new Set<() => void>();
     udp.on('error', () => {});
     udp.on('message', (query, client) => {
-      const upstream = pick();
-      if (!upstream || query.length < MIN_MESSAGE || query.length > MAX_UDP_MESSAGE || pending >= MAX_PENDING) return;
-      pending++;
+      if (query.length < MIN_MESSAGE || query.length > MAX_UDP_MESSAGE || upstreams.length === 0) return;
+      const from = source(client.address);
+      if (from.udpPending >= limits.udpPendingPerSource || udpPendingTotal >= limits.udpPendingTotal) return;
+      if (!takeUdpToken(from)) return;
+      const upstream = pick()!;
+      from.udpPending++;
+      udpPendingTotal++;
       const out = dgram.createSocket(net.isIPv6(upstream.host) ? 'udp6' : 'udp4');
-      outgoing.add(out);
       const done = () => {
-        if (!outgoing.delete(out)) return;
-        pending--;
+        if (!outgoing.delete(done)) return;
+        from.udpPending--;
+        udpPendingTotal--;
         clearTimeout(timer);
         out.close();
       };
-      const timer = setTimeout(done, QUERY_TIMEOUT_MS);
+      outgoing.add(done);
+      const timer = setTimeout(done, limits.queryTimeoutMs);
       out.on('error', done);
-      out.on('message', (answer, from) => {
-        if (from.address !== upstream.host || from.port !== upstream.port) return;
+      out.on('message', (answer, sender) => {
+        if (sender.address !== upstream.host || sender.port !== upstream.port) return;
         udp.send(answer, client.port, client.address, () => {});
         done();
       });
@@ -101,23 +188,37 @@ export function createDnsForwarder(upstreams: readonly Nameserver[]): DnsForward
       });
     });
 
-    const sockets = new Set<net.Socket>();
+    const connections = new Set<() => void>();
     const tcp = net.createServer({ pauseOnConnect: true }, (client) => {
       const upstream = pick();
-      if (!upstream || sockets.size >= MAX_TCP) {
+      const from = client.remoteAddress === undefined ? undefined : source(client.remoteAddress);
+      if (!upstream || !from || tcpTotal >= limits.tcpTotal) {
         client.destroy();
         return;
       }
+      // A source at its limit loses its oldest connection, not the new one: idle connections it keeps
+      // open cost it its own slots and nobody else's.
+      while (from.tcp.length >= limits.tcpPerSource) from.tcp[0]!();
       const server = net.connect({ host: upstream.host, port: upstream.port });
+      let closed = false;
+      const close = () => {
+        if (closed) return;
+        closed = true;
+        tcpTotal--;
+        connections.delete(close);
+        const index = from.tcp.indexOf(close);
+        if (index !== -1) from.tcp.splice(index, 1);
+        client.destroy();
+        server.destroy();
+      };
+      tcpTotal++;
+      connections.add(close);
+      from.tcp.push(close);
       for (const socket of [client, server]) {
-        sockets.add(socket);
-        socket.setTimeout(TCP_IDLE_MS, () => socket.destroy());
+        // Each exchange reads and writes both sockets, so either one idle means the connection is.
+        socket.setTimeout(limits.tcpIdleMs, close);
         socket.on('error', () => {});
-        socket.on('close', () => {
-          sockets.delete(socket);
-          client.destroy();
-          server.destroy();
-        });
+        socket.on('close', close);
       }
       client.pipe(server);
       server.pipe(client);
@@ -138,9 +239,8 @@ export function createDnsForwarder(upstreams: readonly Nameserver[]): DnsForward
 
     return {
       async close() {
-        for (const out of outgoing) out.close();
-        outgoing.clear();
-        for (const socket of sockets) socket.destroy();
+        for (const done of [...outgoing]) done();
+        for (const close of [...connections]) close();
         await Promise.all([
           new Promise<void>((resolve) => udp.close(() => resolve())),
           new Promise<void>((resolve) => tcp.close(() => resolve())),

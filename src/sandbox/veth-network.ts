@@ -11,7 +11,9 @@
  *   - forwarded from a sandbox link: explicit deny, explicit allow, built-in deny-list, else accepted and
  *     masqueraded (egress-policy.ts has the order); IPv6 is dropped (sandboxes have IPv4 only);
  *   - into a sandbox link: replies only;
- *   - to the host itself from a sandbox link: DNS to the forwarder only.
+ *   - to the host itself from a sandbox link: DNS to the forwarder on that same link only (`fib daddr .
+ *     iif type local`: the address is one of the incoming link's own), never to another sandbox's
+ *     forwarder, which would share that sandbox's limits (dns-forwarder.ts).
  * A refused connection is answered (TCP reset, else ICMP admin-prohibited) rather than dropped, so a
  * sandbox's client (npm, pip, a function) fails at once instead of waiting for its own timeout.
  *
@@ -318,8 +320,8 @@ ${set('blocked', DEFAULT_DENY.v4)}
   }
   chain to_host {
     ct state established,related accept
-    ip daddr ${pool} udp dport 53 accept
-    ip daddr ${pool} tcp dport 53 accept
+    meta nfproto ipv4 fib daddr . iif type local udp dport 53 accept
+    meta nfproto ipv4 fib daddr . iif type local tcp dport 53 accept
     jump refuse
   }
   chain postrouting {
