@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 import { spawnSync } from 'node:child_process';
 // Runs the compiled test files under dist/test with Node's own test runner (spec reporter, so the run
-// ends with its summary). `npm test` builds first. Pass file name fragments to run only some:
+// ends with its summary, which scripts/test-reporter.mjs precedes with the suite's wall time and its ten
+// slowest files). `npm test` builds first. Pass file name fragments to run only some:
 //   npm run test:only -- zip auth
 // The files under dist/test/postgres/ run tests again on PostgreSQL (test/helpers/store.ts). When they are
 // selected and PostgreSQL's port is closed, scripts/start-services.sh starts it first; if it cannot, the
@@ -52,7 +53,15 @@ if (files.some((f) => f.includes(`${path.sep}postgres${path.sep}`))) {
 
 const result = spawnSync(
   process.execPath,
-  ['--enable-source-maps', '--test', '--test-reporter=spec', '--test-concurrency=2', ...files],
+  [
+    '--enable-source-maps',
+    '--test',
+    // The spec reporter, with the suite's wall time and its ten slowest files just before the summary.
+    `--test-reporter=${new URL('./test-reporter.mjs', import.meta.url).href}`,
+    '--test-reporter-destination=stdout',
+    '--test-concurrency=2',
+    ...files,
+  ],
   { stdio: 'inherit' },
 );
 process.exit(result.status ?? 1);
