@@ -426,7 +426,9 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
         caps.bwrapFeatures,
         typeof network === 'object' ? (netnsPath ? 'host' : 'isolated') : network,
       )),
-      ...(typeof network === 'object' && network.resolvConf ? await resolvConfArgs(network.resolvConf) : []),
+      ...(typeof network === 'object' && network.resolvConf
+        ? await resolvConfArgs(FIRST_FILE_FD + launch.runtimeFiles.length)
+        : []),
       // bwrap's --dev has no shm mount of its own: /dev/shm would be a folder of the unbounded /dev tmpfs.
       ...size(memoryBytes),
       '--tmpfs',
@@ -468,7 +470,6 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
         }
       }
       const bound = [appBind, path.dirname(process.execPath)];
-      if (typeof network === 'object' && network.resolvConf) bound.push(network.resolvConf);
       for (const host of bound) {
         const blocked = await unreachableByOthers(host);
         if (blocked) {
@@ -544,7 +545,13 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
         cwd: spawnCwd,
         stdio,
         argsBlob,
-        runtimeFiles: sandboxed ? launch.runtimeFiles.map((entry) => entry.host) : [],
+        // The lease's resolv.conf last: its fd follows the runtime files' (resolvConfArgs above).
+        runtimeFiles: sandboxed
+          ? [
+              ...launch.runtimeFiles.map((entry) => entry.host),
+              ...(typeof network === 'object' && network.resolvConf ? [network.resolvConf] : []),
+            ]
+          : [],
         hostSocketPath: paths.hostSocketPath,
         killAll: cgroup ? () => cgroup.kill() : undefined,
       }),
@@ -714,14 +721,16 @@ function nsenterPath(): Promise<string> {
 }
 
 /**
- * Binds the lease's resolv.conf over /etc/resolv.conf; where that is a symlink (systemd-resolved's stub
- * file), over the file it points to, since bwrap cannot mount over a dangling symlink.
+ * Puts the lease's resolv.conf (open on `fd`) over /etc/resolv.conf; where that is a symlink
+ * (systemd-resolved's stub file), over the file it points to, since bwrap cannot mount over a dangling
+ * symlink. bwrap copies it into a file of its own (`--ro-bind-data`), so the sandbox's mountinfo names no
+ * host folder for it.
  */
-export async function resolvConfArgs(resolvConf: string): Promise<string[]> {
+export async function resolvConfArgs(fd: number): Promise<string[]> {
   let target = '/etc/resolv.conf';
   const stat = await fs.lstat(target).catch(() => null);
   if (stat?.isSymbolicLink()) target = path.resolve('/etc', await fs.readlink(target));
-  return ['--ro-bind', resolvConf, target];
+  return ['--ro-bind-data', String(fd), target];
 }
 
 /** Everything but the replica's own folders: namespaces, the system folders, and /etc's masked entries. */

@@ -282,7 +282,7 @@ export function probe() {
     });
     assert.equal(build.state, 'ready', build.log);
     const findings = await callAndLook('probe-ts', 'probe', '/ferry/bootstrap.mjs');
-    assertContained(findings, 'the TypeScript replica', [server.dataDir]);
+    assertContained(findings, 'the TypeScript replica', [server.dataDir, '/run/ferry-egress']);
   });
 
   it('a Python replica', { timeout: TIMEOUT }, async () => {
@@ -296,7 +296,7 @@ def probe():
     });
     assert.equal(build.state, 'ready', build.log);
     const findings = await callAndLook('probe-py', 'probe', '/ferry/bootstrap.py');
-    assertContained(findings, 'the Python replica', [server.dataDir]);
+    assertContained(findings, 'the Python replica', [server.dataDir, '/run/ferry-egress']);
   });
 
   it('a custom server replica', { timeout: TIMEOUT }, async () => {
@@ -334,7 +334,7 @@ http.createServer((req, res) => {
     assertUnprivileged(ids, 'the custom replica');
     const res = await call;
     assert.equal(res.status, 200, res.text);
-    assertContained(parseFindings(res.json.probe), 'the custom replica', [server.dataDir]);
+    assertContained(parseFindings(res.json.probe), 'the custom replica', [server.dataDir, '/run/ferry-egress']);
   });
 
   it('a build step (npm runs the app’s own git)', { timeout: TIMEOUT }, async () => {
@@ -369,6 +369,6 @@ http.createServer((req, res) => {
     const text = build.log.replaceAll('FERRY-BUILD-PROBE', 'FERRY-PROBE');
     const findings = parseFindings(text);
     assert.notEqual(findings.write, 'missing', `npm never ran the app's git; log:\n${build.log}`);
-    assertContained(findings, 'the build step', [server.dataDir]);
+    assertContained(findings, 'the build step', [server.dataDir, '/run/ferry-egress']);
   });
 });

@@ -184,11 +184,11 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
       stage.cache,
       STEP_CACHE_DIR,
     ];
-    if (lease.resolvConf !== null) options.push(...(await resolvConfArgs(lease.resolvConf)));
+    // fd 5, the first after bwrap's status (3) and arguments (4): see spawnReplica.
+    if (lease.resolvConf !== null) options.push(...(await resolvConfArgs(5)));
     for (const [i, mount] of (step.writable ?? []).entries()) options.push('--bind', stage.writable[i]!, mount.sandbox);
     for (const [i, mount] of (step.readOnly ?? []).entries())
       options.push('--ro-bind', stage.readOnly[i]!, mount.sandbox);
-    if (caps.identity && lease.resolvConf !== null) await stage.checkReachable(lease.resolvConf);
     options.push('--chdir', step.cwd, '--info-fd', '3', '--clearenv');
     for (const [name, value] of Object.entries(step.env)) options.push('--setenv', name, value);
     // Every option (host paths, the environment) goes through a pipe: the step's /proc/1/cmdline shows none.
@@ -228,7 +228,7 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
       cwd: '/',
       stdio: ['ignore', 'pipe', 'pipe'],
       argsBlob,
-      runtimeFiles: [],
+      runtimeFiles: lease.resolvConf !== null ? [lease.resolvConf] : [],
       hostSocketPath: null,
       killAll: stepCgroup ? () => stepCgroup.kill() : undefined,
     });
