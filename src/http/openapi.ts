@@ -52,6 +52,19 @@ const RunHeaders = Type.Object({
   'x-webhook-secret': Type.Optional(Type.String({ description: 'Signs webhook deliveries of this run' })),
 });
 
+/** A cortex function's call also takes the stream options (the custom proxy forwards the query as it is). */
+const STREAM_EVENTS =
+  '`true` (or `1`): a stream also sends its `error` and `end` as named events (`event: error`, `event: end`), ' +
+  'not as comments; see docs/api.md, "Streaming"';
+const FunctionQuery = Type.Object({
+  ...RunQuery.properties,
+  events: Type.Optional(Type.String({ description: STREAM_EVENTS })),
+});
+const FunctionHeaders = Type.Object({
+  ...RunHeaders.properties,
+  'x-ferry-stream-events': Type.Optional(Type.String({ description: STREAM_EVENTS })),
+});
+
 const RunAccepted = Type.Object(
   { run_id: Type.String() },
   { description: 'Async run stored; poll GET .../runs/{run_id}' },
@@ -71,8 +84,8 @@ const functionCall = {
   operationId: 'runFunction',
   consumes: ['application/json', 'text/plain'],
   params: FunctionPath,
-  querystring: RunQuery,
-  headers: RunHeaders,
+  querystring: FunctionQuery,
+  headers: FunctionHeaders,
   body: Type.Object({}, { additionalProperties: true, description: "The function's arguments" }),
   response: {
     200: {
@@ -86,7 +99,11 @@ const functionCall = {
           }),
         },
         'text/event-stream': {
-          schema: Type.String({ description: 'One event per yielded item; an `event: error` ends a failed stream' }),
+          schema: Type.String({
+            description:
+              'One `data:` event per yielded item and nothing else; the end (`: end {"run_id","state"}`) and a ' +
+              'failure (`: error {"run_id","error"}`) are SSE comments, or named events with `?events=true`',
+          }),
         },
       },
     },
