@@ -47,7 +47,11 @@ const RunQuery = Type.Object({
 
 const RunHeaders = Type.Object({
   'idempotency-key': Type.Optional(
-    Type.String({ description: 'Async runs: a repeat within 24 hours answers the first run id and runs nothing' }),
+    Type.String({
+      description:
+        'Async runs: a repeat (same function) within 24 hours answers the first run id and runs nothing; the ' +
+        'key reused for another function of the app answers 422 FERRY_IDEMPOTENCY_KEY_REUSED',
+    }),
   ),
   'x-webhook-secret': Type.Optional(Type.String({ description: 'Signs webhook deliveries of this run' })),
 });
@@ -70,7 +74,7 @@ const RunAccepted = Type.Object(
   { description: 'Async run stored; poll GET .../runs/{run_id}' },
 );
 
-const RUN_ERRORS = [400, 401, 403, 404, 405, 413, 415, 429, 500, 502, 503, 504] as const;
+const RUN_ERRORS = [400, 401, 403, 404, 405, 413, 415, 422, 429, 500, 502, 503, 504] as const;
 
 const functionCall = {
   summary: 'Run a function',
@@ -126,7 +130,7 @@ const customCall = (withFunction: boolean) => ({
   headers: RunHeaders,
   response: {
     202: RunAccepted,
-    ...errors(400, 401, 403, 404, 405, 413, 429, 502, 503, 504),
+    ...errors(400, 401, 403, 404, 405, 413, 422, 429, 502, 503, 504),
     default: { description: "The app server's response, as it answered" },
   },
 });

@@ -149,8 +149,19 @@ export function parseIdempotencyKey(key: string | string[] | undefined): string 
 }
 
 /**
+ * A repeat of a call of the function that holds the key answers that run (its body is not compared: the
+ * first call's stands, as documented); the key reused for another function of the app is refused (422)
+ * rather than silently answering a run of another function.
+ */
+function sameFunctionOrRefuse(earlier: { id: string; function_name: string }, fn: string): string {
+  if (earlier.function_name === fn) return earlier.id;
+  throw new FerryError('FERRY_IDEMPOTENCY_KEY_REUSED', undefined, { details: { held_by: earlier.id } });
+}
+
+/**
  * `?async=true`: stores the run with its input and resolves with its run id only once it is committed.
- * With `Idempotency-Key`, a repeat within 24 hours resolves with the first call's run id and runs nothing.
+ * With `Idempotency-Key`, a repeat within 24 hours (same function) resolves with the first call's run id
+ * and runs nothing; the key reused for another function of the app answers FERRY_IDEMPOTENCY_KEY_REUSED.
  */
 export async function acceptAsyncCall(
   services: Services,
@@ -163,13 +174,14 @@ export async function acceptAsyncCall(
     if (!idempotencyKey) return undefined;
     const earlier = await store
       .selectFrom('runs')
-      .select(['id', 'created_at'])
+      .select(['id', 'created_at', 'function_name'])
       .where('project_id', '=', build.projectId)
       .where('app_id', '=', build.appId)
       .where('idempotency_key', '=', idempotencyKey)
       .executeTakeFirst();
     if (!earlier) return undefined;
-    if (Date.now() - Date.parse(earlier.created_at) < IDEMPOTENCY_WINDOW_MS) return earlier.id;
+    if (Date.now() - Date.parse(earlier.created_at) < IDEMPOTENCY_WINDOW_MS)
+      return sameFunctionOrRefuse(earlier, call.fn);
     // Past the window the key is free again: the old run keeps its record but lets go of the key.
     await store.updateTable('runs').set({ idempotency_key: null }).where('id', '=', earlier.id).execute();
     return undefined;
@@ -200,16 +212,24 @@ export async function acceptAsyncCall(
     owner,
   });
   const runId = await services.recorder.insertNow(row);
-  if (runId !== call.runId) return runId;
+  if (runId !== call.runId) {
+    // Another call took the key in the same group commit (or just before): the same function, or refused.
+    const winner = await store
+      .selectFrom('runs')
+      .select(['id', 'function_name'])
+      .where('id', '=', runId)
+      .executeTakeFirst();
+    return winner ? sameFunctionOrRefuse(winner, call.fn) : runId;
+  }
   // The committed row's call: a run this node holds is performed from it, not read back (the recorder
   // keeps the row until the run ends anyway, so this holds no more memory).
-  const { function_name, input, webhook_endpoint, http_request } = row;
+  const { function_name, webhook_endpoint, http_request } = row;
   services.asyncWorker.accepted(
     {
       id: call.runId,
       projectId: build.projectId,
       appId: build.appId,
-      call: { function_name, input, webhook_endpoint, http_request },
+      call: { function_name, input: row.input, webhook_endpoint, http_request },
     },
     owner,
   );
