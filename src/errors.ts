@@ -106,6 +106,10 @@ export const ERRORS = {
   },
   FERRY_WEBHOOK_URL_INVALID: { status: 400, message: 'webhookEndpoint must be an absolute http or https URL' },
   FERRY_IDEMPOTENCY_KEY_INVALID: { status: 400, message: 'Idempotency-Key must be 1 to 255 visible ASCII characters' },
+  FERRY_IDEMPOTENCY_KEY_REUSED: {
+    status: 422,
+    message: 'This Idempotency-Key was used for another function of this app within 24 hours',
+  },
   FERRY_LAST_EVENT_ID_INVALID: {
     status: 400,
     message: 'Last-Event-ID must be an event id this stream sent: <run_id>:<sequence number>',

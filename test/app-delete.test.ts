@@ -150,7 +150,7 @@ describe('deleting an app', { timeout: 300_000 }, () => {
     assert.equal(streamed.status, 200);
     const text = streamed.arrivals.map((a) => a.text).join('');
     for (let i = 0; i < 4; i++) assert.ok(text.includes(`"tick":${i}`), `tick ${i} arrived:\n${text}`);
-    assert.match(text, /event: end\n(id: .*\n)?data: .*"state":"success"/);
+    assert.match(text, /\n: end \{.*"state":"success"\}\n\n$/);
 
     await waitFor(
       async () => server.services.replicas.pools().every((p) => p.build.appId !== 'busy' || p.replicas.size === 0),

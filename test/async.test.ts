@@ -1,7 +1,8 @@
 /**
  * Async mode (spec 4.3): 202 with exactly {"run_id"} once the run is committed, nothing stored for
  * refused calls, the run's state following the internal call, timeouts, backlog overload (429), results
- * readable from the management API, and Idempotency-Key.
+ * readable from the management API, and Idempotency-Key (a repeat answers the first run; the key reused for
+ * another function is refused).
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
@@ -152,5 +153,48 @@ export function boom() { throw new RangeError('out of range'); }
     const bad = await call('jobs', 'work', {}, 'async=true', { 'idempotency-key': 'has space' });
     assert.equal(bad.status, 400);
     await settled('jobs', other.json.run_id);
+  });
+
+  it('refuses an Idempotency-Key reused for another function of the app (422), storing nothing', async () => {
+    const key = `reused-${Date.now()}`;
+    const first = await call('jobs', 'work', { value: 7 }, 'async=true', { 'idempotency-key': key });
+    assert.equal(first.status, 202, first.text);
+    const runId = first.json.run_id as string;
+    const before = await countRuns();
+    const res = await call('jobs', 'boom', { value: 7 }, 'async=true', { 'idempotency-key': key });
+    assert.equal(res.status, 422, res.text);
+    assert.equal(res.json.error.code, 'FERRY_IDEMPOTENCY_KEY_REUSED');
+    assert.equal(res.json.error.held_by, runId);
+    assert.equal(await countRuns(), before, 'nothing was stored');
+    // The same function again is still a repeat (its body is not compared: the first call's stands).
+    for (const body of [{ value: 7 }, { value: 8 }]) {
+      const again = await call('jobs', 'work', body, 'async=true', { 'idempotency-key': key });
+      assert.equal(again.status, 202, again.text);
+      assert.equal(again.json.run_id, runId);
+    }
+
+    // Calls racing for a fresh key (one group commit, or one just after another): the call that took it
+    // gets 202, a call of another function gets 422 naming that run, never the other's run id as its own.
+    const raceKey = `race-${Date.now()}`;
+    const raced = await Promise.all([
+      call('jobs', 'work', { value: 1 }, 'async=true', { 'idempotency-key': raceKey }),
+      call('jobs', 'boom', {}, 'async=true', { 'idempotency-key': raceKey }),
+    ]);
+    const won = raced.filter((r) => r.status === 202);
+    const lost = raced.filter((r) => r.status === 422);
+    assert.equal(won.length, 1, raced.map((r) => r.text).join(' | '));
+    assert.equal(lost.length, 1, raced.map((r) => r.text).join(' | '));
+    assert.equal(lost[0]!.json.error.held_by, won[0]!.json.run_id);
+    const holder = await server.services.store
+      .selectFrom('runs')
+      .select('id')
+      .where('idempotency_key', '=', raceKey)
+      .execute();
+    assert.deepEqual(
+      holder.map((r) => r.id),
+      [won[0]!.json.run_id],
+    );
+    await settled('jobs', runId);
+    await settled('jobs', won[0]!.json.run_id);
   });
 });

@@ -24,7 +24,7 @@ import {
 } from './helpers/fleet.js';
 import { deleteClusterStreams, NATS_URL } from './helpers/nats.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
-import { disconnectAfterFirstItem, streamRequest } from './helpers/stream.js';
+import { dataLines, disconnectAfterFirstItem, endEvent, streamRequest, streamWire } from './helpers/stream.js';
 
 async function exampleFiles(name: string): Promise<Record<string, string>> {
   const dir = path.join(REPO_ROOT, 'examples', name);
@@ -198,7 +198,7 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
     assert.equal(sync.status, 200, sync.text);
     assert.deepEqual(sync.json.result, { message: 'Hello, cluster!' });
 
-    // Stream through A: a plain function's result is its one event, then `end`.
+    // Stream through A: a plain function's result is its one event (its one data: line), then the end comment.
     const stream = await fetch(base(gatewayA), {
       method: 'POST',
       headers: {
@@ -210,8 +210,9 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
     });
     assert.equal(stream.status, 200);
     const wire = await stream.text();
-    assert.match(wire, /data: \{"message":"Hello, stream!"\}/);
-    assert.match(wire, /event: end/);
+    assert.deepEqual(dataLines(wire), ['{"message":"Hello, stream!"}']);
+    const streamId = String(stream.headers.get('x-request-id'));
+    assert.equal(wire, streamWire(streamId, ['{"message":"Hello, stream!"}', endEvent(streamId)]));
 
     // Async through B with a webhook: accepted, run by a worker, delivered.
     const hook = `${receiver!.url}/hook`;
@@ -274,7 +275,19 @@ export async function hang() { await sleep(600_000); return 'never'; }
     const arrivalOf = (needle: string) => res.arrivals.find((a) => a.text.includes(needle));
     const first = arrivalOf('data: {"i":0}');
     const last = arrivalOf('data: {"i":3}');
-    assert.ok(first && last && arrivalOf('event: end'), res.arrivals.map((a) => a.text).join(''));
+    const wire = res.arrivals.map((a) => a.text).join('');
+    assert.ok(first && last && arrivalOf(': end {'), wire);
+    // A reader of data: lines gets exactly the yielded items; the end is a comment.
+    assert.deepEqual(dataLines(wire), ['{"i":0}', '{"i":1}', '{"i":2}', '{"i":3}']);
+    const countId = String(res.headers['x-request-id']);
+    assert.equal(wire, streamWire(countId, ['{"i":0}', '{"i":1}', '{"i":2}', '{"i":3}', endEvent(countId)]));
+    // Named events when asked, through the other gateway too.
+    const named = await streamRequest(`${url(gatewayB, 'words')}?events=true`, auth.token, {});
+    const namedId = String(named.headers['x-request-id']);
+    assert.equal(
+      named.arrivals.map((a) => a.text).join(''),
+      streamWire(namedId, ['plain', '42', endEvent(namedId)], { named: true }),
+    );
     // Progressive: the first item reached the caller before the last was yielded (300 ms apart each).
     assert.ok(first.at < last.at, `first item at ${first.at} ms, last at ${last.at} ms`);
 

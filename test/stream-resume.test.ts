@@ -1,6 +1,6 @@
 /**
  * Resumable streams: every event of a streaming run has the id `<run_id>:<seq>` and the stream ends with
- * `event: end`; a reconnect carrying `Last-Event-ID` (or `?lastEventId=`) resumes the same run (replay,
+ * an end that no reader of events takes for an item (a comment; `event: end` with `?events=true`); a reconnect carrying `Last-Event-ID` (or `?lastEventId=`) resumes the same run (replay,
  * then live) instead of running the function again; 204 once nothing is left; coded errors for unknown,
  * foreign and malformed ids; an explicit error event when the size bound dropped events; and the npm
  * `eventsource` client, cut off mid-stream, sees every item once from one run.
@@ -137,16 +137,22 @@ describe('resumable streams', () => {
   });
   after(() => server.close());
 
-  it('gives every event the id <run_id>:<seq> and ends the stream with event: end', async () => {
+  it('gives every event the id <run_id>:<seq>; the events are the items, and event: end when asked', async () => {
     const stream = await connect(url('count'), auth.token, { tag: 'ids', n: 3 });
     assert.equal(stream.res.status, 200);
     const runId = String(stream.res.headers.get('x-request-id'));
-    const events = await stream.rest();
-    assert.deepEqual(events, [
+    const items = [
       { id: `${runId}:1`, event: undefined, data: '{"i":0}' },
       { id: `${runId}:2`, event: undefined, data: '{"i":1}' },
       { id: `${runId}:3`, event: undefined, data: '{"i":2}' },
-      { id: `${runId}:4`, event: 'end', data: JSON.stringify({ run_id: runId, state: 'success' }) },
+    ];
+    assert.deepEqual(await stream.rest(), items);
+
+    const named = await connect(`${url('count')}?events=true`, auth.token, { tag: 'ids', n: 3 });
+    const namedId = String(named.res.headers.get('x-request-id'));
+    assert.deepEqual(await named.rest(), [
+      ...items.map((e) => ({ ...e, id: e.id.replace(runId, namedId) })),
+      { id: `${namedId}:4`, event: 'end', data: JSON.stringify({ run_id: namedId, state: 'success' }) },
     ]);
   });
 
@@ -167,11 +173,18 @@ describe('resumable streams', () => {
     assert.deepEqual(await second.rest(), [
       { id: `${runId}:3`, event: undefined, data: 'c' },
       { id: `${runId}:4`, event: undefined, data: 'd' },
-      { id: `${runId}:5`, event: 'end', data: JSON.stringify({ run_id: runId, state: 'success' }) },
     ]);
 
-    const done = await connect(url('gated'), auth.token, { tag }, lastIdHeader(`${runId}:5`));
-    assert.equal(done.res.status, 204);
+    // After the last item (or the end's id, which named events carry) nothing is left: 204.
+    for (const id of [`${runId}:4`, `${runId}:5`]) {
+      const done = await connect(url('gated'), auth.token, { tag }, lastIdHeader(id));
+      assert.equal(done.res.status, 204, id);
+    }
+    // With named events the end is one more event: resuming after the last item sends it.
+    const end = await connect(`${url('gated')}?events=true`, auth.token, { tag }, lastIdHeader(`${runId}:4`));
+    assert.deepEqual(await end.rest(), [
+      { id: `${runId}:5`, event: 'end', data: JSON.stringify({ run_id: runId, state: 'success' }) },
+    ]);
     assert.equal(await run('starts_of', { tag }), 1);
     assert.equal(await recordedRuns('gated', tag), 1);
     const record = await call(`${server.url}/v2/projects/${auth.projectId}/apps/resumer/runs/${runId}`, {
@@ -185,7 +198,7 @@ describe('resumable streams', () => {
     const stream = await connect(url('count'), auth.token, { tag, n: 3 });
     const runId = String(stream.res.headers.get('x-request-id'));
     const all = await stream.rest();
-    assert.equal(all.length, 4);
+    assert.equal(all.length, 3);
 
     const replay = await connect(url('count'), auth.token, { tag, n: 3 }, lastIdHeader(`${runId}:1`));
     assert.equal(replay.res.status, 200);
@@ -196,11 +209,13 @@ describe('resumable streams', () => {
     });
     assert.deepEqual(await byQuery.rest(), all.slice(2));
 
-    const end = await connect(url('count'), auth.token, { tag }, lastIdHeader(`${runId}:4`));
-    assert.equal(end.res.status, 204);
-    assert.equal(end.res.headers.get('x-request-id'), runId);
-    const endByQuery = await connect(`${url('count')}?lastEventId=${runId}:4`, auth.token, { tag });
-    assert.equal(endByQuery.res.status, 204);
+    for (const id of [`${runId}:3`, `${runId}:4`]) {
+      const end = await connect(url('count'), auth.token, { tag }, lastIdHeader(id));
+      assert.equal(end.res.status, 204, id);
+      assert.equal(end.res.headers.get('x-request-id'), runId);
+      const endByQuery = await connect(`${url('count')}?lastEventId=${id}`, auth.token, { tag });
+      assert.equal(endByQuery.res.status, 204, id);
+    }
     assert.equal(await run('starts_of', { tag }), 1);
     assert.equal(await recordedRuns('count', tag), 1);
   });
@@ -235,12 +250,26 @@ describe('resumable streams', () => {
   });
 
   it('says so with an error event when events after Last-Event-ID were dropped by the size bound', async () => {
-    const stream = await connect(url('big'), auth.token, { n: 10 });
+    const stream = await connect(`${url('big')}?events=true`, auth.token, { n: 10 });
     const runId = String(stream.res.headers.get('x-request-id'));
     const all = await stream.rest();
     assert.equal(all.length, 11);
 
-    const resumed = await connect(url('big'), auth.token, { n: 10 }, lastIdHeader(`${runId}:1`));
+    // By default the notice is a comment: the wire's first lines after `retry:`, no data: line.
+    const raw = await fetch(url('big'), {
+      method: 'POST',
+      headers: {
+        authorization: `Bearer ${auth.token}`,
+        accept: 'text/event-stream',
+        'last-event-id': `${runId}:1`,
+      },
+    });
+    assert.equal(raw.status, 200);
+    const wire = await raw.text();
+    assert.match(wire, /^retry: 1000\n\n: error \{"run_id":"[^"]+","error":\{"code":"FERRY_STREAM_EVENTS_DROPPED",/);
+    assert.doesNotMatch(wire, /^event:/m);
+
+    const resumed = await connect(`${url('big')}?events=true`, auth.token, { n: 10 }, lastIdHeader(`${runId}:1`));
     assert.equal(resumed.res.status, 200);
     const events = await resumed.rest();
     const [notice, ...replayed] = events;
@@ -256,11 +285,14 @@ describe('resumable streams', () => {
     assert.deepEqual(replayed, all.slice(firstKept - 1), 'the kept events, in order, to the end');
   });
 
-  it('serves the npm eventsource client: cut off mid-stream, it resumes, gets every item once, and stops at 204', async () => {
-    const tag = 'eventsource';
+  /**
+   * The npm eventsource client on `count` (6 items), its first connection cut after the second event: what
+   * it received, the statuses of its connections and the Last-Event-ID each carried.
+   */
+  async function eventSourceRun(tag: string, target: string) {
     const statuses: number[] = [];
     const lastIds: (string | null)[] = [];
-    const es = new EventSource(url('count'), {
+    const es = new EventSource(target, {
       // The run endpoint takes POST with a token: eventsource lets the request be made by our fetch.
       fetch: async (input, init) => {
         lastIds.push(init.headers['Last-Event-ID'] ?? null);
@@ -301,15 +333,40 @@ describe('resumable streams', () => {
       await new Promise((r) => setTimeout(r, 100));
     }
     es.close();
+    return { statuses, lastIds, messages, ends };
+  }
 
+  it('serves the npm eventsource client: cut off mid-stream, it resumes, gets every item once, and stops at 204', async () => {
+    const tag = 'eventsource';
+    const { statuses, lastIds, messages, ends } = await eventSourceRun(tag, url('count'));
+    assert.deepEqual(
+      messages,
+      [0, 1, 2, 3, 4, 5].map((i) => JSON.stringify({ i })),
+    );
+    assert.equal(ends.length, 0, 'no named event unless asked for');
+    assert.deepEqual(statuses, [200, 200, 204], 'first call, resume, stop');
+    // The cut comes after the second event's chunk: usually event 2, later if chunks arrived together.
+    assert.equal(lastIds.length, 3);
+    assert.equal(lastIds[0], null);
+    const runId = String(lastIds[1]).split(':')[0];
+    assert.match(String(lastIds[1]), new RegExp(`^${runId}:[2-6]$`));
+    // The end is a comment with no id: the last id is the last item's, and after it the answer is 204.
+    assert.equal(lastIds[2], `${runId}:6`);
+    assert.equal(await run('starts_of', { tag }), 1);
+    assert.equal(await recordedRuns('count', tag), 1);
+  });
+
+  it('serves the npm eventsource client with named events (?events=true): the same items, then its end event', async () => {
+    const tag = 'eventsource-named';
+    const { statuses, lastIds, messages, ends } = await eventSourceRun(tag, `${url('count')}?events=true`);
     assert.deepEqual(
       messages,
       [0, 1, 2, 3, 4, 5].map((i) => JSON.stringify({ i })),
     );
     assert.equal(ends.length, 1);
     const runId = JSON.parse(ends[0]!).run_id;
+    assert.equal(JSON.parse(ends[0]!).state, 'success');
     assert.deepEqual(statuses, [200, 200, 204], 'first call, resume, stop');
-    // The cut comes after the second event's chunk: usually event 2, later if chunks arrived together.
     assert.equal(lastIds.length, 3);
     assert.equal(lastIds[0], null);
     assert.match(String(lastIds[1]), new RegExp(`^${runId}:[2-6]$`));

@@ -1,14 +1,15 @@
 /**
  * Streaming mode (spec 4.4): headers, one `data:` event per item the moment it is yielded (also through
- * gzip, flushed per event), each with its `id:` and the stream closed by `event: end`, multi-line strings,
- * errors mid-stream, a disconnecting client that does not come back stopping the generator after the
+ * gzip, flushed per event), each with its `id:`, and no other `data:` line: the stream's end and an error
+ * mid-stream are comments (`: end {...}`, `: error {...}`), named events only when the caller asks
+ * (`?events=true` or `X-Ferry-Stream-Events: true`); multi-line strings, a disconnecting client that does not come back stopping the generator after the
  * resume grace period, and a generator called without an event stream answering a JSON array.
  * Resuming is in stream-resume.test.ts.
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { http as call, deployFiles, startServer, type TestServer, waitFor } from './helpers/ferry.js';
-import { disconnectAfterFirstItem, endEvent, streamRequest, streamWire } from './helpers/stream.js';
+import { dataLines, disconnectAfterFirstItem, endEvent, streamRequest, streamWire } from './helpers/stream.js';
 
 describe('streaming runs', () => {
   let server: TestServer;
@@ -45,7 +46,10 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
     const runId = String(res.headers['x-request-id']);
     assert.match(runId, /^[0-9a-f-]{36}$/);
     const text = res.arrivals.map((a) => a.text).join('');
+    // A reader of `data:` lines (Python's iter_lines() way) gets exactly the yielded items, nothing more.
+    assert.deepEqual(dataLines(text), ['{"i":0}', '{"i":1}', '{"i":2}', '{"i":3}']);
     assert.equal(text, streamWire(runId, ['{"i":0}', '{"i":1}', '{"i":2}', '{"i":3}', endEvent(runId)]));
+    assert.match(text, new RegExp(`\n: end \\{"run_id":"${runId}","state":"success"\\}\n\n$`));
     const eventTimes = res.arrivals.filter((a) => a.text.includes('data:')).map((a) => a.at);
     assert.ok(eventTimes.length >= 3, `events arrived in ${eventTimes.length} chunks: progressive delivery`);
     assert.ok(eventTimes.at(-1)! - eventTimes[0]! >= 600, `arrivals spread with the generator's sleeps: ${eventTimes}`);
@@ -67,17 +71,17 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
     const runId = String(res.headers['x-request-id']);
     const text = res.arrivals.map((a) => a.text).join('');
     assert.match(text, /\ndata: two\ndata: lines\n\n/);
+    assert.deepEqual(dataLines(text), ['plain text', 'two', 'lines', '42']);
     assert.equal(text, streamWire(runId, ['plain text', 'two\nlines', '42', endEvent(runId)]));
   });
 
-  it('ends the stream with an error event when the generator throws, and records failure', async () => {
+  it('ends the stream with an error comment when the generator throws, and records failure', async () => {
     const res = await streamRequest(url('failing'), auth.token, {});
     const runId = String(res.headers['x-request-id']);
     const text = res.arrivals.map((a) => a.text).join('');
-    const match = /^retry: 1000\n\nid: \S+\ndata: first\n\nevent: error\nid: \S+\ndata: (.*)\n\nevent: end\n/.exec(
-      text,
-    );
+    const match = /^retry: 1000\n\nid: \S+\ndata: first\n\n: error (.*)\n\n: end \{.*\}\n\n$/.exec(text);
     assert.ok(match, text);
+    assert.deepEqual(dataLines(text), ['first'], 'the error is no data: line');
     const payload = JSON.parse(match[1]!);
     assert.equal(payload.run_id, runId);
     assert.equal(payload.error.code, 'FERRY_FUNCTION_ERROR');
@@ -114,11 +118,11 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
     const late = await streamRequest(url('forever'), auth.token, {}, { 'last-event-id': `${runId}:1` });
     assert.equal(late.status, 200);
     const text = late.arrivals.map((a) => a.text).join('');
-    const match = /\nevent: error\nid: \S+:(\d+)\ndata: (.*)\n\nevent: end\n/.exec(text);
+    const match = /\nid: \S+:(\d+)\ndata: \d+\n\n: error (.*)\n\n: end \{.*\}\n\n$/.exec(text);
     assert.ok(match, text);
-    const errorSeq = Number(match[1]);
+    const lastItem = Number(match[1]);
     assert.equal(JSON.parse(match[2]!).error.code, 'FERRY_CLIENT_GONE');
-    const items = Array.from({ length: errorSeq - 2 }, (_, i) => String(i + 1));
+    const items = Array.from({ length: lastItem - 1 }, (_, i) => String(i + 1));
     assert.equal(
       text,
       streamWire(runId, ['0', ...items, { event: 'error', data: match[2]! }, endEvent(runId, 'cancelled')]).replace(
@@ -126,8 +130,69 @@ export async function* forever() { let i = 0; try { for (;;) { await sleep(50); 
         '',
       ),
     );
-    const over = await streamRequest(url('forever'), auth.token, {}, { 'last-event-id': `${runId}:${errorSeq + 1}` });
+    // After the last item there is nothing more a reader of items could get: 204 (EventSource stops).
+    const over = await streamRequest(url('forever'), auth.token, {}, { 'last-event-id': `${runId}:${lastItem}` });
     assert.equal(over.status, 204);
+    // With named events, the error and the end are events with ids: resuming after the last item sends them.
+    const named = await streamRequest(
+      `${url('forever')}?events=true`,
+      auth.token,
+      {},
+      {
+        'last-event-id': `${runId}:${lastItem}`,
+      },
+    );
+    assert.equal(named.status, 200);
+    const namedText = named.arrivals.map((a) => a.text).join('');
+    assert.equal(
+      namedText,
+      `retry: 1000\n\nevent: error\nid: ${runId}:${lastItem + 1}\ndata: ${match[2]}\n\n` +
+        `event: end\nid: ${runId}:${lastItem + 2}\ndata: {"run_id":"${runId}","state":"cancelled"}\n\n`,
+    );
+    const namedOver = await streamRequest(
+      `${url('forever')}?events=true`,
+      auth.token,
+      {},
+      {
+        'last-event-id': `${runId}:${lastItem + 2}`,
+      },
+    );
+    assert.equal(namedOver.status, 204);
+  });
+
+  it('sends the error and the end as named events when asked (?events=true or X-Ferry-Stream-Events)', async () => {
+    const items = ['{"i":0}', '{"i":1}'];
+    for (const [how, query, headers] of [
+      ['query', '?events=true', {}],
+      ['query 1', '?events=1', {}],
+      ['header', '', { 'x-ferry-stream-events': 'true' }],
+    ] as const) {
+      const res = await streamRequest(`${url('count')}${query}`, auth.token, { n: 2, ms: 10 }, headers);
+      assert.equal(res.status, 200, how);
+      const runId = String(res.headers['x-request-id']);
+      const text = res.arrivals.map((a) => a.text).join('');
+      assert.equal(text, streamWire(runId, [...items, endEvent(runId)], { named: true }), how);
+    }
+    // Anything else is the default form.
+    const plain = await streamRequest(`${url('count')}?events=yes`, auth.token, { n: 2, ms: 10 });
+    const plainText = plain.arrivals.map((a) => a.text).join('');
+    assert.equal(
+      plainText,
+      streamWire(String(plain.headers['x-request-id']), [...items, endEvent(String(plain.headers['x-request-id']))]),
+    );
+
+    const failed = await streamRequest(url('failing'), auth.token, {}, { 'x-ferry-stream-events': 'true' });
+    const runId = String(failed.headers['x-request-id']);
+    const text = failed.arrivals.map((a) => a.text).join('');
+    const match = /^retry: 1000\n\nid: \S+\ndata: first\n\nevent: error\nid: \S+\ndata: (.*)\n\nevent: end\n/.exec(
+      text,
+    );
+    assert.ok(match, text);
+    assert.equal(JSON.parse(match[1]!).error.code, 'FERRY_FUNCTION_ERROR');
+    assert.equal(
+      text,
+      streamWire(runId, ['first', { event: 'error', data: match[1]! }, endEvent(runId, 'failure')], { named: true }),
+    );
   });
 
   it('answers a generator called without Accept: text/event-stream with its items as a JSON array', async () => {

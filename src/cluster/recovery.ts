@@ -145,6 +145,7 @@ export function createRecovery(deps: {
               url: run.webhook_endpoint,
               payload: buildWebhookPayload({
                 runId: run.id,
+                state: 'failure',
                 finishedAt: nowMs,
                 statusCode: 502,
                 runTimeMs,

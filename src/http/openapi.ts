@@ -47,9 +47,26 @@ const RunQuery = Type.Object({
 
 const RunHeaders = Type.Object({
   'idempotency-key': Type.Optional(
-    Type.String({ description: 'Async runs: a repeat within 24 hours answers the first run id and runs nothing' }),
+    Type.String({
+      description:
+        'Async runs: a repeat (same function) within 24 hours answers the first run id and runs nothing; the ' +
+        'key reused for another function of the app answers 422 FERRY_IDEMPOTENCY_KEY_REUSED',
+    }),
   ),
   'x-webhook-secret': Type.Optional(Type.String({ description: 'Signs webhook deliveries of this run' })),
+});
+
+/** A cortex function's call also takes the stream options (the custom proxy forwards the query as it is). */
+const STREAM_EVENTS =
+  '`true` (or `1`): a stream also sends its `error` and `end` as named events (`event: error`, `event: end`), ' +
+  'not as comments; see docs/api.md, "Streaming"';
+const FunctionQuery = Type.Object({
+  ...RunQuery.properties,
+  events: Type.Optional(Type.String({ description: STREAM_EVENTS })),
+});
+const FunctionHeaders = Type.Object({
+  ...RunHeaders.properties,
+  'x-ferry-stream-events': Type.Optional(Type.String({ description: STREAM_EVENTS })),
 });
 
 const RunAccepted = Type.Object(
@@ -57,7 +74,7 @@ const RunAccepted = Type.Object(
   { description: 'Async run stored; poll GET .../runs/{run_id}' },
 );
 
-const RUN_ERRORS = [400, 401, 403, 404, 405, 413, 415, 429, 500, 502, 503, 504] as const;
+const RUN_ERRORS = [400, 401, 403, 404, 405, 413, 415, 422, 429, 500, 502, 503, 504] as const;
 
 const functionCall = {
   summary: 'Run a function',
@@ -71,8 +88,8 @@ const functionCall = {
   operationId: 'runFunction',
   consumes: ['application/json', 'text/plain'],
   params: FunctionPath,
-  querystring: RunQuery,
-  headers: RunHeaders,
+  querystring: FunctionQuery,
+  headers: FunctionHeaders,
   body: Type.Object({}, { additionalProperties: true, description: "The function's arguments" }),
   response: {
     200: {
@@ -86,7 +103,11 @@ const functionCall = {
           }),
         },
         'text/event-stream': {
-          schema: Type.String({ description: 'One event per yielded item; an `event: error` ends a failed stream' }),
+          schema: Type.String({
+            description:
+              'One `data:` event per yielded item and nothing else; the end (`: end {"run_id","state"}`) and a ' +
+              'failure (`: error {"run_id","error"}`) are SSE comments, or named events with `?events=true`',
+          }),
         },
       },
     },
@@ -109,7 +130,7 @@ const customCall = (withFunction: boolean) => ({
   headers: RunHeaders,
   response: {
     202: RunAccepted,
-    ...errors(400, 401, 403, 404, 405, 413, 429, 502, 503, 504),
+    ...errors(400, 401, 403, 404, 405, 413, 422, 429, 502, 503, 504),
     default: { description: "The app server's response, as it answered" },
   },
 });

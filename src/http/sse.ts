@@ -28,3 +28,13 @@ export function startEventStream(res: ServerResponse, headers: Record<string, st
 export function wantsEventStream(accept: string | undefined): boolean {
   return accept?.toLowerCase().includes('text/event-stream') ?? false;
 }
+
+/**
+ * Formats a comment block (`: <text>` per line, then a blank line): EventSource and every reader of
+ * `data:` lines skip it, so a stream's end and errors can be told without looking like one more item.
+ */
+export function formatComment(text: string): string {
+  let out = '';
+  for (const line of text.split(/\r\n|\r|\n/)) out += `: ${line}\n`;
+  return `${out}\n`;
+}

@@ -293,6 +293,7 @@ export function createAsyncWorker(deps: {
             url: run.webhook_endpoint,
             payload: buildWebhookPayload({
               runId: q.id,
+              state: 'failure',
               finishedAt: now,
               statusCode: status,
               runTimeMs: null,

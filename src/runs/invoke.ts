@@ -14,7 +14,7 @@ import type { Frame } from '../replicas/frames.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { RunMode, RunState } from '../store/schema.js';
-import { buildWebhookPayload, MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
+import { buildWebhookPayload, MAX_WEBHOOK_RESULT_BYTES, type WebhookRunState } from '../webhooks/payload.js';
 import { InFlightRuns } from './in-flight.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
 import { RunAbort } from './run-abort.js';
@@ -369,7 +369,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
      * varying fields cost a property-definition miss per run, issue 15).
      */
     function finish(
-      state: RunState,
+      state: WebhookRunState,
       statusCode: number,
       result: string | null,
       runTimeMs: number | null,

@@ -38,6 +38,8 @@ export interface ReplayStream {
   readonly fn: string;
   /** Sequence number of the last event so far (0 before the first). */
   readonly lastSeq: number;
+  /** Sequence number of the last item (an event with no name: not `error`, not `end`); 0 before the first. */
+  readonly lastItemSeq: number;
   /** Sequence number of the oldest event still kept (`lastSeq + 1` when none is). */
   readonly firstSeq: number;
   readonly done: boolean;
@@ -109,6 +111,7 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
   function open(run: { runId: string; projectId: string; appId: string; fn: string; stop: () => void }) {
     const readers = new Set<StreamReader>();
     let seq = 0;
+    let lastItemSeq = 0;
     let done = false;
     let graceTimer: NodeJS.Timeout | undefined;
     let forgetTimer: NodeJS.Timeout | undefined;
@@ -123,6 +126,9 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
       get lastSeq() {
         return seq;
       },
+      get lastItemSeq() {
+        return lastItemSeq;
+      },
       get done() {
         return done;
       },
@@ -132,6 +138,7 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
       push(data, event) {
         if (done) return;
         seq += 1;
+        if (!event) lastItemSeq = seq;
         const item: StreamEvent = { id: `${run.runId}:${seq}`, seq, event, data };
         // Once forgotten (shutdown), events still reach the readers but are no longer kept.
         if (streams.get(run.runId) === stream) {

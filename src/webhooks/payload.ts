@@ -1,7 +1,14 @@
 /**
  * The body Ferry POSTs to a run's webhook: the full response payload (spec 4.5 rule 6), not only the
- * function's result. Every member is documented in docs/webhooks.md.
+ * function's result. Every member is documented in docs/webhooks.md. Every writer of a payload (the
+ * invoker, cancellation, the async worker's failures, recovery) builds it here, so none can leave out a
+ * member docs/webhooks.md promises in every payload (`state` is required by the type).
  */
+
+import type { RunState } from '../store/schema.js';
+
+/** How a run ended, as its webhook payload says. */
+export type WebhookRunState = Exclude<RunState, 'queued' | 'running'>;
 
 /** Results larger than this are left out of webhook payloads (`result` null, `result_omitted` says why). */
 export const MAX_WEBHOOK_RESULT_BYTES = 1024 * 1024;
@@ -9,7 +16,7 @@ export const MAX_WEBHOOK_RESULT_BYTES = 1024 * 1024;
 export interface WebhookPayload {
   run_id: string;
   /** How the run ended: success, failure, timeout or cancelled. */
-  state?: string;
+  state: WebhookRunState;
   /** Unix seconds when the run finished. */
   timestamp: number;
   /** The HTTP status the run answered (or would have answered, for async runs). */
@@ -25,8 +32,8 @@ export interface WebhookPayload {
 
 export function buildWebhookPayload(input: {
   runId: string;
-  /** How the run ended (success, failure, timeout, cancelled). */
-  state?: string | undefined;
+  /** How the run ended (success, failure, timeout, cancelled): in every payload. */
+  state: WebhookRunState;
   finishedAt: number;
   statusCode: number;
   runTimeMs: number | null;
@@ -40,7 +47,7 @@ export function buildWebhookPayload(input: {
 }): string {
   const payload: WebhookPayload = {
     run_id: input.runId,
-    ...(input.state ? { state: input.state } : {}),
+    state: input.state,
     timestamp: Math.floor(input.finishedAt / 1000),
     status_code: input.statusCode,
     run_time_ms: input.runTimeMs,

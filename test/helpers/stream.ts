@@ -72,13 +72,20 @@ export type ExpectedEvent = string | { event: string; data: string };
 
 /**
  * The exact wire text of a run's event stream (written out here rather than with src/http/sse.ts, so a
- * change to the format shows): `retry: 1000`, then each event with the id `<run_id>:<seq>` (from 1) and one
- * `data:` line per line of its text.
+ * change to the format shows): `retry: 1000`, then each event in turn (sequence numbers from 1). An item
+ * has the id `<run_id>:<seq>` and one `data:` line per line of its text. A named event (`error`, `end`) is,
+ * by default, a comment `: <name> <data>` with no id, so the `data:` lines are the items and nothing else;
+ * with `named` (the caller asked for `?events=true`) it is `event: <name>`, its id and its `data:` lines.
  */
-export function streamWire(runId: string, events: ExpectedEvent[]): string {
+export function streamWire(runId: string, events: ExpectedEvent[], options: { named?: boolean } = {}): string {
   let out = 'retry: 1000\n\n';
   events.forEach((e, i) => {
     const { event, data } = typeof e === 'string' ? { event: undefined, data: e } : e;
+    if (event && !options.named) {
+      for (const line of `${event} ${data}`.split('\n')) out += `: ${line}\n`;
+      out += '\n';
+      return;
+    }
     if (event) out += `event: ${event}\n`;
     out += `id: ${runId}:${i + 1}\n`;
     for (const line of data.split('\n')) out += `data: ${line}\n`;
@@ -87,7 +94,18 @@ export function streamWire(runId: string, events: ExpectedEvent[]): string {
   return out;
 }
 
-/** The `event: end` every stream finishes with. */
+/** The `end` every stream finishes with. */
 export function endEvent(runId: string, state = 'success'): ExpectedEvent {
   return { event: 'end', data: JSON.stringify({ run_id: runId, state }) };
+}
+
+/**
+ * What a reader of `data:` lines gets from a stream's wire text (the common `iter_lines()` way): the text
+ * after `data: ` on each such line, in order.
+ */
+export function dataLines(wire: string): string[] {
+  return wire
+    .split(/\r\n|\r|\n/)
+    .filter((line) => line.startsWith('data:'))
+    .map((line) => line.slice(line.startsWith('data: ') ? 6 : 5));
 }

@@ -19,7 +19,7 @@ import { webhookSecretOf } from '../../webhooks/secret.js';
 import { useJsonBodies } from '../body-parsers.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
 import type { TypedServer } from '../server.js';
-import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
+import { formatComment, formatEvent, startEventStream, wantsEventStream } from '../sse.js';
 
 declare module 'fastify' {
   interface FastifyRequest {
@@ -149,8 +149,19 @@ export function parseIdempotencyKey(key: string | string[] | undefined): string 
 }
 
 /**
+ * A repeat of a call of the function that holds the key answers that run (its body is not compared: the
+ * first call's stands, as documented); the key reused for another function of the app is refused (422)
+ * rather than silently answering a run of another function.
+ */
+function sameFunctionOrRefuse(earlier: { id: string; function_name: string }, fn: string): string {
+  if (earlier.function_name === fn) return earlier.id;
+  throw new FerryError('FERRY_IDEMPOTENCY_KEY_REUSED', undefined, { details: { held_by: earlier.id } });
+}
+
+/**
  * `?async=true`: stores the run with its input and resolves with its run id only once it is committed.
- * With `Idempotency-Key`, a repeat within 24 hours resolves with the first call's run id and runs nothing.
+ * With `Idempotency-Key`, a repeat within 24 hours (same function) resolves with the first call's run id
+ * and runs nothing; the key reused for another function of the app answers FERRY_IDEMPOTENCY_KEY_REUSED.
  */
 export async function acceptAsyncCall(
   services: Services,
@@ -163,13 +174,14 @@ export async function acceptAsyncCall(
     if (!idempotencyKey) return undefined;
     const earlier = await store
       .selectFrom('runs')
-      .select(['id', 'created_at'])
+      .select(['id', 'created_at', 'function_name'])
       .where('project_id', '=', build.projectId)
       .where('app_id', '=', build.appId)
       .where('idempotency_key', '=', idempotencyKey)
       .executeTakeFirst();
     if (!earlier) return undefined;
-    if (Date.now() - Date.parse(earlier.created_at) < IDEMPOTENCY_WINDOW_MS) return earlier.id;
+    if (Date.now() - Date.parse(earlier.created_at) < IDEMPOTENCY_WINDOW_MS)
+      return sameFunctionOrRefuse(earlier, call.fn);
     // Past the window the key is free again: the old run keeps its record but lets go of the key.
     await store.updateTable('runs').set({ idempotency_key: null }).where('id', '=', earlier.id).execute();
     return undefined;
@@ -200,16 +212,24 @@ export async function acceptAsyncCall(
     owner,
   });
   const runId = await services.recorder.insertNow(row);
-  if (runId !== call.runId) return runId;
+  if (runId !== call.runId) {
+    // Another call took the key in the same group commit (or just before): the same function, or refused.
+    const winner = await store
+      .selectFrom('runs')
+      .select(['id', 'function_name'])
+      .where('id', '=', runId)
+      .executeTakeFirst();
+    return winner ? sameFunctionOrRefuse(winner, call.fn) : runId;
+  }
   // The committed row's call: a run this node holds is performed from it, not read back (the recorder
   // keeps the row until the run ends anyway, so this holds no more memory).
-  const { function_name, input, webhook_endpoint, http_request } = row;
+  const { function_name, webhook_endpoint, http_request } = row;
   services.asyncWorker.accepted(
     {
       id: call.runId,
       projectId: build.projectId,
       appId: build.appId,
-      call: { function_name, input, webhook_endpoint, http_request },
+      call: { function_name, input: row.input, webhook_endpoint, http_request },
     },
     owner,
   );
@@ -250,10 +270,26 @@ function parseLastEventId(header: unknown, query: unknown): LastEventId | undefi
 }
 
 /**
- * One caller's connection to a run's events. The response starts on first use (headers, then `retry:`);
- * events go out as they come, gzip-compressed and flushed per event when the caller accepts gzip.
+ * Whether the caller asked for the stream's named events (`?events=true` or `X-Ferry-Stream-Events: true`;
+ * `1` is taken too). Without them the only `data:` lines are the yielded items (spec 4.4 and 6: no named
+ * event types): a stream's error and end are SSE comments, which `data:` readers and EventSource skip.
  */
-function eventConnection(request: FastifyRequest, reply: FastifyReply, runId: string) {
+export function wantsStreamEvents(request: FastifyRequest): boolean {
+  const on = (value: unknown) => value === 'true' || value === '1';
+  return on((request.query as Record<string, unknown>).events) || on(request.headers['x-ferry-stream-events']);
+}
+
+/** One control event (`error`, `end`) in the default form: a comment `: <name> <data>`, with no id. */
+function controlComment(event: string, data: string): string {
+  return formatComment(`${event} ${data}`);
+}
+
+/**
+ * One caller's connection to a run's events. The response starts on first use (headers, then `retry:`);
+ * events go out as they come, gzip-compressed and flushed per event when the caller accepts gzip. Items are
+ * `id:` + `data:`; the run's `error` and `end` are named events with `named`, else comments with no id.
+ */
+function eventConnection(request: FastifyRequest, reply: FastifyReply, runId: string, named: boolean) {
   const res = reply.raw;
   const gzip = /\bgzip\b/i.test(String(request.headers['accept-encoding'] ?? ''));
   let out: { write(text: string): void; end(): void } | undefined;
@@ -284,7 +320,12 @@ function eventConnection(request: FastifyRequest, reply: FastifyReply, runId: st
   };
   const reader: StreamReader = {
     send(event) {
-      if (!res.destroyed) open().write(formatEvent(event.data, event.event, event.id));
+      if (res.destroyed) return;
+      const text =
+        event.event && !named
+          ? controlComment(event.event, event.data)
+          : formatEvent(event.data, event.event, event.id);
+      open().write(text);
     },
     end: () => open().end(),
   };
@@ -298,15 +339,17 @@ function eventText(value: unknown): string {
 /** How a stream that failed ends, as the run records it. */
 function endStateOf(err: FerryError, clientGone: boolean): StreamEndState {
   if (err.code === 'FERRY_RUN_TIMEOUT') return 'timeout';
-  // Cancelled through the API (POST .../runs/{run_id}/cancel): `event: error` FERRY_RUN_CANCELLED, then this.
+  // Cancelled through the API (POST .../runs/{run_id}/cancel): an error FERRY_RUN_CANCELLED, then this.
   if (err.code === 'FERRY_RUN_CANCELLED') return 'cancelled';
   return clientGone ? 'cancelled' : 'failure';
 }
 
 /**
  * `Accept: text/event-stream`: each yielded item is one event (strings as they are, other values as JSON),
- * with the id `<run_id>:<seq>`, the moment it is yielded; `event: end` closes every stream, after an
- * `event: error` when the run failed. Errors before the call starts answer a normal JSON error.
+ * with the id `<run_id>:<seq>`, the moment it is yielded; an `end` closes every stream, after an `error`
+ * when the run failed: comments `: end {"run_id","state"}` and `: error {...}` by default, named events
+ * (`event: end`, `event: error`, with ids) when the caller asks (wantsStreamEvents). Errors before the call
+ * starts answer a normal JSON error.
  *
  * The events are kept (services.streams) so a reconnect can resume; a caller that goes away once the
  * stream has started leaves the run going for the resume grace period. Before that it stops the run.
@@ -319,7 +362,7 @@ async function streamRun(
 ): Promise<void> {
   const gone = new AbortController();
   const stop = () => gone.abort(new Error('client disconnected'));
-  const connection = eventConnection(request, reply, call.runId);
+  const connection = eventConnection(request, reply, call.runId, wantsStreamEvents(request));
   let stream: ReplayStream | undefined;
   const begin = (): ReplayStream => {
     if (stream) return stream;
@@ -362,7 +405,8 @@ async function streamRun(
 /**
  * A reconnect carrying `Last-Event-ID: <run_id>:<seq>`: sends the run's kept events after `seq`, then the
  * live ones, and nothing is run. 204 once there is nothing more (which tells EventSource to stop); 410
- * when the run's stream is not kept here; an `event: error` first when events after `seq` were dropped.
+ * when the run's stream is not kept here; an error (comment or named event, as for the run's) first when
+ * events after `seq` were dropped.
  */
 function resumeStream(
   services: Services,
@@ -386,9 +430,14 @@ function resumeStream(
   if (last.seq > stream.lastSeq) {
     throw new FerryError('FERRY_LAST_EVENT_ID_INVALID', `This stream has sent no event ${last.runId}:${last.seq}`);
   }
-  if (stream.done && last.seq >= stream.lastSeq) return reply.code(204).send();
+  const named = wantsStreamEvents(request);
+  // Over: nothing after the client's last event, or (without named events, whose end and error carry no
+  // id, so a client's last id is an item's) no item after it. 204 tells EventSource to stop.
+  if (stream.done && (last.seq >= stream.lastSeq || (!named && last.seq >= stream.lastItemSeq))) {
+    return reply.code(204).send();
+  }
 
-  const connection = eventConnection(request, reply, last.runId);
+  const connection = eventConnection(request, reply, last.runId, named);
   connection.open();
   connection.res.on('close', () => {
     if (!connection.res.writableFinished) stream.detach(connection.reader);
@@ -401,7 +450,8 @@ function resumeStream(
       { details: { resumes_at: `${last.runId}:${first}` } },
     );
     // No id: it is not one of the run's events, and the client's last id stays where it was.
-    connection.open().write(formatEvent(JSON.stringify({ run_id: last.runId, ...dropped.toJSON() }), 'error'));
+    const data = JSON.stringify({ run_id: last.runId, ...dropped.toJSON() });
+    connection.open().write(named ? formatEvent(data, 'error') : controlComment('error', data));
   }
   stream.attach(connection.reader, last.seq);
   return undefined;
