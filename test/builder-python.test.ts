@@ -4,13 +4,14 @@
  * app folder, or a local server that never answers when a test needs pip to hang.
  */
 import assert from 'node:assert/strict';
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, execFile, spawn } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import { describe, it } from 'node:test';
+import { promisify } from 'node:util';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { createDefaultBuilders, selectBuilder } from '../src/builds/builders/index.js';
 import { createPythonBuilder, findPython } from '../src/builds/builders/python.js';
@@ -193,6 +194,54 @@ describe('python builder: checks', () => {
     const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "py-pick"\n', 'main.py': '' });
     const builder = selectBuilder(parseAppConfig('[app]\nname = "py-pick"\n'), ws.sourceDir, createDefaultBuilders());
     assert.equal(builder.name, 'python');
+  });
+});
+
+describe('python builder: shipped bytecode (issue 30)', () => {
+  it('drops an uploaded __pycache__ and .pyc files, so main.py runs and not a bytecode stand-in', {
+    timeout: TIMEOUT,
+  }, async () => {
+    const python = await findPython();
+    assert.ok(python, 'a python3 interpreter');
+    const run = promisify(execFile);
+    const { stdout: tag } = await run(python, ['-c', 'import sys; print(sys.implementation.cache_tag)']);
+    // Bytecode of another main.py, compiled so that Python never compares it with the source beside it.
+    const work = await fs.mkdtemp(path.join(h.tmpRoot, 'pyc-'));
+    await fs.writeFile(path.join(work, 'main.py'), 'def run():\n    return "FROM-THE-PYC"\n');
+    const pyc = path.join(work, 'main.pyc');
+    await run(python, [
+      '-c',
+      'import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)',
+      path.join(work, 'main.py'),
+      pyc,
+    ]);
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "py-pyc"\n',
+      'main.py': 'import helper\n\ndef run():\n    return "FROM-MAIN-PY " + helper.NAME\n',
+      'helper.py': 'NAME = "helper.py"\n',
+      [`__pycache__/main.${tag.trim()}.pyc`]: await fs.readFile(pyc),
+      'lib/__pycache__/x.pyc': 'stale',
+      'stray.pyo': 'stale',
+    });
+    const outcome = await runBuild(ws);
+    assertReady(outcome);
+    // What runs is main.py (the old builder left the bytecode, and the function answered FROM-THE-PYC).
+    const replica = await startBootstrap(ws);
+    try {
+      const text = await callReplica(replica.socket, 'run', {});
+      assert.equal(text, '{"type":"result","data":"FROM-MAIN-PY helper.py"}\n', replica.output());
+    } finally {
+      replica.child.kill('SIGTERM');
+    }
+    assert.ok(
+      outcome.lines.includes(
+        'Removed 3 compiled Python files (__pycache__, .pyc) from the upload: replicas run the .py files shipped',
+      ),
+      outcome.lines.join('\n'),
+    );
+    await assert.rejects(fs.access(path.join(ws.sourceDir, '__pycache__')));
+    await assert.rejects(fs.access(path.join(ws.sourceDir, 'lib', '__pycache__')));
+    await assert.rejects(fs.access(path.join(ws.sourceDir, 'stray.pyo')));
   });
 });
 

@@ -252,6 +252,12 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
       throwIfAborted(ctx.signal);
       const entry = await findEntry(ctx);
       ctx.log(`Entry: ${entry}`);
+      const removed = await removeBytecode(ctx.sourceDir);
+      if (removed > 0) {
+        ctx.log(
+          `Removed ${removed} compiled Python file${removed === 1 ? '' : 's'} (__pycache__, .pyc) from the upload: replicas run the .py files shipped`,
+        );
+      }
       const python = options.python ?? (await findPython());
       if (python === null) {
         throw new BuildFailedError('Python apps cannot be built on this server: no python3 interpreter was found');
@@ -288,6 +294,33 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
       return result;
     },
   };
+}
+
+/**
+ * Removes every `__pycache__` folder and `.pyc`/`.pyo` file of the upload and counts the files. Python
+ * prefers bytecode to source: an unchecked-hash `__pycache__/main.cpython-311.pyc` runs instead of
+ * main.py whatever main.py says, and a `helper.pyc` without `helper.py` is imported as is. So what a
+ * replica runs is the source shipped (the checks above read it). Nothing is followed: an archive holds no
+ * links, and a link would only be removed, never entered.
+ */
+async function removeBytecode(sourceDir: string): Promise<number> {
+  let count = 0;
+  const walk = async (dir: string): Promise<void> => {
+    for (const entry of await fs.readdir(dir, { withFileTypes: true })) {
+      const file = path.join(dir, entry.name);
+      if (entry.isDirectory() && entry.name === '__pycache__') {
+        count += (await fs.readdir(file, { recursive: true })).length;
+        await fs.rm(file, { recursive: true, force: true });
+      } else if (entry.isDirectory()) {
+        await walk(file);
+      } else if (/\.py[co]$/i.test(entry.name)) {
+        count += 1;
+        await fs.rm(file, { force: true });
+      }
+    }
+  };
+  await walk(sourceDir);
+  return count;
 }
 
 async function findEntry(ctx: BuildContext): Promise<string> {
