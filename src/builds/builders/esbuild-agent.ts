@@ -129,12 +129,14 @@ export function insideAppPlugin(root: string): esbuild.Plugin {
             ],
           };
         }
-        let text: string;
+        let bytes: Buffer;
         try {
-          text = await fs.promises.readFile(args.path, 'latin1');
+          bytes = await fs.promises.readFile(args.path);
         } catch {
           return undefined; // esbuild reports it
         }
+        if (!bytes.includes('sourceMappingURL')) return undefined;
+        const text = bytes.toString('latin1');
         const file = path.relative(appRoot, real(args.path));
         for (const match of text.matchAll(SOURCE_MAP_COMMENT)) {
           const targets = sourceMapTargets(path.dirname(args.path), match[1] ?? '');
