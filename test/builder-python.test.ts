@@ -15,6 +15,7 @@ import { promisify } from 'node:util';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { createDefaultBuilders, selectBuilder } from '../src/builds/builders/index.js';
 import { createPythonBuilder, findPython } from '../src/builds/builders/python.js';
+import { requirementsProblem } from '../src/builds/builders/requirements.js';
 import { BuildFailedError } from '../src/builds/builders/types.js';
 import { PYTHON_BOOTSTRAP } from '../src/replicas/launcher.js';
 import { detectSandbox } from '../src/replicas/sandbox.js';
@@ -370,6 +371,42 @@ describe('python builder: dependencies', () => {
       { file: '--r /etc/passwd\n', line: 1, text: '--r /etc/passwd', reason: /ambiguous/ },
       { file: '--no-such-option\n', line: 1, text: '--no-such-option', reason: /not an option pip reads/ },
     ];
+
+    it('reads lines, continuations, comments and options as pip does', () => {
+      const dir = h.tmpRoot;
+      const check = (text: string) => requirementsProblem(Buffer.from(text), dir);
+      // pip-compile's output: continued hashes, indented comments, markers.
+      assert.equal(
+        check(
+          'leftpad==1.0.0 \\\n    --hash=sha256:abc \\\n    --hash=sha256:def\n    # via -r requirements.in\nrequests[socks]>=2,<3 ; python_version >= "3.8"\n',
+        ),
+        undefined,
+      );
+      assert.equal(
+        check('\ufeffzope.interface==6.0\r\n-i https://pypi.org/simple\r\n--extra https://x.example/\r\n'),
+        undefined,
+      );
+      assert.equal(check('x @ https://files.example/x-1.0-py3-none-any.whl#sha256=abc\n'), undefined);
+      // Python splits lines at \v and U+2028 too: the option is a line of its own there.
+      for (const sep of ['\v', '\u2028', '\x1c', '\r']) {
+        assert.deepEqual(check(`foo${sep}-r /etc/passwd\n`), {
+          line: 2,
+          text: '-r /etc/passwd',
+          reason: 'a nested requirements file (-r/--requirement) is not supported',
+        });
+      }
+      // After "--" pip reads no options; a path climbing out through a URL is still a path to pip.
+      assert.equal(check('leftpad -- -r /etc/passwd\n'), undefined);
+      assert.match(check('x @ https://a/../../../../../../../etc/x.whl\n')?.reason ?? '', /outside the app/);
+      assert.match(check('--pypi /etc\n')?.reason ?? '', /--pypi-url must be an http or https URL/);
+      assert.match(check('-f\n')?.reason ?? '', /needs a value/);
+      assert.match(check("--find-links '/e'tc\n")?.reason ?? '', /a folder of the app/);
+      // UTF-16 (a byte order mark) and a declared coding: pip would decode them otherwise than this check.
+      const utf16 = Buffer.concat([Buffer.from([0xff, 0xfe]), Buffer.from('-r /etc/passwd\n', 'utf16le')]);
+      assert.match(requirementsProblem(utf16, dir)?.reason ?? '', /must be UTF-8/);
+      assert.match(check('# coding: latin-1\nleftpad\n')?.reason ?? '', /must be UTF-8/);
+      assert.equal(check('# -*- coding: utf-8 -*-\nleftpad\n'), undefined);
+    });
 
     it('refuses each way round the check, naming the line, before pip runs', { timeout: 4 * TIMEOUT }, async () => {
       for (const bypass of bypasses) {

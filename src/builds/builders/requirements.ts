@@ -384,5 +384,5 @@ function urlProblem(url: string, sourceDir: string): string | undefined {
     if (isDirectory(local)) return 'a local folder is built from source';
     return WHEEL.test(local) ? undefined : 'a local file that is not a wheel (.whl) is built from source';
   }
-  return `a ${scheme || 'relative'} URL is not supported (wheels by http(s) URL or path only)`;
+  return `${scheme ? `a URL of scheme ${scheme}` : 'a relative URL'} is not supported (a wheel by http(s) URL or by path only)`;
 }
