@@ -11,6 +11,7 @@ import path from 'node:path';
 import { describe, it } from 'node:test';
 import { pathToFileURL } from 'node:url';
 import { parseAppConfig } from '../src/apps/app-config.js';
+import { inputsOutsideApp } from '../src/builds/builders/esbuild-agent.js';
 import { selectBuilder } from '../src/builds/builders/index.js';
 import { createNodeBuilder } from '../src/builds/builders/node.js';
 import { type Builder, BuildFailedError } from '../src/builds/builders/types.js';
@@ -310,6 +311,24 @@ for (const mode of ['sandboxed', 'unsandboxed'] as const) {
     });
   });
 }
+
+describe('esbuild agent: the last check of the inputs', () => {
+  it("names every input of the metafile outside the app, whatever esbuild's hooks did", async () => {
+    const ws = await workspace(null, { 'main.js': '', 'node_modules/x/index.js': '' });
+    const input = { bytes: 1, imports: [] };
+    const inputs = {
+      'main.js': input,
+      'node_modules/x/index.js': input,
+      [`${path.relative(ws.sourceDir, '/etc')}/hostname`]: input,
+      [`file:${path.relative(ws.sourceDir, '/proc/self')}/mountinfo`]: input,
+      'dataurl:data:text/plain,x': input,
+    };
+    assert.deepEqual(inputsOutsideApp({ inputs }, ws.sourceDir), [
+      `${path.relative(ws.sourceDir, '/etc')}/hostname`,
+      `${path.relative(ws.sourceDir, '/proc/self')}/mountinfo`,
+    ]);
+  });
+});
 
 describe('node builder: dependencies', () => {
   it('runs npm ci with a lock file and bundles the installed dependency', { timeout: TIMEOUT }, async () => {

@@ -237,7 +237,7 @@ function toMessages(messages: esbuild.Message[], workingDir: string): AgentMessa
  * The files of the metafile's inputs that are outside the app folder (relative to it). None once the load
  * hook has done its work: a last check, before anything is written, on what the bundle really holds.
  */
-function inputsOutsideApp(metafile: esbuild.Metafile, workingDir: string): string[] {
+export function inputsOutsideApp(metafile: Pick<esbuild.Metafile, 'inputs'>, workingDir: string): string[] {
   const appRoot = real(path.resolve(workingDir));
   const outside: string[] = [];
   for (const input of Object.keys(metafile.inputs)) {
