@@ -11,6 +11,7 @@ import path from 'node:path';
 import { describe, it } from 'node:test';
 import { pathToFileURL } from 'node:url';
 import { parseAppConfig } from '../src/apps/app-config.js';
+import { inputsOutsideApp } from '../src/builds/builders/esbuild-agent.js';
 import { selectBuilder } from '../src/builds/builders/index.js';
 import { createNodeBuilder } from '../src/builds/builders/node.js';
 import { type Builder, BuildFailedError } from '../src/builds/builders/types.js';
@@ -22,6 +23,7 @@ import {
   processesIn,
   processesWithArgs,
   shareTestNetwork,
+  unsandboxed,
   type Workspace,
   waitUntilGone,
 } from './helpers/builds.js';
@@ -147,6 +149,184 @@ describe('node builder: bundling', () => {
       'main.ts': 'export const run = () => "ts";\n',
     });
     assertFailed(await runBuild(missing), /main\.js/);
+  });
+});
+
+/**
+ * Files esbuild reads that no checked import names (issue 30): a glob import's matches, a source map
+ * comment's map, a tsconfig.json's `extends`. Each runs in the build sandbox and, with FERRY_SANDBOX=off,
+ * as a plain process (there the app's folder is the host's and every host file is within reach).
+ */
+for (const mode of ['sandboxed', 'unsandboxed'] as const) {
+  describe(`node builder: files outside the app (${mode})`, () => {
+    const caps = () => (mode === 'sandboxed' ? detectSandbox() : unsandboxed());
+    /** `dir` (a host folder the sandbox shows too: /etc, /proc) relative to the app folder as the step sees it. */
+    const up = (ws: Workspace, dir: string) => path.relative(mode === 'sandboxed' ? '/app/source' : ws.sourceDir, dir);
+    const build = async (ws: Workspace) => runBuild(ws, { caps: await caps() });
+
+    it('runs in the mode it names', async () => {
+      assert.equal((await caps()).bwrap !== null, mode === 'sandboxed', 'bubblewrap is needed for the sandboxed runs');
+    });
+
+    it('refuses a glob import whose matches are host files (/etc/host*, /proc/self/mount*)', {
+      timeout: TIMEOUT,
+    }, async () => {
+      for (const [dir, prefix] of [
+        ['/etc', 'host'],
+        ['/proc/self', 'mount'],
+      ] as const) {
+        const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "node-glob"\n' });
+        const glob = `${up(ws, dir)}/${prefix}`;
+        await fs.writeFile(
+          path.join(ws.sourceDir, 'main.js'),
+          `export async function run({ n }) {\n  return (await import(\`${glob}\${n}\`, { with: { type: 'text' } })).default;\n}\n`,
+        );
+        const outcome = await build(ws);
+        assertFailed(
+          outcome,
+          /^Bundling failed: main\.js:2:\d+: FERRY_BUILD_IMPORT_OUTSIDE_APP: this import matches a file outside/,
+        );
+        // Nothing was written (the old bundle held the files), and the matches are not named.
+        assert.deepEqual(await fs.readdir(ws.outputDir), []);
+        const log = outcome.lines.join('\n');
+        assert.doesNotMatch(log, /hostname|mountinfo/, log);
+        // One message, however many files matched.
+        assert.equal(outcome.lines.filter((l) => l.includes('FERRY_BUILD_IMPORT_OUTSIDE_APP')).length, 1, log);
+      }
+    });
+
+    it('still bundles a glob import inside the app, and refuses a match that is a link out of it', {
+      timeout: TIMEOUT,
+    }, async () => {
+      const files = {
+        'ferry.toml': '[app]\nname = "node-glob"\n',
+        'main.js': `export async function run({ n }) {\n  return (await import(\`./data/\${n}.txt\`, { with: { type: 'text' } })).default;\n}\n`,
+        'data/a.txt': 'APP-TEXT-A\n',
+        'data/b.txt': 'APP-TEXT-B\n',
+      };
+      const ws = await workspace(null, files);
+      assertReady(await build(ws));
+      const run = (await importBundle(ws)).run as (input: { n: string }) => Promise<string>;
+      assert.equal(await run({ n: 'b' }), 'APP-TEXT-B\n');
+
+      const linked = await workspace(null, files);
+      const secret = path.join(linked.root, 'host-secret.txt');
+      await fs.writeFile(secret, 'HOST-SECRET-BYTES\n');
+      await fs.symlink(mode === 'sandboxed' ? '/etc/hostname' : secret, path.join(linked.sourceDir, 'data', 'c.txt'));
+      assertFailed(await build(linked), /FERRY_BUILD_IMPORT_OUTSIDE_APP/);
+      assert.deepEqual(await fs.readdir(linked.outputDir), []);
+    });
+
+    it('refuses a source map comment that leads outside the app, however it is spelled', {
+      timeout: TIMEOUT,
+    }, async () => {
+      const spellings = (ws: Workspace) => [
+        `${up(ws, '/etc')}/hostname`,
+        '/etc/hostname',
+        'file:///etc/hostname',
+        `${up(ws, '/etc').replaceAll('/', '%2F')}%2Fhostname`,
+        `${up(ws, '/etc').replaceAll('.', '%2e')}/hostname`,
+      ];
+      const count = spellings(await workspace(null)).length;
+      for (let i = 0; i < count; i++) {
+        const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "node-map"\n' });
+        const url = spellings(ws)[i]!;
+        await fs.writeFile(
+          path.join(ws.sourceDir, 'main.js'),
+          `export const run = () => 1;\n//# sourceMappingURL=${url}\n`,
+        );
+        const outcome = await build(ws);
+        assertFailed(
+          outcome,
+          /^Bundling failed: FERRY_BUILD_FILE_OUTSIDE_APP: the source map comment .* in main\.js leads outside/,
+        );
+        assert.deepEqual(await fs.readdir(ws.outputDir), []);
+      }
+    });
+
+    it("never puts a host source map's sources into the bundle's map", { timeout: TIMEOUT }, async () => {
+      const ws = await workspace(null, { 'ferry.toml': '[app]\nname = "node-map"\n' });
+      // Another build's map, say. In the sandbox nothing of the kind is within reach: /etc/hostname stands in.
+      const hostMap = mode === 'sandboxed' ? '/etc/hostname' : path.join(ws.root, 'other.js.map');
+      await fs.writeFile(
+        path.join(ws.root, 'other.js.map'),
+        JSON.stringify({ version: 3, sources: ['other.ts'], sourcesContent: ['HOST-SOURCE-BYTES'], mappings: 'AAAA' }),
+      );
+      await fs.writeFile(
+        path.join(ws.sourceDir, 'main.js'),
+        `export const run = () => 1;\n//# sourceMappingURL=${path.relative(mode === 'sandboxed' ? '/app/source' : ws.sourceDir, hostMap)}\n`,
+      );
+      const outcome = await build(ws);
+      assertFailed(outcome, /FERRY_BUILD_FILE_OUTSIDE_APP/);
+      for (const file of await fs.readdir(ws.outputDir)) {
+        assert.ok(!(await fs.readFile(path.join(ws.outputDir, file), 'utf8')).includes('HOST-SOURCE-BYTES'), file);
+      }
+
+      // A map of the app's own still counts.
+      const own = await workspace(null, {
+        'ferry.toml': '[app]\nname = "node-map"\n',
+        'main.js': 'export const run = () => 1;\n//# sourceMappingURL=maps/main.js.map\n',
+        'maps/main.js.map': JSON.stringify({
+          version: 3,
+          sources: ['../original.ts'],
+          sourcesContent: ['APP-SOURCE-BYTES'],
+          mappings: 'AAAA',
+        }),
+      });
+      assertReady(await build(own));
+      assert.match(await fs.readFile(path.join(own.outputDir, 'main.mjs.map'), 'utf8'), /APP-SOURCE-BYTES/);
+    });
+
+    it('names a host file a tsconfig.json extends, but never quotes it', { timeout: TIMEOUT }, async () => {
+      const hostname = (await fs.readFile('/etc/hostname', 'utf8')).trim();
+      assert.ok(hostname.length > 0);
+      for (const extend of ['/etc/hostname', `${'../'.repeat(12)}etc/hostname`]) {
+        const ws = await workspace(null, {
+          'ferry.toml': '[app]\nname = "node-tsconfig"\n',
+          'main.ts': 'export const run = (): number => 1;\n',
+          'tsconfig.json': JSON.stringify({ extends: extend }),
+        });
+        const outcome = await build(ws);
+        const error = assertFailed(
+          outcome,
+          /^Bundling failed: FERRY_BUILD_FILE_OUTSIDE_APP: esbuild read \S*etc\/hostname, which is outside the app folder/,
+        );
+        const log = [error.message, ...outcome.lines].join('\n');
+        // esbuild's own message was `Unexpected "<the file's first word>" in JSON`.
+        assert.ok(!log.includes(`"${hostname.split(/\s/)[0]}"`), log);
+        assert.doesNotMatch(log, /in JSON/, log);
+      }
+      if (mode === 'unsandboxed') {
+        // A host file only a plain process sees, with a word that cannot be in the log by chance.
+        const ws = await workspace(null, {
+          'ferry.toml': '[app]\nname = "node-tsconfig"\n',
+          'main.ts': 'export const run = (): number => 1;\n',
+          'tsconfig.json': JSON.stringify({ extends: '../host.json' }),
+        });
+        await fs.writeFile(path.join(ws.root, 'host.json'), 'HOSTWORD-7d1c rest of a secret file\n');
+        const outcome = await build(ws);
+        const error = assertFailed(outcome, /FERRY_BUILD_FILE_OUTSIDE_APP: esbuild read \.\.\/host\.json/);
+        assert.ok(![error.message, ...outcome.lines].join('\n').includes('HOSTWORD'), outcome.lines.join('\n'));
+      }
+    });
+  });
+}
+
+describe('esbuild agent: the last check of the inputs', () => {
+  it("names every input of the metafile outside the app, whatever esbuild's hooks did", async () => {
+    const ws = await workspace(null, { 'main.js': '', 'node_modules/x/index.js': '' });
+    const input = { bytes: 1, imports: [] };
+    const inputs = {
+      'main.js': input,
+      'node_modules/x/index.js': input,
+      [`${path.relative(ws.sourceDir, '/etc')}/hostname`]: input,
+      [`file:${path.relative(ws.sourceDir, '/proc/self')}/mountinfo`]: input,
+      'dataurl:data:text/plain,x': input,
+    };
+    assert.deepEqual(inputsOutsideApp({ inputs }, ws.sourceDir), [
+      `${path.relative(ws.sourceDir, '/etc')}/hostname`,
+      `${path.relative(ws.sourceDir, '/proc/self')}/mountinfo`,
+    ]);
   });
 });
 

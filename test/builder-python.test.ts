@@ -4,15 +4,18 @@
  * app folder, or a local server that never answers when a test needs pip to hang.
  */
 import assert from 'node:assert/strict';
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, execFile, spawn } from 'node:child_process';
+import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import { describe, it } from 'node:test';
+import { promisify } from 'node:util';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { createDefaultBuilders, selectBuilder } from '../src/builds/builders/index.js';
 import { createPythonBuilder, findPython } from '../src/builds/builders/python.js';
+import { requirementsProblem } from '../src/builds/builders/requirements.js';
 import { BuildFailedError } from '../src/builds/builders/types.js';
 import { PYTHON_BOOTSTRAP } from '../src/replicas/launcher.js';
 import { detectSandbox } from '../src/replicas/sandbox.js';
@@ -38,6 +41,12 @@ const CANCEL_BOUND_MS = 12_000;
 
 const h = buildHarness('python', () => createPythonBuilder());
 const { workspace, runBuild } = h;
+
+async function wheelHash(): Promise<string> {
+  return createHash('sha256')
+    .update(await leftpadWheel())
+    .digest('hex');
+}
 
 async function depsWorkspace(extra: Record<string, string | Buffer> = {}): Promise<Workspace> {
   return workspace('python-deps', { [`wheels/${LEFTPAD_WHEEL}`]: await leftpadWheel(), ...extra });
@@ -189,6 +198,54 @@ describe('python builder: checks', () => {
   });
 });
 
+describe('python builder: shipped bytecode (issue 30)', () => {
+  it('drops an uploaded __pycache__ and .pyc files, so main.py runs and not a bytecode stand-in', {
+    timeout: TIMEOUT,
+  }, async () => {
+    const python = await findPython();
+    assert.ok(python, 'a python3 interpreter');
+    const run = promisify(execFile);
+    const { stdout: tag } = await run(python, ['-c', 'import sys; print(sys.implementation.cache_tag)']);
+    // Bytecode of another main.py, compiled so that Python never compares it with the source beside it.
+    const work = await fs.mkdtemp(path.join(h.tmpRoot, 'pyc-'));
+    await fs.writeFile(path.join(work, 'main.py'), 'def run():\n    return "FROM-THE-PYC"\n');
+    const pyc = path.join(work, 'main.pyc');
+    await run(python, [
+      '-c',
+      'import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)',
+      path.join(work, 'main.py'),
+      pyc,
+    ]);
+    const ws = await workspace(null, {
+      'ferry.toml': '[app]\nname = "py-pyc"\n',
+      'main.py': 'import helper\n\ndef run():\n    return "FROM-MAIN-PY " + helper.NAME\n',
+      'helper.py': 'NAME = "helper.py"\n',
+      [`__pycache__/main.${tag.trim()}.pyc`]: await fs.readFile(pyc),
+      'lib/__pycache__/x.pyc': 'stale',
+      'stray.pyo': 'stale',
+    });
+    const outcome = await runBuild(ws);
+    assertReady(outcome);
+    // What runs is main.py (the old builder left the bytecode, and the function answered FROM-THE-PYC).
+    const replica = await startBootstrap(ws);
+    try {
+      const text = await callReplica(replica.socket, 'run', {});
+      assert.equal(text, '{"type":"result","data":"FROM-MAIN-PY helper.py"}\n', replica.output());
+    } finally {
+      replica.child.kill('SIGTERM');
+    }
+    assert.ok(
+      outcome.lines.includes(
+        'Removed 3 compiled Python files (__pycache__, .pyc) from the upload: replicas run the .py files shipped',
+      ),
+      outcome.lines.join('\n'),
+    );
+    await assert.rejects(fs.access(path.join(ws.sourceDir, '__pycache__')));
+    await assert.rejects(fs.access(path.join(ws.sourceDir, 'lib', '__pycache__')));
+    await assert.rejects(fs.access(path.join(ws.sourceDir, 'stray.pyo')));
+  });
+});
+
 describe('python builder: dependencies', () => {
   it('installs requirements.txt into out/site-packages, where a replica imports them', {
     timeout: TIMEOUT,
@@ -240,7 +297,7 @@ describe('python builder: dependencies', () => {
     const outcome = await runBuild(ws);
     assertFailed(
       outcome,
-      /^requirements\.txt: "\.\/srcpkg": a local folder is built from source; Ferry installs wheels only/,
+      /^requirements\.txt line 1: "\.\/srcpkg": a local folder is built from source; Ferry installs wheels only/,
     );
     await assert.rejects(fs.access('/tmp/ferry-setup-py-ran'), 'setup.py did not run');
     for (const line of ['-e ./srcpkg', 'pkg @ git+https://example.invalid/pkg.git', 'pkg-1.0.tar.gz', '-r more.txt']) {
@@ -249,12 +306,152 @@ describe('python builder: dependencies', () => {
     }
   });
 
+  describe('requirements.txt read as pip reads it (issue 30)', () => {
+    /** An in-tree build backend that says when pip runs it. */
+    const backend = {
+      'pkg/pyproject.toml':
+        '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n\n[project]\nname = "evilpkg"\nversion = "1.0"\n',
+      'pkg/backend.py':
+        'import sys\ndef _ran(*a, **k):\n    print("FERRY-ATTACK backend ran", file=sys.stderr)\n    raise RuntimeError("no")\nget_requires_for_build_wheel = prepare_metadata_for_build_wheel = build_wheel = _ran\n',
+    };
+
+    const bypasses: Array<{ file: string; line: number; text: string; reason: RegExp }> = [
+      // Shortened long options (optparse takes any unambiguous prefix), and the other spellings pip reads.
+      { file: '--requirem /etc/passwd\n', line: 1, text: '--requirem /etc/passwd', reason: /nested requirements file/ },
+      { file: '--constr /etc/passwd\n', line: 1, text: '--constr /etc/passwd', reason: /constraints file/ },
+      { file: 'leftpad\n-r/etc/passwd\n', line: 2, text: '-r/etc/passwd', reason: /nested requirements file/ },
+      { file: '--requirement=/etc/passwd\n', line: 1, text: '--requirement=/etc/passwd', reason: /nested/ },
+      { file: '--ed pkg/\n', line: 1, text: '--ed pkg/', reason: /editable install/ },
+      // A continuation, a comment, spaces and a tab: the logical line pip reads.
+      { file: '# deps\n--requi\\\nrement /etc/passwd\n', line: 2, text: '--requirement /etc/passwd', reason: /nested/ },
+      { file: '  -c /etc/passwd   # pinned\n', line: 1, text: '-c /etc/passwd', reason: /constraints file/ },
+      { file: '--pre \t-r /etc/passwd\n', line: 1, text: '--pre \t-r /etc/passwd', reason: /nested/ },
+      // Local folders pip builds with their own backend, however they are written.
+      { file: 'pkg/\n', line: 1, text: 'pkg/', reason: /a local folder is built from source/ },
+      { file: 'pkg/[extra]\n', line: 1, text: 'pkg/[extra]', reason: /a local folder is built from source/ },
+      { file: '.\n', line: 1, text: '.', reason: /a local folder is built from source/ },
+      {
+        file: 'evilpkg @ file:pkg\n',
+        line: 1,
+        text: 'evilpkg @ file:pkg',
+        reason: /a local folder is built from source/,
+      },
+      {
+        file: 'evilpkg@file:./pkg\n',
+        line: 1,
+        text: 'evilpkg@file:./pkg',
+        reason: /a local folder is built from source/,
+      },
+      { file: 'pkg/ ; python_version > "3"\n', line: 1, text: 'pkg/ ; python_version > "3"', reason: /local folder/ },
+      // Files outside the app, and what pip would expand or decode differently.
+      { file: '--find-links /etc\nleftpad\n', line: 1, text: '--find-links /etc', reason: /a folder of the app/ },
+      { file: '-f../..\nleftpad\n', line: 1, text: '-f../..', reason: /a folder of the app/ },
+      { file: '--index-url file:///etc\n', line: 1, text: '--index-url file:///etc', reason: /http or https URL/ },
+      {
+        file: '../../etc/x-1.0-py3-none-any.whl\n',
+        line: 1,
+        text: '../../etc/x-1.0-py3-none-any.whl',
+        reason: /outside the app/,
+      },
+      { file: `\${HOME}/x.whl\n`, line: 1, text: `\${HOME}/x.whl`, reason: /environment variables/ },
+      { file: '# -*- coding: utf-7 -*-\n+AC0-r /etc/passwd\n', line: 1, text: '', reason: /must be UTF-8/ },
+      { file: 'pkg-1.0.zip\n', line: 1, text: 'pkg-1.0.zip', reason: /source archive/ },
+      {
+        file: 'https://example.invalid/pkg-1.0.tar.gz\n',
+        line: 1,
+        text: 'https://example.invalid/pkg-1.0.tar.gz',
+        reason: /not a wheel/,
+      },
+      {
+        file: 'leftpad --index-url http://x.invalid/\n',
+        line: 1,
+        text: 'leftpad --index-url http://x.invalid/',
+        reason: /line of its own/,
+      },
+      { file: '--r /etc/passwd\n', line: 1, text: '--r /etc/passwd', reason: /ambiguous/ },
+      { file: '--no-such-option\n', line: 1, text: '--no-such-option', reason: /not an option pip reads/ },
+    ];
+
+    it('reads lines, continuations, comments and options as pip does', () => {
+      const dir = h.tmpRoot;
+      const check = (text: string) => requirementsProblem(Buffer.from(text), dir);
+      // pip-compile's output: continued hashes, indented comments, markers.
+      assert.equal(
+        check(
+          'leftpad==1.0.0 \\\n    --hash=sha256:abc \\\n    --hash=sha256:def\n    # via -r requirements.in\nrequests[socks]>=2,<3 ; python_version >= "3.8"\n',
+        ),
+        undefined,
+      );
+      assert.equal(
+        check('\ufeffzope.interface==6.0\r\n-i https://pypi.org/simple\r\n--extra https://x.example/\r\n'),
+        undefined,
+      );
+      assert.equal(check('x @ https://files.example/x-1.0-py3-none-any.whl#sha256=abc\n'), undefined);
+      // Python splits lines at \v and U+2028 too: the option is a line of its own there.
+      for (const sep of ['\v', '\u2028', '\x1c', '\r']) {
+        assert.deepEqual(check(`foo${sep}-r /etc/passwd\n`), {
+          line: 2,
+          text: '-r /etc/passwd',
+          reason: 'a nested requirements file (-r/--requirement) is not supported',
+        });
+      }
+      // After "--" pip reads no options; a path climbing out through a URL is still a path to pip.
+      assert.equal(check('leftpad -- -r /etc/passwd\n'), undefined);
+      assert.match(check('x @ https://a/../../../../../../../etc/x.whl\n')?.reason ?? '', /outside the app/);
+      assert.match(check('--pypi /etc\n')?.reason ?? '', /--pypi-url must be an http or https URL/);
+      assert.match(check('-f\n')?.reason ?? '', /needs a value/);
+      assert.match(check("--find-links '/e'tc\n")?.reason ?? '', /a folder of the app/);
+      // UTF-16 (a byte order mark) and a declared coding: pip would decode them otherwise than this check.
+      const utf16 = Buffer.concat([Buffer.from([0xff, 0xfe]), Buffer.from('-r /etc/passwd\n', 'utf16le')]);
+      assert.match(requirementsProblem(utf16, dir)?.reason ?? '', /must be UTF-8/);
+      assert.match(check('# coding: latin-1\nleftpad\n')?.reason ?? '', /must be UTF-8/);
+      assert.equal(check('# -*- coding: utf-8 -*-\nleftpad\n'), undefined);
+    });
+
+    it('refuses each way round the check, naming the line, before pip runs', { timeout: 4 * TIMEOUT }, async () => {
+      for (const bypass of bypasses) {
+        const ws = await depsWorkspace({ 'requirements.txt': bypass.file, ...backend });
+        const outcome = await runBuild(ws);
+        const log = outcome.lines.join('\n');
+        const quoted = bypass.text === '' ? '' : `: "${bypass.text.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}"`;
+        const error = assertFailed(outcome, new RegExp(`^requirements\\.txt line ${bypass.line}${quoted}: `));
+        assert.match(error.message, bypass.reason, `${JSON.stringify(bypass.file)}: ${error.message}`);
+        assert.match(error.message, /Ferry installs wheels only/);
+        assert.ok(
+          !outcome.lines.some((l) => l.startsWith('Running pip')),
+          `pip ran for ${JSON.stringify(bypass.file)}:\n${log}`,
+        );
+        assert.doesNotMatch(log, /FERRY-ATTACK|root:x:0/, log);
+      }
+    });
+
+    it('still installs wheels of the app however they are named, and from --find-links', {
+      timeout: TIMEOUT,
+    }, async () => {
+      for (const file of [
+        `wheels/${LEFTPAD_WHEEL}\n`,
+        `./wheels/${LEFTPAD_WHEEL} --hash=sha256:${await wheelHash()}\n`,
+        `file:wheels/${LEFTPAD_WHEEL}\n`,
+        '--no-index\n--find-links ./wheels\nleftpad==1.0.0 ; python_version >= "3"\n',
+        "--no-index \\\n  -f wheels   # the app's own\n--only-binary :all:\nleftpad\n",
+      ]) {
+        const outcome = await runBuild(await depsWorkspace({ 'requirements.txt': file }));
+        assertReady(outcome);
+        assert.ok(
+          outcome.lines.some((l) => /Successfully installed leftpad-1\.0\.0/.test(l)),
+          `${JSON.stringify(file)}:\n${outcome.lines.join('\n')}`,
+        );
+      }
+    });
+  });
+
   it("fails when pip fails, with pip's output in the log", { timeout: TIMEOUT }, async () => {
-    const ws = await depsWorkspace({ 'requirements.txt': './vendor/does-not-exist\n' });
+    // A wheel the check lets through (it is inside the app) but that is not there.
+    const ws = await depsWorkspace({ 'requirements.txt': './vendor/does_not_exist-1.0-py3-none-any.whl\n' });
     const outcome = await runBuild(ws);
     assertFailed(outcome, /^pip install failed \(exit code [1-9]\d*\)$/);
     assert.ok(
-      outcome.lines.some((l) => l.startsWith('ERROR:') && l.includes('./vendor/does-not-exist')),
+      outcome.lines.some((l) => l.startsWith('ERROR:') && l.includes('does_not_exist-1.0')),
       outcome.lines.join('\n'),
     );
     assert.ok(!outcome.lines.some((l) => l.startsWith('Public functions')), 'the build stopped at pip');

@@ -12,7 +12,7 @@ import { after, before } from 'node:test';
 import { parseAppConfig } from '../../src/apps/app-config.js';
 import { DEFAULT_BUILD_LIMITS } from '../../src/builds/builders/sandboxed-step.js';
 import { type Builder, BuildFailedError, type BuildResult } from '../../src/builds/builders/types.js';
-import { detectSandbox } from '../../src/replicas/sandbox.js';
+import { detectSandbox, probeSandbox, type SandboxCapabilities } from '../../src/replicas/sandbox.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork, type SandboxNetworkLease } from '../../src/sandbox/network.js';
 import { REPO_ROOT } from './ferry.js';
 
@@ -39,7 +39,14 @@ export interface BuildHarness {
   workspace(fixture: string | null, files?: Record<string, string | Buffer>): Promise<Workspace>;
   runBuild(
     ws: Workspace,
-    opts?: { builder?: Builder; signal?: AbortSignal; onLog?: (line: string) => void; network?: SandboxNetwork },
+    opts?: {
+      builder?: Builder;
+      signal?: AbortSignal;
+      onLog?: (line: string) => void;
+      network?: SandboxNetwork;
+      /** The sandbox's capabilities (default: this machine's, `detectSandbox()`); see `unsandboxed()`. */
+      caps?: SandboxCapabilities;
+    },
   ): Promise<Outcome>;
 }
 
@@ -85,7 +92,7 @@ export function buildHarness(name: string, defaultBuilder: () => Builder): Build
           outputDir: ws.outputDir,
           cacheDir: harness.cacheDir,
           sandbox: {
-            caps: await detectSandbox(),
+            caps: opts.caps ?? (await detectSandbox()),
             network: opts.network ?? createLoopbackOnlyNetwork(),
             limits: DEFAULT_BUILD_LIMITS,
           },
@@ -103,6 +110,14 @@ export function buildHarness(name: string, defaultBuilder: () => Builder): Build
     },
   };
   return harness;
+}
+
+let unsandboxedCaps: Promise<SandboxCapabilities> | undefined;
+
+/** This machine's capabilities with bubblewrap switched off (FERRY_SANDBOX=off): steps run as plain processes. */
+export function unsandboxed(): Promise<SandboxCapabilities> {
+  unsandboxedCaps ??= probeSandbox({ ...process.env, FERRY_SANDBOX: 'off' });
+  return unsandboxedCaps;
 }
 
 export function assertReady(outcome: Outcome): BuildResult {

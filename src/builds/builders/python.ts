@@ -10,6 +10,7 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { requirementsProblem } from './requirements.js';
 import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from './sandboxed-step.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
@@ -251,6 +252,12 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
       throwIfAborted(ctx.signal);
       const entry = await findEntry(ctx);
       ctx.log(`Entry: ${entry}`);
+      const removed = await removeBytecode(ctx.sourceDir);
+      if (removed > 0) {
+        ctx.log(
+          `Removed ${removed} compiled Python file${removed === 1 ? '' : 's'} (__pycache__, .pyc) from the upload: replicas run the .py files shipped`,
+        );
+      }
       const python = options.python ?? (await findPython());
       if (python === null) {
         throw new BuildFailedError('Python apps cannot be built on this server: no python3 interpreter was found');
@@ -289,6 +296,33 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
   };
 }
 
+/**
+ * Removes every `__pycache__` folder and `.pyc`/`.pyo` file of the upload and counts the files. Python
+ * prefers bytecode to source: an unchecked-hash `__pycache__/main.cpython-311.pyc` runs instead of
+ * main.py whatever main.py says, and a `helper.pyc` without `helper.py` is imported as is. So what a
+ * replica runs is the source shipped (the checks above read it). Nothing is followed: an archive holds no
+ * links, and a link would only be removed, never entered.
+ */
+async function removeBytecode(sourceDir: string): Promise<number> {
+  let count = 0;
+  const walk = async (dir: string): Promise<void> => {
+    for (const entry of await fs.readdir(dir, { withFileTypes: true })) {
+      const file = path.join(dir, entry.name);
+      if (entry.isDirectory() && entry.name === '__pycache__') {
+        count += (await fs.readdir(file, { recursive: true })).length;
+        await fs.rm(file, { recursive: true, force: true });
+      } else if (entry.isDirectory()) {
+        await walk(file);
+      } else if (/\.py[co]$/i.test(entry.name)) {
+        count += 1;
+        await fs.rm(file, { force: true });
+      }
+    }
+  };
+  await walk(sourceDir);
+  return count;
+}
+
 async function findEntry(ctx: BuildContext): Promise<string> {
   const configured = ctx.config.app.entry;
   if (configured !== undefined && configured !== PYTHON_ENTRY) {
@@ -324,55 +358,13 @@ async function analyze(ctx: BuildContext, python: string, entry: string): Promis
   return JSON.parse(last) as Analysis;
 }
 
-const SOURCE_ARCHIVE = /\.(tar\.gz|tgz|tar\.bz2|tar\.xz|tar|zip)$/i;
-const VCS = /^(git|hg|svn|bzr)\+/i;
-
-/**
- * Requirements pip would always build from source, running their build code (in the build sandbox):
- * `--only-binary` does not cover local folders, archives, editable installs or VCS URLs, so they are
- * refused here, before pip runs, to keep builds to wheels. Nested requirement files are refused too,
- * since they are not checked. Ferry's own reading of the text: pip is never run on the server.
- */
-export function sourceRequirementProblem(text: string, sourceDir: string): string | undefined {
-  for (const raw of text.split(/\r?\n/)) {
-    const line = raw.replace(/(^|\s)#.*$/, '').trim();
-    if (line === '') continue;
-    if (/^(-e|--editable)\b/.test(line)) return `"${line}": editable installs build from source`;
-    if (/^(-r|--requirement|-c|--constraint)\b/.test(line))
-      return `"${line}": nested requirement files are not supported`;
-    if (line.startsWith('-')) continue;
-    const spec = line.includes(' @ ') ? (line.split(' @ ')[1] ?? '').trim() : line;
-    if (VCS.test(spec)) return `"${line}": VCS requirements build from source`;
-    if (SOURCE_ARCHIVE.test(spec.split(/[;\s]/)[0] ?? '')) return `"${line}": source archives build from source`;
-    const local = spec.startsWith('file:') ? spec.slice(5).replace(/^\/\//, '') : spec;
-    if (/^(\.{1,2}\/|\/)/.test(local) || local === '.') {
-      const resolved = path.resolve(sourceDir, local.split(/[;\s[]/)[0] ?? local);
-      // Only the app's own folder is looked at: a stat of any other path would tell the app what exists
-      // on the server (pip, in the sandbox, sees none of it).
-      const relative = path.relative(sourceDir, resolved);
-      const insideApp = !relative.startsWith('..') && !path.isAbsolute(relative);
-      if (
-        insideApp &&
-        !resolved.endsWith('.whl') &&
-        fsSync.existsSync(resolved) &&
-        fsSync.statSync(resolved).isDirectory()
-      ) {
-        return `"${line}": a local folder is built from source`;
-      }
-    }
-  }
-  return undefined;
-}
-
 async function installRequirements(ctx: BuildContext, python: string): Promise<void> {
-  const problem = sourceRequirementProblem(
-    await fs.readFile(path.join(ctx.sourceDir, 'requirements.txt'), 'utf8'),
-    ctx.sourceDir,
-  );
+  const problem = requirementsProblem(await fs.readFile(path.join(ctx.sourceDir, 'requirements.txt')), ctx.sourceDir);
   if (problem) {
-    ctx.log(`requirements.txt: ${problem}`);
+    const where = `requirements.txt line ${problem.line}${problem.text === '' ? '' : `: "${problem.text}"`}`;
+    ctx.log(`${where}: ${problem.reason}`);
     throw new BuildFailedError(
-      `requirements.txt: ${problem}; Ferry installs wheels only (a source package runs its build code as part of the build): ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
+      `${where}: ${problem.reason}; Ferry installs wheels only (a source package runs its build code as part of the build) and reads no file requirements.txt names but wheels: ship a wheel instead (pip wheel --no-deps <folder> -w wheels/)`,
     );
   }
   const paths = stepPaths(ctx);
@@ -389,7 +381,7 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     '--timeout',
     String(PIP_TIMEOUT_SECONDS),
     // Wheels only: a source package's build code would run as part of the build. (It would run in the
-    // sandbox, but wheels keep builds predictable; see sourceRequirementProblem.)
+    // sandbox, but wheels keep builds predictable; see requirements.ts.)
     '--only-binary=:all:',
     '--target',
     target,
