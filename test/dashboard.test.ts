@@ -507,11 +507,14 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
   it('scales an app without a build, and goes back to ferry.toml (issue 14)', async () => {
     const base = `${server.url}/v2/projects/${auth.projectId}/apps/hello`;
     await go('#/apps/hello/settings', 'Settings of hello');
+    // The form's own status: the page's live region (#status, for screen readers) repeats the same words,
+    // and a locator matching both fails in strict mode when the two are there at once.
+    const scalingStatus = page.getByRole('form', { name: 'Scaling' }).getByRole('status');
     await page.getByText('From the active build’s ferry.toml.').waitFor();
     await page.getByLabel('Minimum replicas').fill('1');
     await page.getByLabel('Maximum replicas').fill('3');
     await page.getByRole('button', { name: 'Save scaling' }).click();
-    await page.getByRole('status').getByText('Scaling saved').waitFor({ timeout: PAGE_WAIT_MS });
+    await scalingStatus.getByText('Scaling saved').waitFor({ timeout: PAGE_WAIT_MS });
     const app = (await http(base, { token: auth.token })).json;
     assert.equal(app.scaling.min_replicas, 1);
     assert.equal(app.scaling.max_replicas, 3);
@@ -520,7 +523,7 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     await assertLabelled('settings');
     await shot('settings');
     await page.getByRole('button', { name: 'Use ferry.toml again' }).click();
-    await page.getByRole('status').getByText('Scaling from ferry.toml again').waitFor({ timeout: PAGE_WAIT_MS });
+    await scalingStatus.getByText('Scaling from ferry.toml again').waitFor({ timeout: PAGE_WAIT_MS });
     assert.equal((await http(base, { token: auth.token })).json.scaling_override, null);
   });
 
