@@ -196,7 +196,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const auth = createAuthenticator({ store, key: jwtKey });
   const buildLog = createBuildLog({ store });
   const runTargets = createRunTargets({ store });
-  const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }), owner: node.id });
+  const recorder = createRunRecorder({
+    store,
+    logger: logger.child({ component: 'runs' }),
+    owner: node.id,
+    limits: { maxRunLogBytes: config.runLogBytes },
+  });
   const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
   // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
@@ -558,6 +563,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     const removed = await housekeeping.retain({
       keepBuilds: config.keepBuilds,
       runRetentionDays: config.runRetentionDays,
+      projectLogBytes: config.projectLogBytes,
     });
     if (removed.builds > 0) metrics.buildsDeleted.inc({ reason: 'retention' }, removed.builds);
     if (removed.runs > 0) metrics.runsDeleted.inc({ reason: 'retention' }, removed.runs);
