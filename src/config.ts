@@ -183,6 +183,8 @@ export interface ServerConfig {
   runRetentionDays: number;
   /** Seconds between retention passes (FERRY_RETENTION_INTERVAL_SECONDS; 0: this process runs none). */
   retentionIntervalSeconds: number;
+  /** UTF-8 bytes of build output stored per build (FERRY_BUILD_LOG_BYTES); the rest are counted as dropped. */
+  buildLogBytes: number;
   /** UTF-8 bytes of log lines stored per run (FERRY_RUN_LOG_BYTES); the rest are counted as dropped. */
   runLogBytes: number;
   /**
@@ -234,6 +236,7 @@ export const DEFAULTS = {
   runRetentionDays: 30,
   retentionIntervalSeconds: 600,
   runLogBytes: 1024 * 1024,
+  buildLogBytes: 4 * 1024 * 1024,
   projectLogBytes: 4 * 1024 ** 3,
   leaseSeconds: 10,
   warmPool: 1,
@@ -376,6 +379,8 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     retentionIntervalSeconds:
       intFrom(env.FERRY_RETENTION_INTERVAL_SECONDS, 'FERRY_RETENTION_INTERVAL_SECONDS', 0, 86_400) ??
       DEFAULTS.retentionIntervalSeconds,
+    buildLogBytes:
+      intFrom(env.FERRY_BUILD_LOG_BYTES, 'FERRY_BUILD_LOG_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.buildLogBytes,
     runLogBytes: intFrom(env.FERRY_RUN_LOG_BYTES, 'FERRY_RUN_LOG_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.runLogBytes,
     projectLogBytes:
       intFrom(env.FERRY_PROJECT_LOG_BYTES, 'FERRY_PROJECT_LOG_BYTES', 0, 1024 ** 5) ?? DEFAULTS.projectLogBytes,

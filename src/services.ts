@@ -194,7 +194,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ? await createPgChangeFeed({ databaseUrl: config.databaseUrl, logger: logger.child({ component: 'changes' }) })
     : createLocalChangeFeed({ logger: logger.child({ component: 'changes' }) });
   const auth = createAuthenticator({ store, key: jwtKey });
-  const buildLog = createBuildLog({ store });
+  const buildLog = createBuildLog({ store, maxBytes: config.buildLogBytes });
   const runTargets = createRunTargets({ store });
   const recorder = createRunRecorder({
     store,

@@ -13,6 +13,7 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
+import { createBuildLog } from '../src/builds/build-log.js';
 import { safeJson, safeText } from '../src/cli/terminal.js';
 import { deployFiles, http, runCli, startServer, type TestServer } from './helpers/ferry.js';
 
@@ -144,6 +145,22 @@ describe('run log bounds and the CLI’s terminal safety', { timeout: 300_000 },
     assert.equal(kept.dropped_lines, 0);
     // Under the budget now: another pass removes nothing.
     assert.deepEqual(await server.services.housekeeping.trimLogs(250_000), { runs: 0, bytes: 0 });
+  });
+
+  it('stores at most FERRY_BUILD_LOG_BYTES of a build’s output, then its outcome and what was dropped', async () => {
+    const buildLog = createBuildLog({ store: server.services.store, maxBytes: 10_000 });
+    const id = '0190a0a0-0000-7000-8000-00000000b10c';
+    for (let i = 0; i < 100; i++) buildLog.append(id, `${i}:`.padEnd(1000, 'y'));
+    buildLog.append(id, 'Build failed: npm install exited with 1', true);
+    await buildLog.flush(id);
+    const lines = await buildLog.read(id, 0);
+    const output = lines.filter((l) => l.line.includes(':yyy'));
+    assert.equal(output.length, 10, 'the first 10,000 bytes');
+    const all = lines.reduce((n, l) => n + Buffer.byteLength(l.line), 0);
+    assert.ok(all < 10_000 + 1024, `the log holds ${all} bytes`);
+    assert.match(lines[10]!.line, /keeps at most 10000 bytes/);
+    assert.equal(lines.at(-2)!.line, 'Build failed: npm install exited with 1', 'the outcome is kept');
+    assert.equal(lines.at(-1)!.line, '… 90 lines (90000 bytes) of build output dropped');
   });
 
   describe('the CLI', () => {
