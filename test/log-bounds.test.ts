@@ -15,7 +15,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { createBuildLog } from '../src/builds/build-log.js';
 import { safeJson, safeText } from '../src/cli/terminal.js';
-import { deployFiles, http, runCli, startServer, type TestServer } from './helpers/ferry.js';
+import { deployFiles, http, runCli, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
 const NOISY = {
   'ferry.toml': '[app]\nname = "noisy"\n',
@@ -213,6 +213,43 @@ describe('run log bounds and the CLI’s terminal safety', { timeout: 300_000 },
       assert.doesNotMatch(cli.stdout, CONTROLS);
       assert.match(cli.stdout, /\^\[\]0;app-log-title\^G loaded \^\[\[2J/);
     });
+  });
+});
+
+describe('the project log budget between retention passes', { timeout: 180_000 }, () => {
+  let server: TestServer;
+  before(async () => {
+    // Passes every 10 minutes: only the check on what the runs logged can act within the test.
+    server = await startServer({ projectLogBytes: 250_000, retentionIntervalSeconds: 600 });
+  });
+  after(() => server?.close());
+
+  it('is enforced once the runs have logged a quarter of it, not at the next pass only', async () => {
+    // The first pass comes 15 s after start; the next one 10 minutes later, after this test.
+    await waitFor(
+      async () => /^ferry_retention_passes_total(\{[^}]*\})? [1-9]/m.test((await http(`${server.url}/metrics`)).text),
+      60_000,
+      'the first retention pass',
+    );
+    const auth = await server.bootstrap('budget');
+    await deployFiles(server, auth, 'noisy', NOISY);
+    const ids: string[] = [];
+    for (let i = 0; i < 5; i++) {
+      const res = await http(`${server.url}/v4/${auth.projectId}/noisy/run`, {
+        method: 'POST',
+        token: auth.token,
+        body: { lines: 10, size: 10_000 },
+      });
+      assert.equal(res.status, 200, res.text);
+      ids.push(res.headers.get('x-request-id') ?? '');
+    }
+    const logsOf = async (id: string) =>
+      (await http(`${server.url}/v2/projects/${auth.projectId}/apps/noisy/runs/${id}/logs`, { token: auth.token }))
+        .json as Logs;
+    // The check runs every 5 s: well within a minute, even on a loaded machine.
+    await waitFor(async () => (await logsOf(ids[0]!)).dropped_lines > 0, 60_000, 'the oldest run’s log to go');
+    await waitFor(async () => (await logsOf(ids[2]!)).dropped_lines > 0, 60_000, 'the third run’s log to go');
+    assert.equal((await logsOf(ids[4]!)).dropped_lines, 0, 'the newest run keeps its log');
   });
 });
 

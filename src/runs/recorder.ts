@@ -110,6 +110,8 @@ export interface RunRecorder {
   pendingRuns(): number;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
+  /** UTF-8 bytes of the log lines this recorder has taken to store, since it was made. */
+  loggedBytes(): number;
   /**
    * Writes everything pending; resolves when it is committed, or when the write failed (what failed stays
    * pending and is retried with back-off; while the store fails, this does not try again before then).
@@ -213,6 +215,8 @@ export function createRunRecorder(deps: {
   let failures = 0;
   let failingSince = 0;
   let droppedLines = 0;
+  /** See loggedBytes. */
+  let totalLogBytes = 0;
 
   function schedule(): void {
     if (!timer) {
@@ -676,10 +680,14 @@ export function createRunRecorder(deps: {
       if (logBytes + line.length > limits.maxBufferedLogBytes) return dropLine(account, text);
       account.seq += 1;
       account.bytes += size;
+      totalLogBytes += size;
       dirty.set(runId, account);
       logs.push({ run_id: runId, seq: account.seq, at: isoTime(Date.now()), stream, line });
       logBytes += line.length;
       schedule();
+    },
+    loggedBytes() {
+      return totalLogBytes;
     },
     flush,
     async close() {
