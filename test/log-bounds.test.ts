@@ -163,6 +163,18 @@ describe('run log bounds and the CLI’s terminal safety', { timeout: 300_000 },
     assert.equal(lines.at(-1)!.line, '… 90 lines (90000 bytes) of build output dropped');
   });
 
+  it('keeps the newest FERRY_KEEP_BUILDS failed builds of an app that has no ready one', async () => {
+    const broken = { 'ferry.toml': '[app]\nname = "broken"\n', 'main.ts': 'export function run( {\n' };
+    const failed: string[] = [];
+    for (let i = 0; i < 3; i++) failed.push((await deployFiles(server, a, 'broken', broken, { expect: 'failed' })).id);
+    const removed = await server.services.housekeeping.retain({ keepBuilds: 2, runRetentionDays: 0 });
+    assert.ok(removed.builds >= 1, `removed ${removed.builds} builds`);
+    const res = await http(`${server.url}/v2/projects/${a.projectId}/apps/broken/builds`, { token: a.token });
+    const left = (res.json.builds as Array<{ id: string }>).map((b) => b.id).sort();
+    assert.deepEqual(left, failed.slice(1).sort(), 'the oldest failed build (and its archive) went');
+    assert.equal(await server.services.artifacts.localPath(failed[0]!), undefined);
+  });
+
   describe('the CLI', () => {
     let env: NodeJS.ProcessEnv;
     before(() => {

@@ -360,18 +360,46 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
           .orderBy('id', 'desc')
           .limit(keepBuilds)
           .execute();
-        if (ready.length < keepBuilds) continue;
-        const oldestKept = ready.at(-1)!.id;
-        const old = await store
+        const byId = new Map<string, { id: string; archive_bytes: number }>();
+        if (ready.length >= keepBuilds) {
+          const oldestKept = ready.at(-1)!.id;
+          const older = await store
+            .selectFrom('builds')
+            .select(['id', 'archive_bytes'])
+            .where('project_id', '=', app.project_id)
+            .where('app_id', '=', app.id)
+            .where('id', '<', oldestKept)
+            .where('state', 'in', ['ready', 'failed', 'cancelled'])
+            .orderBy('id', 'asc')
+            .limit(RETENTION_MAX_BUILDS - builds)
+            .execute();
+          for (const b of older) byId.set(b.id, b);
+        }
+        // Failed and cancelled builds: the newest keepBuilds stay, whatever the ready ones (an app whose
+        // builds always fail would otherwise keep every archive uploaded to it).
+        const unready = await store
           .selectFrom('builds')
-          .select(['id', 'archive_bytes'])
+          .select('id')
           .where('project_id', '=', app.project_id)
           .where('app_id', '=', app.id)
-          .where('id', '<', oldestKept)
-          .where('state', 'in', ['ready', 'failed', 'cancelled'])
-          .orderBy('id', 'asc')
-          .limit(RETENTION_MAX_BUILDS - builds)
+          .where('state', 'in', ['failed', 'cancelled'])
+          .orderBy('id', 'desc')
+          .limit(keepBuilds)
           .execute();
+        if (unready.length >= keepBuilds) {
+          const failedOlder = await store
+            .selectFrom('builds')
+            .select(['id', 'archive_bytes'])
+            .where('project_id', '=', app.project_id)
+            .where('app_id', '=', app.id)
+            .where('id', '<', unready.at(-1)!.id)
+            .where('state', 'in', ['failed', 'cancelled'])
+            .orderBy('id', 'asc')
+            .limit(RETENTION_MAX_BUILDS - builds)
+            .execute();
+          for (const b of failedOlder) byId.set(b.id, b);
+        }
+        const old = [...byId.values()].sort((x, y) => (x.id < y.id ? -1 : 1)).slice(0, RETENTION_MAX_BUILDS - builds);
         for (const b of old) {
           if (b.id === app.active_build_id) continue;
           const gone = await store.transaction().execute(async (trx) => {
