@@ -6,7 +6,9 @@
  *   them, then one `system` line saying how many were dropped; the logs API reports the same counts.
  * - A project whose runs' stored logs pass FERRY_PROJECT_LOG_BYTES loses the logs of its oldest finished
  *   runs (one line stays, saying so) until it is under the budget; its newer runs and other projects keep
- *   theirs.
+ *   theirs; between retention passes too, once the runs have logged a quarter of the budget.
+ * - A build's log keeps at most FERRY_BUILD_LOG_BYTES of its tools' output, then its outcome and a count.
+ * - Retention keeps at most FERRY_KEEP_BUILDS failed builds of an app that has no ready build.
  * - `ferry runs logs`, `ferry logs`, `ferry run` (result and error) and `ferry runs get` print what a
  *   function wrote with its terminal controls made visible: no ESC, BEL, CR, C1 or bidi control reaches
  *   the terminal (OSC 52 clipboard, OSC 0 title, CSI 2J clear).
