@@ -183,6 +183,15 @@ export interface ServerConfig {
   runRetentionDays: number;
   /** Seconds between retention passes (FERRY_RETENTION_INTERVAL_SECONDS; 0: this process runs none). */
   retentionIntervalSeconds: number;
+  /** UTF-8 bytes of build output stored per build (FERRY_BUILD_LOG_BYTES); the rest are counted as dropped. */
+  buildLogBytes: number;
+  /** UTF-8 bytes of log lines stored per run (FERRY_RUN_LOG_BYTES); the rest are counted as dropped. */
+  runLogBytes: number;
+  /**
+   * Bytes of run logs stored per project (FERRY_PROJECT_LOG_BYTES; 0: no budget); past it each retention
+   * pass removes the logs of the project's oldest finished runs.
+   */
+  projectLogBytes: number;
   /** The network sandboxes get (docs/operations.md, "Sandbox network"). */
   egress: EgressConfig;
   /**
@@ -226,6 +235,9 @@ export const DEFAULTS = {
   keepBuilds: 10,
   runRetentionDays: 30,
   retentionIntervalSeconds: 600,
+  runLogBytes: 1024 * 1024,
+  buildLogBytes: 4 * 1024 * 1024,
+  projectLogBytes: 4 * 1024 ** 3,
   leaseSeconds: 10,
   warmPool: 1,
 } as const;
@@ -367,6 +379,11 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     retentionIntervalSeconds:
       intFrom(env.FERRY_RETENTION_INTERVAL_SECONDS, 'FERRY_RETENTION_INTERVAL_SECONDS', 0, 86_400) ??
       DEFAULTS.retentionIntervalSeconds,
+    buildLogBytes:
+      intFrom(env.FERRY_BUILD_LOG_BYTES, 'FERRY_BUILD_LOG_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.buildLogBytes,
+    runLogBytes: intFrom(env.FERRY_RUN_LOG_BYTES, 'FERRY_RUN_LOG_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.runLogBytes,
+    projectLogBytes:
+      intFrom(env.FERRY_PROJECT_LOG_BYTES, 'FERRY_PROJECT_LOG_BYTES', 0, 1024 ** 5) ?? DEFAULTS.projectLogBytes,
     egress: resolveEgress(flags, env),
     leaseMs: (intFrom(env.FERRY_LEASE_SECONDS, 'FERRY_LEASE_SECONDS', 2, 3600) ?? DEFAULTS.leaseSeconds) * 1000,
   };

@@ -62,6 +62,12 @@ import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/delive
 
 /** Seconds after start of the first retention pass (or the interval, when shorter). */
 export const RETENTION_FIRST_SECONDS = 15;
+/**
+ * How often a process that runs retention passes looks whether its runs logged enough since its last look
+ * (a quarter of FERRY_PROJECT_LOG_BYTES, at most 64 MiB) to hold the projects to their log budget now,
+ * rather than at the next pass only.
+ */
+export const LOG_BUDGET_CHECK_MS = 5000;
 
 export interface Services {
   config: ServerConfig;
@@ -194,9 +200,14 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ? await createPgChangeFeed({ databaseUrl: config.databaseUrl, logger: logger.child({ component: 'changes' }) })
     : createLocalChangeFeed({ logger: logger.child({ component: 'changes' }) });
   const auth = createAuthenticator({ store, key: jwtKey });
-  const buildLog = createBuildLog({ store });
+  const buildLog = createBuildLog({ store, maxBytes: config.buildLogBytes });
   const runTargets = createRunTargets({ store });
-  const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }), owner: node.id });
+  const recorder = createRunRecorder({
+    store,
+    logger: logger.child({ component: 'runs' }),
+    owner: node.id,
+    limits: { maxRunLogBytes: config.runLogBytes },
+  });
   const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
   // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
@@ -561,6 +572,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     const removed = await housekeeping.retain({
       keepBuilds: config.keepBuilds,
       runRetentionDays: config.runRetentionDays,
+      projectLogBytes: config.projectLogBytes,
     });
     if (removed.builds > 0) metrics.buildsDeleted.inc({ reason: 'retention' }, removed.builds);
     if (removed.runs > 0) metrics.runsDeleted.inc({ reason: 'retention' }, removed.runs);
@@ -577,6 +589,27 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       retentionTimer.unref();
     }, Math.min(config.retentionIntervalSeconds, RETENTION_FIRST_SECONDS) * 1000);
     retentionTimer.unref();
+  }
+  // The project log budget between passes: a tenant printing fast would otherwise pass it by what its runs
+  // print in a whole interval.
+  let logBudgetTimer: NodeJS.Timeout | undefined;
+  if (role !== 'gateway' && config.retentionIntervalSeconds > 0 && config.projectLogBytes > 0) {
+    const step = Math.max(1, Math.min(64 * 1024 * 1024, Math.floor(config.projectLogBytes / 4)));
+    let mark = 0;
+    let trimming = false;
+    logBudgetTimer = setInterval(() => {
+      const logged = recorder.loggedBytes();
+      if (trimming || logged - mark < step) return;
+      mark = logged;
+      trimming = true;
+      housekeeping
+        .trimLogs(config.projectLogBytes)
+        .catch((err: unknown) => logger.warn({ err }, 'holding the projects to their log budget failed'))
+        .finally(() => {
+          trimming = false;
+        });
+    }, LOG_BUDGET_CHECK_MS);
+    logBudgetTimer.unref();
   }
   return {
     housekeeping,
@@ -666,6 +699,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await asyncWorker.close();
       clearInterval(homeTimer);
       clearTimeout(retentionTimer); // the first pass's timeout, or the interval after it
+      clearInterval(logBudgetTimer);
       // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
       await announcer?.close();
       // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.

@@ -11,6 +11,9 @@
  * - **Delete a build**: not the active one, nor one still being made; its row, log and files.
  * - **Retention** (`FERRY_KEEP_BUILDS`, `FERRY_RUN_RETENTION_DAYS`): a pass every RETENTION_EVERY_MS on
  *   each process that keeps builds, bounded per pass; idempotent, so several processes may run it.
+ * - **The projects' log budget** (`FERRY_PROJECT_LOG_BYTES`, in the same pass): a project whose runs'
+ *   stored log lines (run_log_stats.bytes) pass the budget loses the logs of its oldest finished runs until
+ *   it is under it again; each such run keeps one line saying what was removed, and its counts.
  * - **Local copies**: a build deleted while a replica here still runs it (an old build draining after a
  *   rollback, a deleted app's replicas finishing their runs) keeps its folder here until that replica has
  *   stopped (`released`); the published copy and the archive go at once. A process also removes the build
@@ -24,6 +27,7 @@ import type { ArtifactStore } from '../builds/artifact-store.js';
 import type { BuildOutput } from '../builds/build-output.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
 import { ERRORS, FerryError } from '../errors.js';
+import { droppedMarker } from '../runs/recorder.js';
 import { cancelQueued } from '../runs/runs.js';
 import { lockApp } from '../store/active-build.js';
 import type { Store } from '../store/index.js';
@@ -36,6 +40,8 @@ const CHUNK = 500;
 /** Builds and runs removed at most per retention pass (the next pass takes the rest). */
 export const RETENTION_MAX_BUILDS = 100;
 export const RETENTION_MAX_RUNS = 1000;
+/** Runs whose logs the log budget removes at most per pass (the next pass takes the rest). */
+export const LOG_BUDGET_MAX_RUNS = 20_000;
 /** Local build folders younger than this are left alone by the sweep (an upload may be under way). */
 const LOCAL_MIN_AGE_MS = 2 * 60_000;
 const BUILD_ID = /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/;
@@ -64,12 +70,16 @@ export interface HousekeepingDeps {
 export interface Housekeeping {
   deleteApp(projectId: string, appId: string): Promise<{ builds: number; cancelledRuns: number; deletedRuns: number }>;
   deleteBuild(projectId: string, appId: string, buildId: string): Promise<void>;
-  /** One retention pass: what it removed. */
-  retain(settings: { keepBuilds: number; runRetentionDays: number; now?: number }): Promise<{
+  /** One retention pass: what it removed (`logRuns`, `logBytes`: the logs the project log budget removed). */
+  retain(settings: { keepBuilds: number; runRetentionDays: number; projectLogBytes?: number; now?: number }): Promise<{
     builds: number;
     runs: number;
     bytes: number;
+    logRuns: number;
+    logBytes: number;
   }>;
+  /** The log budget's part of a pass: removes the oldest finished runs' logs of projects over `budget`. */
+  trimLogs(budget: number): Promise<{ runs: number; bytes: number }>;
   /** Removes local build folders whose build is gone from the store; resolves with the bytes freed. */
   sweepLocal(): Promise<number>;
   /**
@@ -118,6 +128,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
     for (let i = 0; i < ids.length; i += CHUNK) {
       const chunk = ids.slice(i, i + CHUNK);
       await db.deleteFrom('run_log_lines').where('run_id', 'in', chunk).execute();
+      await db.deleteFrom('run_log_stats').where('run_id', 'in', chunk).execute();
       await db.deleteFrom('webhook_attempts').where('run_id', 'in', chunk).execute();
       await db.deleteFrom('webhook_deliveries').where('run_id', 'in', chunk).execute();
       await db.deleteFrom('runs').where('id', 'in', chunk).execute();
@@ -243,7 +254,95 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       deps.onRemoved?.({ builds: 1, bytes });
     },
 
-    async retain({ keepBuilds, runRetentionDays, now = Date.now() }) {
+    async trimLogs(budget) {
+      let runs = 0;
+      let bytes = 0;
+      if (budget <= 0) return { runs, bytes };
+      // Stored log bytes per project, from the runs' stats (one row per run that printed, not per line).
+      const totals = await store
+        .selectFrom('run_log_stats as s')
+        .innerJoin('runs as r', 'r.id', 's.run_id')
+        .select(['r.project_id as project_id', (eb) => eb.fn.sum<number | string>('s.bytes').as('bytes')])
+        .where('s.bytes', '>', 0)
+        .groupBy('r.project_id')
+        .execute();
+      for (const total of totals) {
+        let over = Number(total.bytes) - budget;
+        for (let page = 0; over > 0 && runs < LOG_BUDGET_MAX_RUNS && page < 100; page++) {
+          // Oldest first: run ids are uuidv7, in the order the runs were made.
+          const oldest = await store
+            .selectFrom('run_log_stats as s')
+            .innerJoin('runs as r', 'r.id', 's.run_id')
+            .select(['s.run_id as run_id'])
+            .where('r.project_id', '=', total.project_id)
+            .where('r.state', 'in', [...FINAL])
+            .where('s.bytes', '>', 0)
+            .orderBy('s.run_id', 'asc')
+            .limit(Math.min(CHUNK, LOG_BUDGET_MAX_RUNS - runs))
+            .execute();
+          if (oldest.length === 0) break;
+          for (const { run_id } of oldest) {
+            if (over <= 0) break;
+            const freed = await store.transaction().execute(async (trx) => {
+              const stats = await trx
+                .selectFrom('run_log_stats')
+                .selectAll()
+                .where('run_id', '=', run_id)
+                .where('bytes', '>', 0)
+                .executeTakeFirst();
+              if (!stats) return 0;
+              // Claims the row first: another process trimming at the same time finds bytes 0 and skips it.
+              const claimed = await trx
+                .updateTable('run_log_stats')
+                .set({ bytes: 0 })
+                .where('run_id', '=', run_id)
+                .where('bytes', '=', stats.bytes)
+                .executeTakeFirst();
+              if (Number(claimed.numUpdatedRows) !== 1) return 0;
+              const lines = await trx
+                .selectFrom('run_log_lines')
+                .select([(eb) => eb.fn.countAll<number | string>().as('n'), (eb) => eb.fn.max('seq').as('last')])
+                .where('run_id', '=', run_id)
+                .executeTakeFirst();
+              const count = Number(lines?.n ?? 0);
+              const last = Number(lines?.last ?? 0);
+              await trx.deleteFrom('run_log_lines').where('run_id', '=', run_id).execute();
+              const droppedLines = Number(stats.dropped_lines) + count;
+              const droppedBytes = Number(stats.dropped_bytes) + Number(stats.bytes);
+              await trx
+                .updateTable('run_log_stats')
+                .set({ dropped_lines: droppedLines, dropped_bytes: droppedBytes })
+                .where('run_id', '=', run_id)
+                .execute();
+              // One line stays (not counted in the budget): why the log is gone, and what it held.
+              await trx
+                .insertInto('run_log_lines')
+                .values({
+                  run_id,
+                  seq: last + 1,
+                  at: new Date().toISOString(),
+                  stream: 'system',
+                  line: droppedMarker(
+                    droppedLines,
+                    droppedBytes,
+                    `the project's run logs passed their budget of ${budget} bytes, and this run's were among the oldest`,
+                  ),
+                })
+                .execute();
+              return Number(stats.bytes);
+            });
+            if (freed === 0) continue;
+            runs += 1;
+            bytes += freed;
+            over -= freed;
+          }
+        }
+      }
+      if (runs > 0) logger.info({ runs, bytes, budget }, 'the project log budget removed the oldest runs’ logs');
+      return { runs, bytes };
+    },
+
+    async retain({ keepBuilds, runRetentionDays, projectLogBytes = 0, now = Date.now() }) {
       let builds = 0;
       let bytes = 0;
       // Builds: per app, the newest keepBuilds ready builds and the active one stay; older builds go
@@ -261,18 +360,46 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
           .orderBy('id', 'desc')
           .limit(keepBuilds)
           .execute();
-        if (ready.length < keepBuilds) continue;
-        const oldestKept = ready.at(-1)!.id;
-        const old = await store
+        const byId = new Map<string, { id: string; archive_bytes: number }>();
+        if (ready.length >= keepBuilds) {
+          const oldestKept = ready.at(-1)!.id;
+          const older = await store
+            .selectFrom('builds')
+            .select(['id', 'archive_bytes'])
+            .where('project_id', '=', app.project_id)
+            .where('app_id', '=', app.id)
+            .where('id', '<', oldestKept)
+            .where('state', 'in', ['ready', 'failed', 'cancelled'])
+            .orderBy('id', 'asc')
+            .limit(RETENTION_MAX_BUILDS - builds)
+            .execute();
+          for (const b of older) byId.set(b.id, b);
+        }
+        // Failed and cancelled builds: the newest keepBuilds stay, whatever the ready ones (an app whose
+        // builds always fail would otherwise keep every archive uploaded to it).
+        const unready = await store
           .selectFrom('builds')
-          .select(['id', 'archive_bytes'])
+          .select('id')
           .where('project_id', '=', app.project_id)
           .where('app_id', '=', app.id)
-          .where('id', '<', oldestKept)
-          .where('state', 'in', ['ready', 'failed', 'cancelled'])
-          .orderBy('id', 'asc')
-          .limit(RETENTION_MAX_BUILDS - builds)
+          .where('state', 'in', ['failed', 'cancelled'])
+          .orderBy('id', 'desc')
+          .limit(keepBuilds)
           .execute();
+        if (unready.length >= keepBuilds) {
+          const failedOlder = await store
+            .selectFrom('builds')
+            .select(['id', 'archive_bytes'])
+            .where('project_id', '=', app.project_id)
+            .where('app_id', '=', app.id)
+            .where('id', '<', unready.at(-1)!.id)
+            .where('state', 'in', ['failed', 'cancelled'])
+            .orderBy('id', 'asc')
+            .limit(RETENTION_MAX_BUILDS - builds)
+            .execute();
+          for (const b of failedOlder) byId.set(b.id, b);
+        }
+        const old = [...byId.values()].sort((x, y) => (x.id < y.id ? -1 : 1)).slice(0, RETENTION_MAX_BUILDS - builds);
         for (const b of old) {
           if (b.id === app.active_build_id) continue;
           const gone = await store.transaction().execute(async (trx) => {
@@ -312,7 +439,8 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       if (builds > 0 || old.length > 0 || bytes > 0) {
         logger.info({ builds, runs: old.length, bytes }, 'retention removed old builds and runs');
       }
-      return { builds, runs: old.length, bytes };
+      const logs = await housekeeping.trimLogs(projectLogBytes);
+      return { builds, runs: old.length, bytes, logRuns: logs.runs, logBytes: logs.bytes };
     },
 
     async released(buildId) {

@@ -13,9 +13,16 @@ export interface LogLine {
 }
 
 export interface BuildLog {
-  /** Appends a line; writes are ordered per build. Long lines are cut at 8 KiB. */
-  append(buildId: string, line: string): void;
-  /** Resolves when every line appended so far for the build is in the store. */
+  /**
+   * Appends a line; writes are ordered per build. Long lines are cut at 8 KiB. Past the build's byte bound
+   * (FERRY_BUILD_LOG_BYTES) lines are counted, not stored, but those given with `always` (Ferry's own
+   * notes: the build's outcome).
+   */
+  append(buildId: string, line: string, always?: boolean): void;
+  /**
+   * Resolves when every line appended so far for the build is in the store; first writes how many lines
+   * the bound dropped, if any.
+   */
   flush(buildId: string): Promise<void>;
   read(buildId: string, afterSeq: number, limit?: number): Promise<LogLine[]>;
   /** Waits until a line is appended for the build here, or `ms` passes. */
@@ -23,12 +30,24 @@ export interface BuildLog {
 }
 
 const MAX_LINE = 8192;
+/** UTF-8 bytes of lines stored per build by default (FERRY_BUILD_LOG_BYTES). */
+export const DEFAULT_BUILD_LOG_BYTES = 4 * 1024 * 1024;
 
-export function createBuildLog(deps: { store: Store }): BuildLog {
+interface BuildLogState {
+  seq: number;
+  chain: Promise<void>;
+  /** Bytes of the lines appended (and stored) by this process for the build. */
+  bytes: number;
+  droppedLines: number;
+  droppedBytes: number;
+}
+
+export function createBuildLog(deps: { store: Store; maxBytes?: number }): BuildLog {
   const { store } = deps;
+  const maxBytes = deps.maxBytes ?? DEFAULT_BUILD_LOG_BYTES;
   const wake = new EventEmitter();
   wake.setMaxListeners(0);
-  const pending = new Map<string, { seq: number; chain: Promise<void> }>();
+  const pending = new Map<string, BuildLogState>();
 
   async function nextSeq(buildId: string): Promise<number> {
     const row = await store
@@ -39,33 +58,60 @@ export function createBuildLog(deps: { store: Store }): BuildLog {
     return Number(row?.max ?? 0);
   }
 
+  function appendLine(buildId: string, s: BuildLogState, line: string): void {
+    s.chain = s.chain
+      .then(async () => {
+        // A rebuilt build (after a restart) continues its log rather than clashing with old lines.
+        if (s.seq < 0) s.seq = await nextSeq(buildId);
+        s.seq += 1;
+        await store
+          .insertInto('build_log_lines')
+          .values({ build_id: buildId, seq: s.seq, at: new Date().toISOString(), line })
+          .execute();
+        wake.emit(buildId);
+      })
+      .catch(() => {
+        // A log line that cannot be written must not fail the build; the store error surfaces elsewhere.
+      });
+  }
+
   return {
-    append(buildId, text) {
+    append(buildId, text, always = false) {
       const line = text.length > MAX_LINE ? `${text.slice(0, MAX_LINE)}… (line cut)` : text;
       let state = pending.get(buildId);
       if (!state) {
-        state = { seq: -1, chain: Promise.resolve() };
+        state = { seq: -1, chain: Promise.resolve(), bytes: 0, droppedLines: 0, droppedBytes: 0 };
         pending.set(buildId, state);
       }
-      const s = state;
-      s.chain = s.chain
-        .then(async () => {
-          // A rebuilt build (after a restart) continues its log rather than clashing with old lines.
-          if (s.seq < 0) s.seq = await nextSeq(buildId);
-          s.seq += 1;
-          await store
-            .insertInto('build_log_lines')
-            .values({ build_id: buildId, seq: s.seq, at: new Date().toISOString(), line })
-            .execute();
-          wake.emit(buildId);
-        })
-        .catch(() => {
-          // A log line that cannot be written must not fail the build; the store error surfaces elsewhere.
-        });
+      const size = Buffer.byteLength(line);
+      // Once a line is dropped, so are the tools' lines after it: what is kept is the log's beginning.
+      if (!always && (state.droppedLines > 0 || state.bytes + size > maxBytes)) {
+        if (state.droppedLines === 0) {
+          appendLine(
+            buildId,
+            state,
+            `… the build log keeps at most ${maxBytes} bytes: the build's further output is dropped (counted at its end)`,
+          );
+        }
+        state.droppedLines += 1;
+        state.droppedBytes += Buffer.byteLength(text);
+        return;
+      }
+      state.bytes += size;
+      appendLine(buildId, state, line);
     },
     async flush(buildId) {
       const state = pending.get(buildId);
       if (!state) return;
+      if (state.droppedLines > 0) {
+        appendLine(
+          buildId,
+          state,
+          `… ${state.droppedLines} line${state.droppedLines === 1 ? '' : 's'} (${state.droppedBytes} bytes) of build output dropped`,
+        );
+        state.droppedLines = 0;
+        state.droppedBytes = 0;
+      }
       const chain = state.chain;
       await chain;
       if (state.chain === chain) pending.delete(buildId); // nothing appended meanwhile: forget the counter

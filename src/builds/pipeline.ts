@@ -98,6 +98,8 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       );
     }, limits.timeoutMs);
     const log = (line: string) => buildLog.append(build.id, line);
+    // The build's outcome is written past the log's byte bound too.
+    const note = (line: string) => buildLog.append(build.id, line, true);
     const folder = buildFolder(deps.buildsDir, build.id);
     let finalState: BuildState;
     let error: string | null = null;
@@ -126,16 +128,16 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       });
       await deps.output?.publish(build.id);
       finalState = 'ready';
-      log(`Build ready in ${((Date.now() - started) / 1000).toFixed(1)} s`);
+      note(`Build ready in ${((Date.now() - started) / 1000).toFixed(1)} s`);
     } catch (err) {
       if (controller.signal.reason instanceof BuildTimeLimitError) {
         finalState = 'failed';
         error = controller.signal.reason.message;
-        log(`Build failed: ${error}`);
+        note(`Build failed: ${error}`);
       } else if (controller.signal.aborted) {
         if (closing) {
           // Not the app's fault and not the user's choice: leave it for recover() at the next start.
-          log('Build interrupted by a server stop; it will run again from the start');
+          note('Build interrupted by a server stop; it will run again from the start');
           // Free for any node (or this one's next start) to build again.
           await store
             .updateTable('builds')
@@ -149,16 +151,16 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         }
         finalState = 'cancelled';
         error = 'cancelled';
-        log('Build cancelled');
+        note('Build cancelled');
       } else if (err instanceof BuildFailedError) {
         finalState = 'failed';
         error = err.message;
-        log(`Build failed: ${err.message}`);
+        note(`Build failed: ${err.message}`);
       } else {
         finalState = 'failed';
         error = 'internal error while building';
         logger.error({ err, buildId: build.id }, 'build crashed');
-        log('Build failed: internal error while building (see the server log)');
+        note('Build failed: internal error while building (see the server log)');
       }
     } finally {
       clearTimeout(timeLimit);

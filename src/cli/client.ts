@@ -5,6 +5,7 @@
 import type { Readable } from 'node:stream';
 import { request } from 'undici';
 import { resolveCliSettings } from './config-file.js';
+import { safeJson, safeText } from './terminal.js';
 
 /** An error the CLI prints as one line and exits non-zero with. */
 export class CliError extends Error {
@@ -108,7 +109,7 @@ export function createClient(options: { needProject?: boolean } = {}): ApiClient
 
 /** Prints `data` as JSON on stdout. */
 export function printJson(data: unknown): void {
-  process.stdout.write(`${JSON.stringify(data, null, 2)}\n`);
+  process.stdout.write(`${safeJson(JSON.stringify(data, null, 2))}\n`);
 }
 
 /** Prints rows as an aligned table. */
@@ -117,7 +118,7 @@ export function printTable(rows: Array<Record<string, string | number | null | u
     process.stdout.write('(none)\n');
     return;
   }
-  const cells = rows.map((r) => columns.map((c) => String(r[c] ?? '-')));
+  const cells = rows.map((r) => columns.map((c) => safeText(String(r[c] ?? '-'))));
   const widths = columns.map((c, i) => Math.max(c.length, ...cells.map((row) => row[i]!.length)));
   const line = (values: string[]) =>
     values

@@ -14,6 +14,7 @@ import { AppConfigError, entryConflict, parseAppConfig } from '../apps/app-confi
 import { followBuildLog } from './build-log-follow.js';
 import { CliError, createClient } from './client.js';
 import { packZip, selectFiles } from './pack.js';
+import { safeText } from './terminal.js';
 
 export interface DeployOptions {
   json?: boolean;
@@ -96,7 +97,7 @@ export async function deployCommand(dirArg: string | undefined, options: DeployO
     if (!interactive) say(`  uploaded ${formatBytes(bytes)}`);
     say(`Build ${build.id} queued; build log:`);
 
-    const state = await followBuildLog(client, appId, build.id, (line) => say(`  | ${line}`));
+    const state = await followBuildLog(client, appId, build.id, (line) => say(`  | ${safeText(line)}`));
     const base = `${client.url}/v4/${client.project}/${appId}`;
     // A custom app's server takes every path under the app; a cortex app's functions are paths below it,
     // known from the build once it is ready (null: only loading the module can tell, as for some Python).

@@ -6,6 +6,7 @@
 import { followBuildLog } from './build-log-follow.js';
 import { CliError, createClient, printJson, printTable } from './client.js';
 import { projectOfToken, resolveCliSettings, writeConfigFile } from './config-file.js';
+import { printLine, safeJson } from './terminal.js';
 
 interface Json {
   json?: boolean;
@@ -229,7 +230,7 @@ export async function buildsLogsCommand(
   const app = await appOfBuild(client, buildId, options.app);
   if (options.follow) {
     const state = await followBuildLog(client, app, buildId, (line, entry) =>
-      process.stdout.write(`${options.json ? JSON.stringify(entry) : line}\n`),
+      options.json ? process.stdout.write(`${safeJson(JSON.stringify(entry))}\n`) : printLine(line),
     );
     // With --json, stdout carries the lines only.
     (options.json ? process.stderr : process.stdout).write(`(build ${state})\n`);
@@ -240,7 +241,7 @@ export async function buildsLogsCommand(
     `/v2/projects/${client.project}/apps/${app}/builds/${buildId}/logs`,
   );
   if (options.json) return printJson(lines);
-  for (const l of lines) process.stdout.write(`${l.line}\n`);
+  for (const l of lines) printLine(l.line);
   process.stdout.write(`(build ${state})\n`);
 }
 

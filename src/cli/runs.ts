@@ -3,6 +3,7 @@
  */
 import { request } from 'undici';
 import { CliError, createClient, printJson, printTable } from './client.js';
+import { printLine, safeJson, safeText } from './terminal.js';
 
 interface Json {
   json?: boolean;
@@ -52,7 +53,7 @@ export async function runCommand(
       `run ${String(runId)} failed: ${body.error?.message ?? text} (${body.error?.code ?? res.statusCode})`,
     );
   }
-  process.stdout.write(`${JSON.stringify(body.result, null, 2)}\n`);
+  process.stdout.write(`${safeJson(JSON.stringify(body.result, null, 2))}\n`);
   process.stderr.write(`run ${String(runId)} in ${body.run_time_ms} ms\n`);
 }
 
@@ -127,7 +128,7 @@ export async function runsCancelCommand(app: string, runId: string, options: Jso
   if (options.json) return printJson(run);
   process.stdout.write(
     run.state === 'cancelled'
-      ? `Run ${runId} cancelled${run.error ? `: ${run.error.message}` : ''}\n`
+      ? `Run ${runId} cancelled${run.error ? `: ${safeText(run.error.message)}` : ''}\n`
       : `Run ${runId}: ${run.state}${FINAL_RUN_STATES.includes(run.state) ? ' (it ended before the cancel reached it)' : ' (the cancel is under way)'}\n`,
   );
 }
@@ -139,7 +140,8 @@ export async function runsLogsCommand(app: string, runId: string, options: Json 
     `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${runId}/logs`,
   );
   if (options.json) return printJson(lines);
-  for (const l of lines) process.stdout.write(`${l.at} ${l.stream.padEnd(6)} ${l.line}\n`);
+  // What the function printed, its controls made visible: it must not drive the user's terminal.
+  for (const l of lines) printLine(`${l.at} ${l.stream.padEnd(6)} ${l.line}`);
 }
 
 /**
@@ -159,8 +161,8 @@ export async function appLogsCommand(app: string, options: Json & { follow?: boo
     for (const l of lines) {
       // --json: one array without --follow (the convention for lists), one object per line while following.
       if (options.json && !options.follow) all.push(l);
-      else if (options.json) process.stdout.write(`${JSON.stringify(l)}\n`);
-      else process.stdout.write(`${l.at} ${l.replica} ${l.stream.padEnd(6)} ${l.line}\n`);
+      else if (options.json) process.stdout.write(`${safeJson(JSON.stringify(l))}\n`);
+      else printLine(`${l.at} ${l.replica} ${l.stream.padEnd(6)} ${l.line}`);
       after = l.seq;
     }
     // A full page means more are waiting: ask again at once.

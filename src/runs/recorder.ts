@@ -110,6 +110,8 @@ export interface RunRecorder {
   pendingRuns(): number;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
+  /** UTF-8 bytes of the log lines this recorder has taken to store, since it was made. */
+  loggedBytes(): number;
   /**
    * Writes everything pending; resolves when it is committed, or when the write failed (what failed stays
    * pending and is retried with back-off; while the store fails, this does not try again before then).
@@ -119,8 +121,10 @@ export interface RunRecorder {
   close(): Promise<void>;
 }
 
-const MAX_LINE = 16_384;
-const MAX_LINES_PER_RUN = 10_000;
+/** The longest line kept, in UTF-16 units (a longer one is cut, and says so). */
+export const MAX_LINE = 16_384;
+/** Lines kept per run; past it (or past the run's byte bound) the rest are counted and dropped. */
+export const MAX_LINES_PER_RUN = 10_000;
 const INSERT_CHUNK = 400;
 /** How long a run in progress may stay unwritten (see flush). */
 const HOLD_MS = 250;
@@ -138,6 +142,11 @@ export interface RecorderLimits {
   warnBufferedRuns: number;
   /** How long `close` keeps retrying a failing store. */
   closeRetryMs: number;
+  /**
+   * UTF-8 bytes of log lines stored per run (FERRY_RUN_LOG_BYTES); the lines past it are counted, not
+   * stored, and the run's log ends with a line saying how many were dropped.
+   */
+  maxRunLogBytes: number;
 }
 
 export const DEFAULT_RECORDER_LIMITS: RecorderLimits = {
@@ -146,9 +155,29 @@ export const DEFAULT_RECORDER_LIMITS: RecorderLimits = {
   maxBufferedLogBytes: 64 * 1024 * 1024,
   warnBufferedRuns: 10_000,
   closeRetryMs: 15_000,
+  maxRunLogBytes: 1024 * 1024,
 };
 
 type LogRow = { run_id: string; seq: number; at: string; stream: string; line: string };
+
+/** A run's log so far, on the node recording it (written to run_log_stats with its lines). */
+interface LogAccount {
+  runId: string;
+  /** The last line's seq. */
+  seq: number;
+  /** UTF-8 bytes of the lines kept. */
+  bytes: number;
+  droppedLines: number;
+  droppedBytes: number;
+  /** Lines were dropped because the store was failing and the memory bound was reached. */
+  storeFailing?: boolean;
+}
+type StatsRow = { run_id: string; bytes: number; dropped_lines: number; dropped_bytes: number };
+
+/** The last line of a run's log when lines were dropped. */
+export function droppedMarker(lines: number, bytes: number, why: string): string {
+  return `… ${lines} line${lines === 1 ? '' : 's'} (${bytes} bytes) dropped: ${why}`;
+}
 
 export function createRunRecorder(deps: {
   store: Store;
@@ -175,15 +204,19 @@ export function createRunRecorder(deps: {
   /** Starts written by themselves, beside the inserts (PostgreSQL: another connection of the pool). */
   let startsAlone: typeof starts = [];
   // Per run with log lines: a null-prototype object, not a Map (runs/invoke.ts says why: `cancels`).
-  const seqs: Record<string, number> = Object.create(null);
-  /** Runs in `seqs`: while none has lines, a run's end does not look itself up there (issue 15). */
-  let seqRuns = 0;
+  const accounts: Record<string, LogAccount> = Object.create(null);
+  /** Runs in `accounts`: while none has lines, a run's end does not look itself up there (issue 15). */
+  let accountRuns = 0;
+  /** Runs whose account changed since the last write (their run_log_stats row is written with the lines). */
+  let dirty = new Map<string, LogAccount>();
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
   /** Consecutive failed writes (0: the store is writing). */
   let failures = 0;
   let failingSince = 0;
   let droppedLines = 0;
+  /** See loggedBytes. */
+  let totalLogBytes = 0;
 
   function schedule(): void {
     if (!timer) {
@@ -199,7 +232,12 @@ export function createRunRecorder(deps: {
   }
 
   /** Writes a batch in one transaction; resolves with the ids of the runs whose final state it committed. */
-  async function write(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): Promise<string[]> {
+  async function write(
+    batch: Map<string, Pending>,
+    lines: LogRow[],
+    deliveries: OutboxEntry[],
+    stats: StatsRow[],
+  ): Promise<string[]> {
     const inserts: RunRow[] = [];
     const updates: Array<[string, RunChanges]> = [];
     for (const [id, p] of batch) {
@@ -221,6 +259,20 @@ export function createRunRecorder(deps: {
           .insertInto('run_log_lines')
           .values(lines.slice(i, i + INSERT_CHUNK))
           .onConflict((oc) => oc.doNothing())
+          .execute();
+      }
+      // The counts are the run's totals so far: a retried batch writes the same values again.
+      for (let i = 0; i < stats.length; i += INSERT_CHUNK) {
+        await trx
+          .insertInto('run_log_stats')
+          .values(stats.slice(i, i + INSERT_CHUNK))
+          .onConflict((oc) =>
+            oc.column('run_id').doUpdateSet((eb) => ({
+              bytes: eb.ref('excluded.bytes'),
+              dropped_lines: eb.ref('excluded.dropped_lines'),
+              dropped_bytes: eb.ref('excluded.dropped_bytes'),
+            })),
+          )
           .execute();
       }
       // A run this node no longer holds is finished by whoever took it over, webhook included.
@@ -261,7 +313,19 @@ export function createRunRecorder(deps: {
   }
 
   /** Puts a batch whose write failed back in front of what came since, so the next write has it all. */
-  function requeue(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[]): void {
+  function requeue(batch: Map<string, Pending>, lines: LogRow[], deliveries: OutboxEntry[], stats: StatsRow[]): void {
+    // A run's totals only grow: one that changed since keeps its newer account.
+    for (const st of stats) {
+      if (!dirty.has(st.run_id)) {
+        dirty.set(st.run_id, {
+          runId: st.run_id,
+          seq: 0,
+          bytes: st.bytes,
+          droppedLines: st.dropped_lines,
+          droppedBytes: st.dropped_bytes,
+        });
+      }
+    }
     for (const [id, p] of batch) {
       const later = pending.get(id);
       pending.set(
@@ -344,6 +408,11 @@ export function createRunRecorder(deps: {
     }
     const lines = logs;
     const deliveries = outbox;
+    const stats: StatsRow[] = [];
+    for (const a of dirty.values()) {
+      stats.push({ run_id: a.runId, bytes: a.bytes, dropped_lines: a.droppedLines, dropped_bytes: a.droppedBytes });
+    }
+    dirty = new Map();
     outbox = [];
     logs = [];
     logBytes = 0;
@@ -354,7 +423,7 @@ export function createRunRecorder(deps: {
       if (!done) pending.set(id, { row: { ...p.row, ...p.changes }, inserted: true, changes: {} });
     }
     if (holding > 0) schedule();
-    return { batch, lines, deliveries };
+    return { batch, lines, deliveries, stats };
   }
 
   /**
@@ -369,21 +438,21 @@ export function createRunRecorder(deps: {
   function flush(force = true, retry = false): Promise<void> {
     // While the store fails, only the back-off timer (and close) try again.
     if (failures > 0 && !retry) return writing;
-    if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return writing;
+    if (pending.size === 0 && logs.length === 0 && outbox.length === 0 && dirty.size === 0) return writing;
     if (timer) {
       clearTimeout(timer);
       timer = undefined;
     }
     writing = writing.then(async () => {
       if (failures > 0 && !retry) return;
-      if (pending.size === 0 && logs.length === 0 && outbox.length === 0) return;
-      const { batch, lines, deliveries } = takeBatch(force);
-      if (batch.size === 0 && lines.length === 0 && deliveries.length === 0) return;
+      if (pending.size === 0 && logs.length === 0 && outbox.length === 0 && dirty.size === 0) return;
+      const { batch, lines, deliveries, stats } = takeBatch(force);
+      if (batch.size === 0 && lines.length === 0 && deliveries.length === 0 && stats.length === 0) return;
       let finished: string[];
       try {
-        finished = await write(batch, lines, deliveries);
+        finished = await write(batch, lines, deliveries, stats);
       } catch (err) {
-        requeue(batch, lines, deliveries);
+        requeue(batch, lines, deliveries, stats);
         failed(err);
         return;
       }
@@ -391,7 +460,7 @@ export function createRunRecorder(deps: {
       if (failures > 0) {
         recovered();
         // What came in while the retry ran found the back-off in force and was not scheduled.
-        if (pending.size > 0 || logs.length > 0 || outbox.length > 0) schedule();
+        if (pending.size > 0 || logs.length > 0 || outbox.length > 0 || dirty.size > 0) schedule();
       }
       if (deliveries.length > 0) recorder.onOutbox?.();
     });
@@ -499,7 +568,11 @@ export function createRunRecorder(deps: {
     }
   }
 
-  function dropLine(): void {
+  function dropLine(account: LogAccount, text: string): void {
+    account.storeFailing = true;
+    account.droppedLines += 1;
+    account.droppedBytes += Buffer.byteLength(text);
+    dirty.set(account.runId, account);
     droppedLines += 1;
     if (droppedLines === 1 || droppedLines % 10_000 === 0) {
       logger.error(
@@ -507,6 +580,30 @@ export function createRunRecorder(deps: {
         'run log lines dropped: the store is failing and the lines kept in memory reached their limit',
       );
     }
+  }
+
+  /** A line past the run's bounds: counted only. */
+  function dropOver(account: LogAccount, text: string): void {
+    account.droppedLines += 1;
+    account.droppedBytes += Buffer.byteLength(text);
+    dirty.set(account.runId, account);
+    schedule();
+  }
+
+  /** The run ended with lines dropped: its log's last line says how many (the bounds do not apply to it). */
+  function endDropped(account: LogAccount): void {
+    const line = droppedMarker(
+      account.droppedLines,
+      account.droppedBytes,
+      account.storeFailing
+        ? 'the store was failing and the lines waiting in memory reached their bound'
+        : `a run's log keeps at most ${limits.maxRunLogBytes} bytes and ${MAX_LINES_PER_RUN} lines`,
+    );
+    account.seq += 1;
+    logs.push({ run_id: account.runId, seq: account.seq, at: isoTime(Date.now()), stream: 'system', line });
+    logBytes += line.length;
+    account.bytes += Buffer.byteLength(line);
+    dirty.set(account.runId, account);
   }
 
   const recorder: RunRecorder = {
@@ -555,9 +652,13 @@ export function createRunRecorder(deps: {
           changes: { ...changes },
           changedAt: Date.now(),
         });
-      if (seqRuns > 0 && changes.state !== undefined && isFinal(changes.state) && seqs[runId] !== undefined) {
-        delete seqs[runId];
-        seqRuns -= 1;
+      if (accountRuns > 0 && changes.state !== undefined && isFinal(changes.state)) {
+        const account = accounts[runId];
+        if (account !== undefined) {
+          delete accounts[runId];
+          accountRuns -= 1;
+          if (account.droppedLines > 0) endDropped(account);
+        }
       }
       schedule();
     },
@@ -565,20 +666,28 @@ export function createRunRecorder(deps: {
       return pending.size;
     },
     log(runId, stream, text) {
-      const seq = (seqs[runId] ?? 0) + 1;
-      if (seq > MAX_LINES_PER_RUN) return;
-      const line =
-        seq === MAX_LINES_PER_RUN
-          ? `(log cut: a run keeps at most ${MAX_LINES_PER_RUN} lines)`
-          : text.length > MAX_LINE
-            ? `${text.slice(0, MAX_LINE)}… (line cut)`
-            : text;
-      if (logBytes + line.length > limits.maxBufferedLogBytes) return dropLine();
-      if (seq === 1) seqRuns += 1;
-      seqs[runId] = seq;
-      logs.push({ run_id: runId, seq, at: isoTime(Date.now()), stream, line });
+      let account = accounts[runId];
+      if (account === undefined) {
+        account = { runId, seq: 0, bytes: 0, droppedLines: 0, droppedBytes: 0 };
+        accounts[runId] = account;
+        accountRuns += 1;
+      }
+      // Once a line is dropped, so are all after it: what is kept is the log's beginning, whole.
+      if (account.droppedLines > 0 || account.seq >= MAX_LINES_PER_RUN) return dropOver(account, text);
+      const line = text.length > MAX_LINE ? `${text.slice(0, MAX_LINE)}… (line cut)` : text;
+      const size = Buffer.byteLength(line);
+      if (account.bytes + size > limits.maxRunLogBytes) return dropOver(account, text);
+      if (logBytes + line.length > limits.maxBufferedLogBytes) return dropLine(account, text);
+      account.seq += 1;
+      account.bytes += size;
+      totalLogBytes += size;
+      dirty.set(runId, account);
+      logs.push({ run_id: runId, seq: account.seq, at: isoTime(Date.now()), stream, line });
       logBytes += line.length;
       schedule();
+    },
+    loggedBytes() {
+      return totalLogBytes;
     },
     flush,
     async close() {

@@ -132,6 +132,19 @@ export async function runLogs(
     .execute();
 }
 
+/** What a run's log lost: past the per-run bound, or to the project's log budget (0 and 0: nothing). */
+export async function runLogDrops(
+  store: Store,
+  runId: string,
+): Promise<{ dropped_lines: number; dropped_bytes: number }> {
+  const row = await store
+    .selectFrom('run_log_stats')
+    .select(['dropped_lines', 'dropped_bytes'])
+    .where('run_id', '=', runId)
+    .executeTakeFirst();
+  return { dropped_lines: Number(row?.dropped_lines ?? 0), dropped_bytes: Number(row?.dropped_bytes ?? 0) };
+}
+
 /**
  * Ends these runs `cancelled`, those still queued only (no node has started them: starting one checks it is
  * queued, store/claims.ts), with their webhook deliveries, in the caller's transaction. Resolves with the

@@ -282,6 +282,22 @@ const migrations: Record<string, Migration> = {
       );
     },
   },
+  '0011_run_log_stats': {
+    async up(db: Kysely<unknown>) {
+      // Per run with log lines: the bytes of its stored lines (what the project's log budget counts,
+      // apps/housekeeping.ts), and what was dropped: past the per-run bound (FERRY_RUN_LOG_BYTES, the
+      // recorder) or removed by the project's budget (FERRY_PROJECT_LOG_BYTES). A row of its own, not
+      // columns of runs: only runs that print have one, and the hot insert of run records stays as it is.
+      await db.schema
+        .createTable('run_log_stats')
+        .addColumn('run_id', 'text', (c) => c.primaryKey())
+        .addColumn('bytes', 'bigint', (c) => c.notNull())
+        .addColumn('dropped_lines', 'bigint', (c) => c.notNull())
+        .addColumn('dropped_bytes', 'bigint', (c) => c.notNull())
+        .execute();
+      if (isPostgres(db)) await sql`alter table run_log_stats alter column run_id type text collate "C"`.execute(db);
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

@@ -121,6 +121,15 @@ export interface RunLogLinesTable {
   line: string;
 }
 
+/** Per run with log lines (migration 0011): stored line bytes and what was dropped. */
+export interface RunLogStatsTable {
+  run_id: string;
+  /** UTF-8 bytes of the run's stored lines; 0 once the project's log budget removed them. */
+  bytes: number;
+  dropped_lines: number;
+  dropped_bytes: number;
+}
+
 export interface WebhookDeliveriesTable {
   run_id: string;
   url: string;
@@ -170,6 +179,7 @@ export interface Database {
   build_log_lines: BuildLogLinesTable;
   runs: RunsTable;
   run_log_lines: RunLogLinesTable;
+  run_log_stats: RunLogStatsTable;
   webhook_deliveries: WebhookDeliveriesTable;
   webhook_attempts: WebhookAttemptsTable;
   secrets: SecretsTable;

@@ -2,7 +2,7 @@
 import { Type } from 'typebox';
 import { findApp } from '../../apps/apps.js';
 import { FerryError } from '../../errors.js';
-import { cancelQueuedRun, findRun, listRuns, runLogs, viewRun } from '../../runs/runs.js';
+import { cancelQueuedRun, findRun, listRuns, runLogDrops, runLogs, viewRun } from '../../runs/runs.js';
 import type { Services } from '../../services.js';
 import { WebhookViewSchema, webhookView } from '../../webhooks/view.js';
 import { requireScope } from '../auth.js';
@@ -206,6 +206,11 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
             lines: Type.Array(
               Type.Object({ seq: Type.Integer(), at: Type.String(), stream: Type.String(), line: Type.String() }),
             ),
+            dropped_lines: Type.Integer({
+              description:
+                'Lines of the run not kept: past the per-run bound (FERRY_RUN_LOG_BYTES, 10,000 lines), or removed with the rest of its log by the project log budget (FERRY_PROJECT_LOG_BYTES). The log then ends with a `system` line saying so.',
+            }),
+            dropped_bytes: Type.Integer({ description: 'The UTF-8 bytes of those lines' }),
           }),
           ...errors(400, 401, 403, 404),
         },
@@ -215,7 +220,8 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
       const { project_id, app_id, run_id } = request.params;
       await services.recorder.flush();
       await findRun(store, project_id, app_id, run_id);
-      return { run_id, lines: await runLogs(store, run_id, request.query.after ?? 0) };
+      const lines = await runLogs(store, run_id, request.query.after ?? 0);
+      return { run_id, lines, ...(await runLogDrops(store, run_id)) };
     },
   );
 }
