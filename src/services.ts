@@ -196,7 +196,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const auth = createAuthenticator({ store, key: jwtKey });
   const buildLog = createBuildLog({ store });
   const runTargets = createRunTargets({ store });
-  const recorder = createRunRecorder({ store, logger: logger.child({ component: 'runs' }), owner: node.id });
+  const recorder = createRunRecorder({
+    store,
+    logger: logger.child({ component: 'runs' }),
+    owner: node.id,
+    onLateResults: (n) => metrics.lateResultsDiscarded.inc(n),
+  });
   const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
   // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
