@@ -135,16 +135,17 @@ describe('a worker frozen past its lease', { timeout: 300_000 }, () => {
     frozen = undefined;
 
     // Every run ends (the rest on either worker), and the thawed worker says what it discarded.
-    await waitFor(
-      async () => {
-        const r = await db.query<{ n: string }>(
-          'select count(*) as n from runs where id = any($1) and state <> all($2)',
+    const unended = async () =>
+      (
+        await db.query<{ id: string; state: string; owner: string | null; attempts: number }>(
+          'select id, state, owner, attempts from runs where id = any($1) and state <> all($2)',
           [ids, TERMINAL],
-        );
-        return Number(r.rows[0]?.n) === 0 ? true : undefined;
+        )
+      ).rows;
+    await waitFor(async () => ((await unended()).length === 0 ? true : undefined), 120_000, 'every run to end').catch(
+      async (err: Error) => {
+        throw new Error(`${err.message}: ${JSON.stringify(await unended())}`);
       },
-      120_000,
-      'every run to end',
     );
     const discarded = await waitFor(
       async () => {

@@ -108,6 +108,8 @@ export interface RunRecorder {
   onFinished?: (runIds: string[]) => void;
   /** Runs whose record is held in memory here: waiting to be written, or in progress on this node. */
   pendingRuns(): number;
+  /** Whether this run has changes here not yet committed (waiting, or being written now). */
+  holds(runId: string): boolean;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
   /**
@@ -188,6 +190,8 @@ export function createRunRecorder(deps: {
   let seqRuns = 0;
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
+  /** The batch being written now (out of `pending` until it is committed, or put back if it fails). */
+  let writingBatch: Map<string, Pending> | undefined;
   /** Consecutive failed writes (0: the store is writing). */
   let failures = 0;
   let failingSince = 0;
@@ -394,12 +398,15 @@ export function createRunRecorder(deps: {
       const { batch, lines, deliveries } = takeBatch(force);
       if (batch.size === 0 && lines.length === 0 && deliveries.length === 0) return;
       let finished: string[];
+      writingBatch = batch;
       try {
         finished = await write(batch, lines, deliveries);
       } catch (err) {
         requeue(batch, lines, deliveries);
         failed(err);
         return;
+      } finally {
+        writingBatch = undefined;
       }
       if (finished.length > 0) recorder.onFinished?.(finished);
       if (failures > 0) {
@@ -584,6 +591,9 @@ export function createRunRecorder(deps: {
     },
     pendingRuns() {
       return pending.size;
+    },
+    holds(runId) {
+      return pending.has(runId) || writingBatch?.has(runId) === true;
     },
     log(runId, stream, text) {
       const seq = (seqs[runId] ?? 0) + 1;
