@@ -116,7 +116,23 @@ describe('a worker frozen past its lease', { timeout: 300_000 }, () => {
       },
       60_000,
       'recovery to end the frozen worker’s running runs',
-    );
+    ).catch(async (err: Error) => {
+      const states = await db.query(
+        'select state, reason, count(*) as n from runs where owner = $1 group by state, reason',
+        [owner],
+      );
+      const leases = await db.query('select id, lease_until from nodes');
+      throw new Error(
+        `${err.message}: runs of ${owner}: ${JSON.stringify(states.rows)}; nodes: ${JSON.stringify(leases.rows)}; ` +
+          `at ${new Date().toISOString()}; other worker: ${c.workers
+            .find((w) => w !== frozen)
+            ?.output()
+            .split('\n')
+            .filter((l) => /recover|lease|took over|sweep/i.test(l))
+            .slice(-10)
+            .join('\n')}`,
+      );
+    });
     const settledIds = new Set(settled.map((r) => r.id));
     const bodiesOf = (id: string) =>
       receiver!.requests
@@ -147,30 +163,38 @@ describe('a worker frozen past its lease', { timeout: 300_000 }, () => {
         throw new Error(`${err.message}: ${JSON.stringify(await unended())}`);
       },
     );
-    const discarded = await waitFor(
-      async () => {
-        const text = await (await fetch(`${thawed.url}/metrics`)).text();
-        const m = /^ferry_late_results_discarded_total\{[^}]*\} (\d+)/m.exec(text);
-        const n = Number(m?.[1] ?? 0);
-        return n > 0 ? n : undefined;
-      },
+    const counted = async () => {
+      const text = await (await fetch(`${thawed.url}/metrics`)).text();
+      const m = /^ferry_late_results_discarded_total\{[^}]*\} (\d+)/m.exec(text);
+      return Number(m?.[1] ?? 0);
+    };
+    const before = new Map(settled.map((r) => [r.id, r]));
+    const readSettled = async () =>
+      (
+        await db.query<Row>(
+          'select id, state, reason, owner, result, finished_at, status_code from runs where id = any($1)',
+          [[...settledIds]],
+        )
+      ).rows;
+    // The thawed worker's late results are in: counted as discarded, or (were they not fenced) written.
+    await waitFor(
+      async () =>
+        (await counted()) > 0 || (await readSettled()).some((r) => r.state !== before.get(r.id)?.state)
+          ? true
+          : undefined,
       30_000,
-      'the thawed worker to count discarded results',
-    );
+      'the thawed worker to discard (or write) its late results',
+    ).catch(() => undefined);
     // Time for any late write or webhook to land before the verdict.
     await new Promise((r) => setTimeout(r, 3000));
-    const now = await db.query<Row>(
-      'select id, state, reason, owner, result, finished_at, status_code from runs where id = any($1)',
-      [[...settledIds]],
-    );
-    const before = new Map(settled.map((r) => [r.id, r]));
-    for (const row of now.rows)
+    for (const row of await readSettled())
       assert.deepEqual(row, before.get(row.id), `run ${row.id} was rewritten after it settled`);
     for (const id of settledIds) {
       const bodies = bodiesOf(id);
       const codes = new Set(bodies.map((b) => b.status_code));
       assert.deepEqual([...codes], [502], `run ${id}: webhooks ${JSON.stringify(bodies)}`);
     }
+    const discarded = await counted();
     assert.ok(discarded >= 1, `ferry_late_results_discarded_total ${discarded}`);
     // The thawed worker says so in its log too.
     assert.match(thawed.output(), /run changes discarded/);

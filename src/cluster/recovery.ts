@@ -16,6 +16,18 @@
  * Work held by no node in a state that needs one (left by a Ferry before leases) is treated the same way.
  * Every change is conditional on the row still being the dead node's, so two nodes sweeping at once
  * change each row once.
+ *
+ * Two invariants close the gaps around it:
+ * - Once a run is settled nothing rewrites it (ARCHITECTURE invariant 7). A node judged dead may only be
+ *   frozen: when it comes back, its recorder's writes are fenced (store/run-updates.ts) by the run being
+ *   unfinished and, for an async run, `running` in the start the node made (`attempts`); a run ended here,
+ *   or queued again and started anew, changes no more. The late node counts what it discarded
+ *   (`ferry_late_results_discarded_total`).
+ * - Every accepted run ends, whatever fails in between. This sweep sees dead nodes only and the relay
+ *   sees runs nobody holds, so a live node's own runs are its own to end: it keeps a run in hand through
+ *   store errors, and its held-runs sweep (runs/async-worker.ts) lets go of, or ends with
+ *   `endUnfinished` below, the runs the store says it holds but it never heard of (a claim or start
+ *   committed while the connection broke).
  */
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
