@@ -240,9 +240,10 @@ export function createAsyncWorker(deps: {
     pumping.add(key);
     void dispatch(key)
       .catch((err: unknown) => {
-        // The store failed (reading the app's build, or failing a run): the runs stay queued here.
+        // The store failed (reading the app's build, or failing a run): the runs stay queued here, and the
+        // app is tried again in a second (not sooner: one warning a second per app while the store is down).
         logger.warn({ err, app: key }, 'async dispatch failed; trying again');
-        setTimeout(() => pumpApp(key), deps.retryDelayMs ?? 200).unref();
+        setTimeout(() => pumpApp(key), Math.max(1000, deps.retryDelayMs ?? 200)).unref();
       })
       .finally(() => {
         pumping.delete(key);
