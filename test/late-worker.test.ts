@@ -147,6 +147,7 @@ describe('a worker frozen past its lease', { timeout: 300_000 }, () => {
     const wait = Math.max(0, frozenAt + RUN_MS + 1000 - Date.now());
     await new Promise((r) => setTimeout(r, wait));
     process.kill(frozen.pid, 'SIGCONT');
+    const thawedAt = Date.now();
     const thawed = frozen;
     frozen = undefined;
 
@@ -196,6 +197,10 @@ describe('a worker frozen past its lease', { timeout: 300_000 }, () => {
     }
     const discarded = await counted();
     assert.ok(discarded >= 1, `ferry_late_results_discarded_total ${discarded}`);
+    console.log(
+      `frozen ${Math.round((thawedAt - frozenAt) / 1000)} s: ${settled.length} runs ended interrupted by recovery, ` +
+        `unchanged after SIGCONT; ferry_late_results_discarded_total ${discarded}`,
+    );
     // The thawed worker says so in its log too.
     assert.match(thawed.output(), /run changes discarded/);
   });
