@@ -39,6 +39,11 @@ export interface Metrics {
   bytesFreed: Counter<'reason'>;
   /** Retention passes this process ran. */
   retentionPasses: Counter;
+  /**
+   * Runs' ends this process computed but did not write: the run was settled (recovery) or taken over while
+   * this process could not renew its lease (it was paused or cut off from the store).
+   */
+  lateResultsDiscarded: Counter;
 }
 
 export function createMetrics(labels?: { node: string; role: string }): Metrics {
@@ -156,6 +161,11 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
     retentionPasses: new Counter({
       name: 'ferry_retention_passes_total',
       help: 'Retention passes this process ran (FERRY_KEEP_BUILDS, FERRY_RUN_RETENTION_DAYS)',
+      registers: [registry],
+    }),
+    lateResultsDiscarded: new Counter({
+      name: 'ferry_late_results_discarded_total',
+      help: "Runs' results not written because the run was settled or taken over while this process had lost its lease",
       registers: [registry],
     }),
     asyncPublished: new Counter({

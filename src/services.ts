@@ -207,6 +207,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     logger: logger.child({ component: 'runs' }),
     owner: node.id,
     limits: { maxRunLogBytes: config.runLogBytes },
+    onLateResults: (n) => metrics.lateResultsDiscarded.inc(n),
   });
   const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);

@@ -16,10 +16,23 @@
  * Work held by no node in a state that needs one (left by a Ferry before leases) is treated the same way.
  * Every change is conditional on the row still being the dead node's, so two nodes sweeping at once
  * change each row once.
+ *
+ * Two invariants close the gaps around it:
+ * - Once a run is settled nothing rewrites it (ARCHITECTURE invariant 7). A node judged dead may only be
+ *   frozen: when it comes back, its recorder's writes are fenced (store/run-updates.ts) by the run being
+ *   unfinished and, for an async run, `running` in the start the node made (`attempts`); a run ended here,
+ *   or queued again and started anew, changes no more. The late node counts what it discarded
+ *   (`ferry_late_results_discarded_total`).
+ * - Every accepted run ends, whatever fails in between. This sweep sees dead nodes only and the relay
+ *   sees runs nobody holds, so a live node's own runs are its own to end: it keeps a run in hand through
+ *   store errors, and its held-runs sweep (runs/async-worker.ts) lets go of, or ends with
+ *   `endUnfinished` below, the runs the store says it holds but it never heard of (a claim or start
+ *   committed while the connection broke).
  */
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import type { Store } from '../store/index.js';
+import type { Run } from '../store/schema.js';
 import { unfinishedRun } from '../store/unfinished.js';
 import { buildWebhookPayload } from '../webhooks/payload.js';
 import { LEASE_ENDED, type NodeLease } from './node.js';
@@ -90,15 +103,7 @@ export function createRecovery(deps: {
       const unfinished = await trx
         .selectFrom('runs')
         .leftJoin('builds', 'builds.id', 'runs.build_id')
-        .select([
-          'runs.id',
-          'runs.mode',
-          'runs.state',
-          'runs.attempts',
-          'runs.started_at',
-          'runs.webhook_endpoint',
-          'builds.config_json',
-        ])
+        .select(UNFINISHED_COLUMNS)
         .where((eb) => (owner === null ? eb('runs.owner', 'is', null) : eb('runs.owner', '=', owner)))
         .where((eb) =>
           eb.or([
@@ -108,59 +113,9 @@ export function createRecovery(deps: {
         )
         .where(unfinishedRun('runs.state'))
         .execute();
-      for (const run of unfinished) {
-        const retry =
-          run.mode === 'async' && run.attempts < MAX_RUN_STARTS && retriesInterrupted(run.config_json ?? null);
-        const fence = trx
-          .updateTable('runs')
-          .where('id', '=', run.id)
-          .where((eb) => (owner === null ? eb('owner', 'is', null) : eb('owner', '=', owner)))
-          .where('state', '=', run.state);
-        if (retry) {
-          const changed = await fence
-            .set({ state: 'queued', owner: null, started_at: null, published_at: null })
-            .executeTakeFirst();
-          result.requeued += Number(changed.numUpdatedRows);
-          continue;
-        }
-        const runTimeMs = run.started_at ? nowMs - Date.parse(run.started_at) : null;
-        const changed = await fence
-          .set({
-            state: 'failure',
-            status_code: 502,
-            reason: 'interrupted',
-            error_code: 'FERRY_REPLICA_DIED',
-            error_message: INTERRUPTED_MESSAGE,
-            finished_at: now,
-            run_time_ms: runTimeMs,
-          })
-          .executeTakeFirst();
-        if (Number(changed.numUpdatedRows) === 0) continue;
-        result.interrupted += 1;
-        if (run.webhook_endpoint) {
-          await trx
-            .insertInto('webhook_deliveries')
-            .values({
-              run_id: run.id,
-              url: run.webhook_endpoint,
-              payload: buildWebhookPayload({
-                runId: run.id,
-                state: 'failure',
-                finishedAt: nowMs,
-                statusCode: 502,
-                runTimeMs,
-                error: { code: 'FERRY_REPLICA_DIED', message: INTERRUPTED_MESSAGE },
-              }),
-              state: 'pending',
-              attempts: 0,
-              next_attempt_at: now,
-              created_at: now,
-              updated_at: now,
-            })
-            .onConflict((oc) => oc.doNothing())
-            .execute();
-        }
-      }
+      const ended = await endUnfinished(trx, owner, unfinished, nowMs);
+      result.interrupted += ended.interrupted;
+      result.requeued += ended.requeued;
       const deliveries = await trx
         .updateTable('webhook_deliveries')
         .set({ state: 'pending', owner: null, next_attempt_at: now, updated_at: now })
@@ -243,4 +198,109 @@ function retriesInterrupted(configJson: string | null): boolean {
   } catch {
     return false;
   }
+}
+
+const UNFINISHED_COLUMNS = [
+  'runs.id',
+  'runs.mode',
+  'runs.state',
+  'runs.attempts',
+  'runs.started_at',
+  'runs.webhook_endpoint',
+  'builds.config_json',
+] as const;
+
+/** A run whose node stopped running it, as `endUnfinished` needs it. */
+export interface UnfinishedRun {
+  id: string;
+  mode: Run['mode'];
+  state: Run['state'];
+  attempts: number;
+  started_at: string | null;
+  webhook_endpoint: string | null;
+  config_json: string | null;
+}
+
+/**
+ * Ends runs `owner` held and no longer runs, in the caller's transaction: an async run queued again when
+ * its app retries interrupted runs and it has starts left, any other `failure`, reason `interrupted`,
+ * with its webhook. Each change is fenced by the run still being `owner`'s in the state it was read in.
+ */
+export async function endUnfinished(
+  trx: Store,
+  owner: string | null,
+  runs: readonly UnfinishedRun[],
+  nowMs: number,
+): Promise<{ interrupted: number; requeued: number }> {
+  const result = { interrupted: 0, requeued: 0 };
+  const now = new Date(nowMs).toISOString();
+  for (const run of runs) {
+    const retry = run.mode === 'async' && run.attempts < MAX_RUN_STARTS && retriesInterrupted(run.config_json ?? null);
+    const fence = trx
+      .updateTable('runs')
+      .where('id', '=', run.id)
+      .where((eb) => (owner === null ? eb('owner', 'is', null) : eb('owner', '=', owner)))
+      .where('state', '=', run.state);
+    if (retry) {
+      const changed = await fence
+        .set({ state: 'queued', owner: null, started_at: null, published_at: null })
+        .executeTakeFirst();
+      result.requeued += Number(changed.numUpdatedRows);
+      continue;
+    }
+    const runTimeMs = run.started_at ? nowMs - Date.parse(run.started_at) : null;
+    const changed = await fence
+      .set({
+        state: 'failure',
+        status_code: 502,
+        reason: 'interrupted',
+        error_code: 'FERRY_REPLICA_DIED',
+        error_message: INTERRUPTED_MESSAGE,
+        finished_at: now,
+        run_time_ms: runTimeMs,
+      })
+      .executeTakeFirst();
+    if (Number(changed.numUpdatedRows) === 0) continue;
+    result.interrupted += 1;
+    if (run.webhook_endpoint) {
+      await trx
+        .insertInto('webhook_deliveries')
+        .values({
+          run_id: run.id,
+          url: run.webhook_endpoint,
+          payload: buildWebhookPayload({
+            runId: run.id,
+            state: 'failure',
+            finishedAt: nowMs,
+            statusCode: 502,
+            runTimeMs,
+            error: { code: 'FERRY_REPLICA_DIED', message: INTERRUPTED_MESSAGE },
+          }),
+          state: 'pending',
+          attempts: 0,
+          next_attempt_at: now,
+          created_at: now,
+          updated_at: now,
+        })
+        .onConflict((oc) => oc.doNothing())
+        .execute();
+    }
+  }
+  return result;
+}
+
+/**
+ * The async runs `owner` (a live node: this one) holds in the store but no longer has in hand, read for
+ * `endUnfinished` or to be let go (queued ones): what a lost answer of the store leaves behind (a claim or
+ * a start committed whose commit the node never heard of, or a run the node dropped on a store error).
+ */
+export async function heldAsyncRuns(store: Store, owner: string): Promise<UnfinishedRun[]> {
+  return store
+    .selectFrom('runs')
+    .leftJoin('builds', 'builds.id', 'runs.build_id')
+    .select(UNFINISHED_COLUMNS)
+    .where('runs.owner', '=', owner)
+    .where('runs.mode', '=', 'async')
+    .where(unfinishedRun('runs.state'))
+    .execute();
 }

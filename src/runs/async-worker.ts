@@ -15,8 +15,17 @@
  * Each app gets at most as many runs in flight here as its replicas can take (max_replicas ×
  * replica_concurrency), so a burst waits in the store or in this node's queue instead of overflowing the
  * app's in-memory queue. Nothing is reset at start: work of a node that died is recovered by lease expiry.
+ *
+ * Every accepted run ends, whatever fails in between (ARCHITECTURE invariant 7's other half). A store
+ * error while a run is in hand (reading its call or its app, marking it started, failing it) keeps it in
+ * hand and tries again later; and what a lost answer of the store leaves behind is found by the held-runs
+ * sweep: a run the store says this node holds, unfinished, that this node has not had in hand (nor the
+ * recorder unwritten) at two sweeps in a row is a claim or start it never heard of. A queued one is let go
+ * (owner cleared: any node claims it, and the relay publishes it again with --nats-url); a running one is
+ * ended as recovery ends a dead node's (cluster/recovery.ts: interrupted, or queued again by policy).
  */
 import type { Logger } from 'pino';
+import { endUnfinished, heldAsyncRuns } from '../cluster/recovery.js';
 import { FerryError } from '../errors.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import { claimQueuedRuns, releaseQueuedRuns } from '../store/claims.js';
@@ -98,6 +107,8 @@ export function createAsyncWorker(deps: {
   onReleased?: (runIds: string[]) => void;
   /** Told when room was made (a run ended): more may be taken. */
   onRoom?: () => void;
+  /** How often the held-runs sweep looks for runs this node holds in the store but not in hand. Default 10 s. */
+  heldSweepMs?: number;
 }): AsyncWorker {
   const { store, invoker, recorder, logger, owner } = deps;
   const pollMs = deps.pollIntervalMs ?? 1000;
@@ -111,6 +122,9 @@ export function createAsyncWorker(deps: {
   let started = false;
   let closed = false;
   let pollTimer: NodeJS.Timeout | undefined;
+  let sweepTimer: NodeJS.Timeout | undefined;
+  /** Runs in hand here: queued here or being performed (a run held twice is counted by its entries). */
+  const inHand = new Map<string, number>();
   let pulling: Promise<void> | undefined;
   let pullAgain = false;
   const abort = new AbortController();
@@ -136,7 +150,13 @@ export function createAsyncWorker(deps: {
   }
 
   async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry'> {
-    const run = q.call ?? (await readCall(q.id));
+    let run: RunCall | undefined;
+    try {
+      run = q.call ?? (await readCall(q.id));
+    } catch (err) {
+      logger.warn({ err, runId: q.id }, 'could not read an async run; trying again');
+      return 'retry';
+    }
     if (!run) return 'done';
     const common = {
       runId: q.id,
@@ -159,8 +179,11 @@ export function createAsyncWorker(deps: {
           body_base64: string;
         };
         if (build.config.app.runtime !== 'custom') {
-          await failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a cortex app before this HTTP request ran');
-          return 'done';
+          return await failRunOrRetry(
+            q,
+            'FERRY_CORTEX_CALL',
+            'The app was redeployed as a cortex app before this HTTP request ran',
+          );
         }
         const body = Buffer.from(stored.body_base64, 'base64');
         await invoker.invokeHttp({
@@ -168,8 +191,11 @@ export function createAsyncWorker(deps: {
           http: { method: stored.method, path: stored.path, headers: stored.headers, body: body.length ? body : null },
         });
       } else if (build.config.app.runtime === 'custom') {
-        await failRun(q, 'FERRY_CORTEX_CALL', 'The app was redeployed as a custom app before this function call ran');
-        return 'done';
+        return await failRunOrRetry(
+          q,
+          'FERRY_CORTEX_CALL',
+          'The app was redeployed as a custom app before this function call ran',
+        );
       } else {
         await invoker.invoke({ ...common, body: Buffer.from(run.input ?? '{}') });
       }
@@ -213,7 +239,12 @@ export function createAsyncWorker(deps: {
     }
     pumping.add(key);
     void dispatch(key)
-      .catch((err: unknown) => logger.error({ err, app: key }, 'async dispatch failed'))
+      .catch((err: unknown) => {
+        // The store failed (reading the app's build, or failing a run): the runs stay queued here, and the
+        // app is tried again in a second (not sooner: one warning a second per app while the store is down).
+        logger.warn({ err, app: key }, 'async dispatch failed; trying again');
+        setTimeout(() => pumpApp(key), Math.max(1000, deps.retryDelayMs ?? 200)).unref();
+      })
       .finally(() => {
         pumping.delete(key);
         if (again.delete(key)) pumpApp(key);
@@ -227,10 +258,12 @@ export function createAsyncWorker(deps: {
       const head = queue[0]!;
       const build = await target(head);
       if (!build) {
+        // Failed first: should the store fail, the run stays queued here and is tried again.
+        await failRun(head, 'FERRY_NO_READY_BUILD', 'The app has no ready build (it was removed or never built)');
         queue.shift();
         held -= 1;
         backlog -= 1;
-        await failRun(head, 'FERRY_NO_READY_BUILD', 'The app has no ready build (it was removed or never built)');
+        outOfHand(head.id);
         deps.onSettled?.(head.id);
         continue;
       }
@@ -249,10 +282,12 @@ export function createAsyncWorker(deps: {
             return;
           }
           backlog -= 1;
+          outOfHand(head.id);
           deps.onSettled?.(head.id);
         })
         .catch((err: unknown) => {
           backlog -= 1;
+          outOfHand(head.id);
           logger.error({ err, runId: head.id }, 'async run failed unexpectedly');
           deps.onSettled?.(head.id);
         })
@@ -269,6 +304,21 @@ export function createAsyncWorker(deps: {
     if (queue.length === 0 && (inflight.get(key) ?? 0) === 0) queues.delete(key);
   }
 
+  /** failRun, or 'retry' when the store fails (the run stays in hand). */
+  async function failRunOrRetry(
+    q: Queued,
+    code: 'FERRY_NO_READY_BUILD' | 'FERRY_CORTEX_CALL',
+    message: string,
+  ): Promise<'done' | 'retry'> {
+    try {
+      await failRun(q, code, message);
+      return 'done';
+    } catch (err) {
+      logger.warn({ err, runId: q.id }, 'could not fail an async run; trying again');
+      return 'retry';
+    }
+  }
+
   /** Ends a held run the worker cannot perform, with its webhook (if any) told why. */
   async function failRun(
     q: Queued,
@@ -277,7 +327,8 @@ export function createAsyncWorker(deps: {
   ): Promise<void> {
     const now = Date.now();
     const status = code === 'FERRY_NO_READY_BUILD' ? 503 : 405;
-    const run = await store.selectFrom('runs').select('webhook_endpoint').where('id', '=', q.id).executeTakeFirst();
+    const run =
+      q.call ?? (await store.selectFrom('runs').select('webhook_endpoint').where('id', '=', q.id).executeTakeFirst());
     recorder.finish(
       q.id,
       {
@@ -307,6 +358,7 @@ export function createAsyncWorker(deps: {
   function hold(run: Queued): void {
     held += 1;
     backlog += 1;
+    inHand.set(run.id, (inHand.get(run.id) ?? 0) + 1);
     const key = keyOf(run);
     const queue = queues.get(key);
     if (queue) queue.push(run);
@@ -349,6 +401,47 @@ export function createAsyncWorker(deps: {
     return pulling;
   }
 
+  function outOfHand(id: string): void {
+    const n = inHand.get(id) ?? 0;
+    if (n <= 1) inHand.delete(id);
+    else inHand.set(id, n - 1);
+  }
+
+  /** Runs not in hand at the previous sweep (see the module comment). */
+  let suspects = new Set<string>();
+  let sweeping = false;
+
+  /** The held-runs sweep: runs the store says this node holds, unfinished, and this node does not. */
+  async function sweepHeld(): Promise<void> {
+    if (sweeping || closed) return;
+    sweeping = true;
+    try {
+      const rows = await heldAsyncRuns(store, owner);
+      const loose = rows.filter((r) => !inHand.has(r.id) && !recorder.holds(r.id));
+      const confirmed = loose.filter((r) => suspects.has(r.id));
+      suspects = new Set(loose.filter((r) => !suspects.has(r.id)).map((r) => r.id));
+      if (confirmed.length === 0 || closed) return;
+      // Checked again right before: a run taken in hand since the read is left alone.
+      const queued = confirmed.filter((r) => r.state === 'queued' && !inHand.has(r.id)).map((r) => r.id);
+      const running = confirmed.filter((r) => r.state === 'running' && !inHand.has(r.id) && !recorder.holds(r.id));
+      await releaseQueuedRuns(store, owner, queued);
+      const ended =
+        running.length > 0
+          ? await store.transaction().execute((trx) => endUnfinished(trx, owner, running, Date.now()))
+          : { interrupted: 0, requeued: 0 };
+      logger.warn(
+        { released: queued.length, ...ended, runs: [...queued, ...running.map((r) => r.id)].slice(0, 20) },
+        'async runs this node held in the store but not in hand (an answer of the store was lost): let go or ended',
+      );
+      if (queued.length > 0) deps.onReleased?.(queued);
+      void pull();
+    } catch (err) {
+      logger.debug({ err }, 'the held-runs sweep failed; trying again');
+    } finally {
+      sweeping = false;
+    }
+  }
+
   let pullScheduled = false;
   function schedulePull(): void {
     if (pullScheduled || !started || closed) return;
@@ -383,6 +476,8 @@ export function createAsyncWorker(deps: {
     },
     async start() {
       started = true;
+      sweepTimer = setInterval(() => void sweepHeld(), deps.heldSweepMs ?? 10_000);
+      sweepTimer.unref();
       if (deps.claimFromStore === false) return;
       pollTimer = setInterval(() => void pull(), pollMs);
       pollTimer.unref();
@@ -391,6 +486,7 @@ export function createAsyncWorker(deps: {
     async close() {
       closed = true;
       if (pollTimer) clearInterval(pollTimer);
+      if (sweepTimer) clearInterval(sweepTimer);
       await pulling;
       // Runs queued here and not started: any node (or this one's next start) may take them.
       const left = [...queues.values()].flat().map((q) => q.id);

@@ -108,6 +108,8 @@ export interface RunRecorder {
   onFinished?: (runIds: string[]) => void;
   /** Runs whose record is held in memory here: waiting to be written, or in progress on this node. */
   pendingRuns(): number;
+  /** Whether this run has changes here not yet committed (waiting, or being written now). */
+  holds(runId: string): boolean;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
   /** UTF-8 bytes of the log lines this recorder has taken to store, since it was made. */
@@ -184,10 +186,13 @@ export function createRunRecorder(deps: {
   logger: Logger;
   /**
    * This node's id (cluster/node.ts). Runs started here are stamped with it, and every change the recorder
-   * writes is fenced by it: a run another node took over (this one lost its lease) is left alone, and so
-   * is its webhook.
+   * writes is fenced by it, by the run being unfinished and, for an async run started here, by the start
+   * (store/run-updates.ts): a run another node took over or recovery settled (this one lost its lease) is
+   * left alone, and so is its webhook.
    */
   owner?: string;
+  /** Told of the runs' final states the fence refused (results of a node that came back too late). */
+  onLateResults?: (count: number) => void;
   flushEveryMs?: number;
   limits?: Partial<RecorderLimits>;
 }): RunRecorder {
@@ -200,6 +205,11 @@ export function createRunRecorder(deps: {
   let outbox: OutboxEntry[] = [];
   let durable: Array<{ row: RunRow; resolve(id: string): void; reject(err: unknown): void }> = [];
   let starts: Array<{ id: string; owner: string; resolve(started: boolean): void; reject(err: unknown): void }> = [];
+  /**
+   * Async runs started here (startNow) whose end is not written yet: the start's number, which fences their
+   * changes (store/run-updates.ts). A null-prototype object, not a Map (runs/invoke.ts says why: `cancels`).
+   */
+  const startedAttempts: Record<string, number> = Object.create(null);
   let durableScheduled = false;
   /** Starts written by themselves, beside the inserts (PostgreSQL: another connection of the pool). */
   let startsAlone: typeof starts = [];
@@ -211,6 +221,8 @@ export function createRunRecorder(deps: {
   let dirty = new Map<string, LogAccount>();
   let timer: NodeJS.Timeout | undefined;
   let writing: Promise<void> = Promise.resolve();
+  /** The batch being written now (out of `pending` until it is committed, or put back if it fails). */
+  let writingBatch: Map<string, Pending> | undefined;
   /** Consecutive failed writes (0: the store is writing). */
   let failures = 0;
   let failingSince = 0;
@@ -252,7 +264,7 @@ export function createRunRecorder(deps: {
         await insertRunsIgnoring(trx, inserts.slice(i, i + INSERT_CHUNK));
       }
       for (const [id, changes] of updates) {
-        if ((await updateRun(trx, id, changes, owner)) === 0) fenced.add(id);
+        if ((await updateRun(trx, id, changes, owner, startedAttempts[id])) === 0) fenced.add(id);
       }
       for (let i = 0; i < lines.length; i += INSERT_CHUNK) {
         await trx
@@ -275,14 +287,9 @@ export function createRunRecorder(deps: {
           )
           .execute();
       }
-      // A run this node no longer holds is finished by whoever took it over, webhook included.
+      // A run this node no longer holds (or in this start) is finished by whoever took it over, webhook
+      // included; a run already settled keeps its end.
       const mine = fenced.size === 0 ? deliveries : deliveries.filter((d) => !fenced.has(d.runId));
-      if (fenced.size > 0) {
-        logger.warn(
-          { runs: [...fenced].slice(0, 20), count: fenced.size },
-          'run changes not written: another node holds these runs now',
-        );
-      }
       if (mine.length > 0) {
         const now = new Date().toISOString();
         const rows = mine.map((d) => ({
@@ -305,9 +312,20 @@ export function createRunRecorder(deps: {
       }
     });
     const finished: string[] = [];
+    let late = 0;
     for (const [id, p] of batch) {
       const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
-      if (done && !fenced.has(id)) finished.push(id);
+      if (!done) continue;
+      if (startedAttempts[id] !== undefined) delete startedAttempts[id];
+      if (!fenced.has(id)) finished.push(id);
+      else late += 1;
+    }
+    if (fenced.size > 0) {
+      logger.warn(
+        { runs: [...fenced].slice(0, 20), count: fenced.size, results: late },
+        'run changes discarded: these runs were settled or taken over while this node could not renew its lease',
+      );
+      if (late > 0) deps.onLateResults?.(late);
     }
     return finished;
   }
@@ -449,12 +467,15 @@ export function createRunRecorder(deps: {
       const { batch, lines, deliveries, stats } = takeBatch(force);
       if (batch.size === 0 && lines.length === 0 && deliveries.length === 0 && stats.length === 0) return;
       let finished: string[];
+      writingBatch = batch;
       try {
         finished = await write(batch, lines, deliveries, stats);
       } catch (err) {
         requeue(batch, lines, deliveries, stats);
         failed(err);
         return;
+      } finally {
+        writingBatch = undefined;
       }
       if (finished.length > 0) recorder.onFinished?.(finished);
       if (failures > 0) {
@@ -473,14 +494,14 @@ export function createRunRecorder(deps: {
    */
   async function insertGroup(group: typeof durable, starting: typeof starts): Promise<void> {
     const resolved = new Map<string, string>();
-    const started = new Set<string>();
+    const started = new Map<string, number>();
     await store.transaction().execute(async (trx) => {
       // Starts first: they never concern the rows inserted here (a run is started only once its insert
       // resolved), and a node's starts are a single statement.
       const owners = new Set(starting.map((s) => s.owner));
       for (const by of owners) {
         const ids = starting.filter((s) => s.owner === by).map((s) => s.id);
-        for (const id of await startRuns(trx, by, ids, new Date().toISOString())) started.add(id);
+        for (const [id, attempt] of await startRuns(trx, by, ids, new Date().toISOString())) started.set(id, attempt);
       }
       const inserted = new Set<string>();
       const rows = group.map((g) => g.row);
@@ -505,7 +526,7 @@ export function createRunRecorder(deps: {
         if (winner) resolved.set(row.id, winner.id);
       }
     });
-    for (const s of starting) s.resolve(started.has(s.id));
+    for (const s of starting) s.resolve(markStarted(s.id, started.get(s.id)));
     for (const g of group) {
       const id = resolved.get(g.row.id);
       if (id) g.resolve(id);
@@ -553,12 +574,19 @@ export function createRunRecorder(deps: {
       new Date().toISOString(),
     ).then(
       (started) => {
-        for (const s of mine) s.resolve(started.has(s.id));
+        for (const s of mine) s.resolve(markStarted(s.id, started.get(s.id)));
       },
       (err: unknown) => {
         for (const s of mine) s.reject(err);
       },
     );
+  }
+
+  /** A start committed (attempt known) or refused (undefined): whether the run is this node's to run now. */
+  function markStarted(runId: string, attempt: number | undefined): boolean {
+    if (attempt === undefined) return false;
+    startedAttempts[runId] = attempt;
+    return true;
   }
 
   function scheduleDurable(): void {
@@ -664,6 +692,9 @@ export function createRunRecorder(deps: {
     },
     pendingRuns() {
       return pending.size;
+    },
+    holds(runId) {
+      return pending.has(runId) || writingBatch?.has(runId) === true;
     },
     log(runId, stream, text) {
       let account = accounts[runId];

@@ -76,25 +76,26 @@ export async function claimQueuedRuns(
 
 /**
  * Marks claimed runs `running` (one more start each) before they are performed, so a crash from here on is
- * an interruption, never a silent second run. Returns the ids it marked: a run missing from it is no longer
- * this node's queued run (it was cancelled, or this node lost its lease and another took it).
+ * an interruption, never a silent second run. Returns the runs it marked, each with its start's number
+ * (`attempts` now: the fence of this start's later changes, store/run-updates.ts): a run missing from it is
+ * no longer this node's queued run (it was cancelled, or this node lost its lease and another took it).
  */
 export async function startRuns(
   db: Db,
   owner: string,
   runIds: readonly string[],
   startedAt: string,
-): Promise<Set<string>> {
-  if (runIds.length === 0) return new Set();
+): Promise<Map<string, number>> {
+  if (runIds.length === 0) return new Map();
   const rows = await db
     .updateTable('runs')
     .set((eb) => ({ state: 'running', started_at: startedAt, attempts: eb('attempts', '+', 1) }))
     .where('id', 'in', runIds)
     .where('owner', '=', owner)
     .where('state', '=', 'queued')
-    .returning('id')
+    .returning(['id', 'attempts'])
     .execute();
-  return new Set(rows.map((r) => r.id));
+  return new Map(rows.map((r) => [r.id, Number(r.attempts)]));
 }
 
 /**
