@@ -323,6 +323,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
     cancelGraceMs: config.cancelGraceSeconds * 1000,
+    frameLimits: {
+      resultBytes: config.maxResultBytes,
+      itemBytes: config.maxStreamItemBytes,
+      logLineBytes: config.maxLogLineBytes,
+    },
+    callerStallMs: config.callerStallSeconds * 1000,
     replicas,
     recorder,
     logger: logger.child({ component: 'runs' }),
