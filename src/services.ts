@@ -353,6 +353,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           auth: clusterAuth,
           nodeId: node.id,
           logger: logger.child({ component: 'gateway' }),
+          callerStallMs: config.callerStallSeconds * 1000,
         })
       : undefined;
   const invoker: Invoker = remote ?? localInvoker;

@@ -97,6 +97,7 @@ describe('one tenant cannot exhaust the gateway', { timeout: 300_000 }, () => {
 const big = 'x'.repeat(256 * 1024);
 export async function* items() { for (let i = 0; i < 1_000_000; i++) yield big; }
 export function huge() { return 'y'.repeat(60 * 1024 * 1024); }
+export function* fifty() { for (let i = 0; i < 200; i++) yield big; }
 export function ping() { return 'pong'; }
 `,
     });
@@ -239,5 +240,16 @@ export function ping() { return 'pong'; }
     const p99 = latencies[Math.min(latencies.length - 1, Math.ceil(latencies.length * 0.99) - 1)]!;
     console.log(`60 MiB result refused in ${took} ms; neighbour p99 ${p99.toFixed(1)} ms over ${latencies.length}`);
     assert.ok(p99 < 200, `the neighbour's p99 was ${p99.toFixed(1)} ms`);
+  });
+
+  it("holds a generator's items collected into one result (no event stream) to the result limit", async () => {
+    // 200 items of 256 KiB: 50 MiB collected into one array, over the 32 MiB default.
+    const res = await call(`${serve.url}/v4/${flooder.projectId}/flood/fifty`, {
+      method: 'POST',
+      token: flooder.token,
+      body: {},
+    });
+    assert.equal(res.status, 500, res.text.slice(0, 200));
+    assert.equal(res.json.error.code, 'FERRY_RESULT_TOO_LARGE');
   });
 });

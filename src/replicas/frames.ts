@@ -79,7 +79,8 @@ export class FrameSplitter {
   private readonly within: number;
 
   constructor(
-    private readonly onFrame: (frame: Frame) => void,
+    /** Each frame, with its line's length in bytes. */
+    private readonly onFrame: (frame: Frame, bytes: number) => void,
     private readonly limits: FrameLimits = DEFAULT_FRAME_LIMITS,
   ) {
     this.within = Math.min(limits.resultBytes, limits.itemBytes, limits.logLineBytes);
@@ -95,7 +96,7 @@ export class FrameSplitter {
       }
       if (this.bytes === 0 && this.dropped === 0 && newline - start <= this.within) {
         // A whole line within the chunk, within every limit: parsed from the chunk itself, nothing copied.
-        if (newline > start) this.onFrame(parseFrame(chunk.toString('utf8', start, newline)));
+        if (newline > start) this.onFrame(parseFrame(chunk.toString('utf8', start, newline)), newline - start);
       } else {
         this.hold(chunk, start, newline);
         this.finishLine();
@@ -171,16 +172,17 @@ export class FrameSplitter {
   private finishLine(): void {
     const parts = this.parts;
     const dropped = this.dropped;
+    const bytes = this.bytes;
     this.parts = [];
     this.bytes = 0;
     this.kind = undefined;
     this.dropped = 0;
     const text = (parts.length === 1 ? parts[0]! : Buffer.concat(parts)).toString('utf8');
     if (dropped > 0) {
-      this.onFrame(cutLogFrame(text, dropped));
+      this.onFrame(cutLogFrame(text, dropped), bytes);
       return;
     }
-    if (text.trim().length > 0) this.onFrame(parseFrame(text));
+    if (text.trim().length > 0) this.onFrame(parseFrame(text), bytes);
   }
 }
 

@@ -278,7 +278,7 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     runId: string,
     body: Buffer | string,
     abort: RunAbort,
-    onFrame: (frame: Frame) => void,
+    onFrame: (frame: Frame, bytes: number) => void,
     options?: { limits?: FrameLimits | undefined; flow?: CallFlow | undefined },
   ): Promise<void> {
     const pool = this.pool;

@@ -10,7 +10,7 @@ import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import { isoTime } from '../ids.js';
-import type { Frame, FrameLimits } from '../replicas/frames.js';
+import { DEFAULT_FRAME_LIMITS, type Frame, type FrameLimits } from '../replicas/frames.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { CallFlow } from '../replicas/replica.js';
@@ -206,6 +206,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
   const cancelGraceMs = deps.cancelGraceMs ?? DEFAULT_CANCEL_GRACE_MS;
   const callerStallMs = deps.callerStallMs ?? DEFAULT_CALLER_STALL_MS;
   const frameOptions = { limits: deps.frameLimits };
+  const maxResultBytes = deps.frameLimits?.resultBytes ?? DEFAULT_FRAME_LIMITS.resultBytes;
   /** Runs in progress here, by id: how to cancel each (in-flight.ts says why not a Map). */
   const cancels = new InFlightRuns<() => void>();
 
@@ -442,9 +443,21 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       let streamed = false;
       let itemsBytes = 0;
       let itemsOmitted = false;
-      const onFrame = (frame: Frame): void => {
+      /** Bytes of the items collected into the result (a generator called without an event stream). */
+      let collectedBytes = 0;
+      const onFrame = (frame: Frame, bytes: number): void => {
         if (frame.type === 'log') recorder.log(runId, frame.stream, frame.line);
         else if (frame.type === 'item') {
+          if (!request.onItem) {
+            // Collected into one array: held to the result's limit, not only each item to its own.
+            collectedBytes += bytes;
+            if (collectedBytes > maxResultBytes) {
+              throw new FerryError(
+                'FERRY_RESULT_TOO_LARGE',
+                `The generator's items, collected into one result (called without Accept: text/event-stream), are larger than the limit of ${maxResultBytes} bytes`,
+              );
+            }
+          }
           if (request.onItem) {
             request.onItem(frame.data);
             // Kept for the webhook of a streaming call (its items are its `result`), up to the payload limit:
