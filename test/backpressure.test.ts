@@ -24,7 +24,7 @@ function rssBytes(pid: number): number {
 }
 
 /** Opens a streaming call and never reads its answer: the socket is paused from the start. */
-function nonReadingStream(url: string, path: string, token: string): net.Socket {
+function nonReadingStream(url: string, path: string, token: string, gzip: boolean): net.Socket {
   const { hostname, port } = new URL(url);
   const socket = net.connect({ host: hostname, port: Number(port) });
   socket.pause();
@@ -32,7 +32,7 @@ function nonReadingStream(url: string, path: string, token: string): net.Socket 
   const body = '{}';
   socket.write(
     `POST ${path} HTTP/1.1\r\nhost: ${hostname}:${port}\r\nauthorization: Bearer ${token}\r\n` +
-      `accept: text/event-stream\r\ncontent-type: application/json\r\ncontent-length: ${body.length}\r\n\r\n${body}`,
+      `accept: text/event-stream\r\n${gzip ? 'accept-encoding: gzip\r\n' : ''}content-type: application/json\r\ncontent-length: ${body.length}\r\n\r\n${body}`,
   );
   return socket;
 }
@@ -94,7 +94,9 @@ describe('one tenant cannot exhaust the gateway', { timeout: 300_000 }, () => {
     await deployFiles(serve, flooder, 'flood', {
       'ferry.toml': '[app]\nname = "flood"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 8\n',
       'main.ts': `
-const big = 'x'.repeat(256 * 1024);
+import { randomBytes } from 'node:crypto';
+// Incompressible (gzip's window is 32 KiB): a compressed stream fills its caller's socket too.
+const big = randomBytes(192 * 1024).toString('base64');
 export async function* items() { for (let i = 0; i < 1_000_000; i++) yield big; }
 export function huge() { return 'y'.repeat(60 * 1024 * 1024); }
 export function* fifty() { for (let i = 0; i < 200; i++) yield big; }
@@ -129,8 +131,9 @@ export function ping() { return 'pong'; }
     assert.equal(warm.status, 200, warm.text);
     const baseline = rssBytes(pid);
     const opened = Date.now();
-    const sockets = [0, 1, 2, 3].map(() =>
-      nonReadingStream(serve.url, `/v4/${flooder.projectId}/flood/items`, flooder.token),
+    // Two plain and two gzip-compressed (a compressor in front of the response buffers too).
+    const sockets = [0, 1, 2, 3].map((i) =>
+      nonReadingStream(serve.url, `/v4/${flooder.projectId}/flood/items`, flooder.token, i % 2 === 1),
     );
     let peak = baseline;
     // Sampled for 12 s, within the stall limit (bounded: 60 samples; stops at once past the bound). Before
