@@ -246,7 +246,7 @@ export function ping() { return 'pong'; }
   });
 
   it("holds a generator's items collected into one result (no event stream) to the result limit", async () => {
-    // 200 items of 256 KiB: 50 MiB collected into one array, over the 32 MiB default.
+    // 200 items of 256 KiB: 50 MiB collected into one array, over the 10 MiB default.
     const res = await call(`${serve.url}/v4/${flooder.projectId}/flood/fifty`, {
       method: 'POST',
       token: flooder.token,

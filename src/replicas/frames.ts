@@ -41,8 +41,8 @@ export interface FrameLimits {
 }
 
 export const DEFAULT_FRAME_LIMITS: FrameLimits = {
-  resultBytes: 32 * 1024 * 1024,
-  itemBytes: 8 * 1024 * 1024,
+  resultBytes: 10 * 1024 * 1024,
+  itemBytes: 4 * 1024 * 1024,
   logLineBytes: 64 * 1024,
 };
 
