@@ -173,7 +173,8 @@ export interface ServerConfig {
   maxLogLineBytes: number;
   /**
    * Bytes a streaming response may hold for a caller that does not read (FERRY_STREAM_BUFFER_BYTES):
-   * past it the gateway stops reading the replica until the caller takes some.
+   * past it the gateway stops reading the replica until the caller takes some. At least 64 KiB: over the
+   * 16 KiB Node buffers before a write asks to wait, so the `drain` that says the caller read always comes.
    */
   streamBufferBytes: number;
   /**
@@ -377,7 +378,7 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
       intFrom(env.FERRY_MAX_LOG_LINE_BYTES, 'FERRY_MAX_LOG_LINE_BYTES', 256, 64 * 1024 ** 2) ??
       DEFAULTS.maxLogLineBytes,
     streamBufferBytes:
-      intFrom(env.FERRY_STREAM_BUFFER_BYTES, 'FERRY_STREAM_BUFFER_BYTES', 1024, 1024 ** 3) ??
+      intFrom(env.FERRY_STREAM_BUFFER_BYTES, 'FERRY_STREAM_BUFFER_BYTES', 65_536, 1024 ** 3) ??
       DEFAULTS.streamBufferBytes,
     callerStallSeconds:
       intFrom(env.FERRY_CALLER_STALL_SECONDS, 'FERRY_CALLER_STALL_SECONDS', 1, 86_400) ?? DEFAULTS.callerStallSeconds,
