@@ -165,6 +165,23 @@ export interface ServerConfig {
   webhookTimeoutMs: number;
   /** Results over this size are not kept on the run record. */
   maxStoredResultBytes: number;
+  /** A result's JSON, bytes (FERRY_MAX_RESULT_BYTES): past it the run fails with FERRY_RESULT_TOO_LARGE. */
+  maxResultBytes: number;
+  /** One yielded item's JSON, bytes (FERRY_MAX_STREAM_ITEM_BYTES): past it FERRY_STREAM_ITEM_TOO_LARGE. */
+  maxStreamItemBytes: number;
+  /** One log line of a run, bytes (FERRY_MAX_LOG_LINE_BYTES): past it the rest of the line is dropped. */
+  maxLogLineBytes: number;
+  /**
+   * Bytes a streaming response may hold for a caller that does not read (FERRY_STREAM_BUFFER_BYTES):
+   * past it the gateway stops reading the replica until the caller takes some. At least 64 KiB: over the
+   * 16 KiB Node buffers before a write asks to wait, so the `drain` that says the caller read always comes.
+   */
+  streamBufferBytes: number;
+  /**
+   * How long a caller may leave its response full without reading (FERRY_CALLER_STALL_SECONDS) before
+   * its connection is cut and the run handled as a caller gone away; SSE, custom HTTP and WebSockets.
+   */
+  callerStallSeconds: number;
   /** Lines of replica output (outside runs) the app log keeps per app, in memory. */
   appLogLines: number;
   /** How long a finished streaming run's events stay resumable (`Last-Event-ID`), seconds. */
@@ -226,6 +243,11 @@ export const DEFAULTS = {
   maxAsyncBacklogPerProject: 10_000,
   webhookTimeoutMs: 10_000,
   maxStoredResultBytes: 256 * 1024,
+  maxResultBytes: 10 * 1024 * 1024,
+  maxStreamItemBytes: 4 * 1024 * 1024,
+  maxLogLineBytes: 64 * 1024,
+  streamBufferBytes: 1024 * 1024,
+  callerStallSeconds: 30,
   appLogLines: 2000,
   streamReplaySeconds: 300,
   streamReplayBytes: 1024 * 1024,
@@ -359,6 +381,19 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     maxStoredResultBytes:
       intFrom(env.FERRY_MAX_STORED_RESULT_BYTES, 'FERRY_MAX_STORED_RESULT_BYTES', 0, 1024 ** 3) ??
       DEFAULTS.maxStoredResultBytes,
+    maxResultBytes:
+      intFrom(env.FERRY_MAX_RESULT_BYTES, 'FERRY_MAX_RESULT_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.maxResultBytes,
+    maxStreamItemBytes:
+      intFrom(env.FERRY_MAX_STREAM_ITEM_BYTES, 'FERRY_MAX_STREAM_ITEM_BYTES', 1024, 1024 ** 3) ??
+      DEFAULTS.maxStreamItemBytes,
+    maxLogLineBytes:
+      intFrom(env.FERRY_MAX_LOG_LINE_BYTES, 'FERRY_MAX_LOG_LINE_BYTES', 256, 64 * 1024 ** 2) ??
+      DEFAULTS.maxLogLineBytes,
+    streamBufferBytes:
+      intFrom(env.FERRY_STREAM_BUFFER_BYTES, 'FERRY_STREAM_BUFFER_BYTES', 65_536, 1024 ** 3) ??
+      DEFAULTS.streamBufferBytes,
+    callerStallSeconds:
+      intFrom(env.FERRY_CALLER_STALL_SECONDS, 'FERRY_CALLER_STALL_SECONDS', 1, 86_400) ?? DEFAULTS.callerStallSeconds,
     streamReplaySeconds:
       intFrom(env.FERRY_STREAM_REPLAY_SECONDS, 'FERRY_STREAM_REPLAY_SECONDS', 0, 86_400) ??
       DEFAULTS.streamReplaySeconds,

@@ -79,6 +79,8 @@ export const ERRORS = {
   FERRY_FUNCTION_ERROR: { status: 500, message: 'The function raised an error' },
   FERRY_ARGUMENT_ERROR: { status: 400, message: 'The function was called with arguments it does not take' },
   FERRY_RESULT_NOT_SERIALIZABLE: { status: 500, message: 'The function returned a value that is not JSON' },
+  FERRY_RESULT_TOO_LARGE: { status: 500, message: 'The function returned a result larger than the server allows' },
+  FERRY_STREAM_ITEM_TOO_LARGE: { status: 500, message: 'The function yielded an item larger than the server allows' },
   FERRY_RUN_TIMEOUT: { status: 504, message: 'The run took longer than the app’s response_grace_period' },
   FERRY_RUN_CANCELLED: { status: 409, message: 'The run was cancelled' },
   FERRY_RUN_FINISHED: { status: 409, message: 'The run has already finished' },

@@ -338,6 +338,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
     cancelGraceMs: config.cancelGraceSeconds * 1000,
+    frameLimits: {
+      resultBytes: config.maxResultBytes,
+      itemBytes: config.maxStreamItemBytes,
+      logLineBytes: config.maxLogLineBytes,
+    },
+    callerStallMs: config.callerStallSeconds * 1000,
     replicas,
     recorder,
     logger: logger.child({ component: 'runs' }),
@@ -362,6 +368,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           auth: clusterAuth,
           nodeId: node.id,
           logger: logger.child({ component: 'gateway' }),
+          callerStallMs: config.callerStallSeconds * 1000,
         })
       : undefined;
   const invoker: Invoker = remote ?? localInvoker;

@@ -63,6 +63,7 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
           refreshGauges: () => services.refreshGauges(),
           logger: logger.child({ component: 'internal' }),
           maxBodyBytes: services.config.maxBodyBytes,
+          streamBufferBytes: services.config.streamBufferBytes,
         })
       : undefined;
   const recovered = await services.pipeline.recover();

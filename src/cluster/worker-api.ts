@@ -90,6 +90,11 @@ export interface WorkerApiDeps {
   logger: Logger;
   /** Largest arguments body taken (the gateway checked it already; this bounds a confused peer). */
   maxBodyBytes: number;
+  /**
+   * Bytes a streaming answer may hold unsent for the gateway (FERRY_STREAM_BUFFER_BYTES): past it the run
+   * stops reading its replica until the gateway takes some (it stops when its own caller is full).
+   */
+  streamBufferBytes?: number;
 }
 
 export interface WorkerApi {
@@ -100,6 +105,7 @@ export interface WorkerApi {
 export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
   const { logger } = deps;
   const builds = createBuildCache(deps.store);
+  const bufferBytes = Math.max(deps.streamBufferBytes ?? 1024 * 1024, 64 * 1024);
 
   const server = http.createServer({ keepAliveTimeout: 65_000, noDelay: true }, (req, res) => {
     void route(req, res).catch((err: unknown) => {
@@ -169,7 +175,19 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         webhookUrl: meta.webhookUrl,
         webhookSecret: meta.webhookSecret,
         ...(streaming
-          ? { onStarted: () => line({ e: 'started' }), onItem: (data: unknown) => line({ e: 'item', d: data ?? null }) }
+          ? {
+              onStarted: () => line({ e: 'started' }),
+              onItem: (data: unknown) => line({ e: 'item', d: data ?? null }),
+              flow: {
+                get blocked() {
+                  return res.writableLength > bufferBytes;
+                },
+                whenReady: (ready: () => void) => {
+                  // Over the high-water mark, so `drain` comes once it is all sent (or the call is aborted).
+                  res.once('drain', ready);
+                },
+              },
+            }
           : {}),
       });
       // `result` last, as the replica's bytes: the gateway answers them as they are (remote-invoker.ts).

@@ -19,6 +19,7 @@ import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
 import type { Services } from '../services.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
+import { watchCaller } from './caller-flow.js';
 import type { RunTarget } from './routes/run.js';
 
 /** Headers that describe one connection, not the request (RFC 9110 7.6.1), plus `Expect` (undici refuses it). */
@@ -325,8 +326,23 @@ export function attachWebSocketProxy(
                 status = match ? Number(match[1]) : 502;
                 answered = true;
               });
+              // pipe() stops reading one side while the other's socket is full (back-pressure both ways);
+              // a caller that leaves its side full past FERRY_CALLER_STALL_SECONDS is cut.
+              const stallSeconds = services.config.callerStallSeconds;
+              const flow = watchCaller({
+                full: () => socket.writableNeedDrain,
+                drains: [socket],
+                stallMs: stallSeconds * 1000,
+                onStalled: () => {
+                  services.recorder.log(runId, 'system', `the caller read nothing for ${stallSeconds} s: disconnected`);
+                  finish();
+                },
+              });
+              socket.once('close', () => flow.stop());
               upstream.pipe(socket);
               socket.pipe(upstream);
+              // After pipe's own listener: checked once the data went to the caller's socket.
+              upstream.on('data', () => flow.wrote());
               upstream.setNoDelay(true);
               socket.setNoDelay(true);
               // Silence both ways for idleMs closes the pair (a socket's timeout counts its reads and writes).

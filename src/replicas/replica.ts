@@ -13,9 +13,19 @@ import type { Readable } from 'node:stream';
 import { type Dispatcher, Pool } from 'undici';
 import { FerryError } from '../errors.js';
 import type { RunAbort } from '../runs/run-abort.js';
-import { type Frame, FrameSplitter } from './frames.js';
+import { type Frame, type FrameLimits, FrameSplitter } from './frames.js';
 
 export type { Frame } from './frames.js';
+
+/**
+ * Back-pressure from a run's caller (a streaming response that is not being read): while `blocked`, the
+ * call stops reading the replica's answer, so the replica's writes wait in its socket, not in the gateway.
+ */
+export interface CallFlow {
+  readonly blocked: boolean;
+  /** Calls `ready` once, when the caller takes more again (or is gone). */
+  whenReady(ready: () => void): void;
+}
 
 /** A replica ready to be started, as prepared by the launcher (sandbox and runtime together). */
 export interface LaunchPlan {
@@ -268,7 +278,8 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
     runId: string,
     body: Buffer | string,
     abort: RunAbort,
-    onFrame: (frame: Frame) => void,
+    onFrame: (frame: Frame, bytes: number) => void,
+    options?: { limits?: FrameLimits | undefined; flow?: CallFlow | undefined },
   ): Promise<void> {
     const pool = this.pool;
     if (!pool) return Promise.reject(new FerryError('FERRY_REPLICA_DIED', 'The replica is not serving'));
@@ -278,7 +289,8 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
       let other = '';
       /** What onFrame threw: the call is closed, and this is the answer. */
       let thrown: { error: unknown } | undefined;
-      const splitter = new FrameSplitter(onFrame);
+      const splitter = new FrameSplitter(onFrame, options?.limits);
+      const flow = options?.flow;
       const stopFollowing = abort.onAbort(() => controller?.abort(abortError(abort.reason)));
       const settle = (err?: unknown) => {
         stopFollowing();
@@ -304,6 +316,14 @@ export class Replica extends EventEmitter<{ exit: [ReplicaExit] }> {
           } catch (err) {
             thrown = { error: err };
             c.abort(err instanceof Error ? err : new Error('frame handling failed'));
+            return;
+          }
+          if (flow?.blocked && !c.paused) {
+            // The caller is full: the replica's answer waits in its socket until the caller takes more.
+            c.pause();
+            flow.whenReady(() => {
+              if (!c.aborted) c.resume();
+            });
           }
         },
         onResponseEnd: () => {

@@ -10,9 +10,10 @@ import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import { isoTime } from '../ids.js';
-import type { Frame } from '../replicas/frames.js';
+import { DEFAULT_FRAME_LIMITS, type Frame, type FrameLimits } from '../replicas/frames.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
+import type { CallFlow } from '../replicas/replica.js';
 import type { RunMode, RunState } from '../store/schema.js';
 import { buildWebhookPayload, MAX_WEBHOOK_RESULT_BYTES, type WebhookRunState } from '../webhooks/payload.js';
 import { InFlightRuns } from './in-flight.js';
@@ -28,6 +29,8 @@ const TIMED_OUT = Symbol('timed out');
 const CANCELLED = Symbol('cancelled');
 /** How long a cancelled function has to return before its replica is stopped (FERRY_CANCEL_GRACE_SECONDS). */
 export const DEFAULT_CANCEL_GRACE_MS = 5_000;
+/** How long a caller may leave its response full before it is cut (FERRY_CALLER_STALL_SECONDS). */
+export const DEFAULT_CALLER_STALL_MS = 30_000;
 
 /** What every run has, whatever the runtime. */
 export interface RunRequestBase {
@@ -87,6 +90,8 @@ export interface InvokeRequest extends RunRequestBase {
   body: Buffer;
   /** Stream mode: receives each item as it is yielded. Without it items are collected into an array. */
   onItem?: ((data: unknown) => void) | undefined;
+  /** Stream mode: the caller's back-pressure; while it is blocked the replica's answer is not read. */
+  flow?: CallFlow | undefined;
 }
 
 /** A custom-runtime run: one HTTP request forwarded to the app's own server. */
@@ -118,6 +123,8 @@ export interface HttpBodySink {
   once(event: 'drain' | 'close', listener: () => void): unknown;
   removeListener(event: 'drain' | 'close', listener: () => void): unknown;
   end(): void;
+  /** Cuts the caller's connection (a caller that stopped reading). */
+  destroy(): void;
   readonly destroyed: boolean;
 }
 
@@ -180,6 +187,13 @@ export interface InvokerDeps {
   onFinished?: (build: PoolBuild, state: RunState, statusCode: number, seconds: number, coldStart: boolean) => void;
   /** How long a cancelled cortex function has to return before its replica is stopped. */
   cancelGraceMs?: number;
+  /** Size limits of results, stream items and log lines (FERRY_MAX_RESULT_BYTES and the like). */
+  frameLimits?: FrameLimits;
+  /**
+   * How long a custom app's caller may leave its response full without reading before it is cut (and the
+   * run ends as a caller gone away): FERRY_CALLER_STALL_SECONDS.
+   */
+  callerStallMs?: number;
 }
 
 function storedInput(body: Buffer): string | null {
@@ -190,6 +204,9 @@ export function createInvoker(deps: InvokerDeps): Invoker {
   const { recorder } = deps;
   const maxStoredResult = deps.maxStoredResultBytes ?? MAX_STORED_RESULT_BYTES;
   const cancelGraceMs = deps.cancelGraceMs ?? DEFAULT_CANCEL_GRACE_MS;
+  const callerStallMs = deps.callerStallMs ?? DEFAULT_CALLER_STALL_MS;
+  const frameOptions = { limits: deps.frameLimits };
+  const maxResultBytes = deps.frameLimits?.resultBytes ?? DEFAULT_FRAME_LIMITS.resultBytes;
   /** Runs in progress here, by id: how to cancel each (in-flight.ts says why not a Map). */
   const cancels = new InFlightRuns<() => void>();
 
@@ -426,9 +443,21 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       let streamed = false;
       let itemsBytes = 0;
       let itemsOmitted = false;
-      const onFrame = (frame: Frame): void => {
+      /** Bytes of the items collected into the result (a generator called without an event stream). */
+      let collectedBytes = 0;
+      const onFrame = (frame: Frame, bytes: number): void => {
         if (frame.type === 'log') recorder.log(runId, frame.stream, frame.line);
         else if (frame.type === 'item') {
+          if (!request.onItem) {
+            // Collected into one array: held to the result's limit, not only each item to its own.
+            collectedBytes += bytes;
+            if (collectedBytes > maxResultBytes) {
+              throw new FerryError(
+                'FERRY_RESULT_TOO_LARGE',
+                `The generator's items, collected into one result (called without Accept: text/event-stream), are larger than the limit of ${maxResultBytes} bytes`,
+              );
+            }
+          }
           if (request.onItem) {
             request.onItem(frame.data);
             // Kept for the webhook of a streaming call (its items are its `result`), up to the payload limit:
@@ -458,7 +487,14 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           throw new FerryError('FERRY_FUNCTION_ERROR', `${type}: ${message}`, { details: { type } });
         }
       };
-      await slot.replica.callFrames(request.fn, runId, request.body, abort, onFrame);
+      await slot.replica.callFrames(
+        request.fn,
+        runId,
+        request.body,
+        abort,
+        onFrame,
+        request.flow ? { limits: deps.frameLimits, flow: request.flow } : frameOptions,
+      );
       if (!ended) throw new FerryError('FERRY_REPLICA_DIED', 'The replica ended the call without a result');
       if (itemsOmitted) {
         return {
@@ -496,7 +532,12 @@ export function createInvoker(deps: InvokerDeps): Invoker {
               kept.length = 0;
             } else kept.push(chunk);
           }
-          if (sink && !sink.write(chunk)) await drained(sink, signal);
+          if (sink && !sink.write(chunk)) {
+            // Not read from the server until the caller takes this; cut past the stall limit.
+            await drained(sink, signal, callerStallMs, () =>
+              recorder.log(runId, 'system', `the caller read nothing for ${callerStallMs / 1000} s: disconnected`),
+            );
+          }
         }
       } catch (err) {
         throw await slot.replica.failure(err, signal);
@@ -549,17 +590,27 @@ export function createInvoker(deps: InvokerDeps): Invoker {
   };
 }
 
-/** Waits until the caller's response takes more data (or goes away, or the run is aborted). */
-function drained(sink: HttpBodySink, signal: AbortSignal): Promise<void> {
+/**
+ * Waits until the caller's response takes more data (or goes away, or the run is aborted). A caller that
+ * takes nothing for `stallMs` is cut (`sink.destroy()`): its close aborts the run as a caller gone away.
+ */
+function drained(sink: HttpBodySink, signal: AbortSignal, stallMs: number, onStalled: () => void): Promise<void> {
   if (sink.destroyed) throw signal.reason ?? new Error('the caller went away');
   return new Promise((resolve, reject) => {
+    const stall = setTimeout(() => {
+      onStalled();
+      sink.destroy();
+    }, stallMs);
+    stall.unref();
     const done = () => {
+      clearTimeout(stall);
       sink.removeListener('drain', done);
       sink.removeListener('close', done);
       signal.removeEventListener('abort', aborted);
       resolve();
     };
     const aborted = () => {
+      clearTimeout(stall);
       sink.removeListener('drain', done);
       sink.removeListener('close', done);
       reject(signal.reason);

@@ -28,6 +28,7 @@ import type {
   Invoker,
   RunRequestBase,
 } from './invoke.js';
+import { DEFAULT_CALLER_STALL_MS } from './invoke.js';
 
 export interface RemoteInvokerDeps {
   directory: WorkerDirectory;
@@ -35,6 +36,8 @@ export interface RemoteInvokerDeps {
   /** This gateway's node id, as workers count its calls in their announcements. */
   nodeId: string;
   logger: Logger;
+  /** How long a caller may leave its response full before it is cut (FERRY_CALLER_STALL_SECONDS). */
+  callerStallMs?: number;
 }
 
 export interface RemoteInvoker extends Invoker {
@@ -60,6 +63,7 @@ function notConnected(err: unknown): boolean {
 
 export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
   const { directory, auth, logger } = deps;
+  const stallMs = deps.callerStallMs ?? DEFAULT_CALLER_STALL_MS;
   const pools = new Map<string, Pool>();
   const inflight = new Map<string, number>();
   const appInflight = new Map<string, number>();
@@ -188,8 +192,12 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
           const events = request.mode === 'stream' ? lines(res.body) : oneLine(res.body);
           for await (const event of events) {
             if (event.e === 'started') request.onStarted?.();
-            else if (event.e === 'item') request.onItem?.(event.d);
-            else if (event.e === 'done') {
+            else if (event.e === 'item') {
+              request.onItem?.(event.d);
+              // The caller is full: the worker's answer is not read meanwhile, so the worker holds its run.
+              const flow = request.flow;
+              if (flow?.blocked) await new Promise<void>((ready) => flow.whenReady(ready));
+            } else if (event.e === 'done') {
               return {
                 result: event.result,
                 ...(typeof event.resultJson === 'string' ? { resultJson: event.resultJson } : {}),
@@ -247,10 +255,10 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
               });
               const rest = pending.subarray(nl + 1);
               pending = Buffer.alloc(0);
-              if (rest.length > 0 && sink && !sink.write(rest)) await drained(sink, request.signal);
+              if (rest.length > 0 && sink && !sink.write(rest)) await drained(sink, request.signal, stallMs);
               continue;
             }
-            if (sink && !sink.write(chunk)) await drained(sink, request.signal);
+            if (sink && !sink.write(chunk)) await drained(sink, request.signal, stallMs);
           }
         } catch (err) {
           if (!res.body.destroyed) res.body.destroy();
@@ -369,21 +377,28 @@ export function doneEvent(text: string): unknown {
   return parseJson(text);
 }
 
-/** The events of an NDJSON answer, as they arrive. */
+/**
+ * The events of an NDJSON answer, as they arrive. Linear: an unfinished line's pieces are kept in a list
+ * and joined once its newline comes (a long item is not searched and copied again for every chunk).
+ */
 async function* lines(body: AsyncIterable<Buffer>): AsyncGenerator<Record<string, unknown>> {
-  let pending = '';
+  let pending: string[] = [];
   // A character split between two chunks is joined, not replaced.
   const decoder = new StringDecoder('utf8');
   for await (const chunk of body) {
-    pending += decoder.write(chunk);
-    let nl = pending.indexOf('\n');
+    const text = decoder.write(chunk);
+    let start = 0;
+    let nl = text.indexOf('\n');
     while (nl >= 0) {
-      const text = pending.slice(0, nl);
-      pending = pending.slice(nl + 1);
-      const event = parseJson(text);
+      pending.push(text.slice(start, nl));
+      const line = pending.length === 1 ? pending[0]! : pending.join('');
+      pending = [];
+      start = nl + 1;
+      const event = parseJson(line);
       if (event && typeof event === 'object') yield event as Record<string, unknown>;
-      nl = pending.indexOf('\n');
+      nl = text.indexOf('\n', start);
     }
+    if (start < text.length) pending.push(text.slice(start));
   }
 }
 
@@ -424,10 +439,15 @@ function withSignal<T extends RunRequestBase>(request: T): T {
   return request.abort && !request.signal ? { ...request, signal: request.abort.signal } : request;
 }
 
-function drained(sink: HttpBodySink, signal: AbortSignal | undefined): Promise<void> {
+/** Waits until the caller's response takes more; a caller that takes nothing for `stallMs` is cut. */
+function drained(sink: HttpBodySink, signal: AbortSignal | undefined, stallMs: number): Promise<void> {
   if (sink.destroyed) return Promise.reject(signal?.reason ?? new Error('the caller went away'));
   return new Promise((resolve) => {
+    // Cut: its close ends the wait, and the caller's abort ends the call as a caller gone away.
+    const stall = setTimeout(() => sink.destroy(), stallMs);
+    stall.unref();
     const done = () => {
+      clearTimeout(stall);
       sink.removeListener('drain', done);
       sink.removeListener('close', done);
       resolve();

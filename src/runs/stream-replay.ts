@@ -26,6 +26,11 @@ export interface StreamReader {
   send(event: StreamEvent): void;
   /** The run ended and this reader got every event up to `end`. */
   end(): void;
+  /**
+   * True while the reader's connection holds more unsent bytes than it may (a caller not reading): the run
+   * stops reading its replica until the reader says so with {@link ReplayStream.readerReady}.
+   */
+  readonly blocked?: boolean;
 }
 
 /** The final state a stream's `end` event reports. */
@@ -54,6 +59,12 @@ export interface ReplayStream {
   attach(reader: StreamReader, afterSeq: number): void;
   /** The reader's connection is gone; with no reader left the run is stopped after the grace period. */
   detach(reader: StreamReader): void;
+  /** True while an attached reader is blocked (back-pressure): the run waits before reading more. */
+  readonly blocked: boolean;
+  /** Calls `ready` once no attached reader is blocked (soon after, when none is now). */
+  whenReady(ready: () => void): void;
+  /** A blocked reader's connection took its bytes: the run goes on once no reader is blocked. */
+  readerReady(): void;
 }
 
 export interface StreamReplay {
@@ -115,6 +126,14 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
     let done = false;
     let graceTimer: NodeJS.Timeout | undefined;
     let forgetTimer: NodeJS.Timeout | undefined;
+    /** What waits for no reader to be blocked (the run's call to its replica, paused). */
+    let waiting: (() => void)[] = [];
+    const wake = () => {
+      if (waiting.length === 0 || stream.blocked) return;
+      const ready = waiting;
+      waiting = [];
+      for (const go of ready) go();
+    };
 
     const stream: Stream = {
       runId: run.runId,
@@ -135,6 +154,17 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
       get firstSeq() {
         return stream.events[0]?.seq ?? seq + 1;
       },
+      get blocked() {
+        if (done) return false;
+        for (const reader of readers) if (reader.blocked) return true;
+        return false;
+      },
+      whenReady(ready) {
+        waiting.push(ready);
+        // Never at once: the caller is inside the replica's data callback.
+        setImmediate(wake);
+      },
+      readerReady: wake,
       push(data, event) {
         if (done) return;
         seq += 1;
@@ -158,6 +188,7 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
         clearTimeout(graceTimer);
         for (const reader of readers) reader.end();
         readers.clear();
+        wake();
         forgetTimer = setTimeout(() => stream.forget(), options.keepMs);
         forgetTimer.unref();
       },
@@ -171,7 +202,9 @@ export function createStreamReplay(options: StreamReplayOptions): StreamReplay {
         }
       },
       detach(reader) {
-        if (!readers.delete(reader) || done || readers.size > 0) return;
+        if (!readers.delete(reader) || done) return;
+        wake();
+        if (readers.size > 0) return;
         if (options.graceMs === 0) return run.stop();
         graceTimer = setTimeout(() => stream.stopIfUnread(), options.graceMs);
         graceTimer.unref();

@@ -17,6 +17,7 @@ import type { ReplayStream, StreamEndState, StreamReader } from '../../runs/stre
 import type { Services } from '../../services.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { useJsonBodies } from '../body-parsers.js';
+import { type CallerFlow, watchCaller } from '../caller-flow.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
 import type { TypedServer } from '../server.js';
 import { formatComment, formatEvent, startEventStream, wantsEventStream } from '../sse.js';
@@ -288,11 +289,24 @@ function controlComment(event: string, data: string): string {
  * One caller's connection to a run's events. The response starts on first use (headers, then `retry:`);
  * events go out as they come, gzip-compressed and flushed per event when the caller accepts gzip. Items are
  * `id:` + `data:`; the run's `error` and `end` are named events with `named`, else comments with no id.
+ * Back-pressure (caller-flow.ts): the reader is `blocked` while the connection holds more than
+ * FERRY_STREAM_BUFFER_BYTES unsent, which pauses the run's replica; after FERRY_CALLER_STALL_SECONDS
+ * blocked, the connection is cut (a caller gone away: the stream's resume grace applies).
  */
-function eventConnection(request: FastifyRequest, reply: FastifyReply, runId: string, named: boolean) {
+function eventConnection(
+  services: Services,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  runId: string,
+  named: boolean,
+) {
   const res = reply.raw;
   const gzip = /\bgzip\b/i.test(String(request.headers['accept-encoding'] ?? ''));
+  const { streamBufferBytes, callerStallSeconds } = services.config;
   let out: { write(text: string): void; end(): void } | undefined;
+  let flow: CallerFlow | undefined;
+  /** The stream this connection reads, told when the connection takes its bytes again. */
+  let following: ReplayStream | undefined;
   const open = () => {
     if (out) return out;
     reply.hijack();
@@ -301,19 +315,38 @@ function eventConnection(request: FastifyRequest, reply: FastifyReply, runId: st
       'transfer-encoding': 'chunked',
       ...(gzip ? { 'content-encoding': 'gzip', vary: 'Accept-Encoding' } : {}),
     });
-    if (gzip) {
-      const z = createGzip();
+    const z = gzip ? createGzip() : undefined;
+    const watched = watchCaller({
+      full: () => res.writableLength + (z ? z.writableLength + z.readableLength : 0) > streamBufferBytes,
+      drains: z ? [res, z] : [res],
+      stallMs: callerStallSeconds * 1000,
+      onStalled: () => {
+        services.recorder.log(runId, 'system', `the caller read nothing for ${callerStallSeconds} s: disconnected`);
+        res.destroy();
+      },
+      onReady: () => following?.readerReady(),
+    });
+    flow = watched;
+    res.once('close', () => watched.stop());
+    if (z) {
       z.pipe(res);
       out = {
         write(text) {
           z.write(text);
           // Z_SYNC_FLUSH per event: compressed, yet each event reaches the client as it is yielded.
           z.flush(zlibConstants.Z_SYNC_FLUSH);
+          watched.wrote();
         },
         end: () => z.end(),
       };
     } else {
-      out = { write: (text) => res.write(text), end: () => res.end() };
+      out = {
+        write(text) {
+          res.write(text);
+          watched.wrote();
+        },
+        end: () => res.end(),
+      };
     }
     out.write(`retry: ${STREAM_RECONNECT_MS}\n\n`);
     return out;
@@ -328,8 +361,16 @@ function eventConnection(request: FastifyRequest, reply: FastifyReply, runId: st
       open().write(text);
     },
     end: () => open().end(),
+    get blocked() {
+      return flow?.blocked ?? false;
+    },
   };
-  return { open, reader, res };
+  /** Attaches this connection to `stream` after `afterSeq`. */
+  const follow = (stream: ReplayStream, afterSeq: number) => {
+    following = stream;
+    stream.attach(reader, afterSeq);
+  };
+  return { open, reader, res, follow };
 }
 
 function eventText(value: unknown): string {
@@ -362,7 +403,7 @@ async function streamRun(
 ): Promise<void> {
   const gone = new AbortController();
   const stop = () => gone.abort(new Error('client disconnected'));
-  const connection = eventConnection(request, reply, call.runId, wantsStreamEvents(request));
+  const connection = eventConnection(services, request, reply, call.runId, wantsStreamEvents(request));
   let stream: ReplayStream | undefined;
   const begin = (): ReplayStream => {
     if (stream) return stream;
@@ -374,7 +415,7 @@ async function streamRun(
       fn: call.fn,
       stop,
     });
-    stream.attach(connection.reader, 0);
+    connection.follow(stream, 0);
     return stream;
   };
   connection.res.on('close', () => {
@@ -389,6 +430,13 @@ async function streamRun(
       signal: gone.signal,
       onStarted: () => void begin(),
       onItem: (item) => begin().push(eventText(item)),
+      // While the caller's connection is full, the replica's answer waits (not read, not buffered here).
+      flow: {
+        get blocked() {
+          return stream?.blocked ?? false;
+        },
+        whenReady: (ready) => (stream ? stream.whenReady(ready) : setImmediate(ready)),
+      },
     });
     // A plain (non-generator) function called as a stream: its result is the one event.
     if (!outcome.streamed) begin().push(eventText(outcome.result));
@@ -437,7 +485,7 @@ function resumeStream(
     return reply.code(204).send();
   }
 
-  const connection = eventConnection(request, reply, last.runId, named);
+  const connection = eventConnection(services, request, reply, last.runId, named);
   connection.open();
   connection.res.on('close', () => {
     if (!connection.res.writableFinished) stream.detach(connection.reader);
@@ -453,7 +501,7 @@ function resumeStream(
     const data = JSON.stringify({ run_id: last.runId, ...dropped.toJSON() });
     connection.open().write(named ? formatEvent(data, 'error') : controlComment('error', data));
   }
-  stream.attach(connection.reader, last.seq);
+  connection.follow(stream, last.seq);
   return undefined;
 }
 
