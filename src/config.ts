@@ -3,8 +3,8 @@
  * Every setting is documented in docs/operations.md.
  */
 import path from 'node:path';
-import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './builds/builders/sandboxed-step.js';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
+import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './sandbox/build-step.js';
 import { type Nameserver, parseNameservers } from './sandbox/dns-forwarder.js';
 import { DEFAULT_EGRESS_POOL, type EgressPolicy, normalizeCidr, parseEgressPolicy } from './sandbox/egress-policy.js';
 import { parseAllowList } from './webhooks/address-guard.js';

@@ -41,7 +41,7 @@ export async function* ticks({ n = 3, ms = 500 }: { n?: number; ms?: number } = 
   };
 }
 
-/** The replicas' views of a build (hard links under <tmp>/ferry-view-*, replicas/build-view.ts). */
+/** The replicas' views of a build (hard links under <tmp>/ferry-view-*, sandbox/views.ts). */
 function viewsOf(buildId: string): string[] {
   return readdirSync(os.tmpdir())
     .filter((n) => n.startsWith('ferry-view-'))

@@ -1,5 +1,5 @@
 /**
- * Build views (src/replicas/build-view.ts): the folder a sandbox binds at /app is a hard-link copy of the
+ * Build views (src/sandbox/views.ts): the folder a sandbox binds at /app is a hard-link copy of the
  * build outside the data directory, so the sandbox's mountinfo does not name the data directory.
  */
 import assert from 'node:assert/strict';
@@ -9,7 +9,7 @@ import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { createBuildViews } from '../src/replicas/build-view.js';
+import { createBuildViews } from '../src/sandbox/views.js';
 
 describe('build views', () => {
   let root: string;
@@ -64,7 +64,7 @@ describe('build views', () => {
 
     /** A real process that makes its views folder in `parent`, views build b1, and waits; resolves with the folder. */
     async function server(parent: string): Promise<{ child: ChildProcess; folder: string }> {
-      const module = new URL('../src/replicas/build-view.js', import.meta.url).href;
+      const module = new URL('../src/sandbox/views.js', import.meta.url).href;
       const script = `
         const { createBuildViews } = await import(${JSON.stringify(module)});
         const views = await createBuildViews({ buildsDir: ${JSON.stringify(buildsDir)}, candidates: [${JSON.stringify(parent)}] });

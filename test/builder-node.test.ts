@@ -15,7 +15,7 @@ import { inputsOutsideApp } from '../src/builds/builders/esbuild-agent.js';
 import { selectBuilder } from '../src/builds/builders/index.js';
 import { createNodeBuilder } from '../src/builds/builders/node.js';
 import { type Builder, BuildFailedError } from '../src/builds/builders/types.js';
-import { detectSandbox } from '../src/replicas/sandbox.js';
+import { detectSandbox } from '../src/sandbox/launch.js';
 import {
   assertFailed,
   assertReady,

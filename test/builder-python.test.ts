@@ -18,7 +18,7 @@ import { createPythonBuilder, findPython } from '../src/builds/builders/python.j
 import { requirementsProblem } from '../src/builds/builders/requirements.js';
 import { BuildFailedError } from '../src/builds/builders/types.js';
 import { PYTHON_BOOTSTRAP } from '../src/replicas/launcher.js';
-import { detectSandbox } from '../src/replicas/sandbox.js';
+import { detectSandbox } from '../src/sandbox/launch.js';
 import {
   assertFailed,
   assertReady,

@@ -44,7 +44,7 @@ describe('builds', () => {
   it('builds an uploaded app, makes it active, and lists its archive in order', async () => {
     const files = {
       'ferry.toml': '[app]\nname = "greeter"\n',
-      'main.ts': "import { word } from './lib/word.ts';\nexport function run() { return word; }\n",
+      'main.ts': "import { word } from './lib/word.js';\nexport function run() { return word; }\n",
       'lib/word.ts': "export const word = 'hi';\n",
     };
     const zip = await zipFiles(files);

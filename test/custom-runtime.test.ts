@@ -9,7 +9,7 @@ import fs from 'node:fs/promises';
 import http from 'node:http';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { detectSandbox } from '../src/replicas/sandbox.js';
+import { detectSandbox } from '../src/sandbox/launch.js';
 import { http as call, deployFiles, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
 

@@ -10,7 +10,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { selectFiles } from '../src/cli/pack.js';
-import { detectSandbox } from '../src/replicas/sandbox.js';
+import { detectSandbox } from '../src/sandbox/launch.js';
 import { zipFiles } from './helpers/app-zip.js';
 import { http as call, deployFiles, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 import { LEFTPAD_WHEEL, leftpadWheel } from './helpers/python-wheel.js';

@@ -21,7 +21,7 @@ import {
   type ReplicaProcess,
   type SandboxCapabilities,
   sandboxPaths,
-} from '../src/replicas/sandbox.js';
+} from '../src/sandbox/launch.js';
 
 /** The repository root, found from this file whether it runs from test/ (tsx) or dist/test/. */
 function repoRoot(): string {

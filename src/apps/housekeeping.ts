@@ -57,7 +57,7 @@ export interface HousekeepingDeps {
   buildsInUse(): Set<string>;
   /**
    * Removes the build's view here (replicas bind a view of hard links to the build's files, which would
-   * keep the files' space taken after the build folder is gone: replica/build-view.ts).
+   * keep the files' space taken after the build folder is gone: sandbox/views.ts).
    */
   dropView?: (buildId: string) => Promise<void>;
   /** Cancels a build being made (the pipeline). */

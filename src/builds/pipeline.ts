@@ -15,7 +15,8 @@ import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
-import type { SandboxCapabilities } from '../replicas/sandbox.js';
+import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from '../sandbox/build-step.js';
+import type { SandboxCapabilities } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
 import { lockApp } from '../store/active-build.js';
 import { claimFreeBuilds, startBuild } from '../store/claims.js';
@@ -24,7 +25,6 @@ import type { Build, BuildState } from '../store/schema.js';
 import type { BuildLog } from './build-log.js';
 import type { BuildOutput } from './build-output.js';
 import { selectBuilder } from './builders/index.js';
-import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from './builders/sandboxed-step.js';
 import { type Builder, BuildFailedError } from './builders/types.js';
 
 export interface BuildPipelineDeps {

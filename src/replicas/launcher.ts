@@ -1,7 +1,7 @@
 /**
  * Prepares the process of one replica: the runtime's command (the Node or Python bootstrap), the
  * environment (the project's secrets, the app's [env], Ferry's protocol variables, and nothing of the
- * server's own environment), and the sandbox around it (sandbox.ts).
+ * server's own environment), and the sandbox around it (sandbox/launch.ts).
  */
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
@@ -9,12 +9,12 @@ import net from 'node:net';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { findPython } from '../builds/builders/python.js';
+import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
+import type { BuildViews } from '../sandbox/views.js';
 import type { Store } from '../store/index.js';
-import type { BuildViews } from './build-view.js';
 import type { PoolBuild } from './pool.js';
 import type { LaunchPlan } from './replica.js';
-import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from './sandbox.js';
 
 /** The compiled Node bootstrap; copied (read-only) into every Node replica's sandbox. */
 export const NODE_BOOTSTRAP = fileURLToPath(new URL('../runtimes/cortex-node/bootstrap.js', import.meta.url));
@@ -35,7 +35,7 @@ export interface LauncherDeps {
   /** Where replica socket folders are made (short: Unix socket paths are limited to 107 bytes). */
   runDir: string;
   sandbox: SandboxCapabilities;
-  /** Where sandboxed replicas find their build (a path that does not name the data directory; build-view.ts). */
+  /** Where sandboxed replicas find their build (a path that does not name the data directory; sandbox/views.ts). */
   views?: BuildViews;
   /** Gives each replica a network namespace of its own (acquired before spawn, released in cleanup). */
   network: SandboxNetwork;

@@ -4,7 +4,7 @@
  *
  * A warm sandbox is a replica sandbox like any other (bwrap, uid 65534, its own network namespace lease,
  * its replica cgroup with the default [resources]) whose bootstrap runs with `FERRY_WARM=1` and knows no
- * app: its /app is an empty folder of its own (a "slot", build-view.ts), its environment is Ferry's base
+ * app: its /app is an empty folder of its own (a "slot", sandbox/views.ts), its environment is Ferry's base
  * variables only (no app's, no secrets). When an app needs a replica, `claim`:
  *   1. takes one ready warm sandbox of the app's runtime out of the pool, for good;
  *   2. links the build's files into its slot from the host side (the read-only bind shows them at once);
@@ -22,13 +22,13 @@ import type { Logger } from 'pino';
 import { DEFAULT_MAX_PROCESSES } from '../apps/app-config.js';
 import { findPython } from '../builds/builders/python.js';
 import { uuidv7 } from '../ids.js';
+import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
+import type { BuildViews } from '../sandbox/views.js';
 import type { Store } from '../store/index.js';
-import type { BuildViews } from './build-view.js';
 import { baseEnvironment, RUNTIMES, replicaEnvironment } from './launcher.js';
 import type { PoolBuild } from './pool.js';
 import { describeExit, type LaunchPlan, type Replica, type ReplicaExit, startReplica } from './replica.js';
-import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from './sandbox.js';
 
 export const WARM_RUNTIMES = ['node', 'python'] as const;
 export type WarmRuntime = (typeof WARM_RUNTIMES)[number];

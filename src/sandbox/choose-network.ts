@@ -8,9 +8,9 @@
 import path from 'node:path';
 import type { Logger } from 'pino';
 import type { EgressConfig } from '../config.js';
-import type { SandboxCapabilities } from '../replicas/sandbox.js';
 import { createDnsForwarder } from './dns-forwarder.js';
 import { describePolicy } from './egress-policy.js';
+import type { SandboxCapabilities } from './launch.js';
 import {
   createHostNetwork,
   createLoopbackOnlyNetwork,

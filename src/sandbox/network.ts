@@ -1,6 +1,6 @@
 /**
  * A network of each sandbox's own (issue 10, item 2): the contract between the sandbox launcher
- * (replicas/sandbox.ts, builds) and whatever gives a sandbox its network.
+ * (sandbox/launch.ts, builds) and whatever gives a sandbox its network.
  *
  * Every sandbox (a replica of either runtime, every build step) gets its own network namespace. The
  * provider decides what is in it:

@@ -28,11 +28,11 @@ import os from 'node:os';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
 import type { Logger } from 'pino';
-import { type QuietResult, runQuiet, WRAPPER_ENV } from '../replicas/run-quiet.js';
 import type { Nameserver } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy } from './egress-policy.js';
 import { findTool } from './find-tool.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
+import { type QuietResult, runQuiet, WRAPPER_ENV } from './run-quiet.js';
 import { createSparePool } from './spare-pool.js';
 
 export interface UserNetTools {

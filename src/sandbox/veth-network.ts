@@ -30,11 +30,11 @@ import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import type { Logger } from 'pino';
-import { type QuietResult, runQuiet, WRAPPER_ENV } from '../replicas/run-quiet.js';
 import type { DnsForwarder } from './dns-forwarder.js';
 import { DEFAULT_DENY, describePolicy, type EgressPolicy, ipv4ToNumber, numberToIpv4 } from './egress-policy.js';
 import { findTool } from './find-tool.js';
 import type { SandboxNetwork, SandboxNetworkLease } from './network.js';
+import { type QuietResult, runQuiet, WRAPPER_ENV } from './run-quiet.js';
 import { createSparePool } from './spare-pool.js';
 
 export interface VethTools {

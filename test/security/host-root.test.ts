@@ -21,7 +21,7 @@ import {
   prepareLaunch,
   probeSandbox,
   type SandboxCapabilities,
-} from '../../src/replicas/sandbox.js';
+} from '../../src/sandbox/launch.js';
 import { zipFiles } from '../helpers/app-zip.js';
 import { http, startServer, type TestServer, tempDir, waitFor } from '../helpers/ferry.js';
 

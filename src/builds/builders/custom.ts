@@ -23,7 +23,7 @@ import { type BuildContext, type Builder, BuildFailedError, type BuildResult } f
 /** The PATH a custom replica's server gets (set by the launcher); the sandbox shows this machine's /usr. */
 export const REPLICA_PATH = ['/usr/local/bin', '/usr/bin', '/bin'] as const;
 
-/** Folders a sandboxed replica sees at their own path (src/replicas/sandbox.ts), plus Node's own folder. */
+/** Folders a sandboxed replica sees at their own path (src/sandbox/launch.ts), plus Node's own folder. */
 const SYSTEM_ROOTS = ['/usr', '/etc', '/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
 
 /** Interpreters whose first script-like argument must be a file of the app. */

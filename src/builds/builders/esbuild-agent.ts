@@ -1,5 +1,5 @@
 /**
- * The esbuild agent: bundles an app inside the build sandbox (sandboxed-step.ts), so esbuild reads the
+ * The esbuild agent: bundles an app inside the build sandbox (sandbox/build-step.ts), so esbuild reads the
  * app's files with the sandbox's view of the filesystem, never the server's. Run by Node as
  * `node esbuild-agent.mjs <request JSON>`; it imports nothing of Ferry but esbuild (bound read-only at
  * /ferry/node_modules), so it can be bound into the sandbox alone.

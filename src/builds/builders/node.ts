@@ -1,15 +1,13 @@
 /**
  * The Node builder (cortex runtime, TypeScript or JavaScript): installs production dependencies with npm,
  * then bundles the entry and everything it imports into one ESM file, `<outputDir>/main.mjs`, that a
- * replica imports without needing `node_modules`. Both steps run in the build sandbox (sandboxed-step.ts):
+ * replica imports without needing `node_modules`. Both steps run in the build sandbox (sandbox/build-step.ts):
  * npm, and esbuild through Ferry's agent (esbuild-agent.ts), which refuses imports from outside the app.
  */
 import fs from 'node:fs/promises';
 import { createRequire } from 'node:module';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { AGENT_RESULT_PREFIX, type AgentMessage, type AgentRequest, type AgentResult } from './esbuild-agent.js';
-import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
 import {
   describeStepExit,
   runBuildStep,
@@ -17,7 +15,9 @@ import {
   type StepMount,
   stepPaths,
   toolMounts,
-} from './sandboxed-step.js';
+} from '../../sandbox/build-step.js';
+import { AGENT_RESULT_PREFIX, type AgentMessage, type AgentRequest, type AgentResult } from './esbuild-agent.js';
+import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
 
 /** Entry files the Node builder accepts, in the order they are looked for. */

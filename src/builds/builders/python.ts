@@ -10,9 +10,9 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { describeStepExit, runBuildStep, stepPaths, toolMounts } from '../../sandbox/build-step.js';
 import { requirementsProblem } from './requirements.js';
 import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
-import { describeStepExit, runBuildStep, stepPaths, toolMounts } from './sandboxed-step.js';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
 
 export const PYTHON_ENTRY = 'main.py';

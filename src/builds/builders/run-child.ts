@@ -1,5 +1,5 @@
 /**
- * Running a build step as a plain child process, when there is no sandbox (sandboxed-step.ts decides):
+ * Running a build step as a plain child process, when there is no sandbox (sandbox/build-step.ts decides):
  * no shell, output handed over line by line, and on abort the whole process group killed (package
  * managers start children of their own), SIGTERM then SIGKILL after a grace period. Also the small
  * helpers the per-runtime builders share.

@@ -3,7 +3,7 @@
  * One implementation per runtime (`node.ts` now; Python and custom builders implement the same shape).
  */
 import type { AppConfig } from '../../apps/app-config.js';
-import type { BuildSandbox } from './sandboxed-step.js';
+import type { BuildSandbox } from '../../sandbox/build-step.js';
 
 export interface BuildContext {
   buildId: string;
@@ -13,7 +13,7 @@ export interface BuildContext {
   outputDir: string;
   /** The server's cache folder; each build's steps get `<cacheDir>/builds/<buildId>` of their own. */
   cacheDir: string;
-  /** Where build steps run: the sandbox, the network provider and the limits (sandboxed-step.ts). */
+  /** Where build steps run: the sandbox, the network provider and the limits (sandbox/build-step.ts). */
   sandbox: BuildSandbox;
   config: AppConfig;
   /** Appends one line to the build's log (no trailing newline needed). */

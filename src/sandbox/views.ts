@@ -166,7 +166,7 @@ const stagingRoots = new Map<string, Promise<string | null>>();
 /**
  * This process's `ferry-view-*` folder for `dataDir` (made once, in the system's temporary folder or
  * beside `dataDir`), for what is bound into sandboxes outside a server's views: build steps' folders
- * (sandboxed-step.ts) and the build folder of a launch that bwrap, as a sandbox uid, cannot reach. Removed
+ * (sandbox/build-step.ts) and the build folder of a launch that bwrap, as a sandbox uid, cannot reach. Removed
  * by the sweep of the next server that starts after this process has gone.
  */
 export function stagingRoot(dataDir: string, othersRead: boolean): Promise<string | null> {

@@ -36,7 +36,7 @@
  * maps to the server's own (unprivileged) uid on the host. When Ferry is root it never maps to host root:
  * the wrapper drops to a host uid of the sandbox's own (sandbox/identity.ts: `setpriv`, then bwrap makes
  * an unprivileged user namespace), so every kernel check sees an ordinary user; build views make the
- * build's files readable by others for it (build-view.ts). /proc/sys is read-only and the host-wide
+ * build's files readable by others for it (views.ts). /proc/sys is read-only and the host-wide
  * entries of /proc (keys, timer_list, slabinfo, kpage*, sysrq-trigger, ...) are masked either way. On the
  * few host paths bound in, the replica reads what an unprivileged user may read: that is why entries of
  * /etc that such a user could not read (shadow, TLS private keys, service configs with passwords) are
@@ -55,6 +55,7 @@ import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Readable, Writable } from 'node:stream';
+import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
 import {
   acquireSandboxUid,
   dropPrivilegesArgs,
@@ -62,11 +63,10 @@ import {
   releaseSandboxUid,
   type SandboxIdentity,
   unreachableByOthers,
-} from '../sandbox/identity.js';
-import { joinNetworkArgs, type SandboxNetworkLease } from '../sandbox/network.js';
-import { mirror, stagingRoot } from './build-view.js';
-import { type CgroupSupport, createReplicaCgroup, probeCgroups, type ReplicaCgroup } from './cgroups.js';
+} from './identity.js';
+import { joinNetworkArgs, type SandboxNetworkLease } from './network.js';
 import { runQuiet, WRAPPER_ENV } from './run-quiet.js';
+import { mirror, stagingRoot } from './views.js';
 
 export { WRAPPER_ENV };
 

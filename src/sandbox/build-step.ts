@@ -1,6 +1,6 @@
 /**
  * One build step (esbuild, npm, pip, the Python syntax check) in a bubblewrap sandbox like a replica's
- * (replicas/sandbox.ts: the same namespaces, system folders, /etc masking and memory cgroup).
+ * (sandbox/launch.ts: the same namespaces, system folders, /etc masking and memory cgroup).
  *
  * Inside, the step is uid/gid 65534 in its own user, PID, IPC, UTS and mount namespaces and sees:
  *   /app/source   the app's extracted archive, read-only
@@ -23,24 +23,13 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
-import { mirror, stagingRoot } from '../../replicas/build-view.js';
-import { createReplicaCgroup, type ReplicaCgroup } from '../../replicas/cgroups.js';
-import {
-  baseBwrapArgs,
-  resolvConfArgs,
-  type SandboxCapabilities,
-  spawnReplica,
-  WRAPPER_ENV,
-} from '../../replicas/sandbox.js';
-import {
-  acquireSandboxUid,
-  dropPrivilegesArgs,
-  releaseSandboxUid,
-  unreachableByOthers,
-} from '../../sandbox/identity.js';
-import { joinNetworkArgs, type SandboxNetwork } from '../../sandbox/network.js';
-import { abortError, type ChildExit, runChild, throwIfAborted } from './run-child.js';
-import type { BuildContext } from './types.js';
+import { abortError, type ChildExit, runChild, throwIfAborted } from '../builds/builders/run-child.js';
+import type { BuildContext } from '../builds/builders/types.js';
+import { createReplicaCgroup, type ReplicaCgroup } from './cgroups.js';
+import { acquireSandboxUid, dropPrivilegesArgs, releaseSandboxUid, unreachableByOthers } from './identity.js';
+import { baseBwrapArgs, resolvConfArgs, type SandboxCapabilities, spawnReplica, WRAPPER_ENV } from './launch.js';
+import { joinNetworkArgs, type SandboxNetwork } from './network.js';
+import { mirror, stagingRoot } from './views.js';
 
 export interface BuildLimits {
   /** Memory of one step, tmpfs included (memory cgroup; RLIMIT_DATA without one). */
