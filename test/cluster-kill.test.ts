@@ -11,9 +11,10 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import pg from 'pg';
-import { deployFiles, http, runCli, tempDir, waitFor } from './helpers/ferry.js';
+import { deployFiles, http, tempDir, waitFor } from './helpers/ferry.js';
 import {
   type Accepted,
+  bootstrapShared,
   createTestDatabase,
   type FleetProcess,
   type FleetSettings,
@@ -84,20 +85,7 @@ describe('a cluster losing a worker, a gateway and NATS under async load', { tim
           FERRY_WEBHOOK_ALLOW: '127.0.0.0/8',
         },
       };
-      const boot = await runCli([
-        'admin',
-        'bootstrap',
-        '--data-dir',
-        path.join(root, 'boot'),
-        '--database-url',
-        db.url,
-        '--keys-dir',
-        settings.keysDir,
-        '--json',
-      ]);
-      assert.equal(boot.code, 0, boot.stderr);
-      const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
-      auth = { projectId, token };
+      auth = await bootstrapShared(path.join(root, 'boot'), db.url, settings.keysDir);
       await Promise.all([
         start('gateway-a', 'gateway'),
         start('gateway-b', 'gateway'),

@@ -13,8 +13,9 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { WebSocket } from 'undici';
-import { http, REPO_ROOT, runCli, tempDir, waitFor } from './helpers/ferry.js';
+import { http, REPO_ROOT, tempDir, waitFor } from './helpers/ferry.js';
 import {
+  bootstrapShared,
   createTestDatabase,
   type FleetProcess,
   type FleetSettings,
@@ -136,20 +137,7 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
           FERRY_STREAM_RESUME_GRACE_SECONDS: '1',
         },
       };
-      const boot = await runCli([
-        'admin',
-        'bootstrap',
-        '--data-dir',
-        path.join(root, 'boot'),
-        '--database-url',
-        db.url,
-        '--keys-dir',
-        settings.keysDir,
-        '--json',
-      ]);
-      assert.equal(boot.code, 0, boot.stderr);
-      const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
-      auth = { projectId, token };
+      auth = await bootstrapShared(path.join(root, 'boot'), db.url, settings.keysDir);
       [gatewayA, gatewayB, ...workers] = await Promise.all([
         start('gateway-a', 'gateway'),
         start('gateway-b', 'gateway'),

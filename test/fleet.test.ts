@@ -19,9 +19,10 @@ import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { deployFiles, http, runCli, tempDir } from './helpers/ferry.js';
+import { deployFiles, http, tempDir } from './helpers/ferry.js';
 import {
   type Accepted,
+  bootstrapShared,
   collectExecutions,
   createTestDatabase,
   type EvidenceLine,
@@ -173,20 +174,7 @@ describe('a fleet of three ferry serve processes on one PostgreSQL', () => {
       };
       for (const name of ['a', 'b', 'c']) dataDirs.push(path.join(root, name));
       // Bootstrapping first migrates the database and makes the shared keys, before any serve starts.
-      const boot = await runCli([
-        'admin',
-        'bootstrap',
-        '--data-dir',
-        dataDirs[0]!,
-        '--database-url',
-        db.url,
-        '--keys-dir',
-        settings.keysDir,
-        '--json',
-      ]);
-      assert.equal(boot.code, 0, boot.stderr);
-      const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
-      auth = { projectId, token };
+      auth = await bootstrapShared(dataDirs[0]!, db.url, settings.keysDir);
       await Promise.all([0, 1, 2].map((i) => start(i)));
     },
     { timeout: 120_000 },

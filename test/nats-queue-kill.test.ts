@@ -11,8 +11,9 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import pg from 'pg';
-import { deployFiles, http, runCli, tempDir, waitFor } from './helpers/ferry.js';
+import { deployFiles, http, tempDir, waitFor } from './helpers/ferry.js';
 import {
+  bootstrapShared,
   createTestDatabase,
   type FleetProcess,
   fleetAppFiles,
@@ -38,20 +39,7 @@ describe('a consuming process SIGKILLed with the JetStream queue', () => {
       root = await tempDir('ferry-nats-kill-');
       db = await createTestDatabase('ferry_nats_kill');
       const keysDir = path.join(root, 'keys');
-      const boot = await runCli([
-        'admin',
-        'bootstrap',
-        '--data-dir',
-        path.join(root, 'a'),
-        '--database-url',
-        db.url,
-        '--keys-dir',
-        keysDir,
-        '--json',
-      ]);
-      assert.equal(boot.code, 0, boot.stderr);
-      const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
-      auth = { projectId, token };
+      auth = await bootstrapShared(path.join(root, 'a'), db.url, keysDir);
       for (const label of ['a', 'b']) {
         procs.push(
           await startFleetProcess(label, path.join(root, label), {

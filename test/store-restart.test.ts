@@ -14,9 +14,10 @@ import net from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import pg from 'pg';
-import { deployFiles, runCli, tempDir, waitFor } from './helpers/ferry.js';
+import { deployFiles, tempDir, waitFor } from './helpers/ferry.js';
 import {
   type Accepted,
+  bootstrapShared,
   createTestDatabase,
   type FleetProcess,
   type FleetSettings,
@@ -103,20 +104,7 @@ describe('a cluster whose store goes away for 10 s under async load', { timeout:
         artifactsDir: path.join(root, 'unused-artifacts'),
         env: { FERRY_NATS_URL: NATS_URL, FERRY_CLUSTER_NAME: cluster, FERRY_LEASE_SECONDS: '4' },
       };
-      const boot = await runCli([
-        'admin',
-        'bootstrap',
-        '--data-dir',
-        path.join(root, 'boot'),
-        '--database-url',
-        db.url,
-        '--keys-dir',
-        settings.keysDir,
-        '--json',
-      ]);
-      assert.equal(boot.code, 0, boot.stderr);
-      const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
-      auth = { projectId, token };
+      auth = await bootstrapShared(path.join(root, 'boot'), db.url, settings.keysDir);
       const start = async (label: string, role: 'gateway' | 'worker') => {
         const p = await startFleetProcess(label, path.join(root, label), {
           ...settings,

@@ -65,6 +65,9 @@ const pgTypes = {
  * The driver is node-postgres (`pg`) in its pure-JavaScript mode, the driver Kysely's own PostgreSQL
  * dialect is written for: see docs/scaling-out.md for why it and not postgres.js or libpq.
  */
+/** How long PostgreSQL lets one of Ferry's sessions sit idle inside a transaction before ending it. */
+export const PG_IDLE_IN_TRANSACTION_MS = 15_000;
+
 export async function openPostgresStore(options: { databaseUrl: string; poolSize?: number }): Promise<Store> {
   const pool = new pg.Pool({
     connectionString: options.databaseUrl,
@@ -73,6 +76,10 @@ export async function openPostgresStore(options: { databaseUrl: string; poolSize
     // A server that does not answer is reported (503) rather than waited on forever.
     connectionTimeoutMillis: 10_000,
     application_name: 'ferry',
+    // A process frozen inside a transaction (SIGSTOP, a stalled VM) would hold its row locks for as long
+    // as it is frozen, and the recovery of its runs would wait on them: the server ends such a session
+    // (and its transaction) after this long. Ferry's own transactions never wait on anything but the store.
+    idle_in_transaction_session_timeout: PG_IDLE_IN_TRANSACTION_MS,
   });
   // An idle connection that breaks (the server restarted) is dropped from the pool; the next query that
   // needs one opens a new connection. Without a listener this event would end the process.

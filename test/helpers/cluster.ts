@@ -9,8 +9,9 @@ import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { zipFiles } from './app-zip.js';
-import { http, runCli, tempDir, waitFor } from './ferry.js';
+import { http, tempDir, waitFor } from './ferry.js';
 import {
+  bootstrapShared,
   createTestDatabase,
   type FleetProcess,
   type FleetSettings,
@@ -81,20 +82,8 @@ export async function startCluster(options: ClusterOptions = {}): Promise<TestCl
     for (const r of results) if (r.status === 'rejected') throw r.reason;
   };
   try {
-    const boot = await runCli([
-      'admin',
-      'bootstrap',
-      '--data-dir',
-      path.join(root, 'boot'),
-      '--database-url',
-      db.url,
-      '--keys-dir',
-      settings.keysDir,
-      '--json',
-    ]);
-    assert.equal(boot.code, 0, boot.stderr);
-    const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
-    const auth = { projectId, token };
+    const auth = await bootstrapShared(path.join(root, 'boot'), db.url, settings.keysDir);
+    const { projectId, token } = auth;
     const nGateways = options.gateways ?? 2;
     const nWorkers = options.workers ?? 2;
     const started = await Promise.all([

@@ -10,7 +10,7 @@ import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import pg from 'pg';
-import { FERRY_BIN, http } from './ferry.js';
+import { FERRY_BIN, http, runCli } from './ferry.js';
 
 // ---- the database ----
 
@@ -502,4 +502,29 @@ export async function within(promise: Promise<unknown>, ms: number): Promise<voi
   } finally {
     clearTimeout(timer);
   }
+}
+
+/**
+ * `ferry admin bootstrap` on a shared database (it also migrates it and makes the shared keys, before any
+ * serve starts): the first project and its owner token.
+ */
+export async function bootstrapShared(
+  dataDir: string,
+  databaseUrl: string,
+  keysDir: string,
+): Promise<{ projectId: string; token: string }> {
+  const boot = await runCli([
+    'admin',
+    'bootstrap',
+    '--data-dir',
+    dataDir,
+    '--database-url',
+    databaseUrl,
+    '--keys-dir',
+    keysDir,
+    '--json',
+  ]);
+  if (boot.code !== 0) throw new Error(`ferry admin bootstrap failed (${boot.code}): ${boot.stderr}`);
+  const { project_id: projectId, token } = JSON.parse(boot.stdout) as { project_id: string; token: string };
+  return { projectId, token };
 }
