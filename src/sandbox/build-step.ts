@@ -159,7 +159,11 @@ export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<
   let cgroup: ReplicaCgroup | null = null;
   try {
     const options = [
-      ...(await baseBwrapArgs(caps.bwrapFeatures, lease.netnsPath === null ? 'isolated' : 'host')),
+      ...(await baseBwrapArgs(
+        caps.bwrapFeatures,
+        lease.netnsPath === null ? 'isolated' : 'host',
+        caps.identity !== null,
+      )),
       ...(caps.bwrapFeatures.tmpfsSize ? ['--size', String(memoryBytes)] : []),
       '--tmpfs',
       '/tmp',

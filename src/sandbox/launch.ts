@@ -313,7 +313,13 @@ async function probeBwrap(env: NodeJS.ProcessEnv, caps: SandboxCapabilities): Pr
     return null;
   }
   const truePath = (await findExecutable('true', WRAPPER_ENV)) ?? '/bin/true';
-  const args = [...(await baseBwrapArgs(caps.bwrapFeatures, 'host')), '--tmpfs', '/tmp', '--', truePath];
+  const args = [
+    ...(await baseBwrapArgs(caps.bwrapFeatures, 'host', caps.identity !== null)),
+    '--tmpfs',
+    '/tmp',
+    '--',
+    truePath,
+  ];
   // As root, the probe starts bwrap the way every sandbox is started: as an unprivileged sandbox uid.
   const probeUid = caps.identity ? acquireSandboxUid(caps.identity) : null;
   const [probeFile, ...probeArgs] =
@@ -425,6 +431,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
       ...(await baseBwrapArgs(
         caps.bwrapFeatures,
         typeof network === 'object' ? (netnsPath ? 'host' : 'isolated') : network,
+        caps.identity !== null,
       )),
       ...(typeof network === 'object' && network.resolvConf
         ? await resolvConfArgs(FIRST_FILE_FD + launch.runtimeFiles.length)
@@ -737,6 +744,8 @@ export async function resolvConfArgs(fd: number): Promise<string[]> {
 export async function baseBwrapArgs(
   features: SandboxCapabilities['bwrapFeatures'],
   network: 'host' | 'isolated',
+  /** The sandbox runs as a uid of its own (caps.identity): /etc needs no masks (see etcMasks). */
+  ownUid = false,
 ): Promise<string[]> {
   const args = [
     '--unshare-all',
@@ -771,7 +780,7 @@ export async function baseBwrapArgs(
   if (!realRoots.some((root) => nodeDir === root || nodeDir.startsWith(`${root}/`))) {
     args.push('--ro-bind', nodeDir, nodeDir);
   }
-  const masks = await etcMasks();
+  const masks = ownUid ? { dirs: [], files: [] } : await etcMasks();
   for (const dir of masks.dirs) args.push('--tmpfs', dir, '--remount-ro', dir);
   // bwrap binds with nodev, so a masked file opens with EACCES, as it would for an unprivileged user.
   for (const file of masks.files) args.push('--ro-bind', '/dev/null', file);
@@ -819,8 +828,11 @@ const ETC_MAX_ENTRIES = 20_000;
 let etcMaskCache: { at: number; value: Promise<{ dirs: string[]; files: string[] }> } | undefined;
 
 /**
- * Entries of /etc an unprivileged user could not read. Recomputed at most once a minute, so secrets
- * installed while the server runs (a new service's config) get masked too.
+ * Entries of /etc that other users could not read but the server's own user can: a sandbox that maps to
+ * the server's uid would read them. Recomputed at most once a minute, so secrets installed while the
+ * server runs (a new service's config) get masked too. A sandbox that runs as a uid of its own (Ferry is
+ * root, identity.ts) needs none: the kernel refuses it what it refuses any other user, and a list of
+ * masks would show it the names of the host's private files in its mountinfo.
  */
 function etcMasks(): Promise<{ dirs: string[]; files: string[] }> {
   if (!etcMaskCache || Date.now() - etcMaskCache.at > ETC_MASK_TTL_MS) {
@@ -847,14 +859,25 @@ async function scanUnreadable(root: string): Promise<{ dirs: string[]; files: st
     for (const { full, stat } of stats) {
       if (!stat || stat.isSymbolicLink()) continue;
       if (stat.isDirectory()) {
-        if ((stat.mode & 0o005) !== 0o005) dirs.push(full);
-        else queue.push(full);
-      } else if ((stat.mode & 0o004) === 0) {
+        if ((stat.mode & 0o005) !== 0o005) {
+          if (serverMay(stat, 0o5)) dirs.push(full);
+        } else queue.push(full);
+      } else if ((stat.mode & 0o004) === 0 && serverMay(stat, 0o4)) {
         files.push(full);
       }
     }
   }
   return { dirs, files };
+}
+
+/** Whether this process's user may do any of `bits` (0o4 read, 0o1 search) on a file other users may not. */
+function serverMay(stat: { uid: number; gid: number; mode: number }, bits: number): boolean {
+  const uid = process.getuid?.();
+  if (uid === undefined || uid === 0) return true;
+  if (stat.uid === uid) return ((stat.mode >> 6) & bits) !== 0;
+  const groups = process.getgroups?.() ?? [];
+  if (stat.gid === process.getgid?.() || groups.includes(stat.gid)) return ((stat.mode >> 3) & bits) !== 0;
+  return false;
 }
 
 // ---- small helpers ----
