@@ -20,6 +20,7 @@ import type { HttpResponseHead } from '../runs/invoke.js';
 import type { Services } from '../services.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
 import { watchCaller } from './caller-flow.js';
+import { toFerryError } from './errors.js';
 import type { RunTarget } from './routes/run.js';
 
 /** Headers that describe one connection, not the request (RFC 9110 7.6.1), plus `Expect` (undici refuses it). */
@@ -220,7 +221,7 @@ function failResponse(res: ServerResponse, runId: string, err: unknown): void {
     res.destroy();
     return;
   }
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
+  const ferry = toFerryError(err);
   const body = JSON.stringify({ ...ferry.toJSON(), run_id: runId });
   res.writeHead(ferry.status, {
     ...ferry.headers,
@@ -238,7 +239,7 @@ const WS_PARAMS = new Set([...FERRY_PARAMS, 'access_token']);
 
 /** Writes an HTTP error answer on a socket that asked to upgrade, and closes it. */
 export function refuseUpgrade(socket: Socket, runId: string, err: unknown): void {
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
+  const ferry = toFerryError(err);
   const body = JSON.stringify({ ...ferry.toJSON(), run_id: runId });
   const extra = Object.entries(ferry.headers)
     .map(([k, v]) => `${k}: ${v}\r\n`)

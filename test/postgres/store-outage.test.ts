@@ -13,7 +13,16 @@ import net from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { sql } from 'kysely';
 import { isStoreUnavailable } from '../../src/store/index.js';
-import { http, runCli, spawnServe, startServer, type TestServer, tempDir, waitFor } from '../helpers/ferry.js';
+import {
+  deployFiles,
+  http,
+  runCli,
+  spawnServe,
+  startServer,
+  type TestServer,
+  tempDir,
+  waitFor,
+} from '../helpers/ferry.js';
 import { createTestDatabase, pgAdminUrl, type TestDatabase, withAdminClient } from '../helpers/store.js';
 
 /** A TCP proxy on 127.0.0.1 to `target` that can be cut (every connection closed, new ones refused). */
@@ -67,6 +76,26 @@ async function startProxy(target: { host: string; port: number }): Promise<Proxy
     },
     close: () => (server.listening ? stop() : Promise.resolve()),
   };
+}
+
+/** Asks `server` to upgrade `path` to a WebSocket and returns the whole answer (it closes after a refusal). */
+function upgradeStatus(url: string, pathname: string, token: string): Promise<string> {
+  const { port } = new URL(url);
+  return new Promise((resolve, reject) => {
+    const socket = net.connect(Number(port), '127.0.0.1');
+    let text = '';
+    socket.setEncoding('utf8');
+    socket.on('data', (chunk: string) => {
+      text += chunk;
+    });
+    socket.on('error', reject);
+    socket.on('close', () => resolve(text));
+    socket.setTimeout(30_000, () => socket.destroy());
+    socket.write(
+      `GET ${pathname} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n` +
+        `Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\nAuthorization: Bearer ${token}\r\n\r\n`,
+    );
+  });
 }
 
 describe('PostgreSQL store outages', () => {
@@ -126,6 +155,43 @@ describe('PostgreSQL store outages', () => {
     const accounts = await http(`${server.url}/v2/projects/${auth.projectId}/service-accounts`, { token: auth.token });
     const names = accounts.json.service_accounts.map((a: { name: string }) => a.name);
     assert.ok(names.includes('after-outage') && !names.includes('during-outage'), JSON.stringify(names));
+  });
+
+  it("answers a custom app's calls and WebSocket upgrades during the outage with 503, never a 500", {
+    timeout: 120_000,
+  }, async () => {
+    await deployFiles(server, auth, 'outage-custom', {
+      'ferry.toml':
+        '[app]\nname = "outage-custom"\nruntime = "custom"\n[runtime.custom]\nentrypoint = ["node", "server.mjs"]\nport = 8080\nhealthcheck_endpoint = "/health"\nreadycheck_endpoint = "/ready"\n',
+      'server.mjs':
+        "import http from 'node:http';\nhttp.createServer((req, res) => res.end('ok')).listen(Number(process.env.PORT));\n",
+    });
+    const call = () => http(`${server.url}/v4/${auth.projectId}/outage-custom/hello`, { token: auth.token });
+    assert.equal((await call()).status, 200);
+    await proxy.cut();
+    try {
+      const statuses: string[] = [];
+      for (let i = 0; i < 5; i++) {
+        const res = await call();
+        statuses.push(`${res.status} ${res.json?.error?.code ?? ''}`.trim());
+        // A call answered by the app is fine (nothing of the store was needed); an error must be the store's.
+        if (res.status !== 200) {
+          assert.equal(res.status, 503, res.text);
+          assert.equal(res.json.error.code, 'FERRY_STORE_UNAVAILABLE', res.text);
+          assert.equal(res.headers.get('retry-after'), '5');
+        }
+      }
+      assert.ok(statuses.length === 5, statuses.join(', '));
+      // A WebSocket upgrade whose app must be looked up in the store (one never called before): the
+      // refusal written on the raw socket is the store's 503 too (it was a 500).
+      const head = await upgradeStatus(server.url, `/v4/${auth.projectId}/not-cached-app/ws`, auth.token);
+      assert.match(head, /^HTTP\/1\.1 503 /, head);
+      assert.match(head, /FERRY_STORE_UNAVAILABLE/, head);
+      assert.match(head, /retry-after: 5/i, head);
+    } finally {
+      await proxy.resume();
+    }
+    assert.equal((await call()).status, 200);
   });
 
   it('keeps answering 503, not 500, through repeated cuts while calls are in flight', async () => {
