@@ -63,6 +63,10 @@ export async function createOutsideNetwork(): Promise<OutsideNetwork> {
       [
         'link set lo up',
         `addr add ${address}/30 dev eth0`,
+        // No IPv6 link-local address: its duplicate address detection ends a second or two after the link
+        // comes up, and Chromium (the dashboard test runs it in this namespace) takes that address change
+        // for a network change and aborts its requests (ERR_NETWORK_CHANGED, seen on CI).
+        'link set dev eth0 addrgenmode none',
         'link set eth0 up',
         `route add default via ${hostAddress}`,
       ].join('\n'),
