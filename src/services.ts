@@ -8,11 +8,15 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { type AppLog, createAppLog } from './apps/app-log.js';
+import { type AppService, createAppService } from './apps/app-service.js';
 import { createHousekeeping, type Housekeeping } from './apps/housekeeping.js';
+import { type AccountService, createAccountService } from './auth/account-service.js';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
+import { createBuildActivation } from './builds/activation.js';
 import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-store.js';
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
+import { type BuildService, createBuildService } from './builds/build-service.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
 import { createNatsArtifactStore, lazyArtifactsBucket } from './builds/nats-artifact-store.js';
 import { createNatsBuildOutput } from './builds/nats-build-output.js';
@@ -22,7 +26,7 @@ import { type CallerTally, createCallerTally } from './cluster/caller-tally.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
 import { CLUSTER_KEY_FILE, type ClusterAuth, createClusterAuth } from './cluster/cluster-auth.js';
 import { clusterNames, createNatsLink, requireNats } from './cluster/nats.js';
-import { createNodeLease, type NodeLease } from './cluster/node.js';
+import { createNodeLease, listNodes, type NodeLease, type NodeRow } from './cluster/node.js';
 import { describeLoad, FERRY_VERSION } from './cluster/node-info.js';
 import { createPgChangeFeed } from './cluster/pg-change-feed.js';
 import { rankWorkers } from './cluster/placement.js';
@@ -49,6 +53,7 @@ import { createProjectBacklog, type ProjectBacklog } from './runs/project-backlo
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createRemoteInvoker } from './runs/remote-invoker.js';
 import { createStoreRunQueue, type RunQueue } from './runs/run-queue.js';
+import { createRunService, type RunService } from './runs/run-service.js';
 import { createRunWaiters, type RunWaiters } from './runs/run-waiters.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
@@ -56,8 +61,9 @@ import { createSandboxNetwork } from './sandbox/choose-network.js';
 import { detectSandbox, type SandboxCapabilities } from './sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
 import { createBuildViews } from './sandbox/views.js';
+import { createSecretService, type SecretService } from './secrets/secret-service.js';
 import { secretEnvironment } from './secrets/secrets.js';
-import { openStore, type Store } from './store/index.js';
+import { openStore, probeStore, type Store, type StoreHealth } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
 
 /** Seconds after start of the first retention pass (or the interval, when shorter). */
@@ -132,6 +138,20 @@ export interface Services {
   appLog: AppLog;
   /** Streaming runs' events, kept so a reconnect with Last-Event-ID resumes the run (in memory). */
   streams: StreamReplay;
+  /** Runs as the run endpoint and the runs routes use them (runs/run-service.ts). */
+  runs: RunService;
+  /** Builds as the builds routes use them; activation goes through the one writer (builds/activation.ts). */
+  builds: BuildService;
+  /** Apps as the apps and stats routes use them: reads, scaling, deletion (apps/app-service.ts). */
+  apps: AppService;
+  /** A project's secrets (secrets/secret-service.ts). */
+  secrets: SecretService;
+  /** Projects and their service accounts (auth/account-service.ts). */
+  accounts: AccountService;
+  /** The nodes sharing the store (`GET /v2/cluster`). */
+  listNodes(limit: number): Promise<NodeRow[]>;
+  /** Whether the store answers within `timeoutMs` (`/healthz`). */
+  storeHealth(timeoutMs: number): Promise<StoreHealth>;
   close(): Promise<void>;
 }
 
@@ -464,9 +484,16 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           }),
         })
       : undefined;
+  // The one writer of apps.active_build_id: the pipeline (a build becoming ready) and rollbacks alike.
+  const activation = createBuildActivation({
+    store,
+    changes,
+    switchHere: (projectId, appId) => replicas.activate(projectId, appId),
+  });
   const pipeline = createBuildPipeline({
     store,
     buildLog,
+    activation,
     buildsDir: dataDir.builds,
     cacheDir: dataDir.cache,
     builders: createDefaultBuilders(),
@@ -491,15 +518,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       if (build.started_at && build.finished_at) {
         const seconds = (Date.parse(build.finished_at) - Date.parse(build.started_at)) / 1000;
         metrics.buildDuration.observe({ state: build.state }, seconds);
-      }
-      // Every process (this one at once) forgets the app's run target and switches its replicas.
-      if (build.state === 'ready') {
-        void changes.publish({
-          type: 'build.activated',
-          projectId: build.project_id,
-          appId: build.app_id,
-          buildId: build.id,
-        });
       }
     },
   });
@@ -619,7 +637,53 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     }, LOG_BUDGET_CHECK_MS);
     logBudgetTimer.unref();
   }
+  const projectBacklog = createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject });
+  const runs = createRunService({
+    store,
+    recorder,
+    runTargets,
+    auth,
+    invoker,
+    runQueue: asyncWorker,
+    projectBacklog,
+    maxAsyncBacklog: config.maxAsyncBacklog,
+    runWaiters,
+    changes,
+    webhooks,
+    cancelWaitMs: (config.cancelGraceSeconds + 10) * 1000,
+  });
+  const builds = createBuildService({
+    store,
+    activation,
+    pipeline,
+    artifacts,
+    buildLog,
+    housekeeping,
+    upload: {
+      tmpDir: dataDir.tmp,
+      buildsDir: dataDir.builds,
+      maxUploadBytes: config.maxUploadBytes,
+      zipLimits: config.zipLimits,
+      // A gateway builds nothing: the build stays free for a worker to claim.
+      ...(role === 'gateway' ? {} : { owner: node.id }),
+    },
+  });
+  const apps = createAppService({
+    store,
+    changes,
+    replicas,
+    housekeeping,
+    wakeWebhooks: () => webhooks.wake(),
+    appLog,
+  });
   return {
+    runs,
+    builds,
+    apps,
+    secrets: createSecretService({ store, secretsKey, changes }),
+    accounts: createAccountService({ store, jwtKey, changes }),
+    listNodes: (limit) => listNodes(store, limit),
+    storeHealth: (timeoutMs) => probeStore(store, timeoutMs),
     housekeeping,
     retention,
     config,
@@ -671,7 +735,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     warmPool,
     invoker,
     asyncWorker,
-    projectBacklog: createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject }),
+    projectBacklog,
     webhooks,
     runTargets,
     appLog,

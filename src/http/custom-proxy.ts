@@ -17,11 +17,11 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
+import type { RunTarget } from '../runs/run-service.js';
 import type { Services } from '../services.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
 import { watchCaller } from './caller-flow.js';
 import { toFerryError } from './errors.js';
-import type { RunTarget } from './routes/run.js';
 
 /** Headers that describe one connection, not the request (RFC 9110 7.6.1), plus `Expect` (undici refuses it). */
 const HOP_BY_HOP = new Set([
@@ -190,7 +190,7 @@ export async function proxyHttp(
     if (!res.writableFinished) gone.abort(new Error('client disconnected'));
   });
   try {
-    await services.invoker.invokeHttp({
+    await services.runs.invokeHttp({
       runId,
       build: target.build,
       fn,
@@ -290,7 +290,7 @@ export function attachWebSocketProxy(
     const gone = new AbortController();
     socket.once('close', () => gone.abort(new Error('client disconnected')));
     let answered = false;
-    await services.invoker
+    await services.runs
       .invokeSession(
         {
           runId,
@@ -335,7 +335,7 @@ export function attachWebSocketProxy(
                 drains: [socket],
                 stallMs: stallSeconds * 1000,
                 onStalled: () => {
-                  services.recorder.log(runId, 'system', `the caller read nothing for ${stallSeconds} s: disconnected`);
+                  services.runs.note(runId, `the caller read nothing for ${stallSeconds} s: disconnected`);
                   finish();
                 },
               });
@@ -348,7 +348,7 @@ export function attachWebSocketProxy(
               socket.setNoDelay(true);
               // Silence both ways for idleMs closes the pair (a socket's timeout counts its reads and writes).
               socket.setTimeout(idleMs, () => {
-                services.recorder.log(runId, 'system', `closed after ${idleMs / 1000} s without traffic`);
+                services.runs.note(runId, `closed after ${idleMs / 1000} s without traffic`);
                 finish();
               });
             });

@@ -16,17 +16,11 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import { RunAbort } from '../runs/run-abort.js';
+import { checkFunction } from '../runs/run-service.js';
 import type { Services } from '../services.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
 import { logError, toFerryError } from './errors.js';
-import {
-  acceptAsyncCall,
-  checkFunction,
-  parseIdempotencyKey,
-  parseRunBody,
-  resolveTarget,
-  resolveTargetCached,
-} from './routes/run.js';
+import { parseIdempotencyKey, parseRunBody } from './routes/run.js';
 import { wantsEventStream } from './sse.js';
 
 /** The route label the Fastify route reports in metrics, kept the same for this path. */
@@ -52,6 +46,7 @@ export function createRunFastPath(
 ): RunFastPath {
   const { httpRequests, httpDuration } = services.metrics;
   const limit = services.config.maxBodyBytes;
+  const { runs } = services;
   let closing = false;
   // Metric children by status: prom-client hashes a labels object on every call otherwise.
   const counted = new Map<number, ReturnType<typeof httpRequests.child>>();
@@ -120,8 +115,8 @@ export function createRunFastPath(
       const authorization = req.headers.authorization;
       // Both caches hit on a warm path: no Promise, no await.
       const target =
-        resolveTargetCached(services, projectId, appName, authorization) ??
-        (await resolveTarget(services, projectId, appName, authorization));
+        runs.resolveTargetCached(projectId, appName, authorization) ??
+        (await runs.resolveTarget(projectId, appName, authorization));
       if (target.build.config.app.runtime === 'custom') {
         // Served by the proxy behind the Fastify route; the body is still unread.
         res.removeListener('close', closed);
@@ -136,11 +131,11 @@ export function createRunFastPath(
         const idempotencyKey = parseIdempotencyKey(req.headers['idempotency-key']);
         const call = { runId, target, fn, body, webhookUrl: undefined, webhookSecret: undefined };
         // A repeated Idempotency-Key answers the first call's run id.
-        const accepted = await acceptAsyncCall(services, call, idempotencyKey);
+        const accepted = await runs.acceptAsync(call, idempotencyKey);
         answer(res, 202, `{"run_id":"${accepted}"}`, accepted);
         return;
       }
-      const outcome = await services.invoker
+      const outcome = await runs
         .invoke({
           runId,
           build: target.build,

@@ -97,13 +97,7 @@ export function registerClusterRoutes(app: TypedServer, services: Services): voi
     },
     async (request) => {
       const project = request.principal?.projectId;
-      const rows = await services.store
-        .selectFrom('nodes')
-        .select(['id', 'started_at', 'lease_until', 'info'])
-        .orderBy('started_at')
-        .orderBy('id')
-        .limit(MAX_NODES)
-        .execute();
+      const rows = await services.listNodes(MAX_NODES);
       const now = new Date().toISOString();
       const nodes = rows.map((row) => {
         const info = parseNodeInfo(row.info);

@@ -1,12 +1,6 @@
 /** `/v2/projects/{project_id}/service-accounts`: create (token shown once), list, revoke. */
 import { Type } from 'typebox';
-import {
-  createServiceAccount,
-  DEFAULT_EXPIRY_DAYS,
-  getProject,
-  listServiceAccounts,
-  revokeServiceAccount,
-} from '../../auth/service-accounts.js';
+import { DEFAULT_EXPIRY_DAYS } from '../../auth/service-accounts.js';
 import { FerryError } from '../../errors.js';
 import type { Services } from '../../services.js';
 import { requireScope } from '../auth.js';
@@ -56,11 +50,7 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         },
       },
     },
-    async (request) => {
-      const project = await getProject(services.store, request.params.project_id);
-      if (!project) throw new FerryError('FERRY_PROJECT_NOT_FOUND');
-      return project;
-    },
+    async (request) => services.accounts.project(request.params.project_id),
   );
 
   app.post(
@@ -79,7 +69,7 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
       },
     },
     async (request, reply) => {
-      const { account, token } = await createServiceAccount(services.store, services.jwtKey, {
+      const { account, token } = await services.accounts.create({
         projectId: request.params.project_id,
         name: request.body.name,
         scopes: request.body.scopes ?? ['manage', 'run'],
@@ -99,7 +89,7 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         response: { 200: Type.Object({ service_accounts: Type.Array(ServiceAccount) }), ...errors(401, 403, 404) },
       },
     },
-    async (request) => ({ service_accounts: await listServiceAccounts(services.store, request.params.project_id) }),
+    async (request) => ({ service_accounts: await services.accounts.list(request.params.project_id) }),
   );
 
   app.delete(
@@ -115,19 +105,6 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         response: { 200: ServiceAccount, ...errors(401, 403, 404) },
       },
     },
-    async (request) => {
-      const account = await revokeServiceAccount(
-        services.store,
-        request.params.project_id,
-        request.params.service_account_id,
-      );
-      // Every process forgets its cached token checks (this one before answering).
-      await services.changes.publish({
-        type: 'service-account.changed',
-        projectId: account.project_id,
-        serviceAccountId: account.id,
-      });
-      return account;
-    },
+    async (request) => services.accounts.revoke(request.params.project_id, request.params.service_account_id),
   );
 }

@@ -1,6 +1,5 @@
 /** `/healthz`, `/metrics` and the OpenAPI document. */
 import type { Services } from '../../services.js';
-import { probeStore } from '../../store/index.js';
 import type { TypedServer } from '../server.js';
 
 /** How long `/healthz` waits for the store before it answers 503 store-busy. */
@@ -13,7 +12,7 @@ export function registerSystemRoutes(app: TypedServer, services: Services): void
   // 503 only when the store does not answer within HEALTH_PROBE_MS, or fails.
   app.get('/healthz', async (_request, reply) => {
     try {
-      const store = await probeStore(services.store, HEALTH_PROBE_MS);
+      const store = await services.storeHealth(HEALTH_PROBE_MS);
       if (store === 'ok') return { status: 'ok' };
       if (store === 'busy') return { status: 'ok', store: 'busy' };
       return reply.code(503).send({ status: 'unavailable', reason: 'store-busy' });

@@ -32,9 +32,7 @@ export function registerWebhookRoutes(app: TypedServer, services: Services): voi
     },
     async (request, reply) => {
       const { project_id, app_id, run_id } = request.params;
-      // A run that finished a moment ago may still have its outbox row in the recorder's next batch.
-      await services.recorder.flush();
-      await services.webhooks.redeliver(project_id, app_id, run_id);
+      await services.runs.redeliverWebhook(project_id, app_id, run_id);
       return reply.code(202).send({ run_id, state: 'pending' as const });
     },
   );
