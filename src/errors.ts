@@ -194,3 +194,17 @@ export function toError(value: unknown): Error {
   }
   return new Error(text ?? String(value), { cause: value });
 }
+
+/** `n` bytes as people read it: "10485760 bytes (10 MiB)". */
+export function formatBytes(n: number): string {
+  const mib = n / 1024 ** 2;
+  if (n >= 1024 ** 2 && Number.isInteger(mib * 10)) return `${n} bytes (${mib} MiB)`;
+  const kib = n / 1024;
+  if (n >= 1024 && Number.isInteger(kib * 10)) return `${n} bytes (${kib} KiB)`;
+  return `${n} bytes`;
+}
+
+/** The 413 of a body over `limit` bytes, stating the limit. */
+export function bodyTooLarge(limit: number, what = 'The request body'): FerryError {
+  return new FerryError('FERRY_BODY_TOO_LARGE', `${what} is larger than the limit of ${formatBytes(limit)}`);
+}

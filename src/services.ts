@@ -10,6 +10,7 @@ import type { Logger } from 'pino';
 import { type AppLog, createAppLog } from './apps/app-log.js';
 import { type AppService, createAppService } from './apps/app-service.js';
 import { createHousekeeping, type Housekeeping } from './apps/housekeeping.js';
+import { startRetentionTimers } from './apps/retention-timers.js';
 import { type AccountService, createAccountService } from './auth/account-service.js';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
 import { createBuildActivation } from './builds/activation.js';
@@ -25,27 +26,29 @@ import { applyChanges } from './cluster/apply-changes.js';
 import { type CallerTally, createCallerTally } from './cluster/caller-tally.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
 import { CLUSTER_KEY_FILE, type ClusterAuth, createClusterAuth } from './cluster/cluster-auth.js';
+import { createFinishedRelay } from './cluster/finished-relay.js';
 import { clusterNames, createNatsLink, requireNats } from './cluster/nats.js';
 import { createNodeLease, listNodes, type NodeLease, type NodeRow } from './cluster/node.js';
 import { describeLoad, FERRY_VERSION } from './cluster/node-info.js';
 import { createPgChangeFeed } from './cluster/pg-change-feed.js';
 import { rankWorkers } from './cluster/placement.js';
 import { createRecovery, type Recovery, type RecoveryResult } from './cluster/recovery.js';
+import { workerLoad } from './cluster/worker-load.js';
 import {
   createWorkerAnnouncer,
   createWorkerDirectory,
   type WorkerAnnouncer,
   type WorkerDirectory,
-  type WorkerLoad,
 } from './cluster/workers.js';
 import type { NodeRole, ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
 import { FerryError } from './errors.js';
+import { createEventBus } from './events.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
-import type { ReplicaPool } from './replicas/pool.js';
 import { createWarmPool, type WarmPool } from './replicas/warm-pool.js';
+import { createRunTally, refreshGauges } from './run-metrics.js';
 import { createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createJetStreamRunQueue } from './runs/jetstream-queue.js';
@@ -65,15 +68,6 @@ import { createSecretService, type SecretService } from './secrets/secret-servic
 import { secretEnvironment } from './secrets/secrets.js';
 import { openStore, probeStore, type Store, type StoreHealth } from './store/index.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
-
-/** Seconds after start of the first retention pass (or the interval, when shorter). */
-export const RETENTION_FIRST_SECONDS = 15;
-/**
- * How often a process that runs retention passes looks whether its runs logged enough since its last look
- * (a quarter of FERRY_PROJECT_LOG_BYTES, at most 64 MiB) to hold the projects to their log budget now,
- * rather than at the next pass only.
- */
-export const LOG_BUDGET_CHECK_MS = 5000;
 
 export interface Services {
   config: ServerConfig;
@@ -183,6 +177,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   await node.start();
   const metrics = createMetrics({ node: node.id, role });
+  // What happened, told to whoever reacts (events.ts): no part is handed a callback after it was built.
+  const events = createEventBus(logger.child({ component: 'events' }));
   const clusterAuth = createClusterAuth({ key: clusterKey, nodeId: node.id });
   // With --nats-url, archives and build outputs live in the JetStream object store, not the artifacts folder.
   // Start-up does not wait for NATS: what needs it fails with a coded error (or waits) until it is reached.
@@ -228,6 +224,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     owner: node.id,
     limits: { maxRunLogBytes: config.runLogBytes },
     onLateResults: (n) => metrics.lateResultsDiscarded.inc(n),
+    onOutbox: () => events.emit('runs:outbox', {}),
+    onFinished: (runIds) => events.emit('runs:finished', { runIds }),
   });
   const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
@@ -252,8 +250,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
             return rankWorkers(`${projectId}/${appId}`, live)[0]?.id === node.id;
           }
         : undefined;
-  // Set once the replicas exist (its load is theirs); told when they change.
-  let announcer: WorkerAnnouncer | undefined;
   const callers = createCallerTally();
   // Replicas of an app on the other live workers: max_replicas bounds the whole cluster.
   const elsewhere =
@@ -320,8 +316,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       });
     }
   }
-  /** Set once housekeeping exists: a deleted build's folder, kept while its replicas ran, goes. */
-  let releaseBuild: (buildId: string) => void = () => {};
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
@@ -331,8 +325,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ...(isHome ? { isHome } : {}),
     ...(elsewhere ? { elsewhere } : {}),
     // Gateways hear of a replica started or stopped here at once, not at the next announcement.
-    onChange: () => announcer?.announceNow(),
-    onDrained: (buildId) => releaseBuild(buildId),
+    onChange: () => events.emit('replicas:changed', {}),
+    // A deleted build's folder, kept while its replicas ran, goes.
+    onDrained: (buildId) => events.emit('replicas:drained', { buildId }),
     ...(warmPool ? { claimWarm: warmPool.claim } : {}),
     launch: runsCode
       ? launch
@@ -350,11 +345,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     },
   });
   const replicaLogger = logger.child({ component: 'replica-output' });
-  // Run metrics by app, state and status, each found once (hot-metrics.ts).
-  const runTallies = new Map<
-    string,
-    { ended: ReturnType<Metrics['runs']['child']>; took: ReturnType<Metrics['runDuration']['child']> }
-  >();
   const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
     cancelGraceMs: config.cancelGraceSeconds * 1000,
@@ -367,19 +357,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     replicas,
     recorder,
     logger: logger.child({ component: 'runs' }),
-    onFinished(build, state, statusCode, seconds) {
-      const key = `${build.projectId}/${build.appId}/${state}/${statusCode}`;
-      let tally = runTallies.get(key);
-      if (!tally) {
-        tally = {
-          ended: metrics.runs.child(build.projectId, build.appId, state, String(statusCode)),
-          took: metrics.runDuration.child(build.projectId, build.appId),
-        };
-        runTallies.set(key, tally);
-      }
-      tally.ended.inc();
-      tally.took.observe(seconds);
-    },
+    onFinished: createRunTally(metrics),
   });
   const remote =
     role === 'gateway' && workers
@@ -404,39 +382,21 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       if (final) metrics.webhookDeliveries.inc({ state: final });
     },
   });
-  recorder.onOutbox = () => webhooks.wake();
+  events.on('runs:outbox', () => webhooks.wake());
   // Callers waiting for runs to end: woken by this node's commits, by other nodes' (NATS), and a shared check.
   const runWaiters = createRunWaiters({ store, logger: logger.child({ component: 'runs' }) });
-  const finishedSubject = clusterNames(config.clusterName).finishedSubject;
-  recorder.onFinished = (ids) => {
-    runWaiters.finished(ids);
-    const nc = nats?.connected ? nats.current() : undefined;
-    if (nc) {
-      try {
-        nc.publish(finishedSubject, JSON.stringify(ids));
-      } catch (err) {
-        logger.debug({ err }, 'telling other nodes of finished runs failed (their shared check finds them)');
-      }
-    }
-  };
-  if (nats) {
-    void nats
-      .ready()
-      .then((nc) =>
-        nc.subscribe(finishedSubject, {
-          callback(err, msg) {
-            if (err) return;
-            try {
-              const ids = JSON.parse(msg.string()) as unknown;
-              if (Array.isArray(ids)) runWaiters.finished(ids.filter((id): id is string => typeof id === 'string'));
-            } catch {
-              // not ours: ignore
-            }
-          },
-        }),
-      )
-      .catch(() => undefined);
-  }
+  const finishedRelay = nats
+    ? createFinishedRelay({
+        nats,
+        subject: clusterNames(config.clusterName).finishedSubject,
+        heard: (runIds) => runWaiters.finished(runIds),
+        logger,
+      })
+    : undefined;
+  events.on('runs:finished', ({ runIds }) => {
+    runWaiters.finished(runIds);
+    finishedRelay?.publish(runIds);
+  });
   webhooks.start();
   // The run queue, chosen once: the store queue, or JetStream with --nats-url. `consume`: whether this node
   // fetches and runs async runs (a gateway only publishes them).
@@ -468,7 +428,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     : createStoreRunQueue(makeWorker());
   load = () => describeLoad(replicas.pools(), asyncWorker.backlog);
   // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
-  announcer =
+  const announcer =
     nats && role === 'worker'
       ? createWorkerAnnouncer({
           nats,
@@ -484,6 +444,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           }),
         })
       : undefined;
+  events.on('replicas:changed', () => announcer?.announceNow());
   // The one writer of apps.active_build_id: the pipeline (a build becoming ready) and rollbacks alike.
   const activation = createBuildActivation({
     store,
@@ -553,11 +514,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       if (bytes > 0) metrics.bytesFreed.inc({ reason: 'deleted' }, bytes);
     },
   });
-  releaseBuild = (buildId) =>
+  const releaseBuild = (buildId: string) =>
     void housekeeping
       .released(buildId)
       .then((bytes) => bytes > 0 && metrics.bytesFreed.inc({ reason: 'deleted' }, bytes))
       .catch((err: unknown) => logger.warn({ err }, 'removing a deleted build’s folder failed'));
+  events.on('replicas:drained', ({ buildId }) => releaseBuild(buildId));
   const sweepLocal = () =>
     void housekeeping
       .sweepLocal()
@@ -593,50 +555,14 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   let homeTimer: NodeJS.Timeout | undefined;
   // Retention: every process that keeps builds (not a gateway) runs a bounded pass now and then.
-  const retention = async (): Promise<void> => {
-    metrics.retentionPasses.inc();
-    const removed = await housekeeping.retain({
-      keepBuilds: config.keepBuilds,
-      runRetentionDays: config.runRetentionDays,
-      projectLogBytes: config.projectLogBytes,
-    });
-    if (removed.builds > 0) metrics.buildsDeleted.inc({ reason: 'retention' }, removed.builds);
-    if (removed.runs > 0) metrics.runsDeleted.inc({ reason: 'retention' }, removed.runs);
-    if (removed.bytes > 0) metrics.bytesFreed.inc({ reason: 'retention' }, removed.bytes);
-  };
-  const retentionPass = () => void retention().catch((err: unknown) => logger.warn({ err }, 'a retention pass failed'));
-  // The first pass soon after start (a process restarted more often than the interval still prunes), then
-  // every interval. An interval of 0 leaves passes to another process of the fleet (or to none).
-  let retentionTimer: NodeJS.Timeout | undefined;
-  if (role !== 'gateway' && config.retentionIntervalSeconds > 0) {
-    retentionTimer = setTimeout(() => {
-      retentionPass();
-      retentionTimer = setInterval(retentionPass, config.retentionIntervalSeconds * 1000);
-      retentionTimer.unref();
-    }, Math.min(config.retentionIntervalSeconds, RETENTION_FIRST_SECONDS) * 1000);
-    retentionTimer.unref();
-  }
-  // The project log budget between passes: a tenant printing fast would otherwise pass it by what its runs
-  // print in a whole interval.
-  let logBudgetTimer: NodeJS.Timeout | undefined;
-  if (role !== 'gateway' && config.retentionIntervalSeconds > 0 && config.projectLogBytes > 0) {
-    const step = Math.max(1, Math.min(64 * 1024 * 1024, Math.floor(config.projectLogBytes / 4)));
-    let mark = 0;
-    let trimming = false;
-    logBudgetTimer = setInterval(() => {
-      const logged = recorder.loggedBytes();
-      if (trimming || logged - mark < step) return;
-      mark = logged;
-      trimming = true;
-      housekeeping
-        .trimLogs(config.projectLogBytes)
-        .catch((err: unknown) => logger.warn({ err }, 'holding the projects to their log budget failed'))
-        .finally(() => {
-          trimming = false;
-        });
-    }, LOG_BUDGET_CHECK_MS);
-    logBudgetTimer.unref();
-  }
+  const retentionTimers = startRetentionTimers({
+    housekeeping,
+    loggedBytes: () => recorder.loggedBytes(),
+    metrics,
+    settings: config,
+    timers: role !== 'gateway',
+    logger,
+  });
   const projectBacklog = createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject });
   const runs = createRunService({
     store,
@@ -685,7 +611,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     listNodes: (limit) => listNodes(store, limit),
     storeHealth: (timeoutMs) => probeStore(store, timeoutMs),
     housekeeping,
-    retention,
+    retention: retentionTimers.retention,
     config,
     role,
     clusterAuth,
@@ -740,26 +666,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     runTargets,
     appLog,
     streams,
-    refreshGauges() {
-      metrics.replicas.reset();
-      metrics.queueDepth.reset();
-      metrics.runsInFlight.reset();
-      metrics.warmSandboxes.reset();
-      if (warmPool) {
-        for (const [runtime, counts] of Object.entries(warmPool.stats())) {
-          metrics.warmSandboxes.set({ runtime, state: 'ready' }, counts.ready);
-          metrics.warmSandboxes.set({ runtime, state: 'starting' }, counts.starting);
-        }
-      }
-      for (const pool of replicas.pools()) {
-        const labels = { project: pool.build.projectId, app: pool.build.appId };
-        const { starting, ready, inflight, queued } = pool.stats;
-        metrics.replicas.inc({ ...labels, state: 'starting' }, starting);
-        metrics.replicas.inc({ ...labels, state: 'ready' }, ready);
-        metrics.queueDepth.inc(labels, queued);
-        metrics.runsInFlight.inc(labels, inflight);
-      }
-    },
+    refreshGauges: () => refreshGauges(metrics, replicas.pools(), warmPool?.stats()),
     async close() {
       // First: a change arriving now must not start replicas that are about to be stopped.
       await changes.close();
@@ -770,8 +677,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await pipeline.close();
       await asyncWorker.close();
       clearInterval(homeTimer);
-      clearTimeout(retentionTimer); // the first pass's timeout, or the interval after it
-      clearInterval(logBudgetTimer);
+      retentionTimers.close();
       // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
       await announcer?.close();
       // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.
@@ -789,38 +695,4 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await store.destroy();
     },
   };
-}
-
-/** What a worker announces of its load: per app, replicas, runs in flight and the slots it could have. */
-export function workerLoad(
-  pools: Iterable<ReplicaPool>,
-  maxReplicas: number,
-  elsewhere?: (projectId: string, appId: string) => number,
-  callers?: CallerTally,
-): WorkerLoad {
-  const all = [...pools];
-  let replicas = 0;
-  let inflight = 0;
-  for (const pool of all) {
-    replicas += pool.liveReplicas;
-    inflight += pool.stats.inflight;
-  }
-  const room = maxReplicas > 0 ? Math.max(0, maxReplicas - replicas) : Number.POSITIVE_INFINITY;
-  const apps: WorkerLoad['apps'] = {};
-  for (const pool of all) {
-    if (pool.isDraining) continue;
-    const { scaling } = pool.build.config;
-    const key = `${pool.build.projectId}/${pool.build.appId}`;
-    // The replicas it could have: bounded by its own cap and by what the other workers run of the app.
-    const others = elsewhere?.(pool.build.projectId, pool.build.appId) ?? 0;
-    const possible = Math.max(pool.liveReplicas, Math.min(scaling.max_replicas - others, pool.liveReplicas + room));
-    const by = callers?.of(key);
-    apps[key] = {
-      replicas: pool.liveReplicas,
-      inflight: pool.stats.inflight + pool.stats.queued,
-      capacity: possible * scaling.replica_concurrency,
-      ...(by ? { by } : {}),
-    };
-  }
-  return { capacity: maxReplicas, inflight, replicas, apps };
 }

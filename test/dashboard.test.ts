@@ -12,7 +12,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { type Browser, type BrowserContext, chromium, type Page } from 'playwright-core';
-import { DASHBOARD_HEADERS } from '../src/dashboard/routes.js';
+import { DASHBOARD_HEADERS } from '../src/dashboard/assets.js';
 import {
   deployFiles,
   http,

@@ -12,7 +12,6 @@
  * claims free builds and runs them here, from the start.
  */
 import fs from 'node:fs/promises';
-import path from 'node:path';
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
@@ -24,6 +23,7 @@ import { claimFreeBuilds, startBuild } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
 import type { BuildActivation } from './activation.js';
+import { buildFolder } from './build-folder.js';
 import type { BuildLog } from './build-log.js';
 import type { BuildOutput } from './build-output.js';
 import { selectBuilder } from './builders/index.js';
@@ -69,11 +69,6 @@ export interface BuildPipeline {
   recover(): Promise<number>;
   /** Stops running builds without marking them (they are redone at the next start) and waits for the queues. */
   close(): Promise<void>;
-}
-
-export function buildFolder(buildsDir: string, buildId: string): { root: string; source: string; out: string } {
-  const root = path.join(buildsDir, buildId);
-  return { root, source: path.join(root, 'source'), out: path.join(root, 'out') };
 }
 
 /** The abort reason when a build runs past its time limit: a failure of the build, not a cancellation. */

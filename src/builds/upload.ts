@@ -11,13 +11,12 @@ import type { Readable } from 'node:stream';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { AppConfigError, parseAppConfig } from '../apps/app-config.js';
-import { FerryError } from '../errors.js';
-import { bodyTooLarge } from '../http/body-parsers.js';
+import { bodyTooLarge, FerryError } from '../errors.js';
 import { nowIso, uuidv7 } from '../ids.js';
 import type { Store } from '../store/index.js';
 import type { Build } from '../store/schema.js';
 import type { ArtifactStore } from './artifact-store.js';
-import { buildFolder } from './pipeline.js';
+import { buildFolder } from './build-folder.js';
 import { extractZip, type ZipLimits } from './zip-archive.js';
 
 export interface ReceiveBuildDeps {

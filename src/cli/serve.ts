@@ -6,10 +6,10 @@
  * a second signal exits at once.
  */
 
-import { createWorkerApi } from '../cluster/worker-api.js';
 import { resolveServerConfig } from '../config.js';
 import { DataDirLockedError, lockDataDir, prepareDataDir, recordServer } from '../data-dir.js';
 import { buildServer } from '../http/server.js';
+import { createWorkerApi } from '../http/worker-api.js';
 import { createLogger } from '../logger.js';
 import { createServices } from '../services.js';
 import { CliError } from './client.js';

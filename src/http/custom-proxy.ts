@@ -14,11 +14,12 @@
 import type { IncomingMessage, Server, ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import type { FastifyReply, FastifyRequest } from 'fastify';
+import type { Logger } from 'pino';
+import type { ServerConfig } from '../config.js';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
-import type { RunTarget } from '../runs/run-service.js';
-import type { Services } from '../services.js';
+import type { RunService, RunTarget } from '../runs/run-service.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
 import { watchCaller } from './caller-flow.js';
 import { toFerryError } from './errors.js';
@@ -149,12 +150,21 @@ function hasBody(req: IncomingMessage): boolean {
   return req.headers['transfer-encoding'] !== undefined || Number(req.headers['content-length'] ?? 0) > 0;
 }
 
+/** What the custom-runtime proxy uses. */
+export interface CustomProxyDeps {
+  runs: Pick<RunService, 'invokeHttp' | 'invokeSession' | 'note'>;
+  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds'>;
+  /** Signs a run's webhook (webhooks/secret.ts). */
+  secretsKey: Uint8Array;
+  logger: Pick<Logger, 'error'>;
+}
+
 /**
  * Serves one HTTP call of a custom app, from the run endpoint's onRequest hook (before Fastify reads the
  * body). Errors before anything is sent are thrown (Fastify answers them); after, the response is cut.
  */
 export async function proxyHttp(
-  services: Services,
+  services: CustomProxyDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   target: RunTarget,
@@ -257,7 +267,7 @@ export function refuseUpgrade(socket: Socket, runId: string, err: unknown): void
  */
 export function attachWebSocketProxy(
   server: Server,
-  services: Services,
+  services: CustomProxyDeps,
   resolve: (projectId: string, appName: string, authorization: string | undefined) => Promise<RunTarget>,
 ): void {
   server.on('upgrade', (req: IncomingMessage, socket: Socket, head: Buffer) => {

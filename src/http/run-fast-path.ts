@@ -13,11 +13,13 @@
  * too (its body still unread).
  */
 import type { IncomingMessage, ServerResponse } from 'node:http';
+import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
+import type { Metrics } from '../metrics.js';
 import { RunAbort } from '../runs/run-abort.js';
+import type { RunService } from '../runs/run-service.js';
 import { checkFunction } from '../runs/run-service.js';
-import type { Services } from '../services.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
 import { logError, toFerryError } from './errors.js';
 import { parseIdempotencyKey, parseRunBody } from './routes/run.js';
@@ -40,8 +42,16 @@ export interface RunFastPath {
   close(): void;
 }
 
+/** What the fast path uses. */
+export interface RunFastPathDeps {
+  runs: Pick<RunService, 'resolveTarget' | 'resolveTargetCached' | 'acceptAsync' | 'invoke'>;
+  metrics: Pick<Metrics, 'httpRequests' | 'httpDuration'>;
+  config: { maxBodyBytes: number };
+  logger: Logger;
+}
+
 export function createRunFastPath(
-  services: Services,
+  services: RunFastPathDeps,
   fallback: (req: IncomingMessage, res: ServerResponse) => void,
 ): RunFastPath {
   const { httpRequests, httpDuration } = services.metrics;

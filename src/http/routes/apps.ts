@@ -1,12 +1,16 @@
 /** `/v2/projects/{project_id}/apps`: list and get apps. Apps are created by their first deploy. */
 import { Type } from 'typebox';
+import type { AppService } from '../../apps/app-service.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { App, AppParams, errors, ProjectParams } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
-export function registerAppRoutes(app: TypedServer, services: Services): void {
+export interface AppRouteDeps extends AuthDeps {
+  apps: AppService;
+}
+
+export function registerAppRoutes(app: TypedServer, services: AppRouteDeps): void {
   const manage = requireScope(services, 'manage');
   const { apps } = services;
 

@@ -5,18 +5,23 @@
 import type { Readable } from 'node:stream';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import { Type } from 'typebox';
+import type { BuildService } from '../../builds/build-service.js';
 import { FINAL_BUILD_STATES } from '../../builds/builds.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { bodyTooLarge, unsupportedMediaType } from '../body-parsers.js';
 import { AppParams, Build, BuildParams, errors, ZipContents } from '../schemas.js';
-import type { TypedServer } from '../server.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
+import type { TypedServer } from '../typed-server.js';
 
 const ZIP = 'application/zip';
 const LogLine = Type.Object({ seq: Type.Integer(), at: Type.String(), line: Type.String() });
 
-export function registerBuildRoutes(app: TypedServer, services: Services): void {
+export interface BuildRouteDeps extends AuthDeps {
+  builds: BuildService;
+  config: { maxUploadBytes: number };
+}
+
+export function registerBuildRoutes(app: TypedServer, services: BuildRouteDeps): void {
   const manage = requireScope(services, 'manage');
   const { builds } = services;
 

@@ -8,18 +8,18 @@
 import { createGzip, constants as zlibConstants } from 'node:zlib';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Type } from 'typebox';
+import type { ServerConfig } from '../../config.js';
 import { FerryError } from '../../errors.js';
 import { uuidv7 } from '../../ids.js';
 import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
-import { type CallParts, checkFunction, type RunTarget } from '../../runs/run-service.js';
-import type { ReplayStream, StreamEndState, StreamReader } from '../../runs/stream-replay.js';
-import type { Services } from '../../services.js';
+import { type CallParts, checkFunction, type RunService, type RunTarget } from '../../runs/run-service.js';
+import type { ReplayStream, StreamEndState, StreamReader, StreamReplay } from '../../runs/stream-replay.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { useJsonBodies } from '../body-parsers.js';
 import { type CallerFlow, watchCaller } from '../caller-flow.js';
-import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
-import type { TypedServer } from '../server.js';
+import { attachWebSocketProxy, type CustomProxyDeps, proxyHttp } from '../custom-proxy.js';
 import { formatComment, formatEvent, startEventStream, wantsEventStream } from '../sse.js';
+import type { TypedServer } from '../typed-server.js';
 
 declare module 'fastify' {
   interface FastifyRequest {
@@ -30,6 +30,14 @@ declare module 'fastify' {
 
 interface RawJson {
   raw: Buffer;
+}
+
+/** What the run endpoint uses. */
+export interface RunRouteDeps extends CustomProxyDeps {
+  runs: RunService;
+  /** Streaming runs' events, kept for a reconnect (runs/stream-replay.ts). */
+  streams: Pick<StreamReplay, 'open' | 'get'>;
+  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds' | 'streamBufferBytes'>;
 }
 
 const RunParams = Type.Object({
@@ -82,7 +90,7 @@ export function parseIdempotencyKey(key: string | string[] | undefined): string 
 
 /** `?async=true` through Fastify: 202 {"run_id"} once the run is committed (RunService.acceptAsync). */
 async function acceptAsync(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   call: CallParts,
@@ -137,7 +145,7 @@ function controlComment(event: string, data: string): string {
  * blocked, the connection is cut (a caller gone away: the stream's resume grace applies).
  */
 function eventConnection(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   runId: string,
@@ -239,10 +247,10 @@ function endStateOf(err: FerryError, clientGone: boolean): StreamEndState {
  * stream has started leaves the run going for the resume grace period. Before that it stops the run.
  */
 async function streamRun(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
-  call: Omit<Parameters<Services['runs']['invoke']>[0], 'mode' | 'signal'>,
+  call: Omit<Parameters<RunService['invoke']>[0], 'mode' | 'signal'>,
 ): Promise<void> {
   const gone = new AbortController();
   const stop = () => gone.abort(new Error('client disconnected'));
@@ -300,7 +308,7 @@ async function streamRun(
  * events after `seq` were dropped.
  */
 function resumeStream(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   target: RunTarget,
@@ -348,7 +356,7 @@ function resumeStream(
   return undefined;
 }
 
-export function registerRunRoutes(app: TypedServer, services: Services): void {
+export function registerRunRoutes(app: TypedServer, services: RunRouteDeps): void {
   attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
     services.runs.resolveTarget(projectId, appName, authorization),
   );

@@ -1,10 +1,10 @@
 /** `/v2/projects/{project_id}/apps/{app_id}/runs`: list runs, get one, read its logs. */
 import { Type } from 'typebox';
-import type { Services } from '../../services.js';
+import type { RunService } from '../../runs/run-service.js';
 import { WebhookViewSchema } from '../../webhooks/view.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { AppId, AppParams, errors, Nullable, ProjectId } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const RunState = Type.Union([
   Type.Literal('queued'),
@@ -55,7 +55,11 @@ const RunParams = Type.Object({
   run_id: Type.String({ pattern: '^[0-9a-f-]{36}$' }),
 });
 
-export function registerRunsRoutes(app: TypedServer, services: Services): void {
+export interface RunsRouteDeps extends AuthDeps {
+  runs: RunService;
+}
+
+export function registerRunsRoutes(app: TypedServer, services: RunsRouteDeps): void {
   const manage = requireScope(services, 'manage');
   const { runs } = services;
 

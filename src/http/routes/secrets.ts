@@ -6,16 +6,16 @@
 import type { FastifyRequest } from 'fastify';
 import { Type } from 'typebox';
 import { FerryError } from '../../errors.js';
+import type { SecretService } from '../../secrets/secret-service.js';
 import {
   MAX_SECRET_VALUE_BYTES,
   RESERVED_SECRET_NAMES,
   RESERVED_SECRET_PREFIX,
   SECRET_NAME_PATTERN,
 } from '../../secrets/secrets.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { errors, ProjectParams } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const SecretName = Type.String({
   pattern: SECRET_NAME_PATTERN,
@@ -55,7 +55,11 @@ async function rawValueIsString(request: FastifyRequest): Promise<void> {
   }
 }
 
-export function registerSecretRoutes(app: TypedServer, services: Services): void {
+export interface SecretRouteDeps extends AuthDeps {
+  secrets: SecretService;
+}
+
+export function registerSecretRoutes(app: TypedServer, services: SecretRouteDeps): void {
   const manage = requireScope(services, 'manage');
 
   app.put(

@@ -1,11 +1,11 @@
 /** `/v2/projects/{project_id}/service-accounts`: create (token shown once), list, revoke. */
 import { Type } from 'typebox';
+import type { AccountService } from '../../auth/account-service.js';
 import { DEFAULT_EXPIRY_DAYS } from '../../auth/service-accounts.js';
 import { FerryError } from '../../errors.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { errors, ProjectParams, ServiceAccount } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const CreateBody = Type.Object(
   {
@@ -34,7 +34,11 @@ function parseExpiry(value: string | undefined): Date {
   return new Date(ms);
 }
 
-export function registerServiceAccountRoutes(app: TypedServer, services: Services): void {
+export interface AccountRouteDeps extends AuthDeps {
+  accounts: AccountService;
+}
+
+export function registerServiceAccountRoutes(app: TypedServer, services: AccountRouteDeps): void {
   const manage = requireScope(services, 'manage');
 
   app.get(

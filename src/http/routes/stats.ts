@@ -5,13 +5,13 @@
  * portable between SQLite and PostgreSQL) and from the in-memory replica history.
  */
 import { Type } from 'typebox';
+import type { AppService } from '../../apps/app-service.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
 import { HISTORY_MINUTES, minuteOf, type ReplicaHistory } from '../../dashboard/replica-history.js';
-import type { RunTiming } from '../../runs/run-service.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import type { RunService, RunTiming } from '../../runs/run-service.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { AppParams, errors, Nullable } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const MINUTE_MS = 60_000;
 /** At most this many runs are read for one window; older runs of a busier window are left out. */
@@ -73,7 +73,12 @@ export function percentile(sorted: readonly number[], p: number): number | null 
 
 const FINAL: readonly RunTiming['state'][] = ['success', 'failure', 'timeout', 'cancelled'];
 
-export function registerStatsRoutes(app: TypedServer, services: Services, history: ReplicaHistory): void {
+export interface StatsRouteDeps extends AuthDeps {
+  apps: Pick<AppService, 'replicas'>;
+  runs: Pick<RunService, 'recentRuns'>;
+}
+
+export function registerStatsRoutes(app: TypedServer, services: StatsRouteDeps, history: ReplicaHistory): void {
   const manage = requireScope(services, 'manage');
 
   app.get(

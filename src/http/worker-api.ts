@@ -8,7 +8,8 @@
  * `cluster.key`); anything else answers 401 FERRY_CLUSTER_UNAUTHENTICATED. `/healthz` and `/metrics` are
  * open, as on a gateway, for load balancers and scrapers.
  *
- * The protocol (version 1), all over HTTP/1.1 keep-alive:
+ * The protocol (version 1; cluster/protocol.ts has what the worker and its client share), all over
+ * HTTP/1.1 keep-alive:
  * - `POST /internal/v1/invoke`: body = one line of JSON (the call: CallMeta) + `\n` + the arguments JSON.
  *   Answer: `application/x-ndjson` lines: `{"e":"started"}` and `{"e":"item","d":…}` (streaming calls
  *   only), then `{"e":"done",…,"result":…}` (the result last, as the replica wrote it: a gateway answers
@@ -25,59 +26,22 @@ import type { Socket } from 'node:net';
 import { PassThrough } from 'node:stream';
 import type { Logger } from 'pino';
 import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
+import type { CallerTally } from '../cluster/caller-tally.js';
+import type { ClusterAuth } from '../cluster/cluster-auth.js';
+import {
+  type CallMeta,
+  decodeHeaderMeta,
+  INTERNAL_PREFIX,
+  MAX_META_BYTES,
+  parseCallMeta,
+} from '../cluster/protocol.js';
 import { FerryError } from '../errors.js';
-import { refuseUpgrade } from '../http/custom-proxy.js';
 import type { Metrics } from '../metrics.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { Invoker } from '../runs/invoke.js';
 import { RunAbort } from '../runs/run-abort.js';
 import { probeStore, type Store } from '../store/index.js';
-import type { RunMode } from '../store/schema.js';
-import type { CallerTally } from './caller-tally.js';
-import type { ClusterAuth } from './cluster-auth.js';
-
-/** What a gateway tells a worker about a call (the first line of the body, or `x-ferry-call`). */
-export interface CallMeta {
-  v: 1;
-  runId: string;
-  projectId: string;
-  appId: string;
-  buildId: string;
-  fn: string;
-  mode: RunMode;
-  webhookUrl?: string | undefined;
-  webhookSecret?: string | undefined;
-  /** Custom runtime: the request to forward. */
-  http?: { method: string; path: string; headers: Record<string, string | string[]>; hasBody: boolean };
-  /** Custom runtime: the run's stored input. */
-  input?: string | null;
-}
-
-export const INTERNAL_PREFIX = '/internal/v1';
-/** The call line is small (ids, a function name, forwarded headers): past this it is refused. */
-const MAX_META_BYTES = 256 * 1024;
-const ID = /^[A-Za-z0-9_.:-]{1,200}$/;
-const MODES: readonly RunMode[] = ['sync', 'async', 'stream'];
-
-/** The call in `value` when it is well formed; undefined otherwise (a worker trusts the cluster, not bytes). */
-export function parseCallMeta(value: unknown): CallMeta | undefined {
-  if (typeof value !== 'object' || value === null) return undefined;
-  const v = value as Record<string, unknown>;
-  const ok = (key: string) => typeof v[key] === 'string' && ID.test(v[key] as string);
-  if (v.v !== 1 || !ok('runId') || !ok('projectId') || !ok('appId') || !ok('buildId')) return undefined;
-  if (typeof v.fn !== 'string' || v.fn.length === 0 || v.fn.length > 512) return undefined;
-  if (!MODES.includes(v.mode as RunMode)) return undefined;
-  for (const key of ['webhookUrl', 'webhookSecret']) {
-    if (v[key] !== undefined && typeof v[key] !== 'string') return undefined;
-  }
-  if (v.input !== undefined && v.input !== null && typeof v.input !== 'string') return undefined;
-  if (v.http !== undefined) {
-    const h = v.http as Record<string, unknown> | null;
-    if (!h || typeof h.method !== 'string' || typeof h.path !== 'string' || !h.path.startsWith('/')) return undefined;
-    if (typeof h.headers !== 'object' || h.headers === null || typeof h.hasBody !== 'boolean') return undefined;
-  }
-  return v as unknown as CallMeta;
-}
+import { refuseUpgrade } from './custom-proxy.js';
 
 export interface WorkerApiDeps {
   store: Store;
@@ -390,15 +354,6 @@ function sendJson(res: ServerResponse, status: number, body: unknown, headers: R
     'content-length': Buffer.byteLength(text),
   });
   res.end(text);
-}
-
-export function encodeHeaderMeta(meta: CallMeta): string {
-  return Buffer.from(JSON.stringify(meta)).toString('base64url');
-}
-
-function decodeHeaderMeta(value: string | string[] | undefined): CallMeta | undefined {
-  if (typeof value !== 'string' || value.length > MAX_META_BYTES) return undefined;
-  return parseCallMeta(JSON.parse(Buffer.from(value, 'base64url').toString('utf8')));
 }
 
 /** Reads the call line; `rest` is what came after it in the same chunk. The request is left paused. */
