@@ -156,6 +156,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     databaseUrl: config.databaseUrl,
     busyTimeoutMs: config.storeBusyTimeoutMs,
   });
+  // Each part's close, pushed as the part is built: close() runs them in reverse, so nothing is closed while
+  // a part built after it (and using it) is still open.
+  const closers: Array<() => unknown> = [];
+  const onClose = (close: () => unknown) => void closers.push(close);
+  onClose(() => store.destroy());
   const keys = prepareKeysDir(config.keysDir);
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
@@ -176,6 +181,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     info: () => ({ version: FERRY_VERSION, role, url: listenUrl, ...load() }),
   });
   await node.start();
+  // Ending the lease lets the others take over at once whatever this process still held.
+  onClose(() => node.close());
   const metrics = createMetrics({ node: node.id, role });
   // What happened, told to whoever reacts (events.ts): no part is handed a callback after it was built.
   const events = createEventBus(logger.child({ component: 'events' }));
@@ -185,6 +192,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const nats = config.natsUrl
     ? createNatsLink({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
     : undefined;
+  onClose(() => nats?.close());
   let artifacts: ArtifactStore;
   let buildOutput: BuildOutput;
   if (nats) {
@@ -215,9 +223,24 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const changes = config.databaseUrl
     ? await createPgChangeFeed({ databaseUrl: config.databaseUrl, logger: logger.child({ component: 'changes' }) })
     : createLocalChangeFeed({ logger: logger.child({ component: 'changes' }) });
+  onClose(() => changes.close());
   const auth = createAuthenticator({ store, key: jwtKey });
   const buildLog = createBuildLog({ store, maxBytes: config.buildLogBytes });
   const runTargets = createRunTargets({ store });
+  const webhooks = createWebhookDeliverer({
+    store,
+    logger: logger.child({ component: 'webhooks' }),
+    secretsKey,
+    owner: node.id,
+    allow: config.webhookAllow,
+    attemptTimeoutMs: config.webhookTimeoutMs,
+    onAttempt(verdict, final) {
+      metrics.webhookAttempts.inc({ outcome: verdict });
+      if (final) metrics.webhookDeliveries.inc({ state: final });
+    },
+  });
+  // After the recorder's last flush (closed before this): what it queued is still woken for.
+  onClose(() => webhooks.close());
   const recorder = createRunRecorder({
     store,
     logger: logger.child({ component: 'runs' }),
@@ -227,6 +250,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     onOutbox: () => events.emit('runs:outbox', {}),
     onFinished: (runIds) => events.emit('runs:finished', { runIds }),
   });
+  onClose(() => recorder.close());
   const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
   // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
@@ -239,6 +263,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       })
     : undefined;
   await workers?.start();
+  onClose(() => workers?.close());
   // A gateway is home to no app: it keeps no min_replicas (it runs no replica at all).
   const isHome =
     role === 'gateway'
@@ -274,6 +299,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   void views?.swept.then((removed) => {
     if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');
   });
+  onClose(() => views?.close());
   const network = runsCode
     ? await createSandboxNetwork({
         egress: config.egress,
@@ -283,6 +309,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         logger: logger.child({ component: 'network' }),
       })
     : createLoopbackOnlyNetwork();
+  onClose(() => network.close());
   const launch = createLauncher({
     store,
     buildsDir: dataDir.builds,
@@ -316,6 +343,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       });
     }
   }
+  // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.
+  onClose(() => warmPool?.close());
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
@@ -345,6 +374,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     },
   });
   const replicaLogger = logger.child({ component: 'replica-output' });
+  onClose(() => replicas.close());
   const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
     cancelGraceMs: config.cancelGraceSeconds * 1000,
@@ -369,22 +399,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           callerStallMs: config.callerStallSeconds * 1000,
         })
       : undefined;
+  onClose(() => remote?.close());
   const invoker: Invoker = remote ?? localInvoker;
-  const webhooks = createWebhookDeliverer({
-    store,
-    logger: logger.child({ component: 'webhooks' }),
-    secretsKey,
-    owner: node.id,
-    allow: config.webhookAllow,
-    attemptTimeoutMs: config.webhookTimeoutMs,
-    onAttempt(verdict, final) {
-      metrics.webhookAttempts.inc({ outcome: verdict });
-      if (final) metrics.webhookDeliveries.inc({ state: final });
-    },
-  });
   events.on('runs:outbox', () => webhooks.wake());
   // Callers waiting for runs to end: woken by this node's commits, by other nodes' (NATS), and a shared check.
   const runWaiters = createRunWaiters({ store, logger: logger.child({ component: 'runs' }) });
+  onClose(() => runWaiters.close());
   const finishedRelay = nats
     ? createFinishedRelay({
         nats,
@@ -426,6 +446,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         },
       })
     : createStoreRunQueue(makeWorker());
+  onClose(() => asyncWorker.close());
   load = () => describeLoad(replicas.pools(), asyncWorker.backlog);
   // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
   const announcer =
@@ -445,6 +466,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         })
       : undefined;
   events.on('replicas:changed', () => announcer?.announceNow());
+  // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
+  onClose(() => announcer?.close());
   // The one writer of apps.active_build_id: the pipeline (a build becoming ready) and rollbacks alike.
   const activation = createBuildActivation({
     store,
@@ -482,6 +505,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       }
     },
   });
+  onClose(() => pipeline.close());
   const recovery = createRecovery({
     store,
     node,
@@ -498,6 +522,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Before anything claims work: what a dead node (this data directory's last process included) left.
   const recovered = await recovery.sweep();
   recovery.start();
+  onClose(() => recovery.close());
   const housekeeping = createHousekeeping({
     store,
     artifacts,
@@ -525,7 +550,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       .sweepLocal()
       .then((bytes) => bytes > 0 && metrics.bytesFreed.inc({ reason: 'deleted' }, bytes))
       .catch((err: unknown) => logger.warn({ err }, 'removing local copies of deleted builds failed'));
-  applyChanges(changes, {
+  // Stopped first: a change arriving while the rest closes must not start replicas about to be stopped.
+  const stopApplying = applyChanges(changes, {
     auth,
     runTargets,
     replicas,
@@ -547,13 +573,15 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       : {}),
     logger: logger.child({ component: 'changes' }),
   });
+  onClose(stopApplying);
   const streams = createStreamReplay({
     keepMs: config.streamReplaySeconds * 1000,
     maxBytesPerRun: config.streamReplayBytes,
     maxTotalBytes: config.streamReplayTotalBytes,
     graceMs: config.streamResumeGraceSeconds * 1000,
   });
-  let homeTimer: NodeJS.Timeout | undefined;
+  // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
+  onClose(() => streams.close());
   // Retention: every process that keeps builds (not a gateway) runs a bounded pass now and then.
   const retentionTimers = startRetentionTimers({
     housekeeping,
@@ -563,6 +591,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     timers: role !== 'gateway',
     logger,
   });
+  onClose(() => retentionTimers.close());
   const projectBacklog = createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject });
   const runs = createRunService({
     store,
@@ -627,7 +656,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         await announcer.start();
         // The app's home worker keeps its min_replicas: when workers come or go, homes move.
         let members = '';
-        homeTimer = setInterval(() => {
+        const homeTimer = setInterval(() => {
           const now = workers
             .live()
             .map((w) => w.id)
@@ -638,6 +667,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           void replicas.warmUp().catch((err: unknown) => logger.warn({ err }, 'keeping min_replicas failed'));
         }, 2000);
         homeTimer.unref();
+        onClose(() => clearInterval(homeTimer));
       }
     },
     recovery,
@@ -668,31 +698,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     streams,
     refreshGauges: () => refreshGauges(metrics, replicas.pools(), warmPool?.stats()),
     async close() {
-      // First: a change arriving now must not start replicas that are about to be stopped.
-      await changes.close();
-      runWaiters.close();
-      // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
-      streams.close();
-      await recovery.close();
-      await pipeline.close();
-      await asyncWorker.close();
-      clearInterval(homeTimer);
-      retentionTimers.close();
-      // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
-      await announcer?.close();
-      // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.
-      await warmPool?.close();
-      await replicas.close();
-      await remote?.close();
-      await workers?.close();
-      await views?.close();
-      await recorder.close();
-      await webhooks.close();
-      await network.close();
-      // Last: ending the lease lets the others take over at once whatever this process still held.
-      await node.close();
-      await nats?.close();
-      await store.destroy();
+      // In reverse order of construction (the HTTP server closed first, by its owner).
+      for (let close = closers.pop(); close; close = closers.pop()) await close();
     },
   };
 }
