@@ -55,6 +55,28 @@ export const ERRORS = {
   FERRY_CONFIG_INVALID: { status: 400, message: 'ferry.toml is not valid' },
   FERRY_APP_NAME_MISMATCH: { status: 400, message: 'The app name in ferry.toml does not match the app in the path' },
 
+  // Images ([image] in ferry.toml): configuration, pulls of base images, unpacking, the node's cache
+  FERRY_IMAGE_CONFIG_INVALID: { status: 400, message: 'The [image] table of ferry.toml is not valid' },
+  FERRY_IMAGE_REFERENCE_INVALID: { status: 400, message: 'The image reference is not valid' },
+  FERRY_IMAGE_NOT_FOUND: { status: 422, message: 'The registry has no such image' },
+  FERRY_IMAGE_REGISTRY_UNREACHABLE: { status: 502, message: 'The image registry cannot be reached' },
+  FERRY_IMAGE_REGISTRY_AUTH: {
+    status: 422,
+    message: 'The image registry refused the pull (credentials missing or refused)',
+  },
+  FERRY_IMAGE_REGISTRY_BLOCKED: {
+    status: 422,
+    message: 'The image registry is at an internal address the server may not reach',
+  },
+  FERRY_IMAGE_DIGEST_MISMATCH: { status: 422, message: 'Image content does not match its digest' },
+  FERRY_IMAGE_LAYER_UNSAFE: { status: 422, message: 'An image layer has an entry that cannot be unpacked safely' },
+  FERRY_IMAGE_TOO_LARGE: { status: 422, message: 'The image is larger than the server allows' },
+  FERRY_IMAGE_UNSUPPORTED: { status: 422, message: 'The image has a format the server does not support' },
+  FERRY_IMAGE_CACHE_FULL: {
+    status: 503,
+    message: 'The images in use on this node leave no room for this image in FERRY_IMAGE_CACHE_MIB',
+  },
+
   // Uploaded archives
   FERRY_ZIP_CORRUPT: { status: 400, message: 'The archive is not a readable ZIP file' },
   FERRY_ZIP_EMPTY: { status: 400, message: 'The archive has no files' },
