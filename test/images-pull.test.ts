@@ -5,10 +5,14 @@
  * is refused by digest (and nothing of it kept); a registry behind htpasswd works with the credentials
  * of FERRY_REGISTRY_AUTH_FILE and refuses without them, or with a wrong password, each with its code;
  * a loopback registry not listed in FERRY_INSECURE_REGISTRIES is refused by the address guard before
- * anything is sent, by address and by a name resolving to loopback; the image store pulls once per digest.
+ * anything is sent, by address and by a name resolving to loopback; a registry's Bearer token flow works
+ * (anonymous and with credentials), while a token realm or a blob redirect aimed at an internal address or
+ * at plain HTTP is refused (SSRF through the registry's answers); the image store pulls once per digest.
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
+import http from 'node:http';
+import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import type { ImageSettings } from '../src/config.js';
@@ -211,17 +215,165 @@ describe('images: pulls from a registry on loopback', () => {
     );
   });
 
-  it('the image store pulls, unpacks into the cache and pins; a digest it has needs no registry', async () => {
-    const pushed = await open.push(image, 'test/store:1');
+  /**
+   * A front of the test's own before the real registry, listed in FERRY_INSECURE_REGISTRIES: it asks
+   * for a Bearer token from `realm` (its own /token, or an address under test), and answers blob
+   * requests with `blobRedirect` when set.
+   */
+  async function front(options: { realm?: (self: string) => string; blobRedirect?: string; user?: string }) {
+    const tokens = new Set<string>();
+    const seen: string[] = [];
+    const server = http.createServer((req, res) => {
+      const self = `127.0.0.1:${(server.address() as AddressInfo).port}`;
+      seen.push(
+        `${req.method} ${req.url} ${req.headers.authorization ? req.headers.authorization.split(' ')[0] : '-'}`,
+      );
+      if (req.url?.startsWith('/token')) {
+        const url = new URL(req.url, `http://${self}`);
+        const basic = req.headers.authorization?.startsWith('Basic ')
+          ? Buffer.from(req.headers.authorization.slice(6), 'base64').toString()
+          : undefined;
+        if (options.user !== undefined && basic !== `${options.user}:${creds.password}`) {
+          res.writeHead(401).end();
+          return;
+        }
+        const token = `tok-${tokens.size}-${url.searchParams.get('scope')}`;
+        tokens.add(token);
+        res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify({ token }));
+        return;
+      }
+      const bearer = req.headers.authorization?.startsWith('Bearer ') ? req.headers.authorization.slice(7) : '';
+      if (!tokens.has(bearer)) {
+        const realm = options.realm ? options.realm(self) : `http://${self}/token`;
+        res.writeHead(401, { 'www-authenticate': `Bearer realm="${realm}",service="front"` }).end();
+        return;
+      }
+      if (options.blobRedirect && req.url?.includes('/blobs/')) {
+        res.writeHead(307, { location: options.blobRedirect }).end();
+        return;
+      }
+      const upstream = http.request(
+        {
+          host: '127.0.0.1',
+          port: Number(open.host.split(':')[1]),
+          path: req.url,
+          method: req.method,
+          headers: { accept: req.headers.accept ?? '*/*' },
+        },
+        (up) => {
+          res.writeHead(up.statusCode ?? 502, up.headers);
+          up.pipe(res);
+        },
+      );
+      upstream.on('error', () => res.destroy());
+      upstream.end();
+    });
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+    const host = `127.0.0.1:${(server.address() as AddressInfo).port}`;
+    return { host, seen, close: () => new Promise<void>((resolve) => server.close(() => resolve())) };
+  }
+
+  it('takes a Bearer token from the registry’s realm, anonymous or with credentials', async () => {
+    await open.push(image, 'test/bearer:1');
+    const anonymous = await front({});
+    try {
+      const pulled = await pullImage(
+        parseImageReference(`${anonymous.host}/test/bearer:1`),
+        path.join(work, 'bearer'),
+        'b',
+        {
+          access: registryAccess(anonymous.host, ''),
+          maxBytes: 64 * MiB,
+        },
+      );
+      assert.equal(pulled.manifest.layers.length, 1);
+      assert.ok(
+        anonymous.seen.some((line) =>
+          line.startsWith('GET /token?service=front&scope=repository%3Atest%2Fbearer%3Apull'),
+        ),
+      );
+      assert.ok(
+        anonymous.seen.some((line) => /\/blobs\/.* Bearer$/.test(line)),
+        anonymous.seen.join('\n'),
+      );
+    } finally {
+      await anonymous.close();
+    }
+    const withUser = await front({ user: creds.username });
+    try {
+      const ref = parseImageReference(`${withUser.host}/test/bearer:1`);
+      const access = registryAccess(withUser.host, '');
+      const authFile = await writeAuthFile(work, { [withUser.host]: creds });
+      await pullImage(ref, path.join(work, 'bearer-user'), 'b', { access, authFile, maxBytes: 64 * MiB });
+      await rejectsWith(
+        pullImage(ref, path.join(work, 'bearer-none'), 'b', { access, maxBytes: 64 * MiB }),
+        'FERRY_IMAGE_REGISTRY_AUTH',
+        /token service refused an anonymous pull/,
+      );
+    } finally {
+      await withUser.close();
+    }
+  });
+
+  it('refuses a token realm or a blob redirect aimed at an internal address or at plain HTTP', async () => {
+    await open.push(image, 'test/ssrf:1');
+    const cases: Array<{ options: Parameters<typeof front>[0]; code: string; why: RegExp }> = [
+      // The realm on loopback over HTTPS: the guard refuses it before connecting.
+      {
+        options: { realm: () => 'https://127.0.0.1:9/token' },
+        code: 'FERRY_IMAGE_REGISTRY_BLOCKED',
+        why: /127\.0\.0\.1.*loopback/,
+      },
+      // The cloud metadata address.
+      {
+        options: { realm: () => 'https://169.254.169.254/latest/meta-data' },
+        code: 'FERRY_IMAGE_REGISTRY_BLOCKED',
+        why: /cloud metadata/,
+      },
+      // Plain HTTP elsewhere than the listed registry itself.
+      {
+        options: { realm: () => 'http://127.0.0.2:9/token' },
+        code: 'FERRY_IMAGE_REGISTRY_UNREACHABLE',
+        why: /plain-HTTP token realm/,
+      },
+      // A blob redirect to an internal HTTPS address, and to plain HTTP.
+      { options: { blobRedirect: 'https://10.0.0.1/blob' }, code: 'FERRY_IMAGE_REGISTRY_BLOCKED', why: /private/ },
+      {
+        options: { blobRedirect: 'http://127.0.0.2:9/blob' },
+        code: 'FERRY_IMAGE_REGISTRY_UNREACHABLE',
+        why: /redirected to a plain-HTTP/,
+      },
+    ];
+    for (const { options, code, why } of cases) {
+      const f = await front(options);
+      try {
+        await rejectsWith(
+          pullImage(parseImageReference(`${f.host}/test/ssrf:1`), path.join(work, 'ssrf'), 's', {
+            access: registryAccess(f.host, ''),
+            maxBytes: 64 * MiB,
+          }),
+          code,
+          why,
+        );
+      } finally {
+        await f.close();
+      }
+    }
+  });
+
+  it('the image store pulls, unpacks into the cache and pins; a digest it has needs no registry', async (t) => {
+    const own = await startRegistry(); // stopped halfway: a registry of this test's own
+    t.after(() => own.stop());
+    const pushed = await own.push(image, 'test/store:1');
     const settings: ImageSettings = {
       authFile: undefined,
-      insecureRegistries: open.host,
+      insecureRegistries: own.host,
       registryAllow: '',
       cacheBytes: 256 * MiB,
       buildTimeoutMs: 60_000,
     };
     const store = await createImageStore({ dir: path.join(work, 'store'), settings });
-    const first = await store.acquire(`${open.host}/test/store:1`);
+    const first = await store.acquire(`${own.host}/test/store:1`);
     assert.equal(first.digest, pushed);
     assert.deepEqual(first.config.cmd, ['/bin/sh']);
     const busybox = await fs.readFile(path.join(first.image.rootfs, 'bin', 'busybox'));
@@ -233,14 +385,14 @@ describe('images: pulls from a registry on loopback', () => {
     );
     assert.equal(store.cache.usage().images[0]?.pins, 1);
 
-    await open.stop(); // the registry is gone: a pinned digest is served from the cache
-    const again = await store.acquire(`${open.host}/test/store@${pushed}`);
+    await own.stop(); // the registry is gone: a pinned digest is served from the cache
+    const again = await store.acquire(`${own.host}/test/store@${pushed}`);
     assert.equal(again.image.rootfs, first.image.rootfs);
     assert.equal(store.cache.usage().images[0]?.pins, 2);
     first.release();
     again.release();
     assert.equal(store.cache.usage().images[0]?.pins, 0);
     // A tag must be asked of the registry (a tag moves): it is unreachable now, and said so.
-    await rejectsWith(store.acquire(`${open.host}/test/store:1`), 'FERRY_IMAGE_REGISTRY_UNREACHABLE', /ECONNREFUSED/);
+    await rejectsWith(store.acquire(`${own.host}/test/store:1`), 'FERRY_IMAGE_REGISTRY_UNREACHABLE', /ECONNREFUSED/);
   });
 });
