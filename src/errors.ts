@@ -3,8 +3,8 @@
  *
  * Each entry has a stable code (never renamed once released), the HTTP status it answers with, and a
  * default message. `docs/errors.md` documents each code; `test/errors-doc.test.ts` fails when the two drift.
- * Error bodies are `{"error": {"code", "message"}}` (run errors add `run_id`); they never carry a stack
- * trace or echo a secret.
+ * Error bodies are `{"error": {"code", "message"}}` (run errors add `run_id`), written by http/answer.ts
+ * alone; they never carry a stack trace or echo a secret.
  */
 
 export const ERRORS = {
@@ -199,9 +199,12 @@ export class FerryError extends Error {
     this.details = options?.details ?? {};
   }
 
-  /** The public body; never includes the stack or the cause. */
-  toJSON(): { error: { code: ErrorCode; message: string } & Record<string, string> } {
-    return { error: { code: this.code, message: this.message, ...this.details } };
+  /**
+   * The error's public members (the `error` of the envelope http/answer.ts writes): its code, message and
+   * details; never the stack or the cause, however the error is serialized.
+   */
+  toJSON(): { code: ErrorCode; message: string } & Record<string, string> {
+    return { code: this.code, message: this.message, ...this.details };
   }
 }
 
