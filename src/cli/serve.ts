@@ -6,6 +6,7 @@
  * a second signal exits at once.
  */
 
+import { createWorkerBuilds } from '../cluster/worker-builds.js';
 import { resolveServerConfig } from '../config.js';
 import { DataDirLockedError, lockDataDir, prepareDataDir, recordServer } from '../data-dir.js';
 import { buildServer } from '../http/server.js';
@@ -55,7 +56,8 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   const internal =
     config.role === 'worker'
       ? createWorkerApi({
-          store: services.store,
+          builds: createWorkerBuilds(services.store),
+          storeHealth: (timeoutMs) => services.storeHealth(timeoutMs),
           invoker: services.invoker,
           auth: services.clusterAuth,
           callers: services.callers,

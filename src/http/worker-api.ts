@@ -25,7 +25,6 @@ import http, { type IncomingMessage, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import { PassThrough } from 'node:stream';
 import type { Logger } from 'pino';
-import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
 import type { CallerTally } from '../cluster/caller-tally.js';
 import type { ClusterAuth } from '../cluster/cluster-auth.js';
 import {
@@ -35,16 +34,19 @@ import {
   MAX_META_BYTES,
   parseCallMeta,
 } from '../cluster/protocol.js';
+import type { WorkerBuilds } from '../cluster/worker-builds.js';
 import { FerryError } from '../errors.js';
 import type { Metrics } from '../metrics.js';
-import type { PoolBuild } from '../replicas/pool.js';
 import type { Invoker } from '../runs/invoke.js';
 import { RunAbort } from '../runs/run-abort.js';
-import { probeStore, type Store } from '../store/index.js';
-import { refuseUpgrade } from './custom-proxy.js';
+import type { StoreHealth } from '../store/index.js';
+import { answer, refuseOnSocket, workerErrorLine, writeAnswer } from './answer.js';
 
 export interface WorkerApiDeps {
-  store: Store;
+  /** The builds calls name, with the app's scaling in force (cluster/worker-builds.ts). */
+  builds: WorkerBuilds;
+  /** Whether the store answers within `timeoutMs` (`/healthz`). */
+  storeHealth(timeoutMs: number): Promise<StoreHealth>;
   invoker: Invoker;
   auth: ClusterAuth;
   /** Counts each call by app and calling gateway while it lasts (announced with the worker's load). */
@@ -68,7 +70,7 @@ export interface WorkerApi {
 
 export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
   const { logger } = deps;
-  const builds = createBuildCache(deps.store);
+  const { builds } = deps;
   const bufferBytes = Math.max(deps.streamBufferBytes ?? 1024 * 1024, 64 * 1024);
 
   const server = http.createServer({ keepAliveTimeout: 65_000, noDelay: true }, (req, res) => {
@@ -83,7 +85,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
   async function route(req: IncomingMessage, res: ServerResponse): Promise<void> {
     const url = req.url ?? '/';
     if (req.method === 'GET' && url === '/healthz') {
-      const state = await probeStore(deps.store, 1000).catch(() => 'down' as const);
+      const state = await deps.storeHealth(1000).catch(() => 'down' as const);
       const body = state === 'ok' || state === 'busy' ? { status: 'ok', role: 'worker' } : { status: 'unavailable' };
       sendJson(res, state === 'ok' || state === 'busy' ? 200 : 503, body);
       return;
@@ -175,7 +177,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         return;
       }
       if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal invoke failed');
-      line(errorLine(err));
+      line(workerErrorLine(err));
       res.end();
     }
   }
@@ -235,7 +237,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       }
       if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal http call failed');
       res.writeHead(200, { 'content-type': 'application/octet-stream' });
-      res.end(`${JSON.stringify(errorLine(err))}\n`);
+      res.end(`${JSON.stringify(workerErrorLine(err))}\n`);
     }
   }
 
@@ -251,18 +253,18 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     const runId = meta?.runId ?? 'unknown';
     const caller = deps.auth.verify(req.headers.authorization);
     if (!caller) {
-      refuseUpgrade(socket, runId, new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'));
+      refuseOnSocket(socket, answer(new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'), { runId }));
       return;
     }
     if (req.url !== `${INTERNAL_PREFIX}/session` || !meta) {
-      refuseUpgrade(socket, runId, new FerryError('FERRY_VALIDATION', 'not a session call'));
+      refuseOnSocket(socket, answer(new FerryError('FERRY_VALIDATION', 'not a session call'), { runId }));
       return;
     }
     const leave = deps.callers?.enter(`${meta.projectId}/${meta.appId}`, caller.nodeId);
     socket.once('close', () => leave?.());
     void session(meta, socket, head).catch((err: unknown) => {
       if (!(err instanceof FerryError)) logger.error({ err, runId }, 'internal session failed');
-      if (!socket.destroyed) refuseUpgrade(socket, runId, err);
+      if (!socket.destroyed) refuseOnSocket(socket, answer(err, { runId }));
     });
   });
 
@@ -332,18 +334,9 @@ function goneAbort(res: ServerResponse): RunAbort {
   return gone;
 }
 
-function errorLine(err: unknown): { e: 'error'; error: Record<string, string>; status: number; headers: object } {
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
-  return { e: 'error', error: ferry.toJSON().error, status: ferry.status, headers: ferry.headers };
-}
-
+/** A call that failed before its answer began: the error answer (http/answer.ts); one under way is cut. */
 function answerError(res: ServerResponse, err: unknown): void {
-  if (res.headersSent) {
-    res.destroy();
-    return;
-  }
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
-  sendJson(res, ferry.status, ferry.toJSON(), ferry.headers);
+  writeAnswer(res, answer(err));
 }
 
 function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {
@@ -437,51 +430,4 @@ function readCall(req: IncomingMessage, limit: number): Promise<{ meta: CallMeta
       else resolve({ meta, body: all.subarray(nl + 1) });
     });
   });
-}
-
-/** Builds by id, as the worker runs them: ready builds are immutable, so they are kept (bounded). */
-/**
- * The builds named by calls, with the app's scaling in force (an override set through the API applies to
- * every build): kept for a second, as run targets are, so a scaling change reaches this worker's pools.
- */
-function createBuildCache(store: Store) {
-  const cache = new Map<string, { build: PoolBuild; until: number }>();
-  return {
-    async get(meta: CallMeta): Promise<PoolBuild> {
-      const now = Date.now();
-      const hit = cache.get(meta.buildId);
-      if (hit && hit.until > now && hit.build.projectId === meta.projectId && hit.build.appId === meta.appId) {
-        return hit.build;
-      }
-      const row = await store
-        .selectFrom('builds')
-        .leftJoin('apps', (j) =>
-          j.onRef('apps.project_id', '=', 'builds.project_id').onRef('apps.id', '=', 'builds.app_id'),
-        )
-        .select([
-          'builds.id',
-          'builds.project_id',
-          'builds.app_id',
-          'builds.state',
-          'builds.config_json',
-          'apps.scaling_json',
-        ])
-        .where('builds.id', '=', meta.buildId)
-        .executeTakeFirst();
-      if (!row || row.project_id !== meta.projectId || row.app_id !== meta.appId || row.state !== 'ready') {
-        throw new FerryError('FERRY_NO_READY_BUILD', 'The build the gateway named is not a ready build of this app', {
-          headers: { 'retry-after': '1' },
-        });
-      }
-      const build: PoolBuild = {
-        projectId: row.project_id,
-        appId: row.app_id,
-        buildId: row.id,
-        config: withScalingOverride(JSON.parse(row.config_json ?? '{}') as AppConfig, row.scaling_json),
-      };
-      if (cache.size >= 1000) cache.delete(cache.keys().next().value as string);
-      cache.set(row.id, { build, until: now + 1000 });
-      return build;
-    },
-  };
 }

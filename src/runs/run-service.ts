@@ -18,6 +18,7 @@ import type { Store } from '../store/index.js';
 import type { Run, RunMode, RunState } from '../store/schema.js';
 import { type WebhookView, webhookView } from '../webhooks/view.js';
 import type { Invoker } from './invoke.js';
+import { isFinalState } from './lifecycle.js';
 import type { ProjectBacklog } from './project-backlog.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
 import type { RunQueue } from './run-queue.js';
@@ -280,17 +281,17 @@ export function createRunService(deps: RunServiceDeps): RunService {
     async get(projectId, appId, runId, wait) {
       await recorder.flush();
       let found = await findRun(store, projectId, appId, runId);
-      if (wait && wait.ms > 0 && !FINAL_RUN_STATES.has(found.state)) {
+      if (wait && wait.ms > 0 && !isFinalState(found.state)) {
         // Registered before the second read: a run that ends in between wakes it, or that read sees the end.
         const done = new AbortController();
         const stop = () => done.abort();
         wait.signal.addEventListener('abort', stop, { once: true });
         const waited = runWaiters.wait(runId, wait.ms, done.signal);
         found = await findRun(store, projectId, appId, runId);
-        if (FINAL_RUN_STATES.has(found.state)) done.abort();
+        if (isFinalState(found.state)) done.abort();
         await waited;
         wait.signal.removeEventListener('abort', stop);
-        if (!FINAL_RUN_STATES.has(found.state)) {
+        if (!isFinalState(found.state)) {
           await recorder.flush();
           found = await findRun(store, projectId, appId, runId);
         }
@@ -301,7 +302,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
     async cancel(projectId, appId, runId, signal, requested) {
       await recorder.flush();
       const found = await findRun(store, projectId, appId, runId);
-      if (FINAL_RUN_STATES.has(found.state)) {
+      if (isFinalState(found.state)) {
         throw new FerryError('FERRY_RUN_FINISHED', `Run ${runId} has already finished (${found.state})`);
       }
       const ended = runWaiters.wait(runId, deps.cancelWaitMs, signal);
@@ -315,7 +316,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
       await ended;
       await recorder.flush();
       const run = await findRun(store, projectId, appId, runId);
-      return { run: await detail(run), ended: FINAL_RUN_STATES.has(run.state) };
+      return { run: await detail(run), ended: isFinalState(run.state) };
     },
 
     async logs(projectId, appId, runId, after) {

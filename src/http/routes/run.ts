@@ -15,6 +15,7 @@ import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { type CallParts, checkFunction, type RunService, type RunTarget } from '../../runs/run-service.js';
 import type { ReplayStream, StreamEndState, StreamReader, StreamReplay } from '../../runs/stream-replay.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
+import { errorEventData } from '../answer.js';
 import { useJsonBodies } from '../body-parsers.js';
 import { type CallerFlow, watchCaller } from '../caller-flow.js';
 import { attachWebSocketProxy, type CustomProxyDeps, proxyHttp } from '../custom-proxy.js';
@@ -296,7 +297,7 @@ async function streamRun(
     if (!stream) throw err; // nothing sent yet: a normal JSON error response
     const clientGone = !(err instanceof FerryError) && gone.signal.aborted;
     const ferry = err instanceof FerryError ? err : new FerryError(clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
-    stream.push(JSON.stringify({ run_id: call.runId, ...ferry.toJSON() }), 'error');
+    stream.push(errorEventData(ferry, call.runId), 'error');
     stream.end(endStateOf(ferry, clientGone));
   }
 }
@@ -349,7 +350,7 @@ function resumeStream(
       { details: { resumes_at: `${last.runId}:${first}` } },
     );
     // No id: it is not one of the run's events, and the client's last id stays where it was.
-    const data = JSON.stringify({ run_id: last.runId, ...dropped.toJSON() });
+    const data = errorEventData(dropped, last.runId);
     connection.open().write(named ? formatEvent(data, 'error') : controlComment('error', data));
   }
   connection.follow(stream, last.seq);

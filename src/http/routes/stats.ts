@@ -8,7 +8,8 @@ import { Type } from 'typebox';
 import type { AppService } from '../../apps/app-service.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
 import { HISTORY_MINUTES, minuteOf, type ReplicaHistory } from '../../dashboard/replica-history.js';
-import type { RunService, RunTiming } from '../../runs/run-service.js';
+import { isFinalState } from '../../runs/lifecycle.js';
+import type { RunService } from '../../runs/run-service.js';
 import { type AuthDeps, requireScope } from '../auth.js';
 import { AppParams, errors, Nullable } from '../schemas.js';
 import type { TypedServer } from '../typed-server.js';
@@ -71,8 +72,6 @@ export function percentile(sorted: readonly number[], p: number): number | null 
   return sorted[Math.min(rank, sorted.length) - 1] ?? null;
 }
 
-const FINAL: readonly RunTiming['state'][] = ['success', 'failure', 'timeout', 'cancelled'];
-
 export interface StatsRouteDeps extends AuthDeps {
   apps: Pick<AppService, 'replicas'>;
   runs: Pick<RunService, 'recentRuns'>;
@@ -124,7 +123,7 @@ export function registerStatsRoutes(app: TypedServer, services: StatsRouteDeps, 
       for (const run of rows) {
         const index = Math.floor((Date.parse(run.created_at) - from) / MINUTE_MS);
         const bucket = buckets[index];
-        if (!bucket || !FINAL.includes(run.state)) continue;
+        if (!bucket || !isFinalState(run.state)) continue;
         bucket[run.state as 'success' | 'failure' | 'timeout' | 'cancelled'] += 1;
         let ms = run.run_time_ms;
         if (ms === null && run.started_at && run.finished_at) {
