@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Ferry uses, when they are missing and we are root with apt-get.
-#   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; iproute2 and nftables, the
+#   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; e2fsprogs and acl, volumes; iproute2 and nftables, the
 #               sandboxes' own networks; slirp4netns, their egress when Ferry is not root); run by
 #               `npm install`
 #   Also, as root: records the sandboxes' uid range in /etc/subuid and /etc/subgid (ferry-sandbox).
@@ -26,6 +26,10 @@ has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/
 has ip || need+=(iproute2)
 has nft || need+=(nftables)
 has slirp4netns || need+=(slirp4netns)
+# Volumes (src/volumes/images.ts): ext4 images (e2fsprogs), their default ACL (acl), flock and mount (util-linux).
+has mkfs.ext4 || need+=(e2fsprogs)
+has setfacl || need+=(acl)
+has flock || need+=(util-linux)
 if [ "${1:-}" != "--runtime" ]; then
   [ -x /usr/bin/chromium ] || need+=(chromium)
 fi

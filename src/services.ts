@@ -58,6 +58,7 @@ import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/networ
 import { createBuildViews } from './sandbox/views.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openStore, type Store } from './store/index.js';
+import { createVolumes, type Volumes } from './volumes/volumes.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
 
 /** Seconds after start of the first retention pass (or the interval, when shorter). */
@@ -132,6 +133,8 @@ export interface Services {
   appLog: AppLog;
   /** Streaming runs' events, kept so a reconnect with Last-Event-ID resumes the run (in memory). */
   streams: StreamReplay;
+  /** The projects' volumes: rows, their filesystem images and mounts, their files (src/volumes/). */
+  volumes: Volumes;
   close(): Promise<void>;
 }
 
@@ -267,7 +270,14 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         logger: logger.child({ component: 'network' }),
       })
     : createLoopbackOnlyNetwork();
+  const volumes = await createVolumes({
+    store,
+    config,
+    sandboxed: sandbox.bwrap !== null,
+    logger: logger.child({ component: 'volumes' }),
+  });
   const launch = createLauncher({
+    volumes,
     store,
     buildsDir: dataDir.builds,
     runDir,
@@ -676,6 +686,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     runTargets,
     appLog,
     streams,
+    volumes,
     refreshGauges() {
       metrics.replicas.reset();
       metrics.queueDepth.reset();
@@ -713,6 +724,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.
       await warmPool?.close();
       await replicas.close();
+      await volumes.close();
       await remote?.close();
       await workers?.close();
       await views?.close();

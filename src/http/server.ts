@@ -21,6 +21,7 @@ import { registerRunsRoutes } from './routes/runs.js';
 import { registerSecretRoutes } from './routes/secrets.js';
 import { registerServiceAccountRoutes } from './routes/service-accounts.js';
 import { registerSystemRoutes } from './routes/system.js';
+import { registerVolumeRoutes } from './routes/volumes.js';
 import { registerWebhookRoutes } from './routes/webhooks.js';
 import { createRunFastPath, type RunFastPath } from './run-fast-path.js';
 import { assertFiniteNumbers, formatValidationErrors } from './validation.js';
@@ -94,6 +95,7 @@ export async function buildServer(services: Services): Promise<FerryServer> {
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);
   registerSecretRoutes(app, services);
+  registerVolumeRoutes(app, services);
   registerRunsRoutes(app, services);
   registerWebhookRoutes(app, services);
   registerRunRoutes(app, services);

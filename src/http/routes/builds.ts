@@ -47,7 +47,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
           description:
             'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code.',
           params: AppParams,
-          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415) },
+          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415, 503) },
         },
       },
       async (request, reply) => {
@@ -67,6 +67,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
             buildsDir: services.dataDir.builds,
             maxUploadBytes: services.config.maxUploadBytes,
             zipLimits: services.config.zipLimits,
+            checkVolumes: (projectId, config) => services.volumes.checkMounts(projectId, config),
             // A gateway builds nothing: the build stays free for a worker to claim.
             ...(services.role === 'gateway' ? {} : { owner: services.node.id }),
           },
