@@ -289,7 +289,7 @@ export async function removePath(rootFd: number, parts: string[], recursive: boo
 async function removeTree(dirFd: number, name: string): Promise<void> {
   let child: fs.FileHandle;
   try {
-    child = await fs.open(at(dirFd, name), O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    child = await fs.open(at(dirFd, name), O_RDONLY | O_DIRECTORY | (VOLUME_DEFENCES.noFollow ? O_NOFOLLOW : 0));
   } catch (err) {
     // A link (ELOOP), or a file that replaced the folder meanwhile (ENOTDIR): its name goes, nothing else.
     if (code(err) === 'ELOOP' || code(err) === 'ENOTDIR') {
