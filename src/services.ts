@@ -274,6 +274,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     store,
     config,
     sandboxed: sandbox.bwrap !== null,
+    nodeId: node.id,
     logger: logger.child({ component: 'volumes' }),
   });
   const launch = createLauncher({

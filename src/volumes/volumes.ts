@@ -40,6 +40,7 @@ import {
   type VolumeSupport,
   volumePaths,
 } from './images.js';
+import { removeNodeMarker, writeNodeMarker } from './markers.js';
 import { volumeUsage } from './volume-files.js';
 
 export interface Volume {
@@ -90,6 +91,8 @@ export interface VolumesDeps {
   logger: Logger;
   /** Tests: what probeVolumeSupport would find. */
   support?: VolumeSupport;
+  /** This node's id: its marker in the volumes folder tells `ferry doctor` the folder is shared (markers.ts). */
+  nodeId?: string;
 }
 
 function unavailable(support: VolumeSupport): FerryError {
@@ -104,6 +107,11 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
   const dir = deps.config.volumesDir;
   const support = deps.support ?? (await probeVolumeSupport(deps.sandboxed));
   if (!support.available) logger.info(`volumes unavailable: ${support.reasons.join('; ')}`);
+  if (deps.nodeId) {
+    await writeNodeMarker(dir, deps.nodeId).catch((err: Error) =>
+      logger.warn({ err }, `cannot write this node's marker in FERRY_VOLUMES_DIR (${dir})`),
+    );
+  }
   const paths = (projectId: string, name: string): VolumePaths => volumePaths(dir, projectId, name);
 
   async function row(projectId: string, name: string) {
@@ -329,6 +337,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
     },
 
     async close() {
+      if (deps.nodeId) await removeNodeMarker(dir, deps.nodeId).catch(() => {});
       if (!support.tools) return;
       // What this server's volumes dir has mounted on this machine: unmounted (lazily: a replica of another
       // process of this machine keeps its mount until it stops; that process mounts it again on next use).
