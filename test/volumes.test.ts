@@ -9,9 +9,10 @@ import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { MOUNT_ROOT, probeVolumeSupport } from '../src/volumes/images.js';
-import { deployFiles, http, startServer, type TestServer } from './helpers/ferry.js';
+import { deployFiles, http, REPO_ROOT, startServer, type TestServer } from './helpers/ferry.js';
 
 const support = await probeVolumeSupport(true);
 assert.ok(
@@ -200,6 +201,23 @@ describe('volumes', () => {
     assert.deepEqual(w3.json.result, { ok: true });
     const one = await http(api('/volumes/models'), { token: auth.token });
     assert.deepEqual(one.json.mounted_by.sort(), ['reader', 'writer']);
+  });
+
+  it('runs examples/volume-model, which loads its model from a volume', async () => {
+    const dir = path.join(REPO_ROOT, 'examples', 'volume-model');
+    const model = await fs.readFile(path.join(dir, 'model.json'));
+    const put = await http(api('/volumes/models/file?path=tiny/model.json'), {
+      method: 'PUT',
+      token: auth.token,
+      body: model,
+    });
+    assert.equal(put.status, 201, put.text);
+    const files: Record<string, string> = {};
+    for (const f of ['ferry.toml', 'main.ts']) files[f] = await fs.readFile(path.join(dir, f), 'utf8');
+    await deployFiles(server, auth, 'volume-model', files);
+    const res = await call('volume-model', 'run', { x: [1, 2, 3] });
+    assert.equal(res.status, 200, res.text);
+    assert.deepEqual(res.json.result, { model: 'tiny-linear', y: 4.75 });
   });
 
   it('refuses writes on a read-only mount', async () => {
