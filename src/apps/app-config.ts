@@ -75,7 +75,7 @@ export const RESERVED_MOUNTS = ['/proc', '/dev', '/tmp', '/run', '/app'] as cons
 const VolumeSection = Type.Object(
   {
     name: Type.String({ pattern: VOLUME_NAME_PATTERN }),
-    mount: Type.String({ minLength: 2, maxLength: 1024, pattern: '^/' }),
+    mount: Type.String({ minLength: 1, maxLength: 1024 }),
     read_only: Type.Optional(Type.Boolean()),
   },
   { additionalProperties: false },
