@@ -25,6 +25,7 @@
  * group (sandbox/identity.ts), so replicas of different apps (different host uids) share the files.
  */
 import { createHash } from 'node:crypto';
+import { constants } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { findExecutable } from '../sandbox/launch.js';
@@ -163,25 +164,23 @@ rmdir "$mnt" 2>/dev/null
 exit 0
 `;
 
-async function prepareFolders(volumesDir: string, paths: VolumePaths): Promise<void> {
+async function prepareFolders(paths: VolumePaths): Promise<void> {
   await fs.mkdir(path.dirname(paths.image), { recursive: true, mode: 0o700 });
   await fs.mkdir(MOUNT_ROOT, { recursive: true, mode: 0o711 });
   // mkdir does not change an existing folder's mode: the sandboxes' uids must be able to search it.
   await fs.chmod(MOUNT_ROOT, 0o711);
-  void volumesDir;
 }
 
 /** Makes a volume's image (sparse: it takes disk as files are written), formats and mounts it. */
 export async function createImage(
   support: VolumeSupport,
-  volumesDir: string,
   paths: VolumePaths,
   sizeMiB: number,
   gid: number,
 ): Promise<void> {
   const tools = support.tools;
   if (!support.available || !tools) throw new VolumeMechanismError(support.reasons.join('; '));
-  await prepareFolders(volumesDir, paths);
+  await prepareFolders(paths);
   const handle = await fs.open(paths.image, 'wx', 0o600);
   try {
     await handle.truncate(sizeMiB * 1024 * 1024);
@@ -196,7 +195,7 @@ export async function createImage(
       ['-q', '-F', '-m', '0', '-E', `root_owner=0:${gid},lazy_itable_init=1`, '-L', 'ferry-volume', paths.image],
       'mkfs.ext4',
     );
-    await ensureMounted(support, volumesDir, paths);
+    await ensureMounted(support, paths);
     const root = paths.mountPoint;
     await fs.rmdir(path.join(root, 'lost+found')).catch(() => {});
     await fs.chown(root, 0, gid);
@@ -209,10 +208,10 @@ export async function createImage(
 }
 
 /** Mounts the volume on this machine unless it already is (any Ferry process of the machine may have). */
-export async function ensureMounted(support: VolumeSupport, volumesDir: string, paths: VolumePaths): Promise<void> {
+export async function ensureMounted(support: VolumeSupport, paths: VolumePaths): Promise<void> {
   const tools = support.tools;
   if (!support.available || !tools) throw new VolumeMechanismError(support.reasons.join('; '));
-  await prepareFolders(volumesDir, paths);
+  await prepareFolders(paths);
   await run(
     tools.flock,
     [
@@ -280,7 +279,7 @@ const EXT4_ROOT_INODE = 2;
  * of an unmounted volume). The caller closes it.
  */
 export async function openMountedRoot(paths: VolumePaths): Promise<fs.FileHandle> {
-  const { O_RDONLY, O_DIRECTORY, O_NOFOLLOW } = (await import('node:fs')).constants;
+  const { O_RDONLY, O_DIRECTORY, O_NOFOLLOW } = constants;
   const handle = await fs.open(paths.mountPoint, O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
   try {
     const [stat, parent] = await Promise.all([handle.stat(), fs.stat(path.dirname(paths.mountPoint))]);

@@ -134,7 +134,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
       // Mounted already (by any process of this machine): its root, checked, without spawning a tool.
       const mounted = await openMountedRoot(p).catch(() => null);
       if (mounted) return mounted;
-      await ensureMounted(support, dir, p);
+      await ensureMounted(support, p);
       return await openMountedRoot(p);
     } catch (err) {
       if (err instanceof VolumeMechanismError) {
@@ -217,7 +217,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
           .execute();
       });
       try {
-        await createImage(support, dir, paths(projectId, name), sizeMiB, gid);
+        await createImage(support, paths(projectId, name), sizeMiB, gid);
       } catch (err) {
         await store.deleteFrom('volumes').where('project_id', '=', projectId).where('name', '=', name).execute();
         if (err instanceof VolumeMechanismError || (err as NodeJS.ErrnoException).code === 'EEXIST') {
