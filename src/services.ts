@@ -67,6 +67,7 @@ import { createBuildViews } from './sandbox/views.js';
 import { createSecretService, type SecretService } from './secrets/secret-service.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openStore, probeStore, type Store, type StoreHealth } from './store/index.js';
+import { createVolumes, type Volumes } from './volumes/volumes.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
 
 export interface Services {
@@ -146,6 +147,8 @@ export interface Services {
   listNodes(limit: number): Promise<NodeRow[]>;
   /** Whether the store answers within `timeoutMs` (`/healthz`). */
   storeHealth(timeoutMs: number): Promise<StoreHealth>;
+  /** The projects' volumes: rows, their filesystem images and mounts, their files (src/volumes/). */
+  volumes: Volumes;
   close(): Promise<void>;
 }
 
@@ -310,7 +313,16 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       })
     : createLoopbackOnlyNetwork();
   onClose(() => network.close());
+  const volumes = await createVolumes({
+    store,
+    config,
+    sandboxed: sandbox.bwrap !== null,
+    nodeId: node.id,
+    logger: logger.child({ component: 'volumes' }),
+  });
+  onClose(() => volumes.close());
   const launch = createLauncher({
+    volumes,
     store,
     buildsDir: dataDir.builds,
     runDir,
@@ -619,6 +631,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       buildsDir: dataDir.builds,
       maxUploadBytes: config.maxUploadBytes,
       zipLimits: config.zipLimits,
+      checkVolumes: (projectId, appConfig) => volumes.checkMounts(projectId, appConfig),
       // A gateway builds nothing: the build stays free for a worker to claim.
       ...(role === 'gateway' ? {} : { owner: node.id }),
     },
@@ -696,6 +709,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     runTargets,
     appLog,
     streams,
+    volumes,
     refreshGauges: () => refreshGauges(metrics, replicas.pools(), warmPool?.stats()),
     async close() {
       // In reverse order of construction (the HTTP server closed first, by its owner).

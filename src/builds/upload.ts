@@ -28,6 +28,8 @@ export interface ReceiveBuildDeps {
   zipLimits: ZipLimits;
   /** This node (cluster/node.ts): it holds the new build and builds it, unless it dies first. */
   owner?: string;
+  /** Refuses a config whose `[[volumes]]` the project lacks (FERRY_BUILD_VOLUME_MISSING; volumes/volumes.ts). */
+  checkVolumes?: (projectId: string, config: ReturnType<typeof parseAppConfig>) => Promise<void>;
 }
 
 /** Streams `body` to a file, refusing with FERRY_BODY_TOO_LARGE once it passes `maxBytes`. */
@@ -84,6 +86,8 @@ export async function receiveBuild(
         `ferry.toml names the app "${config.app.name}" but the upload is for app "${appId}"`,
       );
     }
+
+    await deps.checkVolumes?.(projectId, config);
 
     const now = nowIso();
     const build: Build = {

@@ -22,6 +22,7 @@ import { type RunsRouteDeps, registerRunsRoutes } from './routes/runs.js';
 import { registerSecretRoutes, type SecretRouteDeps } from './routes/secrets.js';
 import { type AccountRouteDeps, registerServiceAccountRoutes } from './routes/service-accounts.js';
 import { registerSystemRoutes, type SystemRouteDeps } from './routes/system.js';
+import { registerVolumeRoutes, type VolumeRouteDeps } from './routes/volumes.js';
 import { registerWebhookRoutes, type WebhookRouteDeps } from './routes/webhooks.js';
 import { createRunFastPath, type RunFastPath, type RunFastPathDeps } from './run-fast-path.js';
 import type { TypedServer } from './typed-server.js';
@@ -43,6 +44,7 @@ export type HttpDeps = AppRouteDeps &
   SecretRouteDeps &
   AccountRouteDeps &
   SystemRouteDeps &
+  VolumeRouteDeps &
   WebhookRouteDeps &
   RunFastPathDeps & {
     logger: Logger;
@@ -116,6 +118,7 @@ export async function buildServer(services: HttpDeps): Promise<FerryServer> {
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);
   registerSecretRoutes(app, services);
+  registerVolumeRoutes(app, services);
   registerRunsRoutes(app, services);
   registerWebhookRoutes(app, services);
   registerRunRoutes(app, services);

@@ -46,7 +46,7 @@ export function registerBuildRoutes(app: TypedServer, services: BuildRouteDeps):
           description:
             'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code.',
           params: AppParams,
-          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415) },
+          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415, 503) },
         },
       },
       async (request, reply) => {
