@@ -13,7 +13,6 @@ import { type Authenticator, createAuthenticator } from './auth/authenticate.js'
 import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-store.js';
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
-import { createDefaultBuilders } from './builds/builders/index.js';
 import { createNatsArtifactStore, lazyArtifactsBucket } from './builds/nats-artifact-store.js';
 import { createNatsBuildOutput } from './builds/nats-build-output.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
@@ -52,6 +51,7 @@ import { createStoreRunQueue, type RunQueue } from './runs/run-queue.js';
 import { createRunWaiters, type RunWaiters } from './runs/run-waiters.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
+import { createDefaultBuilders } from './runtimes/index.js';
 import { createSandboxNetwork } from './sandbox/choose-network.js';
 import { detectSandbox, type SandboxCapabilities } from './sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';

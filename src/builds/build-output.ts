@@ -30,7 +30,7 @@ import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { Build } from '../store/schema.js';
 import type { ArtifactStore } from './artifact-store.js';
-import { BuildFailedError } from './builders/types.js';
+import { BuildFailedError } from './builder.js';
 import { buildFolder } from './pipeline.js';
 import { extractZip, type ZipLimits } from './zip-archive.js';
 

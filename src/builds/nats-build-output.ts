@@ -26,7 +26,7 @@ import { FerryError } from '../errors.js';
 import type { ArtifactStore } from './artifact-store.js';
 import { type BuildOutput, extractSource, removeLocalBuild } from './build-output.js';
 import { packFolder, unpackTar } from './build-tar.js';
-import { BuildFailedError } from './builders/types.js';
+import { BuildFailedError } from './builder.js';
 import { artifactsUnavailable, fetchObject, putObject } from './nats-artifact-store.js';
 import { buildFolder } from './pipeline.js';
 import type { ZipLimits } from './zip-archive.js';

@@ -15,6 +15,7 @@ import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
+import { selectBuilder } from '../runtimes/index.js';
 import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from '../sandbox/build-step.js';
 import type { SandboxCapabilities } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
@@ -24,8 +25,7 @@ import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
 import type { BuildLog } from './build-log.js';
 import type { BuildOutput } from './build-output.js';
-import { selectBuilder } from './builders/index.js';
-import { type Builder, BuildFailedError } from './builders/types.js';
+import { type Builder, BuildFailedError } from './builder.js';
 
 export interface BuildPipelineDeps {
   store: Store;

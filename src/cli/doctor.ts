@@ -6,8 +6,8 @@
  */
 
 import { execFile } from 'node:child_process';
-import { findPython } from '../builds/builders/python.js';
 import { resolveServerConfig } from '../config.js';
+import { findPython } from '../runtimes/python/interpreter.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
 import { clusterLines, readCluster } from './cluster.js';

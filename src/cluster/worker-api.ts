@@ -508,6 +508,7 @@ function createBuildCache(store: Store) {
           'builds.project_id',
           'builds.app_id',
           'builds.state',
+          'builds.runtime',
           'builds.config_json',
           'apps.scaling_json',
         ])
@@ -522,6 +523,7 @@ function createBuildCache(store: Store) {
         projectId: row.project_id,
         appId: row.app_id,
         buildId: row.id,
+        runtime: row.runtime,
         config: withScalingOverride(JSON.parse(row.config_json ?? '{}') as AppConfig, row.scaling_json),
       };
       if (cache.size >= 1000) cache.delete(cache.keys().next().value as string);

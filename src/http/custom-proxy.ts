@@ -17,6 +17,7 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
+import { runtimeOf } from '../runtimes/index.js';
 import type { Services } from '../services.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
 import { watchCaller } from './caller-flow.js';
@@ -279,7 +280,7 @@ export function attachWebSocketProxy(
     const token = split.params.get('access_token');
     const authorization = req.headers.authorization ?? (token ? `Bearer ${token}` : undefined);
     const target = await resolve(projectId!, appName!, authorization);
-    if (target.build.config.app.runtime !== 'custom') throw new FerryError('FERRY_WEBSOCKET_NOT_CUSTOM');
+    if (runtimeOf(target.build).calls !== 'http') throw new FerryError('FERRY_WEBSOCKET_NOT_CUSTOM');
     if (split.params.has('webhookEndpoint')) throw new FerryError('FERRY_WEBSOCKET_WEBHOOK');
     if (split.params.has('async')) throw new FerryError('FERRY_WEBSOCKET_ASYNC');
     const idleMs = target.build.config.runtime.custom!.websocket_idle_timeout * 1000;

@@ -16,6 +16,7 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import { RunAbort } from '../runs/run-abort.js';
+import { runtimeOf } from '../runtimes/index.js';
 import type { Services } from '../services.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
 import { logError, toFerryError } from './errors.js';
@@ -122,7 +123,7 @@ export function createRunFastPath(
       const target =
         resolveTargetCached(services, projectId, appName, authorization) ??
         (await resolveTarget(services, projectId, appName, authorization));
-      if (target.build.config.app.runtime === 'custom') {
+      if (runtimeOf(target.build).calls === 'http') {
         // Served by the proxy behind the Fastify route; the body is still unread.
         res.removeListener('close', closed);
         fallback(req, res);

@@ -14,6 +14,7 @@ import type { PoolBuild } from '../../replicas/pool.js';
 import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { newRunRow } from '../../runs/recorder.js';
 import type { ReplayStream, StreamEndState, StreamReader } from '../../runs/stream-replay.js';
+import { runtimeOf } from '../../runtimes/index.js';
 import type { Services } from '../../services.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { useJsonBodies } from '../body-parsers.js';
@@ -77,7 +78,7 @@ export async function resolveTarget(
     throw new FerryError('FERRY_NO_READY_BUILD', undefined, { headers: { 'retry-after': '5' } });
   }
   return {
-    build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
+    build: { projectId, appId: found.appId, buildId: found.buildId, runtime: found.runtime, config: found.config },
     functions: found.functions,
   };
 }
@@ -97,7 +98,7 @@ export function resolveTargetCached(
   if (!found?.config || !found.buildId) return undefined;
   if (!found.config.app.disable_auth && !services.auth.peek(authorization, projectId, 'run')) return undefined;
   return {
-    build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
+    build: { projectId, appId: found.appId, buildId: found.buildId, runtime: found.runtime, config: found.config },
     functions: found.functions,
   };
 }
@@ -524,7 +525,7 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
       const { project_id, app_name } = request.params as { project_id: string; app_name: string };
       const target = await resolveTarget(services, project_id, app_name, request.headers.authorization);
       request.runTarget = target;
-      if (target.build.config.app.runtime === 'custom') {
+      if (runtimeOf(target.build).calls === 'http') {
         return proxyHttp(services, request, reply, target, runId, parseWebhookEndpoint, (call) =>
           acceptAsync(services, request, reply, {
             ...call,
