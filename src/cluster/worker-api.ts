@@ -8,17 +8,8 @@
  * `cluster.key`); anything else answers 401 FERRY_CLUSTER_UNAUTHENTICATED. `/healthz` and `/metrics` are
  * open, as on a gateway, for load balancers and scrapers.
  *
- * The protocol (version 1), all over HTTP/1.1 keep-alive:
- * - `POST /internal/v1/invoke`: body = one line of JSON (the call: CallMeta) + `\n` + the arguments JSON.
- *   Answer: `application/x-ndjson` lines: `{"e":"started"}` and `{"e":"item","d":…}` (streaming calls
- *   only), then `{"e":"done",…,"result":…}` (the result last, as the replica wrote it: a gateway answers
- *   those bytes as they are) or `{"e":"error","error":{code,message,…},"headers":{…}}`.
- * - `POST /internal/v1/http`: body = the call line + the request body to forward, streamed. Answer: one
- *   line `{"e":"head","status":…,"headers":{…}}` (or `{"e":"error",…}`) then the server's body, streamed.
- *   A failure after the head cuts the answer (the gateway cuts its caller's).
- * - `GET /internal/v1/session` with `Upgrade: ferry-tunnel` and the call in `x-ferry-call` (base64url JSON):
- *   the rest of the connection is the caller's WebSocket request and then its bytes, both ways, to the
- *   app's server. A refusal is written as the HTTP error answer the caller would get from one process.
+ * The protocol (routes, the call line, the answer's lines, the session's tunnel) is cluster/protocol.ts,
+ * shared with the client (runs/remote-invoker.ts).
  */
 import http, { type IncomingMessage, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
@@ -31,53 +22,21 @@ import type { Metrics } from '../metrics.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { Invoker } from '../runs/invoke.js';
 import { RunAbort } from '../runs/run-abort.js';
+import { tunnel } from '../runs/tunnel.js';
 import { probeStore, type Store } from '../store/index.js';
-import type { RunMode } from '../store/schema.js';
 import type { CallerTally } from './caller-tally.js';
 import type { ClusterAuth } from './cluster-auth.js';
-
-/** What a gateway tells a worker about a call (the first line of the body, or `x-ferry-call`). */
-export interface CallMeta {
-  v: 1;
-  runId: string;
-  projectId: string;
-  appId: string;
-  buildId: string;
-  fn: string;
-  mode: RunMode;
-  webhookUrl?: string | undefined;
-  webhookSecret?: string | undefined;
-  /** Custom runtime: the request to forward. */
-  http?: { method: string; path: string; headers: Record<string, string | string[]>; hasBody: boolean };
-  /** Custom runtime: the run's stored input. */
-  input?: string | null;
-}
-
-export const INTERNAL_PREFIX = '/internal/v1';
-/** The call line is small (ids, a function name, forwarded headers): past this it is refused. */
-const MAX_META_BYTES = 256 * 1024;
-const ID = /^[A-Za-z0-9_.:-]{1,200}$/;
-const MODES: readonly RunMode[] = ['sync', 'async', 'stream'];
-
-/** The call in `value` when it is well formed; undefined otherwise (a worker trusts the cluster, not bytes). */
-export function parseCallMeta(value: unknown): CallMeta | undefined {
-  if (typeof value !== 'object' || value === null) return undefined;
-  const v = value as Record<string, unknown>;
-  const ok = (key: string) => typeof v[key] === 'string' && ID.test(v[key] as string);
-  if (v.v !== 1 || !ok('runId') || !ok('projectId') || !ok('appId') || !ok('buildId')) return undefined;
-  if (typeof v.fn !== 'string' || v.fn.length === 0 || v.fn.length > 512) return undefined;
-  if (!MODES.includes(v.mode as RunMode)) return undefined;
-  for (const key of ['webhookUrl', 'webhookSecret']) {
-    if (v[key] !== undefined && typeof v[key] !== 'string') return undefined;
-  }
-  if (v.input !== undefined && v.input !== null && typeof v.input !== 'string') return undefined;
-  if (v.http !== undefined) {
-    const h = v.http as Record<string, unknown> | null;
-    if (!h || typeof h.method !== 'string' || typeof h.path !== 'string' || !h.path.startsWith('/')) return undefined;
-    if (typeof h.headers !== 'object' || h.headers === null || typeof h.hasBody !== 'boolean') return undefined;
-  }
-  return v as unknown as CallMeta;
-}
+import {
+  CALL_HEADER,
+  type CallMeta,
+  decodeHeaderMeta,
+  doneLine,
+  errorLine,
+  MAX_META_BYTES,
+  parseCallMeta,
+  line as protocolLine,
+  WORKER_PATHS,
+} from './protocol.js';
 
 export interface WorkerApiDeps {
   store: Store;
@@ -133,8 +92,8 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     }
     const caller = deps.auth.verify(req.headers.authorization);
     if (!caller) throw new FerryError('FERRY_CLUSTER_UNAUTHENTICATED');
-    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/invoke`) return invoke(req, res, caller.nodeId);
-    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/http`) return forwardHttp(req, res, caller.nodeId);
+    if (req.method === 'POST' && url === WORKER_PATHS.invoke) return invoke(req, res, caller.nodeId);
+    if (req.method === 'POST' && url === WORKER_PATHS.http) return forwardHttp(req, res, caller.nodeId);
     throw new FerryError('FERRY_ROUTE_NOT_FOUND', `No internal route ${req.method} ${url.split('?')[0]}`);
   }
 
@@ -160,9 +119,9 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       res.writeHead(200, { 'content-type': 'application/x-ndjson' });
       res.flushHeaders();
     };
-    const line = (value: unknown) => {
+    const line = (value: Parameters<typeof protocolLine>[0]) => {
       open();
-      res.write(`${JSON.stringify(value)}\n`);
+      res.write(protocolLine(value));
     };
     try {
       const outcome = await deps.invoker.invoke({
@@ -191,15 +150,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
           : {}),
       });
       // `result` last, as the replica's bytes: the gateway answers them as they are (remote-invoker.ts).
-      const result = outcome.resultJson ?? JSON.stringify(outcome.result ?? null);
-      const head = JSON.stringify({
-        e: 'done',
-        streamed: outcome.streamed,
-        runTimeMs: outcome.runTimeMs,
-        coldStart: outcome.coldStart,
-        statusCode: outcome.statusCode,
-      });
-      const done = `${head.slice(0, -1)},"result":${result}}\n`;
+      const done = doneLine(outcome, outcome.resultJson ?? JSON.stringify(outcome.result ?? null));
       if (opened) res.end(done);
       else {
         res.writeHead(200, { 'content-type': 'application/x-ndjson', 'content-length': Buffer.byteLength(done) });
@@ -258,7 +209,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         onResponse(head) {
           answered = true;
           res.writeHead(200, { 'content-type': 'application/octet-stream' });
-          res.write(`${JSON.stringify({ e: 'head', status: head.statusCode, headers: head.headers })}\n`);
+          res.write(protocolLine({ e: 'head', status: head.statusCode, headers: head.headers }));
           res.socket?.setNoDelay(true);
           return res;
         },
@@ -271,7 +222,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       }
       if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal http call failed');
       res.writeHead(200, { 'content-type': 'application/octet-stream' });
-      res.end(`${JSON.stringify(errorLine(err))}\n`);
+      res.end(protocolLine(errorLine(err)));
     }
   }
 
@@ -280,7 +231,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     socket.on('error', () => socket.destroy());
     let meta: CallMeta | undefined;
     try {
-      meta = decodeHeaderMeta(req.headers['x-ferry-call']);
+      meta = decodeHeaderMeta(req.headers[CALL_HEADER]);
     } catch {
       meta = undefined;
     }
@@ -290,7 +241,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       refuseUpgrade(socket, runId, new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'));
       return;
     }
-    if (req.url !== `${INTERNAL_PREFIX}/session` || !meta) {
+    if (req.url !== WORKER_PATHS.session || !meta) {
       refuseUpgrade(socket, runId, new FerryError('FERRY_VALIDATION', 'not a session call'));
       return;
     }
@@ -310,33 +261,13 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     await deps.invoker
       .invokeSession(
         { runId: meta.runId, build, fn: meta.fn, mode: 'stream', signal: gone.signal, noDeadline: true },
+        // What the gateway sent after the tunnel's own head: the caller's request, then its bytes.
         (replica, signal) =>
-          new Promise<number>((resolve, reject) => {
-            const upstream = replica.connect();
-            let status = 0;
-            const finish = () => {
-              upstream.destroy();
-              socket.destroy();
-              if (status === 0) reject(new FerryError('FERRY_REPLICA_DIED', 'The app closed the connection'));
-              else resolve(status);
-            };
-            signal.addEventListener('abort', finish, { once: true });
-            upstream.once('error', finish);
-            upstream.once('close', finish);
-            socket.once('close', finish);
-            upstream.once('connect', () => {
-              // What the gateway sent after the tunnel's own head: the caller's request, then its bytes.
-              if (head.length > 0) upstream.write(head);
-              upstream.once('data', (first: Buffer) => {
-                const match = /^HTTP\/1\.[01] (\d{3})/.exec(first.subarray(0, 16).toString('latin1'));
-                status = match ? Number(match[1]) : 502;
-                answered = true;
-              });
-              upstream.pipe(socket);
-              socket.pipe(upstream);
-              upstream.setNoDelay(true);
-              socket.setNoDelay(true);
-            });
+          tunnel(socket, replica, signal, {
+            head,
+            onAnswered: () => {
+              answered = true;
+            },
           }),
       )
       .catch((err: unknown) => {
@@ -368,11 +299,6 @@ function goneAbort(res: ServerResponse): RunAbort {
   return gone;
 }
 
-function errorLine(err: unknown): { e: 'error'; error: Record<string, string>; status: number; headers: object } {
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
-  return { e: 'error', error: ferry.toJSON().error, status: ferry.status, headers: ferry.headers };
-}
-
 function answerError(res: ServerResponse, err: unknown): void {
   if (res.headersSent) {
     res.destroy();
@@ -390,15 +316,6 @@ function sendJson(res: ServerResponse, status: number, body: unknown, headers: R
     'content-length': Buffer.byteLength(text),
   });
   res.end(text);
-}
-
-export function encodeHeaderMeta(meta: CallMeta): string {
-  return Buffer.from(JSON.stringify(meta)).toString('base64url');
-}
-
-function decodeHeaderMeta(value: string | string[] | undefined): CallMeta | undefined {
-  if (typeof value !== 'string' || value.length > MAX_META_BYTES) return undefined;
-  return parseCallMeta(JSON.parse(Buffer.from(value, 'base64url').toString('utf8')));
 }
 
 /** Reads the call line; `rest` is what came after it in the same chunk. The request is left paused. */
