@@ -169,6 +169,16 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const nats = config.natsUrl
     ? createNatsLink({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
     : undefined;
+  const sandbox = await detectSandbox();
+  // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
+  const views =
+    sandbox.bwrap && runsCode
+      ? await createBuildViews({ buildsDir: dataDir.builds, othersRead: sandbox.identity !== null })
+      : undefined;
+  if (views?.reason) logger.warn(views.reason);
+  void views?.swept.then((removed) => {
+    if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');
+  });
   let artifacts: ArtifactStore;
   let buildOutput: BuildOutput;
   if (nats) {
@@ -184,6 +194,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       bucket: lazyArtifactsBucket(() => requireNats(nats), bucket),
       artifacts,
       zipLimits: config.zipLimits,
+      views,
       logger: logger.child({ component: 'builds' }),
     });
   } else {
@@ -193,6 +204,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       artifactsDir: config.artifactsDir,
       artifacts,
       zipLimits: config.zipLimits,
+      views,
       logger: logger.child({ component: 'builds' }),
     });
   }
@@ -209,7 +221,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     limits: { maxRunLogBytes: config.runLogBytes },
     onLateResults: (n) => metrics.lateResultsDiscarded.inc(n),
   });
-  const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
   // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
   // they are home to (min_replicas counts for the whole cluster).
@@ -249,15 +260,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
-  // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
-  const views =
-    sandbox.bwrap && runsCode
-      ? await createBuildViews({ buildsDir: dataDir.builds, othersRead: sandbox.identity !== null })
-      : undefined;
-  if (views?.reason) logger.warn(views.reason);
-  void views?.swept.then((removed) => {
-    if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');
-  });
   const network = runsCode
     ? await createSandboxNetwork({
         egress: config.egress,
@@ -526,7 +528,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     changes,
     buildsDir: dataDir.builds,
     buildsInUse: () => replicas.buildsInUse(),
-    ...(views ? { dropView: (buildId: string) => views.drop(buildId) } : {}),
     cancelBuild: (projectId, appId, buildId) => pipeline.cancel(projectId, appId, buildId),
     logger: logger.child({ component: 'housekeeping' }),
     onRemoved({ builds = 0, runs = 0, bytes = 0 }) {

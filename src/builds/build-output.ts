@@ -18,30 +18,25 @@
 import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import type { Logger } from 'pino';
 import type { ArtifactStore } from './artifact-store.js';
 import {
   type BuildOutput,
   createLocalBuildCache,
   exists,
+  type LocalBuildCacheDeps,
   type PublishedBuilds,
   removeStaging,
   STAGING_PREFIX,
   treeBytes,
 } from './local-build-cache.js';
-import type { ZipLimits } from './zip-archive.js';
 
 export type { BuildOutput } from './local-build-cache.js';
 
-export interface BuildOutputDeps {
-  /** `<data-dir>/builds`: this process's builds, which replicas bind. */
-  buildsDir: string;
+export interface BuildOutputDeps extends LocalBuildCacheDeps {
   /** `--artifacts-dir`: build outputs go to its `builds/` folder, beside the archives. */
   artifactsDir: string;
   /** Where uploaded archives are (ensureSource reads them). */
   artifacts: ArtifactStore;
-  zipLimits: ZipLimits;
-  logger: Logger;
 }
 
 /** Staging folders in the shared folder older than this are from a crashed process: no copy takes that long. */

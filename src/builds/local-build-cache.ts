@@ -1,6 +1,7 @@
 /**
- * The local build cache: this process's `<data-dir>/builds/<id>` folders, which replicas bind, kept equal
- * to the published builds. One implementation, used by both places builds are published (the `BuildOutput`
+ * The local build cache: this process's `<data-dir>/builds/<id>` folders, kept equal to the published
+ * builds, and (sandboxed) their views, which replicas bind (sandbox/views.ts makes them; they go with
+ * their folder here). One implementation, used by both places builds are published (the `BuildOutput`
  * seam): the shared artifacts folder (build-output.ts) and the JetStream object store
  * (nats-build-output.ts), which supply only the `PublishedBuilds` half.
  *
@@ -25,6 +26,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
+import type { BuildViews } from '../sandbox/views.js';
 import type { Build } from '../store/schema.js';
 import { BuildFailedError } from './builder.js';
 import { buildFolder } from './pipeline.js';
@@ -69,6 +71,11 @@ export interface LocalBuildCacheDeps {
   buildsDir: string;
   /** The upload's limits, checked again when a source is extracted here (ensureSource). */
   zipLimits: ZipLimits;
+  /**
+   * The views of this process's builds that sandboxed replicas bind (sandbox/views.ts: hard links, so a
+   * view keeps the files' space taken after the folder is gone): a build's view goes with its folder.
+   */
+  views?: Pick<BuildViews, 'drop'> | undefined;
   logger: Logger;
 }
 
@@ -132,7 +139,11 @@ export async function createLocalBuildCache(
       let bytes = 0;
       if (!options.keepLocal) {
         complete.delete(buildId);
-        bytes += await removeLocalBuild(buildsDir, buildId);
+        try {
+          bytes += await removeLocalBuild(buildsDir, buildId);
+        } finally {
+          await deps.views?.drop(buildId);
+        }
       }
       if (options.shared) bytes += await published.delete(buildId);
       return bytes;

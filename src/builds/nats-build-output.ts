@@ -20,18 +20,19 @@
  */
 import fs from 'node:fs/promises';
 import type { ObjectStore } from '@nats-io/obj';
-import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { ArtifactStore } from './artifact-store.js';
 import { packFolder, unpackTar } from './build-tar.js';
 import { BuildFailedError } from './builder.js';
-import { type BuildOutput, createLocalBuildCache, type PublishedBuilds } from './local-build-cache.js';
+import {
+  type BuildOutput,
+  createLocalBuildCache,
+  type LocalBuildCacheDeps,
+  type PublishedBuilds,
+} from './local-build-cache.js';
 import { artifactsUnavailable, fetchObject, putObject } from './nats-artifact-store.js';
-import type { ZipLimits } from './zip-archive.js';
 
-export interface NatsBuildOutputDeps {
-  /** `<data-dir>/builds`: this process's builds, which replicas bind. */
-  buildsDir: string;
+export interface NatsBuildOutputDeps extends LocalBuildCacheDeps {
   /**
    * The cluster's artifacts bucket (`openArtifactsBucket`), or a function opening it when first needed
    * (`lazyArtifactsBucket`: start-up does not wait for NATS).
@@ -39,8 +40,6 @@ export interface NatsBuildOutputDeps {
   bucket: ObjectStore | (() => Promise<ObjectStore>);
   /** Where uploaded archives are (ensureSource reads them). */
   artifacts: ArtifactStore;
-  zipLimits: ZipLimits;
-  logger: Logger;
 }
 
 export async function createNatsBuildOutput(deps: NatsBuildOutputDeps): Promise<BuildOutput> {
