@@ -248,13 +248,15 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
   }
 
   for (const runtime of runtimes) {
-    if (!RUNTIMES[runtime].warm) runtimes.delete(runtime);
+    if (!RUNTIMES[runtime].warm) {
+      runtimes.delete(runtime);
+      continue;
+    }
     // Python needs an interpreter (Runtime.available): without one, Python apps fail to build anyway.
-    else
-      void RUNTIMES[runtime].available().then((available) => {
-        if (available) refill(runtime);
-        else runtimes.delete(runtime);
-      });
+    void RUNTIMES[runtime].available().then((available) => {
+      if (available) refill(runtime);
+      else runtimes.delete(runtime);
+    });
   }
 
   return {
