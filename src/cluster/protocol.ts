@@ -19,7 +19,6 @@
  * Every call carries a cluster token (`authorization`, cluster-auth.ts). An error before an answer started
  * is the error envelope with its status, as the public API writes it.
  */
-import { FerryError } from '../errors.js';
 import type { RunMode } from '../store/schema.js';
 
 export const PROTOCOL_VERSION = 1;
@@ -107,8 +106,11 @@ export function sessionRequestHead(host: string, authorization: string, meta: Ca
 export type StartedLine = { e: 'started' };
 export type ItemLine = { e: 'item'; d: unknown };
 export type HeadLine = { e: 'head'; status: number; headers: Record<string, unknown> };
-/** A coded error, as the public envelope's `error` member, with its status and headers (Retry-After…). */
-export type ErrorLine = { e: 'error'; error: Record<string, string>; status: number; headers: object };
+/**
+ * A coded error, as the public envelope's `error` member, with its status and headers (Retry-After…): the
+ * worker writes it with http/answer.ts `workerErrorLine`, the one error answer of every writer.
+ */
+export type ErrorLine = { e: 'error'; error: Record<string, string>; status: number; headers: Record<string, string> };
 /** What a `done` line carries besides its result. */
 export interface DoneHead {
   streamed: boolean;
@@ -120,12 +122,6 @@ export interface DoneHead {
 /** An NDJSON line of an answer. */
 export function line(value: StartedLine | ItemLine | HeadLine | ErrorLine): string {
   return `${JSON.stringify(value)}\n`;
-}
-
-/** The error line of `err` (a FerryError as it is; anything else internal). */
-export function errorLine(err: unknown): ErrorLine {
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
-  return { e: 'error', error: ferry.toJSON().error, status: ferry.status, headers: ferry.headers };
 }
 
 /** The `done` line: `result` last, as the replica's bytes, so the gateway answers them as they are. */
