@@ -55,11 +55,6 @@ export interface HousekeepingDeps {
   buildsDir: string;
   /** Builds whose replicas run here now (their files stay). */
   buildsInUse(): Set<string>;
-  /**
-   * Removes the build's view here (replicas bind a view of hard links to the build's files, which would
-   * keep the files' space taken after the build folder is gone: sandbox/views.ts).
-   */
-  dropView?: (buildId: string) => Promise<void>;
   /** Cancels a build being made (the pipeline). */
   cancelBuild(projectId: string, appId: string, buildId: string): Promise<unknown>;
   logger: Logger;
@@ -114,7 +109,6 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
         kept.add(build.id);
       }
       bytes += await deps.buildOutput.remove(build.id, { shared: true, keepLocal });
-      if (!keepLocal) await deps.dropView?.(build.id);
       await deps.artifacts.delete(build.id);
       bytes += Number(build.archive_bytes) || 0;
     } catch (err) {
@@ -452,9 +446,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       }
       // No row names it any more, so nothing starts a replica of it again.
       try {
-        const bytes = await deps.buildOutput.remove(buildId);
-        await deps.dropView?.(buildId);
-        return bytes;
+        return await deps.buildOutput.remove(buildId);
       } catch (err) {
         logger.warn({ err, buildId }, 'removing a deleted build’s folder failed');
         return 0;
@@ -488,7 +480,6 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
         const stat = await fs.lstat(path.join(deps.buildsDir, id)).catch(() => undefined);
         if (!stat || now - stat.mtimeMs < LOCAL_MIN_AGE_MS) continue;
         bytes += await deps.buildOutput.remove(id).catch(() => 0);
-        await deps.dropView?.(id).catch(() => undefined);
       }
       return bytes;
     },

@@ -28,6 +28,7 @@ import type { Logger } from 'pino';
 import { endUnfinished, heldAsyncRuns } from '../cluster/recovery.js';
 import { FerryError } from '../errors.js';
 import type { PoolBuild } from '../replicas/pool.js';
+import { runtimeOf } from '../runtimes/index.js';
 import { claimQueuedRuns, releaseQueuedRuns } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import { type Invoker, RunNotClaimedError, RunStartError } from './invoke.js';
@@ -136,7 +137,13 @@ export function createAsyncWorker(deps: {
   async function target(q: Queued): Promise<PoolBuild | undefined> {
     const found = await deps.targets.get(q.projectId, q.appId);
     if (!found?.buildId || !found.config) return undefined;
-    return { projectId: q.projectId, appId: q.appId, buildId: found.buildId, config: found.config };
+    return {
+      projectId: q.projectId,
+      appId: q.appId,
+      buildId: found.buildId,
+      runtime: found.runtime,
+      config: found.config,
+    };
   }
 
   /** The run's call from its record, or undefined when it is no longer this node's queued run. */
@@ -178,7 +185,7 @@ export function createAsyncWorker(deps: {
           headers: Record<string, string | string[]>;
           body_base64: string;
         };
-        if (build.config.app.runtime !== 'custom') {
+        if (runtimeOf(build).calls !== 'http') {
           return await failRunOrRetry(
             q,
             'FERRY_CORTEX_CALL',
@@ -190,7 +197,7 @@ export function createAsyncWorker(deps: {
           ...common,
           http: { method: stored.method, path: stored.path, headers: stored.headers, body: body.length ? body : null },
         });
-      } else if (build.config.app.runtime === 'custom') {
+      } else if (runtimeOf(build).calls === 'http') {
         return await failRunOrRetry(
           q,
           'FERRY_CORTEX_CALL',

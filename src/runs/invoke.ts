@@ -14,6 +14,7 @@ import { DEFAULT_FRAME_LIMITS, type Frame, type FrameLimits } from '../replicas/
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { CallFlow } from '../replicas/replica.js';
+import { runtimeOf } from '../runtimes/index.js';
 import type { RunMode, RunState } from '../store/schema.js';
 import { MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
 import { InFlightRuns } from './in-flight.js';
@@ -530,7 +531,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         request,
         { stored: storedInput(request.body), bytes: request.body.length },
         callFunction(request),
-        request.build.config.app.runtime !== 'custom',
+        runtimeOf(request.build).calls === 'frames',
       );
     },
     cancel(runId) {

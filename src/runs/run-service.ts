@@ -201,7 +201,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
         throw new FerryError('FERRY_NO_READY_BUILD', undefined, { headers: { 'retry-after': '5' } });
       }
       return {
-        build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
+        build: { projectId, appId: found.appId, buildId: found.buildId, runtime: found.runtime, config: found.config },
         functions: found.functions,
       };
     },
@@ -211,7 +211,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
       if (!found?.config || !found.buildId) return undefined;
       if (!found.config.app.disable_auth && !auth.peek(authorization, projectId, 'run')) return undefined;
       return {
-        build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
+        build: { projectId, appId: found.appId, buildId: found.buildId, runtime: found.runtime, config: found.config },
         functions: found.functions,
       };
     },
