@@ -17,11 +17,9 @@ import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import type { DestinationStream } from 'pino';
-import { bootstrapProject } from '../../src/auth/service-accounts.js';
-import { resolveServerConfig, type ServerConfig } from '../../src/config.js';
-import { buildServer, type FerryServer } from '../../src/http/server.js';
-import { createLogger } from '../../src/logger.js';
-import { createServices, type Services } from '../../src/services.js';
+import type { ServerConfig } from '../../src/config.js';
+import type { FerryServer } from '../../src/http/server.js';
+import type { Services } from '../../src/services.js';
 import { createTestDatabase, type TestDatabase, testStoreKind } from './store.js';
 
 /** The repository root (tests run from dist/test, two levels below). */
@@ -58,6 +56,16 @@ export async function startServer(
   } = {},
 ): Promise<TestServer> {
   const { log, ...configOverrides } = overrides;
+  // Loaded here, not at the top: the many test files that import this module only for tempDir, http or
+  // the CLI do not load the whole server (about a second of CPU per test process).
+  const [{ resolveServerConfig }, { buildServer }, { createLogger }, { createServices }, { bootstrapProject }] =
+    await Promise.all([
+      import('../../src/config.js'),
+      import('../../src/http/server.js'),
+      import('../../src/logger.js'),
+      import('../../src/services.js'),
+      import('../../src/auth/service-accounts.js'),
+    ]);
   const dataDir = overrides.dataDir ?? (await tempDir());
   const env = { FERRY_WARM_POOL: '0', ...overrides.env };
   const config = { ...resolveServerConfig({ dataDir, port: 0 }, env), ...configOverrides, dataDir };

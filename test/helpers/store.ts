@@ -17,7 +17,7 @@
 import { createHash, randomBytes } from 'node:crypto';
 import { readFile } from 'node:fs/promises';
 import pg from 'pg';
-import { openPostgresStore, openSqliteStore, type Store } from '../../src/store/index.js';
+import type { Store } from '../../src/store/index.js';
 import { withoutPassword } from '../../src/store/outage.js';
 
 export type TestStoreKind = 'sqlite' | 'postgres';
@@ -122,6 +122,7 @@ function migratedTemplate(): Promise<string> {
     const building = `ferry_tb_${randomBytes(6).toString('hex')}`;
     await adminStatement(`CREATE DATABASE "${building}"`);
     try {
+      const { openPostgresStore } = await import('../../src/store/index.js');
       const store = await openPostgresStore({ databaseUrl: databaseUrl(building), poolSize: 1 });
       await store.destroy();
       await adminStatement(`ALTER DATABASE "${building}" WITH ALLOW_CONNECTIONS false`);
@@ -181,12 +182,14 @@ export interface TestStore {
  */
 export async function openTestStore(dataDir: string, options: CreateTestDatabaseOptions = {}): Promise<TestStore> {
   if (testStoreKind() === 'sqlite') {
+    const { openSqliteStore } = await import('../../src/store/index.js');
     const store = await openSqliteStore({ dataDir });
     return { store, kind: 'sqlite', databaseUrl: undefined, close: () => store.destroy() };
   }
   const database = await createTestDatabase(options);
   let store: Store;
   try {
+    const { openPostgresStore } = await import('../../src/store/index.js');
     store = await openPostgresStore({ databaseUrl: database.url });
   } catch (err) {
     await database.drop();
