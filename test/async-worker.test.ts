@@ -14,6 +14,7 @@ import { uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
 import { type AsyncWorker, createAsyncWorker } from '../src/runs/async-worker.js';
 import { type InvokeRequest, type Invoker, RunNotClaimedError } from '../src/runs/invoke.js';
+import { endRun } from '../src/runs/lifecycle.js';
 import { createRunRecorder, newRunRow, type RunRecorder } from '../src/runs/recorder.js';
 import type { AppTarget, RunTargets } from '../src/runs/targets.js';
 import { openSqliteStore, type Store } from '../src/store/index.js';
@@ -58,15 +59,18 @@ function fakeInvoker(recorder: RunRecorder): FakeInvoker {
           throw new RunNotClaimedError(id);
         }
         fake.events.push(`claim:${id}`);
-        if (!(await request.claim?.())) throw new RunNotClaimedError(id);
+        const attempt = await request.claim?.();
+        if (attempt === undefined) throw new RunNotClaimedError(id);
         fake.events.push(`start:${id}`);
         if (fake.hold.has(id)) await new Promise<void>((resolve) => waiting.set(id, resolve));
-        recorder.finish(id, {
-          state: 'success',
-          status_code: 200,
-          result: JSON.stringify(JSON.parse(request.body.toString())),
-          finished_at: new Date().toISOString(),
-        });
+        // Ended as the invoker ends it: through runs/lifecycle.ts, fenced by the start the claim gave.
+        const stored = JSON.stringify(JSON.parse(request.body.toString()));
+        recorder.finish(
+          endRun(
+            { id, webhookUrl: request.webhookUrl, attempt },
+            { kind: 'answered', statusCode: 200, runTimeMs: 1, result: { stored } },
+          ),
+        );
         fake.events.push(`end:${id}`);
         return { result: null, streamed: false, runTimeMs: 1, coldStart: false, statusCode: 200 };
       },
@@ -131,7 +135,12 @@ describe('the async worker with a fake invoker and the real recorder', () => {
   }
 
   /** Inserts a queued async run (held by this node, or free) and returns its id. */
-  async function queued(app: { projectId: string; appId: string }, owner: string | null = OWNER, input = '{"n":1}') {
+  async function queued(
+    app: { projectId: string; appId: string },
+    owner: string | null = OWNER,
+    input = '{"n":1}',
+    webhookUrl?: string,
+  ) {
     const id = uuidv7();
     const build = { ...app, buildId: apps.get(`${app.projectId}/${app.appId}`)?.buildId ?? uuidv7() };
     await recorder.insertNow(
@@ -142,6 +151,7 @@ describe('the async worker with a fake invoker and the real recorder', () => {
         mode: 'async',
         input,
         owner: owner ?? undefined,
+        webhookUrl,
       }),
     );
     return id;
@@ -234,7 +244,7 @@ describe('the async worker with a fake invoker and the real recorder', () => {
     const worker = workerOf(fake);
     const app = appOf();
     apps.set(`${app.projectId}/${app.appId}`, { appId: app.appId, buildId: null, config: undefined, functions: [] });
-    const id = await queued(app);
+    const id = await queued(app, OWNER, '{}', 'http://127.0.0.1:9/hook');
     worker.enqueue({ id, ...app });
     await waitUntil(() => worker.backlog === 0);
     assert.deepEqual(fake.events, []);
@@ -242,6 +252,9 @@ describe('the async worker with a fake invoker and the real recorder', () => {
     assert.equal(stored.state, 'failure');
     assert.equal(stored.error_code, 'FERRY_NO_READY_BUILD');
     assert.equal(stored.status_code, 503);
+    const hooks = await store.selectFrom('webhook_deliveries').select('payload').where('run_id', '=', id).execute();
+    assert.equal(hooks.length, 1);
+    assert.equal(JSON.parse(hooks[0]!.payload).state, 'failure', 'the payload says the state (docs/webhooks.md)');
   });
 
   it('claims free queued runs from the store when started, and performs them', async () => {

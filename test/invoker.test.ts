@@ -282,7 +282,7 @@ describe('the invoker with a fake replica and the real recorder', () => {
         recorded: true,
         claim: async () => {
           order.push(`claim after ${fake.events.join(',')}`);
-          return false;
+          return undefined;
         },
       }),
       RunNotClaimedError,
@@ -330,7 +330,7 @@ describe('the invoker with a fake replica and the real recorder', () => {
         recorded: true,
         claim: async () => {
           claims++;
-          return true;
+          return 1;
         },
       }),
       /response_grace_period/,

@@ -222,7 +222,8 @@ describe('the build pipeline with a fake builder', () => {
 
   it('records a failed build with its message, leaves the active build alone, and removes its output', async () => {
     const fake = fakeBuilder();
-    const pipeline = pipelineOf(fake);
+    const finished: Build[] = [];
+    const pipeline = pipelineOf(fake, { finished });
     const { appId, newBuild } = await appOf();
     const good = await newBuild();
     pipeline.enqueue(good);
@@ -234,6 +235,8 @@ describe('the build pipeline with a fake builder', () => {
     assert.equal(done.state, 'failed');
     assert.equal(done.error, 'main.ts: a syntax error');
     assert.equal(await activeOf(appId), good.id);
+    // The pipeline tells of a final state once it is written and the build's folders are tidied.
+    await waitFor(async () => finished.some((b) => b.id === bad.id));
     await assert.rejects(fs.access(path.join(dir, 'builds', bad.id, 'out')), 'no output left of a failed build');
     assert.equal((await logOf(bad.id)).at(-1), 'Build failed: main.ts: a syntax error');
   });
