@@ -10,9 +10,11 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { parseAppConfig } from '../src/apps/app-config.js';
+import { createBuildActivation } from '../src/builds/activation.js';
 import { createBuildLog } from '../src/builds/build-log.js';
 import { type Builder, BuildFailedError, type BuildResult } from '../src/builds/builders/types.js';
 import { type BuildPipeline, createBuildPipeline } from '../src/builds/pipeline.js';
+import { createLocalChangeFeed } from '../src/cluster/change-feed.js';
 import { FerryError } from '../src/errors.js';
 import { uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
@@ -77,6 +79,12 @@ describe('the build pipeline with a fake builder', () => {
   let dir: string;
   let store: Store;
   const pipelines: BuildPipeline[] = [];
+  /** The builds announced active (`build.activated` on the change feed), in order. */
+  const announced: string[] = [];
+  const changes = createLocalChangeFeed({ logger });
+  changes.subscribe((event) => {
+    if (event.type === 'build.activated') announced.push(event.buildId);
+  });
 
   before(async () => {
     dir = await tempDir('ferry-pipeline-');
@@ -93,6 +101,8 @@ describe('the build pipeline with a fake builder', () => {
     const pipeline = createBuildPipeline({
       store,
       buildLog: createBuildLog({ store }),
+      // The real activation (builds/activation.ts, the one writer of the active build), on an in-process feed.
+      activation: createBuildActivation({ store, changes, switchHere: async () => {} }),
       buildsDir: path.join(dir, 'builds'),
       cacheDir: path.join(dir, 'cache'),
       builders: { node: fake.builder },
@@ -207,17 +217,22 @@ describe('the build pipeline with a fake builder', () => {
     assert.equal(await activeOf(appId), second.id);
   });
 
-  it('never lets an older build that becomes ready replace a newer active one', async () => {
+  it('never lets an older build that becomes ready replace (or be announced over) a newer active one', async () => {
     const fake = fakeBuilder();
-    const pipeline = pipelineOf(fake);
+    const finished: Build[] = [];
+    const pipeline = pipelineOf(fake, { finished });
     const { appId, newBuild } = await appOf();
     const older = await newBuild();
     const newer = await newBuild();
     pipeline.enqueue(newer);
     await settled(newer.id);
+    await waitFor(async () => announced.includes(newer.id));
     pipeline.enqueue(older);
     assert.equal((await settled(older.id)).state, 'ready');
     assert.equal(await activeOf(appId), newer.id, 'the newer build stays active');
+    // The pipeline announces after its onFinished: once told, an announcement would have been made.
+    await waitFor(async () => finished.some((b) => b.id === older.id));
+    assert.ok(!announced.includes(older.id), 'a build kept inactive is not announced active');
   });
 
   it('records a failed build with its message, leaves the active build alone, and removes its output', async () => {

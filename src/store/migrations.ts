@@ -298,6 +298,26 @@ const migrations: Record<string, Migration> = {
       if (isPostgres(db)) await sql`alter table run_log_stats alter column run_id type text collate "C"`.execute(db);
     },
   },
+  '0012_volumes': {
+    async up(db: Kysely<unknown>) {
+      // A project's volumes (src/volumes/): the name, the size its filesystem image was made with, and the
+      // host group that owns its files (every replica mounting it gets that group; unique over all volumes).
+      await db.schema
+        .createTable('volumes')
+        .addColumn('project_id', 'text', (c) => c.notNull().references('projects.id'))
+        .addColumn('name', 'text', (c) => c.notNull())
+        .addColumn('size_mib', 'integer', (c) => c.notNull())
+        .addColumn('gid', 'bigint', (c) => c.notNull().unique())
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('volumes_pk', ['project_id', 'name'])
+        .execute();
+      if (isPostgres(db)) {
+        await sql`alter table volumes alter column project_id type text collate "C", alter column name type text collate "C", alter column created_at type text collate "C"`.execute(
+          db,
+        );
+      }
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

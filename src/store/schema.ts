@@ -171,6 +171,18 @@ export interface SecretsTable {
   updated_at: string;
 }
 
+/** A project's volume (migration 0012, src/volumes/). */
+export interface VolumesTable {
+  project_id: string;
+  /** Same rule as app names. */
+  name: string;
+  /** The size of its filesystem image, MiB: writes past it fail with ENOSPC. */
+  size_mib: number;
+  /** The host group owning the volume's files; replicas mounting it get it as a supplementary group. */
+  gid: number;
+  created_at: string;
+}
+
 export interface Database {
   projects: ProjectsTable;
   service_accounts: ServiceAccountsTable;
@@ -183,6 +195,7 @@ export interface Database {
   webhook_deliveries: WebhookDeliveriesTable;
   webhook_attempts: WebhookAttemptsTable;
   secrets: SecretsTable;
+  volumes: VolumesTable;
   nodes: NodesTable;
 }
 

@@ -8,6 +8,7 @@ import { renderKeys } from './pages/keys.js';
 import { renderRun, renderRuns } from './pages/runs.js';
 import { renderSecrets } from './pages/secrets.js';
 import { renderSettings } from './pages/settings.js';
+import { renderVolumeFiles, renderVolumes } from './pages/volumes.js';
 import { appHref, lastApp, listApps } from './shared.js';
 import { errorBox, errorText, h } from './ui.js';
 
@@ -43,6 +44,8 @@ const ROUTES = [
   [/^\/charts$/, pickApp('charts'), 'charts'],
   [/^\/keys$/, renderKeys, 'keys'],
   [/^\/secrets$/, renderSecrets, 'secrets'],
+  [/^\/volumes$/, renderVolumes, 'volumes'],
+  [/^\/volumes\/([^/]+)$/, renderVolumeFiles, 'volumes'],
 ];
 
 let current = null;
