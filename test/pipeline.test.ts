@@ -56,6 +56,11 @@ function fakeBuilder(): FakeBuilder {
         if (step === 'wait') {
           await new Promise<void>((resolve, reject) => {
             waiting.set(ctx.buildId, resolve);
+            // Aborted before the builder ran (the time limit passed while the pipeline prepared the build).
+            if (ctx.signal.aborted) {
+              fake.events.push(`aborted:${ctx.buildId}`);
+              return reject(ctx.signal.reason);
+            }
             ctx.signal.addEventListener(
               'abort',
               () => {
