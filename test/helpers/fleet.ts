@@ -55,7 +55,10 @@ export interface FleetSettings {
   databaseUrl: string;
   keysDir: string;
   artifactsDir: string;
-  /** More environment for the serve process (PATH, HOME and FERRY_LOG_FORMAT=json are always set). */
+  /**
+   * More environment for the serve process (PATH, HOME and FERRY_LOG_FORMAT=json are always set;
+   * FERRY_WARM_POOL is 0 unless set here).
+   */
   env?: NodeJS.ProcessEnv;
 }
 
@@ -104,7 +107,14 @@ export async function startFleetProcess(
     settings.artifactsDir,
   ];
   const child = spawn(process.execPath, args, {
-    env: { PATH: process.env.PATH, HOME: process.env.HOME, FERRY_LOG_FORMAT: 'json', ...settings.env },
+    // No warm pool unless the test sets one: two background sandboxes per process that most tests never take.
+    env: {
+      PATH: process.env.PATH,
+      HOME: process.env.HOME,
+      FERRY_LOG_FORMAT: 'json',
+      FERRY_WARM_POOL: '0',
+      ...settings.env,
+    },
     stdio: ['ignore', 'pipe', 'pipe'],
     // Its own process group: a kill of -pid reaches the replicas too (without the sandbox nothing else
     // ties them to the serve process, and an orphan would go on running).
