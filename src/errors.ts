@@ -49,6 +49,7 @@ export const ERRORS = {
   FERRY_BUILD_ACTIVE: { status: 409, message: 'The active build cannot be deleted' },
   FERRY_BUILD_IN_PROGRESS: { status: 409, message: 'The build is still being made: cancel it first' },
   FERRY_SCALING_INVALID: { status: 400, message: 'The scaling settings are not valid' },
+  FERRY_SCHEDULE_NOT_FOUND: { status: 404, message: 'No such schedule' },
 
   // App configuration (ferry.toml)
   FERRY_CONFIG_MISSING: { status: 400, message: 'The archive has no ferry.toml at its root' },

@@ -31,7 +31,10 @@ export function newRunRow(fields: {
   /** The node that holds the run (cluster/node.ts); sync and stream runs are stamped by the recorder. */
   owner?: string | null | undefined;
   createdAt?: number;
+  /** Where the run comes from, when not a call: a schedule's tick, or `runs retry` of an earlier run. */
+  origin?: { trigger: 'schedule'; schedule: string; tick: string } | { trigger: 'retry'; retryOf: string };
 }): RunRow {
+  const origin = fields.origin;
   return {
     id: fields.id,
     project_id: fields.build.projectId,
@@ -60,6 +63,12 @@ export function newRunRow(fields: {
     started_at: null,
     finished_at: null,
     run_time_ms: null,
+    trigger: origin?.trigger ?? null,
+    schedule_name: origin?.trigger === 'schedule' ? origin.schedule : null,
+    scheduled_for: origin?.trigger === 'schedule' ? origin.tick : null,
+    retry_of: origin?.trigger === 'retry' ? origin.retryOf : null,
+    not_before: null,
+    dead: null,
   };
 }
 export type RunChanges = Partial<Omit<RunRow, 'id'>>;

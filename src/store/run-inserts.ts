@@ -38,6 +38,12 @@ const COLUMNS = [
   'started_at',
   'finished_at',
   'run_time_ms',
+  'trigger',
+  'schedule_name',
+  'scheduled_for',
+  'retry_of',
+  'not_before',
+  'dead',
 ] as const satisfies ReadonlyArray<keyof Run>;
 
 // A column added to runs and not here would not be written: the type check fails instead.

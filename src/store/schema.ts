@@ -111,6 +111,18 @@ export interface RunsTable {
   started_at: string | null;
   finished_at: string | null;
   run_time_ms: number | null;
+  /** Null: a call; 'schedule': a schedule's tick; 'retry': `runs retry` of an earlier run (migration 0012). */
+  trigger: Optional<string>;
+  /** The schedule of a tick's run. */
+  schedule_name: Optional<string>;
+  /** The tick's time of a schedule's run. */
+  scheduled_for: Optional<string>;
+  /** The run a `runs retry` repeats. */
+  retry_of: Optional<string>;
+  /** A queued run waiting for its next attempt: not claimed or published before this time. */
+  not_before: Optional<string>;
+  /** 1: the run ended `failure` after exhausting its retry attempts. */
+  dead: Optional<number>;
 }
 
 export interface RunLogLinesTable {
@@ -171,6 +183,42 @@ export interface SecretsTable {
   updated_at: string;
 }
 
+/** One `[[schedules]]` entry of an app's active build, with its state (migration 0012). */
+export interface SchedulesTable {
+  app_id: string;
+  name: string;
+  project_id: string;
+  /** The build whose ferry.toml defines it (the active build when it was written). */
+  build_id: string;
+  cron: string;
+  timezone: string;
+  function_name: string;
+  /** The run's JSON body. */
+  args: string;
+  webhook_endpoint: string | null;
+  overlap: string;
+  paused: Generated<number>;
+  /** The next tick due (ISO time); advanced by compare-and-set when a tick's run is in. */
+  next_tick_at: string;
+  last_tick_at: string | null;
+  last_run_id: string | null;
+  /** Due ticks passed over (downtime, overlap skip), in all. */
+  ticks_skipped: Generated<number>;
+  created_at: string;
+  updated_at: string;
+}
+
+/** One ended attempt of a run with a retry policy (migration 0012). */
+export interface RunAttemptsTable {
+  run_id: string;
+  attempt: number;
+  started_at: string | null;
+  ended_at: string;
+  state: string;
+  error_code: string | null;
+  error_message: string | null;
+}
+
 export interface Database {
   projects: ProjectsTable;
   service_accounts: ServiceAccountsTable;
@@ -184,6 +232,8 @@ export interface Database {
   webhook_attempts: WebhookAttemptsTable;
   secrets: SecretsTable;
   nodes: NodesTable;
+  schedules: SchedulesTable;
+  run_attempts: RunAttemptsTable;
 }
 
 export type Project = Selectable<ProjectsTable>;
@@ -191,3 +241,4 @@ export type ServiceAccount = Selectable<ServiceAccountsTable>;
 export type App = Selectable<AppsTable>;
 export type Build = Selectable<BuildsTable>;
 export type Run = Selectable<RunsTable>;
+export type Schedule = Selectable<SchedulesTable>;
