@@ -347,7 +347,26 @@ const migrations: Record<string, Migration> = {
         .execute();
       if (isPostgres(db)) {
         for (const [table, columns] of [
-          ['schedules', ['app_id', 'name', 'project_id', 'build_id', 'cron', 'timezone', 'function_name', 'args', 'webhook_endpoint', 'overlap', 'next_tick_at', 'last_tick_at', 'last_run_id', 'created_at', 'updated_at']],
+          [
+            'schedules',
+            [
+              'app_id',
+              'name',
+              'project_id',
+              'build_id',
+              'cron',
+              'timezone',
+              'function_name',
+              'args',
+              'webhook_endpoint',
+              'overlap',
+              'next_tick_at',
+              'last_tick_at',
+              'last_run_id',
+              'created_at',
+              'updated_at',
+            ],
+          ],
           ['runs', ['trigger', 'schedule_name', 'scheduled_for', 'retry_of', 'not_before']],
           ['run_attempts', ['run_id', 'started_at', 'ended_at', 'state', 'error_code', 'error_message']],
         ] as const) {
