@@ -35,6 +35,12 @@ import {
   runsListCommand,
   runsLogsCommand,
 } from './runs.js';
+import {
+  schedulesListCommand,
+  schedulesPauseCommand,
+  schedulesResumeCommand,
+  schedulesTriggerCommand,
+} from './schedules.js';
 import { secretsDeleteCommand, secretsListCommand, secretsSetCommand } from './secrets.js';
 import { serveCommand } from './serve.js';
 
@@ -278,6 +284,30 @@ export function createProgram(): Command {
     .option('-f, --follow', 'keep printing new lines until interrupted')
     .option('--json', 'print an array of lines (with --follow: one JSON object per line)')
     .action(appLogsCommand);
+
+  const schedules = program
+    .command('schedules')
+    .description('runs started on a timetable: the [[schedules]] of apps’ active builds');
+  schedules
+    .command('list [app]')
+    .description('schedules of an app (or of every app), with the next tick and the last run')
+    .option('--json', 'print an array')
+    .action(schedulesListCommand);
+  schedules
+    .command('pause <app> <name>')
+    .description('stop a schedule’s ticks until it is resumed (a new deploy keeps it paused)')
+    .option('--json', 'print the schedule')
+    .action(schedulesPauseCommand);
+  schedules
+    .command('resume <app> <name>')
+    .description('start a paused schedule again from its next tick (the ticks it missed do not run)')
+    .option('--json', 'print the schedule')
+    .action(schedulesResumeCommand);
+  schedules
+    .command('trigger <app> <name>')
+    .description('start one run of the schedule now, as its tick would')
+    .option('--json', 'print {"run_id"}')
+    .action(schedulesTriggerCommand);
 
   const secrets = program
     .command('secrets')
