@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Ferry uses, when they are missing and we are root with apt-get.
 #   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; iproute2 and nftables, the
-#               sandboxes' own networks; slirp4netns, their egress when Ferry is not root); run by
-#               `npm install`
+#               sandboxes' own networks; slirp4netns, their egress when Ferry is not root; umoci, which
+#               turns an image build step's changes into a layer, rootless); run by `npm install`
 #   Also, as root: records the sandboxes' uid range in /etc/subuid and /etc/subgid (ferry-sandbox).
-#   (default)   also what the tests use (Chromium for the dashboard's browser tests); run by .ci/run
+#   (default)   also what the tests use (Chromium for the dashboard's browser tests; for the image tests,
+#               Debian's docker-registry served on loopback, skopeo to push to it, apache2-utils' htpasswd
+#               for its password file, busybox-static for the base images they make); run by .ci/run
 # Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
 # without these (`ferry doctor` says what is missing), and tests that need one say so.
 set -uo pipefail
@@ -26,8 +28,13 @@ has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/
 has ip || need+=(iproute2)
 has nft || need+=(nftables)
 has slirp4netns || need+=(slirp4netns)
+has umoci || need+=(umoci)
 if [ "${1:-}" != "--runtime" ]; then
   [ -x /usr/bin/chromium ] || need+=(chromium)
+  has skopeo || need+=(skopeo)
+  has docker-registry || need+=(docker-registry)
+  has htpasswd || need+=(apache2-utils)
+  dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
 fi
 if [ ${#need[@]} -eq 0 ]; then
   echo "system packages: all present"

@@ -4,6 +4,7 @@
  */
 import path from 'node:path';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
+import { parseInsecureRegistries } from './images/registry-guard.js';
 import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './sandbox/build-step.js';
 import { type Nameserver, parseNameservers } from './sandbox/dns-forwarder.js';
 import { DEFAULT_EGRESS_POOL, type EgressPolicy, normalizeCidr, parseEgressPolicy } from './sandbox/egress-policy.js';
@@ -88,6 +89,35 @@ function checkClusterName(name: string): string {
 }
 
 /** Validates the webhook allow-list at start, so a typo is an error now rather than refused deliveries later. */
+/** Validates the image settings at start (used by image builds, coming with the `[image]` feature). */
+function resolveImages(env: NodeJS.ProcessEnv): ImageSettings {
+  const insecureRegistries = env.FERRY_INSECURE_REGISTRIES ?? '';
+  try {
+    parseInsecureRegistries(insecureRegistries);
+  } catch (err) {
+    throw new Error(`FERRY_INSECURE_REGISTRIES: ${(err as Error).message}`);
+  }
+  const registryAllow = env.FERRY_REGISTRY_ALLOW ?? '';
+  try {
+    parseAllowList(registryAllow);
+  } catch (err) {
+    throw new Error(`FERRY_REGISTRY_ALLOW: ${(err as Error).message}`);
+  }
+  const authFile = env.FERRY_REGISTRY_AUTH_FILE ? path.resolve(env.FERRY_REGISTRY_AUTH_FILE) : undefined;
+  return {
+    authFile,
+    insecureRegistries,
+    registryAllow,
+    cacheBytes:
+      (intFrom(env.FERRY_IMAGE_CACHE_MIB, 'FERRY_IMAGE_CACHE_MIB', 64, 64 * 1024 * 1024) ?? DEFAULTS.imageCacheMib) *
+      1024 *
+      1024,
+    buildTimeoutMs:
+      (intFrom(env.FERRY_IMAGE_BUILD_TIMEOUT_SECONDS, 'FERRY_IMAGE_BUILD_TIMEOUT_SECONDS', 10, 7 * 24 * 3600) ??
+        DEFAULTS.imageBuildTimeoutSeconds) * 1000,
+  };
+}
+
 function checkAllowList(text: string): string {
   try {
     parseAllowList(text);
@@ -211,11 +241,30 @@ export interface ServerConfig {
   projectLogBytes: number;
   /** The network sandboxes get (docs/operations.md, "Sandbox network"). */
   egress: EgressConfig;
+  /** Image pulls, builds and the node's image cache (docs/operations.md, "Images"). */
+  images: ImageSettings;
   /**
    * `FERRY_LEASE_SECONDS`: how long this process's hold on its work (async runs, webhook attempts, builds)
    * lasts without renewal; past it, other processes sharing the store take the work over.
    */
   leaseMs: number;
+}
+
+/**
+ * Settings of images (`[image]` in ferry.toml): read and validated now, used by image builds and the
+ * node's image cache as the images feature lands (src/images/).
+ */
+export interface ImageSettings {
+  /** `FERRY_REGISTRY_AUTH_FILE`: a Docker/containers `config.json` with credentials for private registries. */
+  authFile: string | undefined;
+  /** `FERRY_INSECURE_REGISTRIES`: comma-separated `host:port` reached over plain HTTP, exempt from the address guard. */
+  insecureRegistries: string;
+  /** `FERRY_REGISTRY_ALLOW`: CIDRs a registry may be in although internal (HTTPS registries on a private network). */
+  registryAllow: string;
+  /** `FERRY_IMAGE_CACHE_MIB`, in bytes: disk bound of the unpacked images of this node. */
+  cacheBytes: number;
+  /** `FERRY_IMAGE_BUILD_TIMEOUT_SECONDS`, in milliseconds: wall-clock time of one image build. */
+  buildTimeoutMs: number;
 }
 
 export interface EgressConfig {
@@ -255,6 +304,8 @@ export const DEFAULTS = {
   streamResumeGraceSeconds: 10,
   cancelGraceSeconds: 5,
   keepBuilds: 10,
+  imageCacheMib: 20_480,
+  imageBuildTimeoutSeconds: 1800,
   runRetentionDays: 30,
   retentionIntervalSeconds: 600,
   runLogBytes: 1024 * 1024,
@@ -420,6 +471,7 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     projectLogBytes:
       intFrom(env.FERRY_PROJECT_LOG_BYTES, 'FERRY_PROJECT_LOG_BYTES', 0, 1024 ** 5) ?? DEFAULTS.projectLogBytes,
     egress: resolveEgress(flags, env),
+    images: resolveImages(env),
     leaseMs: (intFrom(env.FERRY_LEASE_SECONDS, 'FERRY_LEASE_SECONDS', 2, 3600) ?? DEFAULTS.leaseSeconds) * 1000,
   };
 }

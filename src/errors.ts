@@ -3,8 +3,8 @@
  *
  * Each entry has a stable code (never renamed once released), the HTTP status it answers with, and a
  * default message. `docs/errors.md` documents each code; `test/errors-doc.test.ts` fails when the two drift.
- * Error bodies are `{"error": {"code", "message"}}` (run errors add `run_id`); they never carry a stack
- * trace or echo a secret.
+ * Error bodies are `{"error": {"code", "message"}}` (run errors add `run_id`), written by http/answer.ts
+ * alone; they never carry a stack trace or echo a secret.
  */
 
 export const ERRORS = {
@@ -55,6 +55,28 @@ export const ERRORS = {
   FERRY_CONFIG_MISSING: { status: 400, message: 'The archive has no ferry.toml at its root' },
   FERRY_CONFIG_INVALID: { status: 400, message: 'ferry.toml is not valid' },
   FERRY_APP_NAME_MISMATCH: { status: 400, message: 'The app name in ferry.toml does not match the app in the path' },
+
+  // Images ([image] in ferry.toml): configuration, pulls of base images, unpacking, the node's cache
+  FERRY_IMAGE_CONFIG_INVALID: { status: 400, message: 'The [image] table of ferry.toml is not valid' },
+  FERRY_IMAGE_REFERENCE_INVALID: { status: 400, message: 'The image reference is not valid' },
+  FERRY_IMAGE_NOT_FOUND: { status: 422, message: 'The registry has no such image' },
+  FERRY_IMAGE_REGISTRY_UNREACHABLE: { status: 502, message: 'The image registry cannot be reached' },
+  FERRY_IMAGE_REGISTRY_AUTH: {
+    status: 422,
+    message: 'The image registry refused the pull (credentials missing or refused)',
+  },
+  FERRY_IMAGE_REGISTRY_BLOCKED: {
+    status: 422,
+    message: 'The image registry is at an internal address the server may not reach',
+  },
+  FERRY_IMAGE_DIGEST_MISMATCH: { status: 422, message: 'Image content does not match its digest' },
+  FERRY_IMAGE_LAYER_UNSAFE: { status: 422, message: 'An image layer has an entry that cannot be unpacked safely' },
+  FERRY_IMAGE_TOO_LARGE: { status: 422, message: 'The image is larger than the server allows' },
+  FERRY_IMAGE_UNSUPPORTED: { status: 422, message: 'The image has a format the server does not support' },
+  FERRY_IMAGE_CACHE_FULL: {
+    status: 503,
+    message: 'The images in use on this node leave no room for this image in FERRY_IMAGE_CACHE_MIB',
+  },
 
   // Uploaded archives
   FERRY_ZIP_CORRUPT: { status: 400, message: 'The archive is not a readable ZIP file' },
@@ -178,9 +200,12 @@ export class FerryError extends Error {
     this.details = options?.details ?? {};
   }
 
-  /** The public body; never includes the stack or the cause. */
-  toJSON(): { error: { code: ErrorCode; message: string } & Record<string, string> } {
-    return { error: { code: this.code, message: this.message, ...this.details } };
+  /**
+   * The error's public members (the `error` of the envelope http/answer.ts writes): its code, message and
+   * details; never the stack or the cause, however the error is serialized.
+   */
+  toJSON(): { code: ErrorCode; message: string } & Record<string, string> {
+    return { code: this.code, message: this.message, ...this.details };
   }
 }
 

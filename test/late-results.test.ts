@@ -11,6 +11,7 @@ import type { NodeLease } from '../src/cluster/node.js';
 import { createRecovery } from '../src/cluster/recovery.js';
 import { uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
+import { endRun, type RunEnding } from '../src/runs/lifecycle.js';
 import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
 import { claimQueuedRuns, startRuns } from '../src/store/claims.js';
 import { updateRun } from '../src/store/run-updates.js';
@@ -19,6 +20,11 @@ import { openTestStore, type TestStore } from './helpers/store.js';
 
 const FROZEN = 'node-frozen';
 const build = { projectId: 'p-late', appId: 'late', buildId: 'b-late' };
+
+/** A run that answered 200 with this result (JSON): how a late node's result comes in. */
+function answered(json: string): RunEnding {
+  return { kind: 'answered', statusCode: 200, runTimeMs: 1, result: { stored: json, json } };
+}
 
 describe('a late node’s writes are fenced', () => {
   let t: TestStore;
@@ -81,7 +87,8 @@ describe('a late node’s writes are fenced', () => {
         webhookUrl: 'http://127.0.0.1:9/h',
       }),
     );
-    assert.equal(await recorder.startNow(id, FROZEN), true);
+    const attempt = await recorder.startNow(id, FROZEN);
+    assert.equal(attempt, 1);
     recorder.update(id, { state: 'running', started_at: new Date().toISOString() });
     await recorder.flush();
     // Frozen here, past its lease: recovery settles the run.
@@ -93,11 +100,7 @@ describe('a late node’s writes are fenced', () => {
     assert.equal(hooksBefore.length, 1);
     // Thawed: the run's result comes in and is written late.
     const before = late;
-    recorder.finish(
-      id,
-      { state: 'success', status_code: 200, result: '"late"', finished_at: new Date().toISOString(), reason: null },
-      { runId: id, url: 'http://127.0.0.1:9/h', payload: '{"late":true}' },
-    );
+    recorder.finish(endRun({ id, webhookUrl: 'http://127.0.0.1:9/h', attempt }, answered('"late"')));
     await recorder.flush();
     const after = await row(id);
     assert.equal(after.state, 'failure', 'the settled run is not rewritten');
@@ -113,7 +116,7 @@ describe('a late node’s writes are fenced', () => {
     const recorder = recorderOf();
     const id = uuidv7();
     await recorder.insertNow(newRunRow({ id, build, fn: 'work', mode: 'async', input: '{}', owner: FROZEN }));
-    assert.equal(await recorder.startNow(id, FROZEN), true);
+    assert.equal(await recorder.startNow(id, FROZEN), 1);
     const first = await row(id);
     assert.equal(first.attempts, 1);
     // Recovery queued it again (retry_interrupted), and the node, back, claimed and started it again.
@@ -130,7 +133,7 @@ describe('a late node’s writes are fenced', () => {
     assert.equal(second.get(id), 2);
     // The first start's result comes in late: same owner, still unfinished, but not its start.
     const before = late;
-    recorder.finish(id, { state: 'success', status_code: 200, result: '"old"', finished_at: new Date().toISOString() });
+    recorder.finish(endRun({ id, webhookUrl: null, attempt: 1 }, answered('"old"')));
     await recorder.flush();
     const now = await row(id);
     assert.equal(now.state, 'running', 'the second start is still running');
@@ -149,7 +152,7 @@ describe('a late node’s writes are fenced', () => {
     assert.equal((await row(id)).owner, FROZEN);
     await recoverFrozen();
     assert.equal((await row(id)).state, 'failure');
-    recorder.finish(id, { state: 'success', status_code: 200, result: '1', finished_at: new Date().toISOString() });
+    recorder.finish(endRun({ id, webhookUrl: null }, answered('1')));
     await recorder.flush();
     const now = await row(id);
     assert.equal(now.state, 'failure');
@@ -161,7 +164,7 @@ describe('a late node’s writes are fenced', () => {
     const recorder = recorderOf();
     const id = uuidv7();
     await recorder.insertNow(newRunRow({ id, build, fn: 'work', mode: 'async', input: '{}', owner: FROZEN }));
-    assert.equal(await recorder.startNow(id, FROZEN), true);
+    assert.equal(await recorder.startNow(id, FROZEN), 1);
     await recorder.close();
     const end = { state: 'success' as const, status_code: 200, finished_at: new Date().toISOString() };
     assert.equal(await updateRun(t.store, id, end, FROZEN, 0), 0, 'a stale start');

@@ -7,6 +7,7 @@ import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import { uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
+import { endRun } from '../src/runs/lifecycle.js';
 import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
 import { openSqliteStore } from '../src/store/index.js';
 import { tempDir } from './helpers/ferry.js';
@@ -32,7 +33,12 @@ describe('the recorder’s memory', () => {
       recorder.update(first, { state: 'running', started_at: new Date().toISOString() });
       await recorder.flush();
       assert.equal(recorder.pendingRuns(), 1);
-      recorder.finish(first, { state: 'success', status_code: 200, finished_at: new Date().toISOString() });
+      recorder.finish(
+        endRun(
+          { id: first, webhookUrl: null },
+          { kind: 'answered', statusCode: 200, runTimeMs: 1, result: { stored: null } },
+        ),
+      );
       await recorder.flush();
       assert.equal(recorder.pendingRuns(), 0);
       const row = await store.selectFrom('runs').select(['state']).where('id', '=', first).executeTakeFirstOrThrow();

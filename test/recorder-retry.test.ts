@@ -10,6 +10,7 @@ import { type ChildProcess, spawn } from 'node:child_process';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { createLogger } from '../src/logger.js';
+import { endRun } from '../src/runs/lifecycle.js';
 import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
 import { openSqliteStore } from '../src/store/index.js';
 import { deployFiles, http, REPO_ROOT, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
@@ -193,9 +194,10 @@ describe('recorder memory while the store is locked', () => {
       );
       for (let i = 11; i <= 100; i++) recorder.log(row.id, 'stdout', `${i} ${LINE}`);
       recorder.finish(
-        row.id,
-        { state: 'success', status_code: 200, finished_at: new Date().toISOString() },
-        { runId: row.id, url: 'http://127.0.0.1:9/hook', payload: '{}' },
+        endRun(
+          { id: row.id, webhookUrl: 'http://127.0.0.1:9/hook' },
+          { kind: 'answered', statusCode: 200, runTimeMs: 1, result: { stored: null } },
+        ),
       );
       const dropped = logged.find((l) => l.msg?.startsWith('run log lines dropped'));
       assert.ok(dropped, 'dropping log lines is logged');

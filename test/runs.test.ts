@@ -216,14 +216,24 @@ export async function run({ ms = 300, tag = '' }: { ms?: number; tag?: string })
         10_000,
         'the four runs to be in flight or queued',
       );
+      // The pool starts a second replica for the queued runs at once. Whether that replica also serves one
+      // of them depends on how long its cold start takes against 3.2 s of work on the first (on a machine
+      // at load 24 it once took longer): what is asserted is the scale-up, seen while the runs wait.
+      // (A replica being launched shows in the stats once it is starting; cooldown = 3 keeps it afterwards.)
+      const scaledUp = waitFor(
+        async () => pool('slow')!.stats.ready + pool('slow')!.stats.starting === 2,
+        30_000,
+        'a second replica (max_replicas 2) for the four runs',
+      );
       const overflow = await run('slow', 'run', { ms: 1 });
       assert.equal(overflow.status, 503, overflow.text);
       assert.equal(overflow.json.error.code, 'FERRY_QUEUE_FULL');
       assert.ok(overflow.headers.get('retry-after'));
       const results = await Promise.all(calls);
       for (const r of results) assert.equal(r.status, 200, r.text);
+      await scaledUp;
       const replicas = new Set(results.map((r) => r.json.result.replica));
-      assert.equal(replicas.size, 2, 'two replicas served the four runs');
+      assert.ok(replicas.size >= 1 && replicas.size <= 2, `${replicas.size} replicas served the four runs`);
       // Not "ready === 2": after its cooldown the replica that finished first may already be stopping on a
       // busy machine. Never more than max_replicas is what holds at any moment.
       const { ready, starting } = pool('slow')!.stats;

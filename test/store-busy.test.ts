@@ -12,6 +12,7 @@ import path from 'node:path';
 import { monitorEventLoopDelay } from 'node:perf_hooks';
 import { after, before, describe, it } from 'node:test';
 import { createLogger } from '../src/logger.js';
+import { endRun } from '../src/runs/lifecycle.js';
 import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
 import { openSqliteStore, probeStore } from '../src/store/index.js';
 import {
@@ -264,9 +265,10 @@ describe('the recorder on a locked store', () => {
       });
       recorder.start(row);
       recorder.finish(
-        row.id,
-        { state: 'success', status_code: 200, finished_at: new Date().toISOString() },
-        { runId: row.id, url: 'http://127.0.0.1:9/hook', payload: '{}' },
+        endRun(
+          { id: row.id, webhookUrl: 'http://127.0.0.1:9/hook' },
+          { kind: 'answered', statusCode: 200, runTimeMs: 1, result: { stored: null } },
+        ),
       );
       await recorder.flush();
       const failed = logged.find((l) => l.msg?.startsWith('writing run records failed'));

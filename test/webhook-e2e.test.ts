@@ -69,6 +69,7 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
     assert.equal(first.headers['content-type'], 'application/json');
     const body = JSON.parse(first.body.toString('utf8'));
     assert.equal(body.run_id, res.json.run_id);
+    assert.equal(body.state, 'success');
     assert.deepEqual(body.result, { x: 7 });
     assert.equal(body.status_code, 200);
     assert.equal(typeof body.timestamp, 'number');
@@ -92,6 +93,7 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
     );
     const body = JSON.parse(delivery.body.toString('utf8'));
     assert.equal(body.run_id, res.json.run_id);
+    assert.equal(body.state, 'failure');
     assert.equal(body.status_code, 500);
     assert.equal(body.error.code, 'FERRY_FUNCTION_ERROR');
     assert.equal(body.result, undefined);
@@ -128,7 +130,9 @@ export async function* items() { yield 'a'; yield { b: 2 }; }
       15_000,
       'the /stream delivery',
     );
-    assert.deepEqual(JSON.parse(delivery.body.toString('utf8')).result, ['a', { b: 2 }]);
+    const streamed = JSON.parse(delivery.body.toString('utf8'));
+    assert.equal(streamed.state, 'success');
+    assert.deepEqual(streamed.result, ['a', { b: 2 }]);
   });
 
   it('redelivers on request', async () => {

@@ -27,6 +27,7 @@ import type { ArtifactStore } from '../builds/artifact-store.js';
 import type { BuildOutput } from '../builds/build-output.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
 import { ERRORS, FerryError } from '../errors.js';
+import { FINAL_RUN_STATES } from '../runs/lifecycle.js';
 import { droppedMarker } from '../runs/recorder.js';
 import { cancelQueued } from '../runs/runs.js';
 import { lockApp } from '../store/active-build.js';
@@ -35,7 +36,6 @@ import type { Build } from '../store/schema.js';
 import { unfinishedRun } from '../store/unfinished.js';
 import { findApp } from './apps.js';
 
-const FINAL = ['success', 'failure', 'timeout', 'cancelled'] as const;
 const CHUNK = 500;
 /** Builds and runs removed at most per retention pass (the next pass takes the rest). */
 export const RETENTION_MAX_BUILDS = 100;
@@ -162,7 +162,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
             .select('id')
             .where('project_id', '=', projectId)
             .where('app_id', '=', appId)
-            .where('state', 'in', [...FINAL])
+            .where('state', 'in', [...FINAL_RUN_STATES])
             .execute()
         ).map((r) => r.id);
         const queued = await trx
@@ -275,7 +275,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
             .innerJoin('runs as r', 'r.id', 's.run_id')
             .select(['s.run_id as run_id'])
             .where('r.project_id', '=', total.project_id)
-            .where('r.state', 'in', [...FINAL])
+            .where('r.state', 'in', [...FINAL_RUN_STATES])
             .where('s.bytes', '>', 0)
             .orderBy('s.run_id', 'asc')
             .limit(Math.min(CHUNK, LOG_BUDGET_MAX_RUNS - runs))
@@ -429,7 +429,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
               .selectFrom('runs')
               .select('id')
               .where('id', '<', cutoff)
-              .where('state', 'in', [...FINAL])
+              .where('state', 'in', [...FINAL_RUN_STATES])
               .orderBy('id', 'asc')
               .limit(RETENTION_MAX_RUNS)
               .execute()

@@ -8,6 +8,7 @@
 import { execFile } from 'node:child_process';
 import { findPython } from '../builds/builders/python.js';
 import { resolveServerConfig } from '../config.js';
+import { type ImageHostReport, probeImageHost, readCacheUse } from '../images/host-tools.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
 import { clusterLines, readCluster } from './cluster.js';
@@ -31,9 +32,16 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   ]);
   const python = pythonPath && pythonVersion ? pythonVersion : undefined;
   const network = networkPlan(caps);
+  const images = await imagesReport(caps);
   if (options.json) {
     const { tools: _tools, userTools: _userTools, ...plan } = network;
-    const report = { ...caps, network: plan, cluster: cluster.view ?? null, cluster_problem: cluster.problem ?? null };
+    const report = {
+      ...caps,
+      network: plan,
+      images,
+      cluster: cluster.view ?? null,
+      cluster_problem: cluster.problem ?? null,
+    };
     process.stdout.write(`${JSON.stringify(report, null, 2)}\n`);
     return;
   }
@@ -57,6 +65,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   lines.push(row('CPU limits', describeController(caps, 'cpu', 'cpu')));
   lines.push(row('Network', network.description));
   lines.push(row('Python', python ?? 'no usable python3 (3.9+) found: Python apps cannot build or run'));
+  lines.push(...imageLines(images).map((line, i) => row(i === 0 ? 'Images' : '', line)));
 
   const warnings = sandboxWarnings(caps);
   if (network.warning) warnings.push(network.warning);
@@ -71,6 +80,41 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   if (cluster.view) lines.push(...clusterLines(cluster.view).map((line) => `  ${line}`));
   else lines.push(`  not shown: ${cluster.problem ?? 'unknown'}`);
   process.stdout.write(`${lines.join('\n')}\n`);
+}
+
+type ImagesReport = ImageHostReport & {
+  cache: { dir: string; bytes: number; images: number; max_bytes: number } | null;
+  settings_problem: string | null;
+};
+
+/** Whether images (`[image]` in ferry.toml) can be built and run here, and the cache's use. */
+async function imagesReport(caps: SandboxCapabilities): Promise<ImagesReport> {
+  const host = await probeImageHost(caps.bwrap !== null);
+  try {
+    const config = resolveServerConfig({}, process.env);
+    const use = await readCacheUse(config.dataDir);
+    return {
+      ...host,
+      cache: use && { dir: config.dataDir, ...use, max_bytes: config.images.cacheBytes },
+      settings_problem: null,
+    };
+  } catch (err) {
+    return { ...host, cache: null, settings_problem: (err as Error).message };
+  }
+}
+
+function imageLines(images: ImagesReport): string[] {
+  const mib = (bytes: number) => `${Math.round(bytes / 1024 / 1024)} MiB`;
+  const lines = [
+    `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? `yes (${images.umoci})` : 'no'}` +
+      ` (images are a coming feature: [image] in ferry.toml is not taken yet)`,
+  ];
+  if (images.missing.length > 0) lines.push(`missing: ${images.missing.join('; ')}`);
+  if (images.cache) {
+    lines.push(`cache: ${images.cache.images} unpacked, ${mib(images.cache.bytes)} of ${mib(images.cache.max_bytes)}`);
+  }
+  if (images.settings_problem) lines.push(`settings: ${images.settings_problem}`);
+  return lines;
 }
 
 /**

@@ -2,6 +2,7 @@
  * `ferry run <app> [function] --data '{...}'` calls a function; `ferry runs list|get|logs` shows runs.
  */
 import { request } from 'undici';
+import { isFinalState } from '../runs/lifecycle.js';
 import { CliError, createClient, printJson, printTable } from './client.js';
 import { printLine, safeJson, safeText } from './terminal.js';
 
@@ -87,9 +88,6 @@ export async function runsListCommand(
   );
 }
 
-/** Prints the run as JSON with or without `--json`: its input and result are JSON already. */
-const FINAL_RUN_STATES = ['success', 'failure', 'timeout', 'cancelled'];
-
 /**
  * `ferry runs get <app> <run_id> [--wait [seconds]]`: the run; with --wait, once it has ended or the time is
  * up (the server holds each request up to 60 s, so a longer wait is several requests).
@@ -110,7 +108,7 @@ export async function runsGetCommand(
   }
   const end = Date.now() + waitSeconds * 1000;
   let run = await client.call<{ state: string }>('GET', path);
-  for (let i = 0; i < 100 && !FINAL_RUN_STATES.includes(run.state); i++) {
+  for (let i = 0; i < 100 && !isFinalState(run.state); i++) {
     const left = Math.ceil((end - Date.now()) / 1000);
     if (left <= 0) break;
     run = await client.call<{ state: string }>('GET', `${path}?wait=${Math.min(60, left)}`);
@@ -129,7 +127,7 @@ export async function runsCancelCommand(app: string, runId: string, options: Jso
   process.stdout.write(
     run.state === 'cancelled'
       ? `Run ${runId} cancelled${run.error ? `: ${safeText(run.error.message)}` : ''}\n`
-      : `Run ${runId}: ${run.state}${FINAL_RUN_STATES.includes(run.state) ? ' (it ended before the cancel reached it)' : ' (the cancel is under way)'}\n`,
+      : `Run ${runId}: ${run.state}${isFinalState(run.state) ? ' (it ended before the cancel reached it)' : ' (the cancel is under way)'}\n`,
   );
 }
 

@@ -7,7 +7,8 @@
  *   async run, claimed but not started   → queued again, free for any node (it never started)
  *   async run, running                   → `failure`, reason `interrupted` (its webhook says so); or, when
  *                                          the app has `retry_interrupted = true` and the run has started
- *                                          fewer than MAX_RUN_STARTS times, queued again
+ *                                          fewer than MAX_RUN_STARTS times, queued again (runs/lifecycle.ts
+ *                                          `interruption` decides, `endRun` says what is written)
  *   sync or stream run, unfinished       → `failure`, reason `interrupted` (its caller is gone)
  *   webhook attempt in flight (sending)  → pending again (that attempt did not count; the receiver may see
  *                                          the payload twice: spec section 6 rule 9)
@@ -31,14 +32,11 @@
  */
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
+import { endRun, interruption } from '../runs/lifecycle.js';
 import type { Store } from '../store/index.js';
 import type { Run } from '../store/schema.js';
 import { unfinishedRun } from '../store/unfinished.js';
-import { buildWebhookPayload } from '../webhooks/payload.js';
 import { LEASE_ENDED, type NodeLease } from './node.js';
-
-/** An interrupted async run of an app with `retry_interrupted` starts at most this many times in all. */
-export const MAX_RUN_STARTS = 3;
 
 export interface RecoveryResult {
   /** Runs ended `failure`, reason `interrupted`. */
@@ -58,8 +56,6 @@ export interface Recovery {
   start(): void;
   close(): Promise<void>;
 }
-
-const INTERRUPTED_MESSAGE = 'The server running this run stopped while the run was in progress';
 
 export function createRecovery(deps: {
   store: Store;
@@ -222,9 +218,10 @@ export interface UnfinishedRun {
 }
 
 /**
- * Ends runs `owner` held and no longer runs, in the caller's transaction: an async run queued again when
- * its app retries interrupted runs and it has starts left, any other `failure`, reason `interrupted`,
- * with its webhook. Each change is fenced by the run still being `owner`'s in the state it was read in.
+ * Ends runs `owner` held and no longer runs, in the caller's transaction, as runs/lifecycle.ts says: an
+ * async run queued again when its app retries interrupted runs and it has starts left, any other
+ * `failure`, reason `interrupted`, with its webhook. Each change is fenced by the run still being
+ * `owner`'s in the state it was read in.
  */
 export async function endUnfinished(
   trx: Store,
@@ -235,47 +232,31 @@ export async function endUnfinished(
   const result = { interrupted: 0, requeued: 0 };
   const now = new Date(nowMs).toISOString();
   for (const run of runs) {
-    const retry = run.mode === 'async' && run.attempts < MAX_RUN_STARTS && retriesInterrupted(run.config_json ?? null);
-    const fence = trx
+    const end = endRun(
+      { id: run.id, webhookUrl: run.webhook_endpoint },
+      interruption(run, retriesInterrupted(run.config_json ?? null), nowMs),
+      nowMs,
+    );
+    const changed = await trx
       .updateTable('runs')
+      .set(end.changes)
       .where('id', '=', run.id)
       .where((eb) => (owner === null ? eb('owner', 'is', null) : eb('owner', '=', owner)))
-      .where('state', '=', run.state);
-    if (retry) {
-      const changed = await fence
-        .set({ state: 'queued', owner: null, started_at: null, published_at: null })
-        .executeTakeFirst();
+      .where('state', '=', run.state)
+      .executeTakeFirst();
+    if (!end.final) {
       result.requeued += Number(changed.numUpdatedRows);
       continue;
     }
-    const runTimeMs = run.started_at ? nowMs - Date.parse(run.started_at) : null;
-    const changed = await fence
-      .set({
-        state: 'failure',
-        status_code: 502,
-        reason: 'interrupted',
-        error_code: 'FERRY_REPLICA_DIED',
-        error_message: INTERRUPTED_MESSAGE,
-        finished_at: now,
-        run_time_ms: runTimeMs,
-      })
-      .executeTakeFirst();
     if (Number(changed.numUpdatedRows) === 0) continue;
     result.interrupted += 1;
-    if (run.webhook_endpoint) {
+    if (end.outbox) {
       await trx
         .insertInto('webhook_deliveries')
         .values({
-          run_id: run.id,
-          url: run.webhook_endpoint,
-          payload: buildWebhookPayload({
-            runId: run.id,
-            state: 'failure',
-            finishedAt: nowMs,
-            statusCode: 502,
-            runTimeMs,
-            error: { code: 'FERRY_REPLICA_DIED', message: INTERRUPTED_MESSAGE },
-          }),
+          run_id: end.runId,
+          url: end.outbox.url,
+          payload: end.outbox.payload,
           state: 'pending',
           attempts: 0,
           next_attempt_at: now,

@@ -26,7 +26,7 @@ import { PassThrough } from 'node:stream';
 import type { Logger } from 'pino';
 import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
-import { refuseUpgrade } from '../http/custom-proxy.js';
+import { answer, refuseOnSocket, workerErrorLine, writeAnswer } from '../http/answer.js';
 import type { Metrics } from '../metrics.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { Invoker } from '../runs/invoke.js';
@@ -211,7 +211,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         return;
       }
       if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal invoke failed');
-      line(errorLine(err));
+      line(workerErrorLine(err));
       res.end();
     }
   }
@@ -271,7 +271,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       }
       if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal http call failed');
       res.writeHead(200, { 'content-type': 'application/octet-stream' });
-      res.end(`${JSON.stringify(errorLine(err))}\n`);
+      res.end(`${JSON.stringify(workerErrorLine(err))}\n`);
     }
   }
 
@@ -287,18 +287,18 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     const runId = meta?.runId ?? 'unknown';
     const caller = deps.auth.verify(req.headers.authorization);
     if (!caller) {
-      refuseUpgrade(socket, runId, new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'));
+      refuseOnSocket(socket, answer(new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'), { runId }));
       return;
     }
     if (req.url !== `${INTERNAL_PREFIX}/session` || !meta) {
-      refuseUpgrade(socket, runId, new FerryError('FERRY_VALIDATION', 'not a session call'));
+      refuseOnSocket(socket, answer(new FerryError('FERRY_VALIDATION', 'not a session call'), { runId }));
       return;
     }
     const leave = deps.callers?.enter(`${meta.projectId}/${meta.appId}`, caller.nodeId);
     socket.once('close', () => leave?.());
     void session(meta, socket, head).catch((err: unknown) => {
       if (!(err instanceof FerryError)) logger.error({ err, runId }, 'internal session failed');
-      if (!socket.destroyed) refuseUpgrade(socket, runId, err);
+      if (!socket.destroyed) refuseOnSocket(socket, answer(err, { runId }));
     });
   });
 
@@ -368,18 +368,9 @@ function goneAbort(res: ServerResponse): RunAbort {
   return gone;
 }
 
-function errorLine(err: unknown): { e: 'error'; error: Record<string, string>; status: number; headers: object } {
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
-  return { e: 'error', error: ferry.toJSON().error, status: ferry.status, headers: ferry.headers };
-}
-
+/** A call that failed before its answer began: the error answer (http/answer.ts); one under way is cut. */
 function answerError(res: ServerResponse, err: unknown): void {
-  if (res.headersSent) {
-    res.destroy();
-    return;
-  }
-  const ferry = err instanceof FerryError ? err : new FerryError('FERRY_INTERNAL');
-  sendJson(res, ferry.status, ferry.toJSON(), ferry.headers);
+  writeAnswer(res, answer(err));
 }
 
 function sendJson(res: ServerResponse, status: number, body: unknown, headers: Record<string, string> = {}): void {

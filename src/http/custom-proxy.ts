@@ -19,8 +19,8 @@ import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
 import type { Services } from '../services.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
+import { answer, refuseOnSocket, writeAnswer } from './answer.js';
 import { watchCaller } from './caller-flow.js';
-import { toFerryError } from './errors.js';
 import type { RunTarget } from './routes/run.js';
 
 /** Headers that describe one connection, not the request (RFC 9110 7.6.1), plus `Expect` (undici refuses it). */
@@ -216,20 +216,7 @@ export async function proxyHttp(
 
 /** Answers a JSON error when nothing was sent yet; otherwise cuts the response (the caller sees it break). */
 function failResponse(res: ServerResponse, runId: string, err: unknown): void {
-  if (res.destroyed) return;
-  if (res.headersSent) {
-    res.destroy();
-    return;
-  }
-  const ferry = toFerryError(err);
-  const body = JSON.stringify({ ...ferry.toJSON(), run_id: runId });
-  res.writeHead(ferry.status, {
-    ...ferry.headers,
-    'content-type': 'application/json; charset=utf-8',
-    'content-length': Buffer.byteLength(body),
-    'x-request-id': runId,
-  });
-  res.end(body);
+  writeAnswer(res, answer(err, { runId }));
 }
 
 // ---- WebSockets ----
@@ -239,16 +226,7 @@ const WS_PARAMS = new Set([...FERRY_PARAMS, 'access_token']);
 
 /** Writes an HTTP error answer on a socket that asked to upgrade, and closes it. */
 export function refuseUpgrade(socket: Socket, runId: string, err: unknown): void {
-  const ferry = toFerryError(err);
-  const body = JSON.stringify({ ...ferry.toJSON(), run_id: runId });
-  const extra = Object.entries(ferry.headers)
-    .map(([k, v]) => `${k}: ${v}\r\n`)
-    .join('');
-  socket.end(
-    `HTTP/1.1 ${ferry.status} ${ferry.status === 401 ? 'Unauthorized' : 'Error'}\r\n` +
-      `content-type: application/json; charset=utf-8\r\ncontent-length: ${Buffer.byteLength(body)}\r\n` +
-      `x-request-id: ${runId}\r\n${extra}connection: close\r\n\r\n${body}`,
-  );
+  refuseOnSocket(socket, answer(err, { runId }));
 }
 
 /**

@@ -17,8 +17,9 @@ import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import { RunAbort } from '../runs/run-abort.js';
 import type { Services } from '../services.js';
+import { answer as errorAnswer, writeAnswer } from './answer.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
-import { logError, toFerryError } from './errors.js';
+import { logError } from './errors.js';
 import {
   acceptAsyncCall,
   checkFunction,
@@ -83,19 +84,9 @@ export function createRunFastPath(
   }
 
   function fail(req: IncomingMessage, res: ServerResponse, err: unknown, runId: string): void {
-    const ferry = toFerryError(err);
-    logError(services.logger, ferry, err, runId);
-    const body = ferry.toJSON() as Record<string, unknown>;
-    body.run_id = runId;
-    if (!res.headersSent && !res.destroyed) {
-      const text = JSON.stringify(body);
-      res.statusCode = ferry.status;
-      for (const name in ferry.headers) res.setHeader(name, ferry.headers[name]!);
-      if (!res.hasHeader('x-request-id')) res.setHeader('x-request-id', runId);
-      res.setHeader('content-type', CONTENT_TYPE);
-      res.setHeader('content-length', Buffer.byteLength(text));
-      res.end(text);
-    }
+    const answered = errorAnswer(err, { runId });
+    logError(services.logger, answered.error, err, runId);
+    if (!res.headersSent) writeAnswer(res, answered);
     // A body the caller is still sending (refused before it was read): read and dropped, as Fastify does.
     if (!req.complete) req.resume();
   }

@@ -30,8 +30,8 @@ import { FerryError } from '../errors.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import { claimQueuedRuns, releaseQueuedRuns } from '../store/claims.js';
 import type { Store } from '../store/index.js';
-import { buildWebhookPayload } from '../webhooks/payload.js';
 import { type Invoker, RunNotClaimedError, RunStartError } from './invoke.js';
+import { endRun } from './lifecycle.js';
 import type { RunRecorder } from './recorder.js';
 import type { RunTargets } from './targets.js';
 
@@ -219,7 +219,7 @@ export function createAsyncWorker(deps: {
    * (one write per run would cost the run endpoint a fifth of its async throughput); on SQLite that UPDATE
    * shares its commit with the async runs accepted meanwhile (recorder.startNow).
    */
-  function start(id: string): Promise<boolean> {
+  function start(id: string): Promise<number | undefined> {
     return recorder.startNow(id, owner);
   }
 
@@ -319,39 +319,16 @@ export function createAsyncWorker(deps: {
     }
   }
 
-  /** Ends a held run the worker cannot perform, with its webhook (if any) told why. */
+  /** Ends a held run the worker cannot perform (runs/lifecycle.ts), with its webhook (if any) told why. */
   async function failRun(
     q: Queued,
     code: 'FERRY_NO_READY_BUILD' | 'FERRY_CORTEX_CALL',
     message: string,
   ): Promise<void> {
-    const now = Date.now();
-    const status = code === 'FERRY_NO_READY_BUILD' ? 503 : 405;
     const run =
       q.call ?? (await store.selectFrom('runs').select('webhook_endpoint').where('id', '=', q.id).executeTakeFirst());
     recorder.finish(
-      q.id,
-      {
-        state: 'failure',
-        status_code: status,
-        error_code: code,
-        error_message: message,
-        finished_at: new Date(now).toISOString(),
-      },
-      run?.webhook_endpoint
-        ? {
-            runId: q.id,
-            url: run.webhook_endpoint,
-            payload: buildWebhookPayload({
-              runId: q.id,
-              state: 'failure',
-              finishedAt: now,
-              statusCode: status,
-              runTimeMs: null,
-              error: { code, message },
-            }),
-          }
-        : undefined,
+      endRun({ id: q.id, webhookUrl: run?.webhook_endpoint }, { kind: 'not-performed', error: { code, message } }),
     );
   }
 

@@ -15,8 +15,9 @@ import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { CallFlow } from '../replicas/replica.js';
 import type { RunMode, RunState } from '../store/schema.js';
-import { buildWebhookPayload, MAX_WEBHOOK_RESULT_BYTES, type WebhookRunState } from '../webhooks/payload.js';
+import { MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
 import { InFlightRuns } from './in-flight.js';
+import { endRun, failedAnswer, type RunEnding } from './lifecycle.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
 import { RunAbort } from './run-abort.js';
 
@@ -59,11 +60,12 @@ export interface RunRequestBase {
   noDeadline?: boolean;
   /**
    * Async runs: called once a replica slot is taken, before the call; marks the run started in the store
-   * (store/claims.ts startRun). False: the run is not this node's to run any more, nothing is called or
-   * recorded, and the invoke rejects with RunNotClaimedError. While it has not been called, an app at
-   * capacity (FERRY_QUEUE_FULL) is not recorded on the run either: the caller tries again later.
+   * (store/claims.ts startRun) and resolves with the start's number (its `attempts`: the run's end belongs
+   * to it). Undefined: the run is not this node's to run any more, nothing is called or recorded, and the
+   * invoke rejects with RunNotClaimedError. While it has not been called, an app at capacity
+   * (FERRY_QUEUE_FULL) is not recorded on the run either: the caller tries again later.
    */
-  claim?: (() => Promise<boolean>) | undefined;
+  claim?: (() => Promise<number | undefined>) | undefined;
 }
 
 /** Marking the run started failed (the store failed): nothing was called or recorded; try again later. */
@@ -166,8 +168,6 @@ interface CallOutcome {
   result: unknown;
   streamed: boolean;
   statusCode: number;
-  /** Custom apps answering 5xx end `failure` (with the body as their result); everything else `success`. */
-  failed?: boolean;
   /** Set when the result is too large to keep for the webhook (a long stream, a large body). */
   resultOmitted?: string | undefined;
   resultEncoding?: 'base64' | undefined;
@@ -253,6 +253,8 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     let started = 0;
     let slot: Slot | undefined;
     let claimed = false;
+    /** The start of an async run this call is (see `claim`). */
+    let attempt: number | undefined;
     let cancelRequested = false;
     let stopReplica = false;
     let cancelTimer: NodeJS.Timeout | undefined;
@@ -282,13 +284,12 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       // A free slot is taken without a Promise; waiting for one needs an AbortSignal (made only then).
       slot = pool.tryAcquire() ?? (await pool.acquire(run.signal));
       if (request.claim) {
-        let mine: boolean;
         try {
-          mine = await request.claim();
+          attempt = await request.claim();
         } catch (err) {
           throw new RunStartError(runId, err);
         }
-        if (!mine) throw new RunNotClaimedError(runId);
+        if (attempt === undefined) throw new RunNotClaimedError(runId);
         claimed = true;
       }
       coldStart = slot.coldStart;
@@ -315,17 +316,19 @@ export function createInvoker(deps: InvokerDeps): Invoker {
           'system',
           `result of ${Buffer.byteLength(text)} bytes not stored (limit ${maxStoredResult})`,
         );
-      finish(
-        outcome.failed ? 'failure' : 'success',
-        outcome.statusCode,
-        keep ? text : null,
+      finish({
+        kind: 'answered',
+        statusCode: outcome.statusCode,
         runTimeMs,
-        outcome.failed ? `http_${outcome.statusCode}` : null,
-        null,
-        outcome.resultOmitted
-          ? { resultOmitted: outcome.resultOmitted }
-          : { result, resultJson: text ?? undefined, resultEncoding: outcome.resultEncoding },
-      );
+        result: outcome.resultOmitted
+          ? { stored: null, omitted: outcome.resultOmitted }
+          : {
+              stored: keep ? text : null,
+              value: result,
+              json: text ?? undefined,
+              encoding: outcome.resultEncoding,
+            },
+      });
       return {
         result,
         resultJson: text ?? undefined,
@@ -356,18 +359,22 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       const ferry = err instanceof FerryError ? err : undefined;
       // Aborted for a reason of the caller's own: it went away.
       const clientGone = !ferry && run.aborted && run.reason !== timeout && run.reason !== CANCELLED;
-      const state: RunState = timedOut ? 'timeout' : clientGone || cancelled ? 'cancelled' : 'failure';
       if (!ferry && !clientGone) deps.logger.error({ err, runId }, 'run failed with an unexpected error');
-      const code = ferry?.code ?? (clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
-      const message = ferry?.message ?? (clientGone ? 'the caller went away' : 'internal error');
+      const runTimeMs = started ? Date.now() - started : null;
       finish(
-        state,
-        ferry?.status ?? (clientGone ? 499 : 500),
-        null,
-        started ? Date.now() - started : null,
-        clientGone ? 'client_disconnected' : cancelled ? 'cancelled' : (ferry?.code ?? null),
-        { code, message },
-        { error: { code, message, type: ferry?.details.type } },
+        timedOut && ferry
+          ? { kind: 'timed-out', message: ferry.message, runTimeMs }
+          : cancelled && ferry
+            ? { kind: 'cancelled', why: 'cancelled', message: ferry.message, runTimeMs }
+            : ferry
+              ? {
+                  kind: 'failed',
+                  error: { code: ferry.code, message: ferry.message, type: ferry.details.type },
+                  runTimeMs,
+                }
+              : clientGone
+                ? { kind: 'caller-gone', runTimeMs }
+                : { kind: 'internal-error', runTimeMs },
       );
       // Recorded as `timeout` first; then the replica, which may still be running it, is stopped.
       if (timedOut && slot) slot.release({ timedOut: true });
@@ -381,55 +388,12 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       slot?.release();
     }
 
-    /**
-     * The run's final record, always the same fields in the same order (one object shape: a spread of
-     * varying fields cost a property-definition miss per run, issue 15).
-     */
-    function finish(
-      state: WebhookRunState,
-      statusCode: number,
-      result: string | null,
-      runTimeMs: number | null,
-      reason: string | null,
-      error: { code: string; message: string } | null,
-      outcome: {
-        result?: unknown;
-        resultJson?: string | undefined;
-        resultOmitted?: string;
-        resultEncoding?: 'base64' | undefined;
-        error?: { code: string; message: string; type?: string | undefined };
-      },
-    ): void {
+    /** Records how the run ended (runs/lifecycle.ts), with its webhook, and tells the metrics. */
+    function finish(ending: RunEnding): void {
       const now = Date.now();
-      const outbox = request.webhookUrl
-        ? {
-            runId,
-            url: request.webhookUrl,
-            payload: buildWebhookPayload({
-              runId,
-              state,
-              finishedAt: now,
-              statusCode,
-              runTimeMs,
-              ...outcome,
-            }),
-          }
-        : undefined;
-      recorder.finish(
-        runId,
-        {
-          state,
-          status_code: statusCode,
-          finished_at: isoTime(now),
-          result,
-          run_time_ms: runTimeMs,
-          reason,
-          error_code: error?.code ?? null,
-          error_message: error?.message ?? null,
-        },
-        outbox,
-      );
-      deps.onFinished?.(build, state, statusCode, (now - created) / 1000, coldStart);
+      const end = endRun({ id: runId, webhookUrl: request.webhookUrl, attempt }, ending, now);
+      recorder.finish(end);
+      deps.onFinished?.(build, end.state, end.statusCode ?? 0, (now - created) / 1000, coldStart);
     }
   }
 
@@ -545,20 +509,18 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         if (!res.body.destroyed) res.body.destroy();
       }
       sink?.end();
-      const failed = res.statusCode >= 500;
-      if (failed) recorder.log(runId, 'system', `the server answered ${res.statusCode}`);
+      if (failedAnswer(res.statusCode)) recorder.log(runId, 'system', `the server answered ${res.statusCode}`);
       if (tooLarge) {
         recorder.log(runId, 'system', `response body over ${limit} bytes: not kept as the run's result`);
         return {
           result: null,
           streamed: false,
           statusCode: res.statusCode,
-          failed,
           resultOmitted: `the response body is larger than ${limit} bytes`,
         };
       }
       const decoded = decodeBody(Buffer.concat(kept), res.headers['content-type']);
-      return { ...decoded, streamed: false, statusCode: res.statusCode, failed };
+      return { ...decoded, streamed: false, statusCode: res.statusCode };
     };
   }
 
@@ -584,7 +546,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     invokeSession(request, session) {
       return perform(request, { stored: null, bytes: 0 }, async (slot, abort, runId) => {
         const statusCode = await session(slot.replica, abort.signal, runId);
-        return { result: null, streamed: false, statusCode, failed: statusCode >= 500 };
+        return { result: null, streamed: false, statusCode };
       });
     },
   };

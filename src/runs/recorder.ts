@@ -14,7 +14,9 @@ import { type Store, writesOneAtATime } from '../store/index.js';
 import { insertRunsIgnoring } from '../store/run-inserts.js';
 import { updateRun } from '../store/run-updates.js';
 import type { Run } from '../store/schema.js';
+import { isFinalState, type OutboxEntry, type RunChanges, type RunEnd } from './lifecycle.js';
 
+export type { OutboxEntry, RunChanges } from './lifecycle.js';
 export type RunRow = Run;
 
 /** A new run record, state `queued`: what the caller knows at acceptance; the rest starts empty. */
@@ -71,8 +73,6 @@ export function newRunRow(fields: {
     dead: null,
   };
 }
-export type RunChanges = Partial<Omit<RunRow, 'id'>>;
-
 interface Pending {
   row: RunRow;
   /** True once the row exists in the store; later changes are UPDATEs. */
@@ -82,13 +82,6 @@ interface Pending {
   changedAt?: number;
   /** A row not yet inserted: when the recorder got it (see takeBatch; parsing created_at per flush cost more). */
   since?: number;
-}
-
-/** A webhook delivery to write in the same transaction as the run's final state (invariant 2). */
-export interface OutboxEntry {
-  runId: string;
-  url: string;
-  payload: string;
 }
 
 export interface RunRecorder {
@@ -103,14 +96,18 @@ export interface RunRecorder {
   insertNow(row: RunRow): Promise<string>;
   /**
    * Marks a queued async run `owner` holds `running` (one more start, store/claims.ts startRuns) and
-   * resolves, once that is committed, with whether it was: false when the run is no longer that node's
-   * queued run. The starts of a turn of the event loop are one statement; on SQLite (one writer) they share
+   * resolves, once that is committed, with the start's number (its `attempts`, the fence of its later
+   * changes), or undefined when it was not: the run is no longer that node's queued run. The starts of a turn of the event loop are one statement; on SQLite (one writer) they share
    * the transaction of insertNow's group, so under load the inserts and starts are one commit instead of two.
    */
-  startNow(runId: string, owner: string): Promise<boolean>;
+  startNow(runId: string, owner: string): Promise<number | undefined>;
   update(runId: string, changes: RunChanges): void;
-  /** Records the run's final state and its webhook delivery together, in one transaction. */
-  finish(runId: string, changes: RunChanges, outbox?: OutboxEntry): void;
+  /**
+   * Records how the run ended (runs/lifecycle.ts endRun): its record's changes and its webhook delivery
+   * together, in one transaction, fenced by this node and by the start the end names (or the one startNow
+   * made here).
+   */
+  finish(end: RunEnd): void;
   /** Called after each flush that wrote outbox entries (wakes the webhook deliverer). */
   onOutbox?: () => void;
   /** Called after each flush that committed runs' final states, with their ids (wakes waiting callers). */
@@ -213,7 +210,12 @@ export function createRunRecorder(deps: {
   let logBytes = 0;
   let outbox: OutboxEntry[] = [];
   let durable: Array<{ row: RunRow; resolve(id: string): void; reject(err: unknown): void }> = [];
-  let starts: Array<{ id: string; owner: string; resolve(started: boolean): void; reject(err: unknown): void }> = [];
+  let starts: Array<{
+    id: string;
+    owner: string;
+    resolve(attempt: number | undefined): void;
+    reject(err: unknown): void;
+  }> = [];
   /**
    * Async runs started here (startNow) whose end is not written yet: the start's number, which fences their
    * changes (store/run-updates.ts). A null-prototype object, not a Map (runs/invoke.ts says why: `cancels`).
@@ -323,7 +325,7 @@ export function createRunRecorder(deps: {
     const finished: string[] = [];
     let late = 0;
     for (const [id, p] of batch) {
-      const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
+      const done = isFinalState(p.row.state) || (p.changes.state !== undefined && isFinalState(p.changes.state));
       if (!done) continue;
       if (startedAttempts[id] !== undefined) delete startedAttempts[id];
       if (!fenced.has(id)) finished.push(id);
@@ -421,7 +423,7 @@ export function createRunRecorder(deps: {
         held.set(id, p);
         continue;
       }
-      const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
+      const done = isFinalState(p.row.state) || (p.changes.state !== undefined && isFinalState(p.changes.state));
       // A row already written holds back its changes for HOLD_MS too, from the first unwritten one: an async
       // run's `running` (its start is committed by startRuns already) is then most often written with its
       // end, in one UPDATE instead of two.
@@ -446,7 +448,7 @@ export function createRunRecorder(deps: {
     // Runs still in progress stay tracked (as inserted) so their next changes become UPDATEs.
     pending = held;
     for (const [id, p] of batch) {
-      const done = isFinal(p.row.state) || (p.changes.state !== undefined && isFinal(p.changes.state));
+      const done = isFinalState(p.row.state) || (p.changes.state !== undefined && isFinalState(p.changes.state));
       if (!done) pending.set(id, { row: { ...p.row, ...p.changes }, inserted: true, changes: {} });
     }
     if (holding > 0) schedule();
@@ -591,11 +593,10 @@ export function createRunRecorder(deps: {
     );
   }
 
-  /** A start committed (attempt known) or refused (undefined): whether the run is this node's to run now. */
-  function markStarted(runId: string, attempt: number | undefined): boolean {
-    if (attempt === undefined) return false;
-    startedAttempts[runId] = attempt;
-    return true;
+  /** A start committed (attempt known) or refused (undefined): its number when the run is this node's to run now. */
+  function markStarted(runId: string, attempt: number | undefined): number | undefined {
+    if (attempt !== undefined) startedAttempts[runId] = attempt;
+    return attempt;
   }
 
   function scheduleDurable(): void {
@@ -662,7 +663,7 @@ export function createRunRecorder(deps: {
       });
     },
     startNow(runId, by) {
-      return new Promise<boolean>((resolve, reject) => {
+      return new Promise<number | undefined>((resolve, reject) => {
         if (writesOneAtATime(store)) {
           starts.push({ id: runId, owner: by, resolve, reject });
           scheduleDurable();
@@ -672,9 +673,10 @@ export function createRunRecorder(deps: {
         startsAlone.push({ id: runId, owner: by, resolve, reject });
       });
     },
-    finish(runId, changes, entry) {
-      if (entry) outbox.push(entry);
-      recorder.update(runId, changes);
+    finish(end) {
+      if (end.attempt !== undefined) startedAttempts[end.runId] = end.attempt;
+      if (end.outbox) outbox.push(end.outbox);
+      recorder.update(end.runId, end.changes);
     },
     update(runId, changes) {
       const p = pending.get(runId);
@@ -689,7 +691,7 @@ export function createRunRecorder(deps: {
           changes: { ...changes },
           changedAt: Date.now(),
         });
-      if (accountRuns > 0 && changes.state !== undefined && isFinal(changes.state)) {
+      if (accountRuns > 0 && changes.state !== undefined && isFinalState(changes.state)) {
         const account = accounts[runId];
         if (account !== undefined) {
           delete accounts[runId];
@@ -756,8 +758,4 @@ export function createRunRecorder(deps: {
 function isEmpty(changes: RunChanges): boolean {
   for (const _ in changes) return false;
   return true;
-}
-
-function isFinal(state: string): boolean {
-  return state === 'success' || state === 'failure' || state === 'timeout' || state === 'cancelled';
 }

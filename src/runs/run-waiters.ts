@@ -7,8 +7,7 @@
  */
 import type { Logger } from 'pino';
 import type { Store } from '../store/index.js';
-
-const FINAL = ['success', 'failure', 'timeout', 'cancelled'] as const;
+import { FINAL_RUN_STATES } from './lifecycle.js';
 
 export interface RunWaiters {
   /** Resolves when the run is known to have ended here, after `ms`, or when `signal` aborts. */
@@ -42,7 +41,7 @@ export function createRunWaiters(deps: { store: Store; logger: Logger; sweepMs?:
         .selectFrom('runs')
         .select('id')
         .where('id', 'in', ids)
-        .where('state', 'in', [...FINAL])
+        .where('state', 'in', [...FINAL_RUN_STATES])
         .execute();
       for (const r of rows) wake(r.id);
     } catch (err) {

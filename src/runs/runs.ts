@@ -6,7 +6,7 @@ import type { ExpressionBuilder } from 'kysely';
 import { ERRORS, FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
 import type { Database, Run, RunMode, RunState } from '../store/schema.js';
-import { buildWebhookPayload } from '../webhooks/payload.js';
+import { endRun } from './lifecycle.js';
 
 export interface RunView {
   run_id: string;
@@ -146,30 +146,30 @@ export async function runLogDrops(
 }
 
 /**
- * Ends these runs `cancelled`, those still queued only (no node has started them: starting one checks it is
- * queued, store/claims.ts), with their webhook deliveries, in the caller's transaction. Resolves with the
- * ids it ended.
+ * Ends these runs `cancelled` (runs/lifecycle.ts), those still queued only (no node has started them:
+ * starting one checks it is queued, store/claims.ts), with their webhook deliveries, in the caller's
+ * transaction. Resolves with the ids it ended.
  */
 export async function cancelQueued(
   trx: Store,
   runs: ReadonlyArray<Pick<Run, 'id' | 'webhook_endpoint'>>,
-  why: { message: string; reason: string },
+  why: { message: string; reason: 'cancelled' | 'app_deleted' },
   now = Date.now(),
 ): Promise<string[]> {
-  if (runs.length === 0) return [];
-  const at = new Date(now).toISOString();
-  const { status } = ERRORS.FERRY_RUN_CANCELLED;
+  const ends = runs.map((r) =>
+    endRun(
+      { id: r.id, webhookUrl: r.webhook_endpoint },
+      { kind: 'cancelled', why: why.reason, message: why.message, runTimeMs: null },
+      now,
+    ),
+  );
+  const first = ends[0];
+  if (first === undefined) return [];
+  // Ended alike at once: their changes are the same (endRun), one statement for them all.
   const ended = (
     await trx
       .updateTable('runs')
-      .set({
-        state: 'cancelled',
-        finished_at: at,
-        status_code: status,
-        error_code: 'FERRY_RUN_CANCELLED',
-        error_message: why.message,
-        reason: why.reason,
-      })
+      .set(first.changes)
       .where(
         'id',
         'in',
@@ -180,25 +180,23 @@ export async function cancelQueued(
       .execute()
   ).map((r) => r.id);
   const done = new Set(ended);
-  const hooks = runs
-    .filter((r) => r.webhook_endpoint && done.has(r.id))
-    .map((r) => ({
-      run_id: r.id,
-      url: r.webhook_endpoint as string,
-      payload: buildWebhookPayload({
-        runId: r.id,
-        state: 'cancelled',
-        finishedAt: now,
-        statusCode: status,
-        runTimeMs: null,
-        error: { code: 'FERRY_RUN_CANCELLED', message: why.message },
-      }),
-      state: 'pending',
-      attempts: 0,
-      next_attempt_at: at,
-      created_at: at,
-      updated_at: at,
-    }));
+  const at = new Date(now).toISOString();
+  const hooks = ends.flatMap((end) =>
+    end.outbox && done.has(end.runId)
+      ? [
+          {
+            run_id: end.runId,
+            url: end.outbox.url,
+            payload: end.outbox.payload,
+            state: 'pending',
+            attempts: 0,
+            next_attempt_at: at,
+            created_at: at,
+            updated_at: at,
+          },
+        ]
+      : [],
+  );
   if (hooks.length > 0) {
     await trx
       .insertInto('webhook_deliveries')

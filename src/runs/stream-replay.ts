@@ -12,6 +12,7 @@
  * Kept in this process's memory: a reconnect must reach the same server. Scaling out moves this to shared
  * storage (docs/scaling-out.md).
  */
+import type { FinalRunState } from './lifecycle.js';
 
 /** One event as sent: `id` is `<run_id>:<seq>`; `event` is the SSE event name (none for the items). */
 export interface StreamEvent {
@@ -34,7 +35,7 @@ export interface StreamReader {
 }
 
 /** The final state a stream's `end` event reports. */
-export type StreamEndState = 'success' | 'failure' | 'timeout' | 'cancelled';
+export type StreamEndState = FinalRunState;
 
 export interface ReplayStream {
   readonly runId: string;

@@ -16,6 +16,7 @@ import { newRunRow } from '../../runs/recorder.js';
 import type { ReplayStream, StreamEndState, StreamReader } from '../../runs/stream-replay.js';
 import type { Services } from '../../services.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
+import { errorEventData } from '../answer.js';
 import { useJsonBodies } from '../body-parsers.js';
 import { type CallerFlow, watchCaller } from '../caller-flow.js';
 import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
@@ -445,7 +446,7 @@ async function streamRun(
     if (!stream) throw err; // nothing sent yet: a normal JSON error response
     const clientGone = !(err instanceof FerryError) && gone.signal.aborted;
     const ferry = err instanceof FerryError ? err : new FerryError(clientGone ? 'FERRY_CLIENT_GONE' : 'FERRY_INTERNAL');
-    stream.push(JSON.stringify({ run_id: call.runId, ...ferry.toJSON() }), 'error');
+    stream.push(errorEventData(ferry, call.runId), 'error');
     stream.end(endStateOf(ferry, clientGone));
   }
 }
@@ -498,7 +499,7 @@ function resumeStream(
       { details: { resumes_at: `${last.runId}:${first}` } },
     );
     // No id: it is not one of the run's events, and the client's last id stays where it was.
-    const data = JSON.stringify({ run_id: last.runId, ...dropped.toJSON() });
+    const data = errorEventData(dropped, last.runId);
     connection.open().write(named ? formatEvent(data, 'error') : controlComment('error', data));
   }
   connection.follow(stream, last.seq);

@@ -2,6 +2,7 @@
 import { Type } from 'typebox';
 import { findApp } from '../../apps/apps.js';
 import { FerryError } from '../../errors.js';
+import { isFinalState } from '../../runs/lifecycle.js';
 import { cancelQueuedRun, findRun, listRuns, runLogDrops, runLogs, viewRun } from '../../runs/runs.js';
 import type { Services } from '../../services.js';
 import { WebhookViewSchema, webhookView } from '../../webhooks/view.js';
@@ -19,7 +20,6 @@ const RunState = Type.Union([
 ]);
 /** The longest `?wait=` on GET .../runs/{run_id}. */
 const MAX_WAIT_SECONDS = 60;
-const FINAL_STATES = new Set(['success', 'failure', 'timeout', 'cancelled']);
 
 const RunMode = Type.Union([Type.Literal('sync'), Type.Literal('async'), Type.Literal('stream')]);
 
@@ -126,17 +126,17 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
       const waitMs = (request.query.wait ?? 0) * 1000;
       await services.recorder.flush();
       let found = await findRun(store, project_id, app_id, run_id);
-      if (waitMs > 0 && !FINAL_STATES.has(found.state)) {
+      if (waitMs > 0 && !isFinalState(found.state)) {
         // Registered before the second read: a run that ends in between wakes it, or that read sees the end.
         const gone = new AbortController();
         const onClose = () => gone.abort();
         request.raw.once('close', onClose);
         const waited = services.runWaiters.wait(run_id, waitMs, gone.signal);
         found = await findRun(store, project_id, app_id, run_id);
-        if (FINAL_STATES.has(found.state)) gone.abort();
+        if (isFinalState(found.state)) gone.abort();
         await waited;
         request.raw.off('close', onClose);
-        if (!FINAL_STATES.has(found.state)) {
+        if (!isFinalState(found.state)) {
           await services.recorder.flush();
           found = await findRun(store, project_id, app_id, run_id);
         }
@@ -168,7 +168,7 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
       const { project_id, app_id, run_id } = request.params;
       await services.recorder.flush();
       const found = await findRun(store, project_id, app_id, run_id);
-      if (FINAL_STATES.has(found.state)) {
+      if (isFinalState(found.state)) {
         throw new FerryError('FERRY_RUN_FINISHED', `Run ${run_id} has already finished (${found.state})`);
       }
       const gone = new AbortController();
@@ -187,7 +187,7 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
       await services.recorder.flush();
       const run = await findRun(store, project_id, app_id, run_id);
       return reply
-        .code(FINAL_STATES.has(run.state) ? 200 : 202)
+        .code(isFinalState(run.state) ? 200 : 202)
         .send({ ...viewRun(run, true), webhook: await webhookView(store, run_id) });
     },
   );

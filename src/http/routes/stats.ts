@@ -8,8 +8,8 @@ import { Type } from 'typebox';
 import { activeConfig, findApp } from '../../apps/apps.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
 import { HISTORY_MINUTES, minuteOf, type ReplicaHistory } from '../../dashboard/replica-history.js';
+import { isFinalState } from '../../runs/lifecycle.js';
 import type { Services } from '../../services.js';
-import type { RunState } from '../../store/schema.js';
 import { requireScope } from '../auth.js';
 import { AppParams, errors, Nullable } from '../schemas.js';
 import type { TypedServer } from '../server.js';
@@ -77,8 +77,6 @@ export function percentile(sorted: readonly number[], p: number): number | null 
   const rank = Math.max(1, Math.ceil(p * sorted.length));
   return sorted[Math.min(rank, sorted.length) - 1] ?? null;
 }
-
-const FINAL: readonly RunState[] = ['success', 'failure', 'timeout', 'cancelled'];
 
 export function registerStatsRoutes(app: TypedServer, services: Services, history: ReplicaHistory): void {
   const manage = requireScope(services, 'manage');
@@ -151,8 +149,8 @@ export function registerStatsRoutes(app: TypedServer, services: Services, histor
       for (const run of rows) {
         const index = Math.floor((Date.parse(run.created_at) - from) / MINUTE_MS);
         const bucket = buckets[index];
-        if (!bucket || !FINAL.includes(run.state)) continue;
-        bucket[run.state as 'success' | 'failure' | 'timeout' | 'cancelled'] += 1;
+        if (!bucket || !isFinalState(run.state)) continue;
+        bucket[run.state] += 1;
         let ms = run.run_time_ms;
         if (ms === null && run.started_at && run.finished_at) {
           ms = Date.parse(run.finished_at) - Date.parse(run.started_at);
