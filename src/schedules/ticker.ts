@@ -17,6 +17,7 @@ import type { Kysely } from 'kysely';
 import type { Logger } from 'pino';
 import { isoTime } from '../ids.js';
 import type { Metrics } from '../metrics.js';
+import { isFinalState } from '../runs/lifecycle.js';
 import type { Database, Schedule } from '../store/schema.js';
 import { dueTicks, parseTiming } from './spec.js';
 
@@ -24,7 +25,6 @@ import { dueTicks, parseTiming } from './spec.js';
 export const TICK_INTERVAL_MS = 1000;
 /** The most due schedules one look handles (the rest wait for the next look). */
 const BATCH = 100;
-const FINAL_STATES = ['success', 'failure', 'timeout', 'cancelled'];
 
 /** What the ticker asks of the run service: start a schedule's run. */
 export interface ScheduleRunStarter {
@@ -69,7 +69,7 @@ export function createScheduleTicker(deps: {
   async function lastRunUnfinished(row: Schedule): Promise<boolean> {
     if (!row.last_run_id) return false;
     const run = await db.selectFrom('runs').select('state').where('id', '=', row.last_run_id).executeTakeFirst();
-    return run !== undefined && !FINAL_STATES.includes(run.state);
+    return run !== undefined && !isFinalState(run.state);
   }
 
   /** Advances the schedule from the tick it was read at; false when another node advanced it first. */

@@ -329,22 +329,13 @@ const migrations: Record<string, Migration> = {
       // A run's origin: `trigger` null for a call, 'schedule' for a tick (with the schedule's name and the
       // tick's time), 'retry' for `runs retry` (with the run it repeats). `not_before`: a queued run waiting
       // for its next attempt's delay is not claimed or published before it. `dead`: 1 for a run that ended
-      // `failure` after exhausting its retry attempts.
+      // after exhausting its retry attempts.
       for (const column of ['trigger', 'schedule_name', 'scheduled_for', 'retry_of', 'not_before'])
         await db.schema.alterTable('runs').addColumn(column, 'text').execute();
       await db.schema.alterTable('runs').addColumn('dead', 'integer').execute();
-      // Each attempt of a run with a retry policy, as it ended (the run row holds the current one).
-      await db.schema
-        .createTable('run_attempts')
-        .addColumn('run_id', 'text', (c) => c.notNull())
-        .addColumn('attempt', 'integer', (c) => c.notNull())
-        .addColumn('started_at', 'text')
-        .addColumn('ended_at', 'text', (c) => c.notNull())
-        .addColumn('state', 'text', (c) => c.notNull())
-        .addColumn('error_code', 'text')
-        .addColumn('error_message', 'text')
-        .addPrimaryKeyConstraint('run_attempts_pk', ['run_id', 'attempt'])
-        .execute();
+      // The attempts of a run under a retry policy that have ended, as a JSON array (null for a run with one
+      // attempt, nearly all): written with the run's other changes when an attempt ends, read with its call.
+      await db.schema.alterTable('runs').addColumn('attempt_log', 'text').execute();
       if (isPostgres(db)) {
         for (const [table, columns] of [
           [
@@ -367,8 +358,7 @@ const migrations: Record<string, Migration> = {
               'updated_at',
             ],
           ],
-          ['runs', ['trigger', 'schedule_name', 'scheduled_for', 'retry_of', 'not_before']],
-          ['run_attempts', ['run_id', 'started_at', 'ended_at', 'state', 'error_code', 'error_message']],
+          ['runs', ['trigger', 'schedule_name', 'scheduled_for', 'retry_of', 'not_before', 'attempt_log']],
         ] as const) {
           const changes = columns.map((c) => sql`alter column ${sql.ref(c)} type text collate "C"`);
           await sql`alter table ${sql.table(table)} ${sql.join(changes)}`.execute(db);

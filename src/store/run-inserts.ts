@@ -44,6 +44,7 @@ const COLUMNS = [
   'retry_of',
   'not_before',
   'dead',
+  'attempt_log',
 ] as const satisfies ReadonlyArray<keyof Run>;
 
 // A column added to runs and not here would not be written: the type check fails instead.

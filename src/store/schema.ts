@@ -121,8 +121,10 @@ export interface RunsTable {
   retry_of: Optional<string>;
   /** A queued run waiting for its next attempt: not claimed or published before this time. */
   not_before: Optional<string>;
-  /** 1: the run ended `failure` after exhausting its retry attempts. */
+  /** 1: the run ended after exhausting its retry attempts. */
   dead: Optional<number>;
+  /** The ended attempts of a run under a retry policy, JSON (runs/lifecycle.ts AttemptRecord[]). */
+  attempt_log: Optional<string>;
 }
 
 export interface RunLogLinesTable {
@@ -208,17 +210,6 @@ export interface SchedulesTable {
   updated_at: string;
 }
 
-/** One ended attempt of a run with a retry policy (migration 0012). */
-export interface RunAttemptsTable {
-  run_id: string;
-  attempt: number;
-  started_at: string | null;
-  ended_at: string;
-  state: string;
-  error_code: string | null;
-  error_message: string | null;
-}
-
 export interface Database {
   projects: ProjectsTable;
   service_accounts: ServiceAccountsTable;
@@ -233,7 +224,6 @@ export interface Database {
   secrets: SecretsTable;
   nodes: NodesTable;
   schedules: SchedulesTable;
-  run_attempts: RunAttemptsTable;
 }
 
 export type Project = Selectable<ProjectsTable>;

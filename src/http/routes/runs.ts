@@ -48,6 +48,31 @@ const Run = Type.Object({
     description:
       'How many times the run was started: 1 for a run that ran once; more when an interrupted async run of an app with retry_interrupted ran again; 0 while queued',
   }),
+  trigger: Type.Union([Type.Literal('call'), Type.Literal('schedule'), Type.Literal('retry')], {
+    description: 'What started the run: a call of the run endpoint, a schedule’s tick, or `runs retry`',
+  }),
+  schedule: Nullable(
+    Type.Object(
+      { name: Type.String(), tick: Type.String({ format: 'date-time' }) },
+      { description: 'A schedule’s run: the schedule and the tick it was started for' },
+    ),
+  ),
+  retry_of: Nullable(Type.String({ description: 'A `runs retry` run: the run it repeats' })),
+  attempt_history: Type.Array(
+    Type.Object({
+      attempt: Type.Integer(),
+      started_at: Nullable(Type.String({ format: 'date-time' })),
+      ended_at: Type.String({ format: 'date-time' }),
+      state: RunState,
+      status_code: Nullable(Type.Integer()),
+      error_code: Nullable(Type.String()),
+    }),
+    { description: 'Runs of an app with [retries]: each attempt that ended, oldest first (empty otherwise)' },
+  ),
+  next_attempt_at: Nullable(
+    Type.String({ format: 'date-time', description: 'A run waiting for its next attempt: not started before this' }),
+  ),
+  dead: Type.Boolean({ description: 'The run ended after exhausting its [retries] attempts' }),
   input: Type.Optional(Type.Unknown({ description: 'The arguments (when at most 64 KiB; async runs: always)' })),
   result: Type.Optional(Type.Unknown({ description: 'The result (when at most 256 KiB)' })),
   webhook: Type.Optional(Type.Union([WebhookViewSchema, Type.Null()])),
