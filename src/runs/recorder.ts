@@ -725,16 +725,19 @@ export function createRunRecorder(deps: {
       return pending.has(runId) || writingBatch?.has(runId) === true;
     },
     attemptStarted(runId, attempt, of) {
-      if (attempt <= 1 || accounts[runId] !== undefined) return;
-      accounts[runId] = {
-        runId,
-        seq: 0,
-        base: (attempt - 1) * ATTEMPT_SEQ_STRIDE,
-        bytes: 0,
-        droppedLines: 0,
-        droppedBytes: 0,
-      };
-      accountRuns += 1;
+      if (attempt <= 1) return;
+      // The earlier attempt ran here: its lines go on. Elsewhere (or before a restart): numbered after them.
+      if (accounts[runId] === undefined) {
+        accounts[runId] = {
+          runId,
+          seq: 0,
+          base: (attempt - 1) * ATTEMPT_SEQ_STRIDE,
+          bytes: 0,
+          droppedLines: 0,
+          droppedBytes: 0,
+        };
+        accountRuns += 1;
+      }
       recorder.log(runId, 'system', `attempt ${attempt} of ${of} started`);
     },
     log(runId, stream, text) {
