@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Ferry uses, when they are missing and we are root with apt-get.
-#   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; iproute2 and nftables, the
-#               sandboxes' own networks; slirp4netns, their egress when Ferry is not root; umoci, which
-#               turns an image build step's changes into a layer, rootless); run by `npm install`
+#   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; e2fsprogs and acl, volumes;
+#               iproute2 and nftables, the sandboxes' own networks; slirp4netns, their egress when Ferry
+#               is not root; umoci, which turns an image build step's changes into a layer, rootless); run
+#               by `npm install`
 #   Also, as root: records the sandboxes' uid range in /etc/subuid and /etc/subgid (ferry-sandbox).
 #   (default)   also what the tests use (Chromium for the dashboard's browser tests; for the image tests,
 #               Debian's docker-registry served on loopback, skopeo to push to it, apache2-utils' htpasswd
@@ -28,6 +29,10 @@ has() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/
 has ip || need+=(iproute2)
 has nft || need+=(nftables)
 has slirp4netns || need+=(slirp4netns)
+# Volumes (src/volumes/images.ts): ext4 images (e2fsprogs), their default ACL (acl), flock and mount (util-linux).
+has mkfs.ext4 || need+=(e2fsprogs)
+has setfacl || need+=(acl)
+has flock || need+=(util-linux)
 has umoci || need+=(umoci)
 if [ "${1:-}" != "--runtime" ]; then
   [ -x /usr/bin/chromium ] || need+=(chromium)

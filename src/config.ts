@@ -248,6 +248,15 @@ export interface ServerConfig {
    * lasts without renewal; past it, other processes sharing the store take the work over.
    */
   leaseMs: number;
+  /**
+   * `FERRY_VOLUMES_DIR`: where volumes' images and mount points are (default `<data dir>/volumes`). In a
+   * cluster, one shared filesystem mounted at the same path on every node (docs/scaling-out.md).
+   */
+  volumesDir: string;
+  /** `FERRY_VOLUME_MAX_MIB`: the largest `size_mib` a project may ask for. */
+  volumeMaxMiB: number;
+  /** `FERRY_VOLUMES_TOTAL_MIB`: the sizes of all volumes (every project) together. */
+  volumesTotalMiB: number;
 }
 
 /**
@@ -282,6 +291,9 @@ export const DEFAULTS = {
   host: '127.0.0.1',
   port: 8000,
   dataDir: './.ferry',
+  /** 100 GiB per volume, 500 GiB for all volumes of the server. */
+  volumeMaxMiB: 100 * 1024,
+  volumesTotalMiB: 500 * 1024,
   storeBusyTimeoutMs: 5000,
   maxUploadBytes: 256 * 1024 * 1024,
   maxBodyBytes: 10 * 1024 * 1024,
@@ -471,6 +483,12 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     projectLogBytes:
       intFrom(env.FERRY_PROJECT_LOG_BYTES, 'FERRY_PROJECT_LOG_BYTES', 0, 1024 ** 5) ?? DEFAULTS.projectLogBytes,
     egress: resolveEgress(flags, env),
+    volumesDir: path.resolve(env.FERRY_VOLUMES_DIR || path.join(dataDir, 'volumes')),
+    volumeMaxMiB:
+      intFrom(env.FERRY_VOLUME_MAX_MIB, 'FERRY_VOLUME_MAX_MIB', 16, 64 * 1024 * 1024) ?? DEFAULTS.volumeMaxMiB,
+    volumesTotalMiB:
+      intFrom(env.FERRY_VOLUMES_TOTAL_MIB, 'FERRY_VOLUMES_TOTAL_MIB', 16, 1024 * 1024 * 1024) ??
+      DEFAULTS.volumesTotalMiB,
     images: resolveImages(env),
     leaseMs: (intFrom(env.FERRY_LEASE_SECONDS, 'FERRY_LEASE_SECONDS', 2, 3600) ?? DEFAULTS.leaseSeconds) * 1000,
   };

@@ -174,6 +174,44 @@ export const ERRORS = {
 
   // Secrets
   FERRY_SECRET_NOT_FOUND: { status: 404, message: 'No such secret' },
+
+  // Volumes
+  FERRY_VOLUME_NOT_FOUND: { status: 404, message: 'No such volume' },
+  FERRY_VOLUME_EXISTS: { status: 409, message: 'The project already has a volume of that name' },
+  FERRY_VOLUME_IN_USE: {
+    status: 409,
+    message: 'A deployed app mounts the volume: redeploy it without the volume, or delete with force=true',
+  },
+  FERRY_VOLUME_TOO_LARGE: {
+    status: 400,
+    message: 'The volume is larger than this server allows (FERRY_VOLUME_MAX_MIB)',
+  },
+  FERRY_VOLUMES_TOTAL_EXCEEDED: {
+    status: 507,
+    message: 'The volumes of this server would together be larger than it allows (FERRY_VOLUMES_TOTAL_MIB)',
+  },
+  FERRY_VOLUMES_UNAVAILABLE: {
+    status: 503,
+    message: 'Volumes cannot be used on this server (see `ferry doctor`, "volumes")',
+  },
+  FERRY_VOLUME_FULL: { status: 413, message: 'The volume has no room left for this file (its size_mib)' },
+  FERRY_VOLUME_PATH_INVALID: {
+    status: 400,
+    message: 'The path is not a valid path inside the volume (no "..", no NUL, at most 4096 bytes)',
+  },
+  FERRY_VOLUME_FILE_NOT_FOUND: { status: 404, message: 'No such file or folder in the volume' },
+  FERRY_VOLUME_FILE_REFUSED: {
+    status: 422,
+    message: 'Ferry does not read, follow or replace this entry (a link, FIFO, device, socket or hard-linked file)',
+  },
+  FERRY_VOLUME_PATH_CONFLICT: {
+    status: 409,
+    message: 'The path is a folder where a file is needed, or a file where a folder is needed',
+  },
+  FERRY_BUILD_VOLUME_MISSING: {
+    status: 400,
+    message: 'ferry.toml mounts a volume the project does not have: create it first (ferry volumes create)',
+  },
 } as const satisfies Record<string, { status: number; message: string }>;
 
 export type ErrorCode = keyof typeof ERRORS;
@@ -219,4 +257,18 @@ export function toError(value: unknown): Error {
     text = String(value);
   }
   return new Error(text ?? String(value), { cause: value });
+}
+
+/** `n` bytes as people read it: "10485760 bytes (10 MiB)". */
+export function formatBytes(n: number): string {
+  const mib = n / 1024 ** 2;
+  if (n >= 1024 ** 2 && Number.isInteger(mib * 10)) return `${n} bytes (${mib} MiB)`;
+  const kib = n / 1024;
+  if (n >= 1024 && Number.isInteger(kib * 10)) return `${n} bytes (${kib} KiB)`;
+  return `${n} bytes`;
+}
+
+/** The 413 of a body over `limit` bytes, stating the limit. */
+export function bodyTooLarge(limit: number, what = 'The request body'): FerryError {
+  return new FerryError('FERRY_BODY_TOO_LARGE', `${what} is larger than the limit of ${formatBytes(limit)}`);
 }

@@ -8,11 +8,16 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { type AppLog, createAppLog } from './apps/app-log.js';
+import { type AppService, createAppService } from './apps/app-service.js';
 import { createHousekeeping, type Housekeeping } from './apps/housekeeping.js';
+import { startRetentionTimers } from './apps/retention-timers.js';
+import { type AccountService, createAccountService } from './auth/account-service.js';
 import { type Authenticator, createAuthenticator } from './auth/authenticate.js';
+import { createBuildActivation } from './builds/activation.js';
 import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-store.js';
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
+import { type BuildService, createBuildService } from './builds/build-service.js';
 import { createDefaultBuilders } from './builds/builders/index.js';
 import { createNatsArtifactStore, lazyArtifactsBucket } from './builds/nats-artifact-store.js';
 import { createNatsBuildOutput } from './builds/nats-build-output.js';
@@ -21,27 +26,29 @@ import { applyChanges } from './cluster/apply-changes.js';
 import { type CallerTally, createCallerTally } from './cluster/caller-tally.js';
 import { type ChangeFeed, createLocalChangeFeed } from './cluster/change-feed.js';
 import { CLUSTER_KEY_FILE, type ClusterAuth, createClusterAuth } from './cluster/cluster-auth.js';
+import { createFinishedRelay } from './cluster/finished-relay.js';
 import { clusterNames, createNatsLink, requireNats } from './cluster/nats.js';
-import { createNodeLease, type NodeLease } from './cluster/node.js';
+import { createNodeLease, listNodes, type NodeLease, type NodeRow } from './cluster/node.js';
 import { describeLoad, FERRY_VERSION } from './cluster/node-info.js';
 import { createPgChangeFeed } from './cluster/pg-change-feed.js';
 import { rankWorkers } from './cluster/placement.js';
 import { createRecovery, type Recovery, type RecoveryResult } from './cluster/recovery.js';
+import { workerLoad } from './cluster/worker-load.js';
 import {
   createWorkerAnnouncer,
   createWorkerDirectory,
   type WorkerAnnouncer,
   type WorkerDirectory,
-  type WorkerLoad,
 } from './cluster/workers.js';
 import type { NodeRole, ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
 import { FerryError } from './errors.js';
+import { createEventBus } from './events.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
-import type { ReplicaPool } from './replicas/pool.js';
 import { createWarmPool, type WarmPool } from './replicas/warm-pool.js';
+import { createRunTally, refreshGauges } from './run-metrics.js';
 import { createAsyncWorker } from './runs/async-worker.js';
 import { createInvoker, type Invoker } from './runs/invoke.js';
 import { createJetStreamRunQueue } from './runs/jetstream-queue.js';
@@ -49,6 +56,7 @@ import { createProjectBacklog, type ProjectBacklog } from './runs/project-backlo
 import { createRunRecorder, type RunRecorder } from './runs/recorder.js';
 import { createRemoteInvoker } from './runs/remote-invoker.js';
 import { createStoreRunQueue, type RunQueue } from './runs/run-queue.js';
+import { createRunService, type RunService } from './runs/run-service.js';
 import { createRunWaiters, type RunWaiters } from './runs/run-waiters.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
@@ -56,18 +64,11 @@ import { createSandboxNetwork } from './sandbox/choose-network.js';
 import { detectSandbox, type SandboxCapabilities } from './sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
 import { createBuildViews } from './sandbox/views.js';
+import { createSecretService, type SecretService } from './secrets/secret-service.js';
 import { secretEnvironment } from './secrets/secrets.js';
-import { openStore, type Store } from './store/index.js';
+import { openStore, probeStore, type Store, type StoreHealth } from './store/index.js';
+import { createVolumes, type Volumes } from './volumes/volumes.js';
 import { createWebhookDeliverer, type WebhookDeliverer } from './webhooks/deliverer.js';
-
-/** Seconds after start of the first retention pass (or the interval, when shorter). */
-export const RETENTION_FIRST_SECONDS = 15;
-/**
- * How often a process that runs retention passes looks whether its runs logged enough since its last look
- * (a quarter of FERRY_PROJECT_LOG_BYTES, at most 64 MiB) to hold the projects to their log budget now,
- * rather than at the next pass only.
- */
-export const LOG_BUDGET_CHECK_MS = 5000;
 
 export interface Services {
   config: ServerConfig;
@@ -132,6 +133,22 @@ export interface Services {
   appLog: AppLog;
   /** Streaming runs' events, kept so a reconnect with Last-Event-ID resumes the run (in memory). */
   streams: StreamReplay;
+  /** Runs as the run endpoint and the runs routes use them (runs/run-service.ts). */
+  runs: RunService;
+  /** Builds as the builds routes use them; activation goes through the one writer (builds/activation.ts). */
+  builds: BuildService;
+  /** Apps as the apps and stats routes use them: reads, scaling, deletion (apps/app-service.ts). */
+  apps: AppService;
+  /** A project's secrets (secrets/secret-service.ts). */
+  secrets: SecretService;
+  /** Projects and their service accounts (auth/account-service.ts). */
+  accounts: AccountService;
+  /** The nodes sharing the store (`GET /v2/cluster`). */
+  listNodes(limit: number): Promise<NodeRow[]>;
+  /** Whether the store answers within `timeoutMs` (`/healthz`). */
+  storeHealth(timeoutMs: number): Promise<StoreHealth>;
+  /** The projects' volumes: rows, their filesystem images and mounts, their files (src/volumes/). */
+  volumes: Volumes;
   close(): Promise<void>;
 }
 
@@ -142,6 +159,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     databaseUrl: config.databaseUrl,
     busyTimeoutMs: config.storeBusyTimeoutMs,
   });
+  // Each part's close, pushed as the part is built: close() runs them in reverse, so nothing is closed while
+  // a part built after it (and using it) is still open.
+  const closers: Array<() => unknown> = [];
+  const onClose = (close: () => unknown) => void closers.push(close);
+  onClose(() => store.destroy());
   const keys = prepareKeysDir(config.keysDir);
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
@@ -162,13 +184,18 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     info: () => ({ version: FERRY_VERSION, role, url: listenUrl, ...load() }),
   });
   await node.start();
+  // Ending the lease lets the others take over at once whatever this process still held.
+  onClose(() => node.close());
   const metrics = createMetrics({ node: node.id, role });
+  // What happened, told to whoever reacts (events.ts): no part is handed a callback after it was built.
+  const events = createEventBus(logger.child({ component: 'events' }));
   const clusterAuth = createClusterAuth({ key: clusterKey, nodeId: node.id });
   // With --nats-url, archives and build outputs live in the JetStream object store, not the artifacts folder.
   // Start-up does not wait for NATS: what needs it fails with a coded error (or waits) until it is reached.
   const nats = config.natsUrl
     ? createNatsLink({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
     : undefined;
+  onClose(() => nats?.close());
   let artifacts: ArtifactStore;
   let buildOutput: BuildOutput;
   if (nats) {
@@ -199,16 +226,34 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const changes = config.databaseUrl
     ? await createPgChangeFeed({ databaseUrl: config.databaseUrl, logger: logger.child({ component: 'changes' }) })
     : createLocalChangeFeed({ logger: logger.child({ component: 'changes' }) });
+  onClose(() => changes.close());
   const auth = createAuthenticator({ store, key: jwtKey });
   const buildLog = createBuildLog({ store, maxBytes: config.buildLogBytes });
   const runTargets = createRunTargets({ store });
+  const webhooks = createWebhookDeliverer({
+    store,
+    logger: logger.child({ component: 'webhooks' }),
+    secretsKey,
+    owner: node.id,
+    allow: config.webhookAllow,
+    attemptTimeoutMs: config.webhookTimeoutMs,
+    onAttempt(verdict, final) {
+      metrics.webhookAttempts.inc({ outcome: verdict });
+      if (final) metrics.webhookDeliveries.inc({ state: final });
+    },
+  });
+  // After the recorder's last flush (closed before this): what it queued is still woken for.
+  onClose(() => webhooks.close());
   const recorder = createRunRecorder({
     store,
     logger: logger.child({ component: 'runs' }),
     owner: node.id,
     limits: { maxRunLogBytes: config.runLogBytes },
     onLateResults: (n) => metrics.lateResultsDiscarded.inc(n),
+    onOutbox: () => events.emit('runs:outbox', {}),
+    onFinished: (runIds) => events.emit('runs:finished', { runIds }),
   });
+  onClose(() => recorder.close());
   const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
   // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
@@ -221,6 +266,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       })
     : undefined;
   await workers?.start();
+  onClose(() => workers?.close());
   // A gateway is home to no app: it keeps no min_replicas (it runs no replica at all).
   const isHome =
     role === 'gateway'
@@ -232,8 +278,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
             return rankWorkers(`${projectId}/${appId}`, live)[0]?.id === node.id;
           }
         : undefined;
-  // Set once the replicas exist (its load is theirs); told when they change.
-  let announcer: WorkerAnnouncer | undefined;
   const callers = createCallerTally();
   // Replicas of an app on the other live workers: max_replicas bounds the whole cluster.
   const elsewhere =
@@ -258,6 +302,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   void views?.swept.then((removed) => {
     if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');
   });
+  onClose(() => views?.close());
   const network = runsCode
     ? await createSandboxNetwork({
         egress: config.egress,
@@ -267,7 +312,17 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         logger: logger.child({ component: 'network' }),
       })
     : createLoopbackOnlyNetwork();
+  onClose(() => network.close());
+  const volumes = await createVolumes({
+    store,
+    config,
+    sandboxed: sandbox.bwrap !== null,
+    nodeId: node.id,
+    logger: logger.child({ component: 'volumes' }),
+  });
+  onClose(() => volumes.close());
   const launch = createLauncher({
+    volumes,
     store,
     buildsDir: dataDir.builds,
     runDir,
@@ -300,8 +355,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       });
     }
   }
-  /** Set once housekeeping exists: a deleted build's folder, kept while its replicas ran, goes. */
-  let releaseBuild: (buildId: string) => void = () => {};
+  // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.
+  onClose(() => warmPool?.close());
   const replicas = createReplicaManager({
     store,
     logger: logger.child({ component: 'replicas' }),
@@ -311,8 +366,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ...(isHome ? { isHome } : {}),
     ...(elsewhere ? { elsewhere } : {}),
     // Gateways hear of a replica started or stopped here at once, not at the next announcement.
-    onChange: () => announcer?.announceNow(),
-    onDrained: (buildId) => releaseBuild(buildId),
+    onChange: () => events.emit('replicas:changed', {}),
+    // A deleted build's folder, kept while its replicas ran, goes.
+    onDrained: (buildId) => events.emit('replicas:drained', { buildId }),
     ...(warmPool ? { claimWarm: warmPool.claim } : {}),
     launch: runsCode
       ? launch
@@ -330,11 +386,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     },
   });
   const replicaLogger = logger.child({ component: 'replica-output' });
-  // Run metrics by app, state and status, each found once (hot-metrics.ts).
-  const runTallies = new Map<
-    string,
-    { ended: ReturnType<Metrics['runs']['child']>; took: ReturnType<Metrics['runDuration']['child']> }
-  >();
+  onClose(() => replicas.close());
   const localInvoker = createInvoker({
     maxStoredResultBytes: config.maxStoredResultBytes,
     cancelGraceMs: config.cancelGraceSeconds * 1000,
@@ -347,19 +399,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     replicas,
     recorder,
     logger: logger.child({ component: 'runs' }),
-    onFinished(build, state, statusCode, seconds) {
-      const key = `${build.projectId}/${build.appId}/${state}/${statusCode}`;
-      let tally = runTallies.get(key);
-      if (!tally) {
-        tally = {
-          ended: metrics.runs.child(build.projectId, build.appId, state, String(statusCode)),
-          took: metrics.runDuration.child(build.projectId, build.appId),
-        };
-        runTallies.set(key, tally);
-      }
-      tally.ended.inc();
-      tally.took.observe(seconds);
-    },
+    onFinished: createRunTally(metrics),
   });
   const remote =
     role === 'gateway' && workers
@@ -371,52 +411,24 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           callerStallMs: config.callerStallSeconds * 1000,
         })
       : undefined;
+  onClose(() => remote?.close());
   const invoker: Invoker = remote ?? localInvoker;
-  const webhooks = createWebhookDeliverer({
-    store,
-    logger: logger.child({ component: 'webhooks' }),
-    secretsKey,
-    owner: node.id,
-    allow: config.webhookAllow,
-    attemptTimeoutMs: config.webhookTimeoutMs,
-    onAttempt(verdict, final) {
-      metrics.webhookAttempts.inc({ outcome: verdict });
-      if (final) metrics.webhookDeliveries.inc({ state: final });
-    },
-  });
-  recorder.onOutbox = () => webhooks.wake();
+  events.on('runs:outbox', () => webhooks.wake());
   // Callers waiting for runs to end: woken by this node's commits, by other nodes' (NATS), and a shared check.
   const runWaiters = createRunWaiters({ store, logger: logger.child({ component: 'runs' }) });
-  const finishedSubject = clusterNames(config.clusterName).finishedSubject;
-  recorder.onFinished = (ids) => {
-    runWaiters.finished(ids);
-    const nc = nats?.connected ? nats.current() : undefined;
-    if (nc) {
-      try {
-        nc.publish(finishedSubject, JSON.stringify(ids));
-      } catch (err) {
-        logger.debug({ err }, 'telling other nodes of finished runs failed (their shared check finds them)');
-      }
-    }
-  };
-  if (nats) {
-    void nats
-      .ready()
-      .then((nc) =>
-        nc.subscribe(finishedSubject, {
-          callback(err, msg) {
-            if (err) return;
-            try {
-              const ids = JSON.parse(msg.string()) as unknown;
-              if (Array.isArray(ids)) runWaiters.finished(ids.filter((id): id is string => typeof id === 'string'));
-            } catch {
-              // not ours: ignore
-            }
-          },
-        }),
-      )
-      .catch(() => undefined);
-  }
+  onClose(() => runWaiters.close());
+  const finishedRelay = nats
+    ? createFinishedRelay({
+        nats,
+        subject: clusterNames(config.clusterName).finishedSubject,
+        heard: (runIds) => runWaiters.finished(runIds),
+        logger,
+      })
+    : undefined;
+  events.on('runs:finished', ({ runIds }) => {
+    runWaiters.finished(runIds);
+    finishedRelay?.publish(runIds);
+  });
   webhooks.start();
   // The run queue, chosen once: the store queue, or JetStream with --nats-url. `consume`: whether this node
   // fetches and runs async runs (a gateway only publishes them).
@@ -446,9 +458,10 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         },
       })
     : createStoreRunQueue(makeWorker());
+  onClose(() => asyncWorker.close());
   load = () => describeLoad(replicas.pools(), asyncWorker.backlog);
   // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
-  announcer =
+  const announcer =
     nats && role === 'worker'
       ? createWorkerAnnouncer({
           nats,
@@ -464,9 +477,19 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           }),
         })
       : undefined;
+  events.on('replicas:changed', () => announcer?.announceNow());
+  // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
+  onClose(() => announcer?.close());
+  // The one writer of apps.active_build_id: the pipeline (a build becoming ready) and rollbacks alike.
+  const activation = createBuildActivation({
+    store,
+    changes,
+    switchHere: (projectId, appId) => replicas.activate(projectId, appId),
+  });
   const pipeline = createBuildPipeline({
     store,
     buildLog,
+    activation,
     buildsDir: dataDir.builds,
     cacheDir: dataDir.cache,
     builders: createDefaultBuilders(),
@@ -492,17 +515,9 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         const seconds = (Date.parse(build.finished_at) - Date.parse(build.started_at)) / 1000;
         metrics.buildDuration.observe({ state: build.state }, seconds);
       }
-      // Every process (this one at once) forgets the app's run target and switches its replicas.
-      if (build.state === 'ready') {
-        void changes.publish({
-          type: 'build.activated',
-          projectId: build.project_id,
-          appId: build.app_id,
-          buildId: build.id,
-        });
-      }
     },
   });
+  onClose(() => pipeline.close());
   const recovery = createRecovery({
     store,
     node,
@@ -519,6 +534,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Before anything claims work: what a dead node (this data directory's last process included) left.
   const recovered = await recovery.sweep();
   recovery.start();
+  onClose(() => recovery.close());
   const housekeeping = createHousekeeping({
     store,
     artifacts,
@@ -535,17 +551,19 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       if (bytes > 0) metrics.bytesFreed.inc({ reason: 'deleted' }, bytes);
     },
   });
-  releaseBuild = (buildId) =>
+  const releaseBuild = (buildId: string) =>
     void housekeeping
       .released(buildId)
       .then((bytes) => bytes > 0 && metrics.bytesFreed.inc({ reason: 'deleted' }, bytes))
       .catch((err: unknown) => logger.warn({ err }, 'removing a deleted build’s folder failed'));
+  events.on('replicas:drained', ({ buildId }) => releaseBuild(buildId));
   const sweepLocal = () =>
     void housekeeping
       .sweepLocal()
       .then((bytes) => bytes > 0 && metrics.bytesFreed.inc({ reason: 'deleted' }, bytes))
       .catch((err: unknown) => logger.warn({ err }, 'removing local copies of deleted builds failed'));
-  applyChanges(changes, {
+  // Stopped first: a change arriving while the rest closes must not start replicas about to be stopped.
+  const stopApplying = applyChanges(changes, {
     auth,
     runTargets,
     replicas,
@@ -567,61 +585,75 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       : {}),
     logger: logger.child({ component: 'changes' }),
   });
+  onClose(stopApplying);
   const streams = createStreamReplay({
     keepMs: config.streamReplaySeconds * 1000,
     maxBytesPerRun: config.streamReplayBytes,
     maxTotalBytes: config.streamReplayTotalBytes,
     graceMs: config.streamResumeGraceSeconds * 1000,
   });
-  let homeTimer: NodeJS.Timeout | undefined;
+  // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
+  onClose(() => streams.close());
   // Retention: every process that keeps builds (not a gateway) runs a bounded pass now and then.
-  const retention = async (): Promise<void> => {
-    metrics.retentionPasses.inc();
-    const removed = await housekeeping.retain({
-      keepBuilds: config.keepBuilds,
-      runRetentionDays: config.runRetentionDays,
-      projectLogBytes: config.projectLogBytes,
-    });
-    if (removed.builds > 0) metrics.buildsDeleted.inc({ reason: 'retention' }, removed.builds);
-    if (removed.runs > 0) metrics.runsDeleted.inc({ reason: 'retention' }, removed.runs);
-    if (removed.bytes > 0) metrics.bytesFreed.inc({ reason: 'retention' }, removed.bytes);
-  };
-  const retentionPass = () => void retention().catch((err: unknown) => logger.warn({ err }, 'a retention pass failed'));
-  // The first pass soon after start (a process restarted more often than the interval still prunes), then
-  // every interval. An interval of 0 leaves passes to another process of the fleet (or to none).
-  let retentionTimer: NodeJS.Timeout | undefined;
-  if (role !== 'gateway' && config.retentionIntervalSeconds > 0) {
-    retentionTimer = setTimeout(() => {
-      retentionPass();
-      retentionTimer = setInterval(retentionPass, config.retentionIntervalSeconds * 1000);
-      retentionTimer.unref();
-    }, Math.min(config.retentionIntervalSeconds, RETENTION_FIRST_SECONDS) * 1000);
-    retentionTimer.unref();
-  }
-  // The project log budget between passes: a tenant printing fast would otherwise pass it by what its runs
-  // print in a whole interval.
-  let logBudgetTimer: NodeJS.Timeout | undefined;
-  if (role !== 'gateway' && config.retentionIntervalSeconds > 0 && config.projectLogBytes > 0) {
-    const step = Math.max(1, Math.min(64 * 1024 * 1024, Math.floor(config.projectLogBytes / 4)));
-    let mark = 0;
-    let trimming = false;
-    logBudgetTimer = setInterval(() => {
-      const logged = recorder.loggedBytes();
-      if (trimming || logged - mark < step) return;
-      mark = logged;
-      trimming = true;
-      housekeeping
-        .trimLogs(config.projectLogBytes)
-        .catch((err: unknown) => logger.warn({ err }, 'holding the projects to their log budget failed'))
-        .finally(() => {
-          trimming = false;
-        });
-    }, LOG_BUDGET_CHECK_MS);
-    logBudgetTimer.unref();
-  }
-  return {
+  const retentionTimers = startRetentionTimers({
     housekeeping,
-    retention,
+    loggedBytes: () => recorder.loggedBytes(),
+    metrics,
+    settings: config,
+    timers: role !== 'gateway',
+    logger,
+  });
+  onClose(() => retentionTimers.close());
+  const projectBacklog = createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject });
+  const runs = createRunService({
+    store,
+    recorder,
+    runTargets,
+    auth,
+    invoker,
+    runQueue: asyncWorker,
+    projectBacklog,
+    maxAsyncBacklog: config.maxAsyncBacklog,
+    runWaiters,
+    changes,
+    webhooks,
+    cancelWaitMs: (config.cancelGraceSeconds + 10) * 1000,
+  });
+  const builds = createBuildService({
+    store,
+    activation,
+    pipeline,
+    artifacts,
+    buildLog,
+    housekeeping,
+    upload: {
+      tmpDir: dataDir.tmp,
+      buildsDir: dataDir.builds,
+      maxUploadBytes: config.maxUploadBytes,
+      zipLimits: config.zipLimits,
+      checkVolumes: (projectId, appConfig) => volumes.checkMounts(projectId, appConfig),
+      // A gateway builds nothing: the build stays free for a worker to claim.
+      ...(role === 'gateway' ? {} : { owner: node.id }),
+    },
+  });
+  const apps = createAppService({
+    store,
+    changes,
+    replicas,
+    housekeeping,
+    wakeWebhooks: () => webhooks.wake(),
+    appLog,
+  });
+  return {
+    runs,
+    builds,
+    apps,
+    secrets: createSecretService({ store, secretsKey, changes }),
+    accounts: createAccountService({ store, jwtKey, changes }),
+    listNodes: (limit) => listNodes(store, limit),
+    storeHealth: (timeoutMs) => probeStore(store, timeoutMs),
+    housekeeping,
+    retention: retentionTimers.retention,
     config,
     role,
     clusterAuth,
@@ -637,7 +669,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         await announcer.start();
         // The app's home worker keeps its min_replicas: when workers come or go, homes move.
         let members = '';
-        homeTimer = setInterval(() => {
+        const homeTimer = setInterval(() => {
           const now = workers
             .live()
             .map((w) => w.id)
@@ -648,6 +680,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
           void replicas.warmUp().catch((err: unknown) => logger.warn({ err }, 'keeping min_replicas failed'));
         }, 2000);
         homeTimer.unref();
+        onClose(() => clearInterval(homeTimer));
       }
     },
     recovery,
@@ -671,92 +704,16 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     warmPool,
     invoker,
     asyncWorker,
-    projectBacklog: createProjectBacklog({ store, limit: config.maxAsyncBacklogPerProject }),
+    projectBacklog,
     webhooks,
     runTargets,
     appLog,
     streams,
-    refreshGauges() {
-      metrics.replicas.reset();
-      metrics.queueDepth.reset();
-      metrics.runsInFlight.reset();
-      metrics.warmSandboxes.reset();
-      if (warmPool) {
-        for (const [runtime, counts] of Object.entries(warmPool.stats())) {
-          metrics.warmSandboxes.set({ runtime, state: 'ready' }, counts.ready);
-          metrics.warmSandboxes.set({ runtime, state: 'starting' }, counts.starting);
-        }
-      }
-      for (const pool of replicas.pools()) {
-        const labels = { project: pool.build.projectId, app: pool.build.appId };
-        const { starting, ready, inflight, queued } = pool.stats;
-        metrics.replicas.inc({ ...labels, state: 'starting' }, starting);
-        metrics.replicas.inc({ ...labels, state: 'ready' }, ready);
-        metrics.queueDepth.inc(labels, queued);
-        metrics.runsInFlight.inc(labels, inflight);
-      }
-    },
+    volumes,
+    refreshGauges: () => refreshGauges(metrics, replicas.pools(), warmPool?.stats()),
     async close() {
-      // First: a change arriving now must not start replicas that are about to be stopped.
-      await changes.close();
-      runWaiters.close();
-      // Runs waiting for a reconnect would otherwise hold replicas open through the grace period.
-      streams.close();
-      await recovery.close();
-      await pipeline.close();
-      await asyncWorker.close();
-      clearInterval(homeTimer);
-      clearTimeout(retentionTimer); // the first pass's timeout, or the interval after it
-      clearInterval(logBudgetTimer);
-      // Gateways stop sending new calls here at once; calls in flight finish (the HTTP server closed first).
-      await announcer?.close();
-      // Before the replicas: a claim in progress is stopped too, and no sandbox is started after this.
-      await warmPool?.close();
-      await replicas.close();
-      await remote?.close();
-      await workers?.close();
-      await views?.close();
-      await recorder.close();
-      await webhooks.close();
-      await network.close();
-      // Last: ending the lease lets the others take over at once whatever this process still held.
-      await node.close();
-      await nats?.close();
-      await store.destroy();
+      // In reverse order of construction (the HTTP server closed first, by its owner).
+      for (let close = closers.pop(); close; close = closers.pop()) await close();
     },
   };
-}
-
-/** What a worker announces of its load: per app, replicas, runs in flight and the slots it could have. */
-export function workerLoad(
-  pools: Iterable<ReplicaPool>,
-  maxReplicas: number,
-  elsewhere?: (projectId: string, appId: string) => number,
-  callers?: CallerTally,
-): WorkerLoad {
-  const all = [...pools];
-  let replicas = 0;
-  let inflight = 0;
-  for (const pool of all) {
-    replicas += pool.liveReplicas;
-    inflight += pool.stats.inflight;
-  }
-  const room = maxReplicas > 0 ? Math.max(0, maxReplicas - replicas) : Number.POSITIVE_INFINITY;
-  const apps: WorkerLoad['apps'] = {};
-  for (const pool of all) {
-    if (pool.isDraining) continue;
-    const { scaling } = pool.build.config;
-    const key = `${pool.build.projectId}/${pool.build.appId}`;
-    // The replicas it could have: bounded by its own cap and by what the other workers run of the app.
-    const others = elsewhere?.(pool.build.projectId, pool.build.appId) ?? 0;
-    const possible = Math.max(pool.liveReplicas, Math.min(scaling.max_replicas - others, pool.liveReplicas + room));
-    const by = callers?.of(key);
-    apps[key] = {
-      replicas: pool.liveReplicas,
-      inflight: pool.stats.inflight + pool.stats.queued,
-      capacity: possible * scaling.replica_concurrency,
-      ...(by ? { by } : {}),
-    };
-  }
-  return { capacity: maxReplicas, inflight, replicas, apps };
 }

@@ -12,7 +12,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { type Browser, type BrowserContext, chromium, type Page } from 'playwright-core';
-import { DASHBOARD_HEADERS } from '../src/dashboard/routes.js';
+import { DASHBOARD_HEADERS } from '../src/dashboard/assets.js';
 import {
   deployFiles,
   http,
@@ -479,6 +479,35 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     await page.getByRole('button', { name: 'Delete STRIPE_KEY' }).click();
     await page.getByRole('button', { name: 'Yes, delete' }).click();
     await page.getByText('No secrets.').waitFor();
+  });
+
+  it('creates a volume, shows its use and files, and deletes it (issue 27)', async () => {
+    await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Volumes' }).click();
+    await page.getByRole('heading', { level: 1, name: 'Volumes' }).waitFor();
+    await page.getByLabel('Name', { exact: true }).fill('models');
+    await page.getByLabel('Size (MiB)', { exact: true }).fill('32');
+    await page.getByRole('button', { name: 'Create volume' }).click();
+    await page.locator('tr[data-volume="models"]').waitFor();
+    const base = `${server.url}/v2/projects/${auth.projectId}/volumes/models`;
+    const put = await http(`${base}/file?path=weights/w.bin`, {
+      method: 'PUT',
+      token: auth.token,
+      body: Buffer.from('w'),
+    });
+    assert.equal(put.status, 201, put.text);
+    await assertLabelled('volumes');
+    await shot('volumes');
+    await page.getByRole('link', { name: 'models', exact: true }).click();
+    await page.getByRole('link', { name: 'weights/' }).click();
+    await page.locator('tr[data-entry="w.bin"]').waitFor();
+    await assertLabelled('volume files');
+    await page.getByRole('button', { name: 'Delete w.bin' }).click();
+    await page.getByRole('button', { name: 'Yes, delete' }).click();
+    await page.getByText('Empty folder.').waitFor();
+    await page.getByRole('link', { name: 'All volumes' }).click();
+    await page.getByRole('button', { name: 'Delete models' }).click();
+    await page.getByRole('button', { name: 'Yes, delete' }).click();
+    await page.getByText('No volumes.').waitFor();
   });
 
   it('rolls back to a build and deletes another from the builds page (issue 14)', async () => {

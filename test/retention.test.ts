@@ -12,7 +12,7 @@ import { existsSync, readdirSync } from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { RETENTION_FIRST_SECONDS } from '../src/services.js';
+import { RETENTION_FIRST_SECONDS } from '../src/apps/retention-timers.js';
 import { deployFiles, http, spawnServe, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 
 function pyApp(name: string, version: number): Record<string, string> {

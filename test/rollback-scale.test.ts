@@ -7,8 +7,11 @@
  * and the override outlives a deploy until reset.
  */
 import assert from 'node:assert/strict';
+import { Readable } from 'node:stream';
 import { after, before, describe, it } from 'node:test';
+import { receiveBuild } from '../src/builds/upload.js';
 import { lockApp } from '../src/store/active-build.js';
+import { zipFiles } from './helpers/app-zip.js';
 import { deployFiles, http, runCli, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 
 function version(v: number, scaling = 'max_replicas = 2\nreplica_concurrency = 4\n'): Record<string, string> {
@@ -121,6 +124,59 @@ describe('roll back and scale without a build', { timeout: 300_000 }, () => {
     });
     assert.equal(missing.status, 404);
     assert.deepEqual((await call()).json.result, { version: 3 });
+  });
+
+  it('a build that becomes ready after a newer one is active stays inactive, and is not announced as activated', async () => {
+    // Issue 29's named bug: the pipeline kept the newer build active, but `build.activated` was published
+    // for the older one anyway. An older build is received but not queued, a newer one is deployed and
+    // becomes active, and only then is the older one built.
+    const { services } = server;
+    const files = (v: number) => ({
+      'ferry.toml': '[app]\nname = "late"\n',
+      'main.ts': `export function run() { return { version: ${v} }; }\n`,
+    });
+    const receive = async (v: number) =>
+      receiveBuild(
+        {
+          store: services.store,
+          artifacts: services.artifacts,
+          tmpDir: services.dataDir.tmp,
+          buildsDir: services.dataDir.builds,
+          maxUploadBytes: services.config.maxUploadBytes,
+          zipLimits: services.config.zipLimits,
+          owner: services.node.id,
+        },
+        auth.projectId,
+        'late',
+        Readable.from(await zipFiles(files(v))),
+      );
+    const older = await receive(1);
+    const newer = await deployFiles(server, auth, 'late', files(2));
+    assert.ok(older.id < newer.id, 'build ids are time-ordered');
+    const lateBase = `${server.url}/v2/projects/${auth.projectId}/apps/late`;
+    assert.equal((await http(lateBase, { token: auth.token })).json.active_build_id, newer.id);
+
+    const announced: string[] = [];
+    const stop = services.changes.subscribe((event) => {
+      if (event.type === 'build.activated' && event.appId === 'late') announced.push(event.buildId);
+    });
+    try {
+      // Builds of an app run one after the other: the newest is built (and announced) only once the older
+      // one's build has ended, announcement included.
+      const newest = await receive(3);
+      services.pipeline.enqueue(older);
+      services.pipeline.enqueue(newest);
+      await waitFor(async () => announced.includes(newest.id), 60_000, 'the newest build announced');
+      const built = (await http(`${lateBase}/builds/${older.id}`, { token: auth.token })).json;
+      assert.equal(built.state, 'ready', JSON.stringify(built));
+      assert.equal(built.active, false);
+      assert.deepEqual(announced, [newest.id], 'no build.activated for the build that did not become active');
+      assert.equal((await http(lateBase, { token: auth.token })).json.active_build_id, newest.id);
+      const res = await http(`${server.url}/v4/${auth.projectId}/late/run`, { method: 'POST', token: auth.token });
+      assert.deepEqual(res.json.result, { version: 3 });
+    } finally {
+      stop();
+    }
   });
 
   it('an activation waits for a delete of the build that holds the app, and then finds the build gone', async () => {

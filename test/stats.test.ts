@@ -6,9 +6,10 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { createReplicaHistory, HISTORY_MINUTES, minuteOf } from '../src/dashboard/replica-history.js';
-import { percentile, uuidv7Floor } from '../src/http/routes/stats.js';
+import { percentile } from '../src/http/routes/stats.js';
 import { uuidv7 } from '../src/ids.js';
 import type { ReplicaPool } from '../src/replicas/pool.js';
+import { uuidv7Floor } from '../src/runs/run-service.js';
 import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
 const MINUTE = 60_000;

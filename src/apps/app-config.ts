@@ -98,6 +98,20 @@ const RetriesSection = Type.Object(
   { additionalProperties: false },
 );
 
+/** Same rule as app names. */
+export const VOLUME_NAME_PATTERN = '^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$';
+/** Sandbox folders a volume may not be mounted on or under: the sandbox's own. */
+export const RESERVED_MOUNTS = ['/proc', '/dev', '/tmp', '/run', '/app'] as const;
+
+const VolumeSection = Type.Object(
+  {
+    name: Type.String({ pattern: VOLUME_NAME_PATTERN }),
+    mount: Type.String({ minLength: 1, maxLength: 1024 }),
+    read_only: Type.Optional(Type.Boolean()),
+  },
+  { additionalProperties: false },
+);
+
 const RawConfig = Type.Object(
   {
     app: AppSection,
@@ -107,6 +121,7 @@ const RawConfig = Type.Object(
     env: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String(), { additionalProperties: false })),
     schedules: Type.Optional(Type.Array(ScheduleEntry, { maxItems: MAX_SCHEDULES })),
     retries: Type.Optional(RetriesSection),
+    volumes: Type.Optional(Type.Array(VolumeSection, { maxItems: 16 })),
   },
   { additionalProperties: false },
 );
@@ -156,6 +171,11 @@ export interface AppConfig {
   schedules: ScheduleConfig[];
   /** `[retries]`: how async and scheduled runs are tried again (src/runs/retries.ts). */
   retries: RetryPolicy;
+  /**
+   * `[[volumes]]`: the project's volumes mounted in every replica (never in builds). Builds made before
+   * volumes existed have none stored: read it with `volumesOf(config)`.
+   */
+  volumes: VolumeMount[];
 }
 
 /** One `[[schedules]]` entry with its defaults filled in. */
@@ -173,6 +193,30 @@ export interface ScheduleConfig {
   webhook: string | null;
   /** `skip`: no tick starts while the schedule's last run is unfinished; `allow`: ticks overlap. */
   overlap: 'skip' | 'allow';
+}
+
+export interface VolumeMount {
+  name: string;
+  /** Absolute, normalized path inside the sandbox. */
+  mount: string;
+  read_only: boolean;
+}
+
+/** An app's volumes; `[]` for a config stored before `[[volumes]]` existed. */
+export function volumesOf(config: Pick<AppConfig, 'volumes'> | undefined): VolumeMount[] {
+  return config?.volumes ?? [];
+}
+
+/** Why `mount` cannot be a volume's mount point, or undefined. */
+export function mountProblem(mount: string): string | undefined {
+  if (!mount.startsWith('/') || mount.includes('\0')) return 'must be an absolute path';
+  const parts = mount.split('/').filter((p) => p !== '');
+  if (parts.some((p) => p === '.' || p === '..')) return 'must not contain "." or ".." components';
+  const normal = `/${parts.join('/')}`;
+  if (normal === '/') return 'must not be /';
+  const reserved = RESERVED_MOUNTS.find((dir) => normal === dir || normal.startsWith(`${dir}/`));
+  if (reserved) return `must not be ${reserved} or under it (the sandbox's own folder)`;
+  return undefined;
 }
 
 /** `[scaling]` when ferry.toml says nothing. */
@@ -295,6 +339,31 @@ function withDefaults(raw: RawConfig): AppConfig {
     );
   }
   const custom = raw.runtime?.custom;
+  const volumes: VolumeMount[] = [];
+  for (const [i, v] of (raw.volumes ?? []).entries()) {
+    const problem = mountProblem(v.mount);
+    if (problem) throw new AppConfigError(`ferry.toml: volumes.${i}.mount: ${problem}`, `volumes.${i}.mount`);
+    const mount = `/${v.mount
+      .split('/')
+      .filter((p) => p !== '')
+      .join('/')}`;
+    const clash = volumes.find(
+      (o) => o.mount === mount || o.mount.startsWith(`${mount}/`) || mount.startsWith(`${o.mount}/`),
+    );
+    if (clash) {
+      throw new AppConfigError(
+        `ferry.toml: volumes.${i}.mount: ${mount} overlaps the mount of volume "${clash.name}" (${clash.mount})`,
+        `volumes.${i}.mount`,
+      );
+    }
+    if (volumes.some((o) => o.name === v.name)) {
+      throw new AppConfigError(
+        `ferry.toml: volumes.${i}.name: volume "${v.name}" is mounted twice`,
+        `volumes.${i}.name`,
+      );
+    }
+    volumes.push({ name: v.name, mount, read_only: v.read_only ?? false });
+  }
   return {
     app: {
       name: raw.app.name,
@@ -327,6 +396,7 @@ function withDefaults(raw: RawConfig): AppConfig {
     env: raw.env ?? {},
     schedules: schedulesOf(raw.schedules ?? []),
     retries: retriesOf(raw.retries),
+    volumes,
   };
 }
 

@@ -30,8 +30,8 @@ import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { Build } from '../store/schema.js';
 import type { ArtifactStore } from './artifact-store.js';
+import { buildFolder } from './build-folder.js';
 import { BuildFailedError } from './builders/types.js';
-import { buildFolder } from './pipeline.js';
 import { extractZip, type ZipLimits } from './zip-archive.js';
 
 export interface BuildOutputDeps {

@@ -3,7 +3,10 @@
  */
 import { FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
-import type { Build } from '../store/schema.js';
+import type { Build, BuildState } from '../store/schema.js';
+
+/** The states a build does not leave. */
+export const FINAL_BUILD_STATES: readonly BuildState[] = ['ready', 'failed', 'cancelled'];
 
 export interface BuildView {
   id: string;

@@ -24,11 +24,11 @@ import type { ObjectStore } from '@nats-io/obj';
 import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { ArtifactStore } from './artifact-store.js';
+import { buildFolder } from './build-folder.js';
 import { type BuildOutput, extractSource, removeLocalBuild } from './build-output.js';
 import { packFolder, unpackTar } from './build-tar.js';
 import { BuildFailedError } from './builders/types.js';
 import { artifactsUnavailable, fetchObject, putObject } from './nats-artifact-store.js';
-import { buildFolder } from './pipeline.js';
 import type { ZipLimits } from './zip-archive.js';
 
 export interface NatsBuildOutputDeps {

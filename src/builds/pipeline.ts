@@ -2,7 +2,9 @@
  * The build pipeline: runs builds off the request path, one at a time per app, in upload order.
  *
  * A build goes `pending → building → ready | failed | cancelled`. When a build becomes ready it becomes
- * the app's active build unless a newer one already is; a failed build leaves the active build alone.
+ * the app's active build unless a newer one already is (builds/activation.ts decides and writes it, in the
+ * transaction that records the build ready, and announces it only when it did); a failed build leaves the
+ * active build alone.
  *
  * A build is held by one node (its `owner`): the node that received the upload, from the start. It moves
  * to `building` only while this node still holds it (store/claims.ts), and its final state is written only
@@ -10,7 +12,6 @@
  * claims free builds and runs them here, from the start.
  */
 import fs from 'node:fs/promises';
-import path from 'node:path';
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
@@ -18,14 +19,16 @@ import { nowIso } from '../ids.js';
 import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from '../sandbox/build-step.js';
 import type { SandboxCapabilities } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
-import { lockApp } from '../store/active-build.js';
 import { claimFreeBuilds, startBuild } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
+import type { BuildActivation } from './activation.js';
+import { buildFolder } from './build-folder.js';
 import type { BuildLog } from './build-log.js';
 import type { BuildOutput } from './build-output.js';
 import { selectBuilder } from './builders/index.js';
 import { type Builder, BuildFailedError } from './builders/types.js';
+import { FINAL_BUILD_STATES } from './builds.js';
 
 export interface BuildPipelineDeps {
   store: Store;
@@ -41,7 +44,9 @@ export interface BuildPipelineDeps {
   /** Memory and processes per step, wall-clock time per build (default DEFAULT_BUILD_LIMITS). */
   limits?: BuildLimits;
   logger: Logger;
-  /** Told about every build that reaches a final state (metrics, replica pools). */
+  /** Makes a ready build the app's active one (unless a newer one is) and announces it: the one writer. */
+  activation: Pick<BuildActivation, 'promoteReady' | 'announce'>;
+  /** Told about every build that reaches a final state (metrics). */
   onFinished?: (build: Build) => void;
   /** This node's id (cluster/node.ts). */
   owner: string;
@@ -64,13 +69,6 @@ export interface BuildPipeline {
   recover(): Promise<number>;
   /** Stops running builds without marking them (they are redone at the next start) and waits for the queues. */
   close(): Promise<void>;
-}
-
-export const FINAL_BUILD_STATES: readonly BuildState[] = ['ready', 'failed', 'cancelled'];
-
-export function buildFolder(buildsDir: string, buildId: string): { root: string; source: string; out: string } {
-  const root = path.join(buildsDir, buildId);
-  return { root, source: path.join(root, 'source'), out: path.join(root, 'out') };
 }
 
 /** The abort reason when a build runs past its time limit: a failure of the build, not a cancellation. */
@@ -168,6 +166,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       await fs.rm(buildCacheDir(deps.cacheDir, build.id), { recursive: true, force: true }).catch(() => {});
     }
     await buildLog.flush(build.id);
+    let promoted = false;
     const recorded = await store.transaction().execute(async (trx) => {
       const changed = await trx
         .updateTable('builds')
@@ -185,18 +184,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         .executeTakeFirst();
       // Another node holds the build now (this one lost its lease): its outcome is that node's to write.
       if (Number(changed.numUpdatedRows) === 0) return false;
-      if (finalState === 'ready') {
-        // Build ids are time-ordered: never let an older build replace a newer active one.
-        const app = await lockApp(trx, build.project_id, build.app_id);
-        if (!app?.active_build_id || app.active_build_id < build.id) {
-          await trx
-            .updateTable('apps')
-            .set({ active_build_id: build.id, updated_at: nowIso() })
-            .where('project_id', '=', build.project_id)
-            .where('id', '=', build.app_id)
-            .execute();
-        }
-      }
+      if (finalState === 'ready') promoted = await deps.activation.promoteReady(trx, build);
       return true;
     });
     if (!recorded) {
@@ -213,6 +201,13 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     );
     const finished = await store.selectFrom('builds').selectAll().where('id', '=', build.id).executeTakeFirst();
     if (finished) deps.onFinished?.(finished);
+    // Only a build that did become active is announced: one that finished after a newer build became
+    // active stays ready but inactive, and every process keeps running the newer one.
+    if (promoted) {
+      void deps.activation
+        .announce(build)
+        .catch((err: unknown) => logger.warn({ err, buildId: build.id }, 'announcing the activated build failed'));
+    }
   }
 
   function formatDuration(ms: number): string {

@@ -11,13 +11,12 @@ import type { Readable } from 'node:stream';
 import { Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { AppConfigError, parseAppConfig } from '../apps/app-config.js';
-import { FerryError } from '../errors.js';
-import { bodyTooLarge } from '../http/body-parsers.js';
+import { bodyTooLarge, FerryError } from '../errors.js';
 import { nowIso, uuidv7 } from '../ids.js';
 import type { Store } from '../store/index.js';
 import type { Build } from '../store/schema.js';
 import type { ArtifactStore } from './artifact-store.js';
-import { buildFolder } from './pipeline.js';
+import { buildFolder } from './build-folder.js';
 import { extractZip, type ZipLimits } from './zip-archive.js';
 
 export interface ReceiveBuildDeps {
@@ -29,6 +28,8 @@ export interface ReceiveBuildDeps {
   zipLimits: ZipLimits;
   /** This node (cluster/node.ts): it holds the new build and builds it, unless it dies first. */
   owner?: string;
+  /** Refuses a config whose `[[volumes]]` the project lacks (FERRY_BUILD_VOLUME_MISSING; volumes/volumes.ts). */
+  checkVolumes?: (projectId: string, config: ReturnType<typeof parseAppConfig>) => Promise<void>;
 }
 
 /** Streams `body` to a file, refusing with FERRY_BODY_TOO_LARGE once it passes `maxBytes`. */
@@ -85,6 +86,8 @@ export async function receiveBuild(
         `ferry.toml names the app "${config.app.name}" but the upload is for app "${appId}"`,
       );
     }
+
+    await deps.checkVolumes?.(projectId, config);
 
     const now = nowIso();
     const build: Build = {

@@ -11,6 +11,8 @@ import { resolveServerConfig } from '../config.js';
 import { type ImageHostReport, probeImageHost, readCacheUse } from '../images/host-tools.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
+import { probeVolumeSupport } from '../volumes/images.js';
+import { localVolumes, nodesWithoutMarker } from '../volumes/markers.js';
 import { clusterLines, readCluster } from './cluster.js';
 
 export interface DoctorOptions {
@@ -33,12 +35,17 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   const python = pythonPath && pythonVersion ? pythonVersion : undefined;
   const network = networkPlan(caps);
   const images = await imagesReport(caps);
+  const volumes = await volumesReport(
+    caps,
+    cluster.view?.nodes.map((n) => n.id),
+  );
   if (options.json) {
     const { tools: _tools, userTools: _userTools, ...plan } = network;
     const report = {
       ...caps,
       network: plan,
       images,
+      volumes,
       cluster: cluster.view ?? null,
       cluster_problem: cluster.problem ?? null,
     };
@@ -67,8 +74,29 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   lines.push(row('Python', python ?? 'no usable python3 (3.9+) found: Python apps cannot build or run'));
   lines.push(...imageLines(images).map((line, i) => row(i === 0 ? 'Images' : '', line)));
 
+  lines.push(
+    row(
+      'Volumes',
+      volumes.available
+        ? `available: ext4 images on loop devices in ${volumes.dir} (writes past a volume's size fail with ENOSPC)`
+        : `NOT AVAILABLE (volumes are refused, never unbounded): ${volumes.reasons.join('; ')}`,
+    ),
+  );
+  for (const v of volumes.volumes) {
+    lines.push(
+      row(
+        '',
+        `${v.project_id}/${v.name}: ${formatMiB(v.allocated_bytes)} used of ${formatMiB(v.size_bytes)}${v.mounted_here ? ', mounted here' : ''}`,
+      ),
+    );
+  }
   const warnings = sandboxWarnings(caps);
   if (network.warning) warnings.push(network.warning);
+  if (volumes.not_shared_with.length > 0) {
+    warnings.push(
+      `FERRY_VOLUMES_DIR (${volumes.dir}) is not the folder node(s) ${volumes.not_shared_with.join(', ')} use: their markers are not in it. Mount the same shared filesystem at the same path on every node (docs/scaling-out.md, "Volumes")`,
+    );
+  }
   if (warnings.length > 0) {
     lines.push('', 'Warnings:', ...warnings.map((warning) => `  ! ${warning}`));
   }
@@ -215,4 +243,22 @@ function commandVersion(command: string, args: string[]): Promise<string | null>
       else resolve(`${(stdout || stderr).trim()} (${command})`);
     });
   });
+}
+
+/** Volumes on this node: the mechanism, the images in FERRY_VOLUMES_DIR, and whether every live node shares it. */
+async function volumesReport(caps: SandboxCapabilities, liveNodes: string[] | undefined) {
+  const dir = resolveServerConfig({}, process.env).volumesDir;
+  const support = await probeVolumeSupport(caps.bwrap !== null);
+  return {
+    available: support.available,
+    reasons: support.reasons,
+    dir,
+    volumes: await localVolumes(dir),
+    /** Live nodes (as the server lists them) whose marker is missing here; [] when none or unknown. */
+    not_shared_with: liveNodes ? await nodesWithoutMarker(dir, liveNodes) : [],
+  };
+}
+
+function formatMiB(bytes: number): string {
+  return `${(bytes / 1024 / 1024).toFixed(1)} MiB`;
 }

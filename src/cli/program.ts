@@ -43,6 +43,14 @@ import {
 } from './schedules.js';
 import { secretsDeleteCommand, secretsListCommand, secretsSetCommand } from './secrets.js';
 import { serveCommand } from './serve.js';
+import {
+  volumesCpCommand,
+  volumesCreateCommand,
+  volumesDeleteCommand,
+  volumesListCommand,
+  volumesLsCommand,
+  volumesRmCommand,
+} from './volumes.js';
 
 export function createProgram(): Command {
   const program = new Command('ferry')
@@ -327,6 +335,46 @@ export function createProgram(): Command {
     .description('delete a secret')
     .option('--json', 'print {"name","deleted"}')
     .action(secretsDeleteCommand);
+
+  const volumes = program
+    .command('volumes')
+    .description('volumes of the project: persistent folders mounted in apps ([[volumes]] in ferry.toml)');
+  volumes
+    .command('create <name>')
+    .description('create a volume of the given size')
+    .requiredOption('--size <size>', 'its size, e.g. 512MiB, 20GiB, 1TiB (writes past it fail with ENOSPC)')
+    .option('--json', 'print the volume as JSON')
+    .action(volumesCreateCommand);
+  volumes
+    .command('list')
+    .description('the volumes, with their size, use and the apps mounting them')
+    .option('--json', 'print an array')
+    .action(volumesListCommand);
+  volumes
+    .command('ls <ref>')
+    .description('list a folder of a volume: NAME or NAME:PATH')
+    .option('--json', 'print the listing')
+    .action(volumesLsCommand);
+  volumes
+    .command('cp <from> <to>')
+    .description(
+      'copy a file or folder (recursively) to a volume (cp LOCAL NAME:PATH) or from one (cp NAME:PATH LOCAL), streamed, with a progress bar; an interrupted copy leaves whole files only',
+    )
+    .option('--skip-existing', 'skip files already at the destination with the same size (resume a copy)')
+    .option('--json', 'print what was copied')
+    .action(volumesCpCommand);
+  volumes
+    .command('rm <ref>')
+    .description('remove a file or empty folder of a volume, NAME:PATH')
+    .option('-r, --recursive', 'remove a folder and all in it')
+    .option('--json', 'print {"volume","path","deleted"}')
+    .action(volumesRmCommand);
+  volumes
+    .command('delete <name>')
+    .description('delete a volume and its files, freeing its space (refused while a deployed app mounts it)')
+    .option('--force', 'delete even while a deployed app mounts it')
+    .option('--json', 'print {"name","deleted"}')
+    .action(volumesDeleteCommand);
 
   const tokens = program.command('tokens').description('service accounts and their tokens');
   tokens

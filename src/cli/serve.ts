@@ -6,10 +6,11 @@
  * a second signal exits at once.
  */
 
-import { createWorkerApi } from '../cluster/worker-api.js';
+import { createWorkerBuilds } from '../cluster/worker-builds.js';
 import { resolveServerConfig } from '../config.js';
 import { DataDirLockedError, lockDataDir, prepareDataDir, recordServer } from '../data-dir.js';
 import { buildServer } from '../http/server.js';
+import { createWorkerApi } from '../http/worker-api.js';
 import { createLogger } from '../logger.js';
 import { createServices } from '../services.js';
 import { CliError } from './client.js';
@@ -55,7 +56,8 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   const internal =
     config.role === 'worker'
       ? createWorkerApi({
-          store: services.store,
+          builds: createWorkerBuilds(services.store),
+          storeHealth: (timeoutMs) => services.storeHealth(timeoutMs),
           invoker: services.invoker,
           auth: services.clusterAuth,
           callers: services.callers,

@@ -22,6 +22,7 @@ import path from 'node:path';
 import type { Logger } from 'pino';
 import { randomHex } from '../ids.js';
 import type { Store } from '../store/index.js';
+import type { NodesTable } from '../store/schema.js';
 
 /** `FERRY_LEASE_SECONDS` default: how long a node's work stays its own without a renewal. */
 export const DEFAULT_LEASE_MS = 10_000;
@@ -165,4 +166,18 @@ export function createNodeLease(deps: {
         .catch((err: unknown) => logger.warn({ err }, 'could not end the node lease; it runs out by itself'));
     },
   };
+}
+
+/** A node as the `nodes` table has it (`GET /v2/cluster`). */
+export type NodeRow = NodesTable;
+
+/** The nodes sharing the store, oldest first, at most `limit` (live and expired alike). */
+export async function listNodes(store: Store, limit: number): Promise<NodeRow[]> {
+  return store
+    .selectFrom('nodes')
+    .select(['id', 'started_at', 'lease_until', 'info'])
+    .orderBy('started_at')
+    .orderBy('id')
+    .limit(limit)
+    .execute();
 }

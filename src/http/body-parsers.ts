@@ -11,7 +11,7 @@
  * Deploys take `application/zip` instead (see routes/builds.ts); they name that type in their 415.
  */
 import type { FastifyInstance, FastifyRequest } from 'fastify';
-import { FerryError } from '../errors.js';
+import { bodyTooLarge, FerryError } from '../errors.js';
 
 declare module 'fastify' {
   interface FastifyContextConfig {
@@ -104,19 +104,8 @@ export function readLimitedBody(stream: NodeJS.ReadableStream, limit: number): P
   });
 }
 
-/** `n` bytes as people read it: "10485760 bytes (10 MiB)". */
-export function formatBytes(n: number): string {
-  const mib = n / 1024 ** 2;
-  if (n >= 1024 ** 2 && Number.isInteger(mib * 10)) return `${n} bytes (${mib} MiB)`;
-  const kib = n / 1024;
-  if (n >= 1024 && Number.isInteger(kib * 10)) return `${n} bytes (${kib} KiB)`;
-  return `${n} bytes`;
-}
-
-/** The 413 of a body over `limit` bytes, stating the limit. */
-export function bodyTooLarge(limit: number, what = 'The request body'): FerryError {
-  return new FerryError('FERRY_BODY_TOO_LARGE', `${what} is larger than the limit of ${formatBytes(limit)}`);
-}
+// Where a body's limit is stated (the archive route and builds/upload.ts alike).
+export { bodyTooLarge, formatBytes } from '../errors.js';
 
 /** Parses a management API body: JSON (prototype poisoning refused), an empty body being no body. */
 export function parseJsonBody(raw: Buffer): unknown {

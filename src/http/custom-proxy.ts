@@ -14,14 +14,15 @@
 import type { IncomingMessage, Server, ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import type { FastifyReply, FastifyRequest } from 'fastify';
+import type { Logger } from 'pino';
+import type { ServerConfig } from '../config.js';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
-import type { Services } from '../services.js';
+import type { RunService, RunTarget } from '../runs/run-service.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
 import { answer, refuseOnSocket, writeAnswer } from './answer.js';
 import { watchCaller } from './caller-flow.js';
-import type { RunTarget } from './routes/run.js';
 
 /** Headers that describe one connection, not the request (RFC 9110 7.6.1), plus `Expect` (undici refuses it). */
 const HOP_BY_HOP = new Set([
@@ -149,12 +150,21 @@ function hasBody(req: IncomingMessage): boolean {
   return req.headers['transfer-encoding'] !== undefined || Number(req.headers['content-length'] ?? 0) > 0;
 }
 
+/** What the custom-runtime proxy uses. */
+export interface CustomProxyDeps {
+  runs: Pick<RunService, 'invokeHttp' | 'invokeSession' | 'note'>;
+  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds'>;
+  /** Signs a run's webhook (webhooks/secret.ts). */
+  secretsKey: Uint8Array;
+  logger: Pick<Logger, 'error'>;
+}
+
 /**
  * Serves one HTTP call of a custom app, from the run endpoint's onRequest hook (before Fastify reads the
  * body). Errors before anything is sent are thrown (Fastify answers them); after, the response is cut.
  */
 export async function proxyHttp(
-  services: Services,
+  services: CustomProxyDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   target: RunTarget,
@@ -190,7 +200,7 @@ export async function proxyHttp(
     if (!res.writableFinished) gone.abort(new Error('client disconnected'));
   });
   try {
-    await services.invoker.invokeHttp({
+    await services.runs.invokeHttp({
       runId,
       build: target.build,
       fn,
@@ -235,7 +245,7 @@ export function refuseUpgrade(socket: Socket, runId: string, err: unknown): void
  */
 export function attachWebSocketProxy(
   server: Server,
-  services: Services,
+  services: CustomProxyDeps,
   resolve: (projectId: string, appName: string, authorization: string | undefined) => Promise<RunTarget>,
 ): void {
   server.on('upgrade', (req: IncomingMessage, socket: Socket, head: Buffer) => {
@@ -268,7 +278,7 @@ export function attachWebSocketProxy(
     const gone = new AbortController();
     socket.once('close', () => gone.abort(new Error('client disconnected')));
     let answered = false;
-    await services.invoker
+    await services.runs
       .invokeSession(
         {
           runId,
@@ -313,7 +323,7 @@ export function attachWebSocketProxy(
                 drains: [socket],
                 stallMs: stallSeconds * 1000,
                 onStalled: () => {
-                  services.recorder.log(runId, 'system', `the caller read nothing for ${stallSeconds} s: disconnected`);
+                  services.runs.note(runId, `the caller read nothing for ${stallSeconds} s: disconnected`);
                   finish();
                 },
               });
@@ -326,7 +336,7 @@ export function attachWebSocketProxy(
               socket.setNoDelay(true);
               // Silence both ways for idleMs closes the pair (a socket's timeout counts its reads and writes).
               socket.setTimeout(idleMs, () => {
-                services.recorder.log(runId, 'system', `closed after ${idleMs / 1000} s without traffic`);
+                services.runs.note(runId, `closed after ${idleMs / 1000} s without traffic`);
                 finish();
               });
             });

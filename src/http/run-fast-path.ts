@@ -13,21 +13,16 @@
  * too (its body still unread).
  */
 import type { IncomingMessage, ServerResponse } from 'node:http';
+import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
+import type { Metrics } from '../metrics.js';
 import { RunAbort } from '../runs/run-abort.js';
-import type { Services } from '../services.js';
+import { checkFunction, type RunService } from '../runs/run-service.js';
 import { answer as errorAnswer, writeAnswer } from './answer.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
 import { logError } from './errors.js';
-import {
-  acceptAsyncCall,
-  checkFunction,
-  parseIdempotencyKey,
-  parseRunBody,
-  resolveTarget,
-  resolveTargetCached,
-} from './routes/run.js';
+import { parseIdempotencyKey, parseRunBody } from './routes/run.js';
 import { wantsEventStream } from './sse.js';
 
 /** The route label the Fastify route reports in metrics, kept the same for this path. */
@@ -47,12 +42,21 @@ export interface RunFastPath {
   close(): void;
 }
 
+/** What the fast path uses. */
+export interface RunFastPathDeps {
+  runs: Pick<RunService, 'resolveTarget' | 'resolveTargetCached' | 'acceptAsync' | 'invoke'>;
+  metrics: Pick<Metrics, 'httpRequests' | 'httpDuration'>;
+  config: { maxBodyBytes: number };
+  logger: Logger;
+}
+
 export function createRunFastPath(
-  services: Services,
+  services: RunFastPathDeps,
   fallback: (req: IncomingMessage, res: ServerResponse) => void,
 ): RunFastPath {
   const { httpRequests, httpDuration } = services.metrics;
   const limit = services.config.maxBodyBytes;
+  const { runs } = services;
   let closing = false;
   // Metric children by status: prom-client hashes a labels object on every call otherwise.
   const counted = new Map<number, ReturnType<typeof httpRequests.child>>();
@@ -111,8 +115,8 @@ export function createRunFastPath(
       const authorization = req.headers.authorization;
       // Both caches hit on a warm path: no Promise, no await.
       const target =
-        resolveTargetCached(services, projectId, appName, authorization) ??
-        (await resolveTarget(services, projectId, appName, authorization));
+        runs.resolveTargetCached(projectId, appName, authorization) ??
+        (await runs.resolveTarget(projectId, appName, authorization));
       if (target.build.config.app.runtime === 'custom') {
         // Served by the proxy behind the Fastify route; the body is still unread.
         res.removeListener('close', closed);
@@ -127,11 +131,11 @@ export function createRunFastPath(
         const idempotencyKey = parseIdempotencyKey(req.headers['idempotency-key']);
         const call = { runId, target, fn, body, webhookUrl: undefined, webhookSecret: undefined };
         // A repeated Idempotency-Key answers the first call's run id.
-        const accepted = await acceptAsyncCall(services, call, idempotencyKey);
+        const accepted = await runs.acceptAsync(call, idempotencyKey);
         answer(res, 202, `{"run_id":"${accepted}"}`, accepted);
         return;
       }
-      const outcome = await services.invoker
+      const outcome = await runs
         .invoke({
           runId,
           build: target.build,

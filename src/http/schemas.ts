@@ -133,3 +133,59 @@ export const ZipContents = Type.Object({
 export function errors(...statuses: number[]): Record<number, typeof ErrorBody> {
   return Object.fromEntries(statuses.map((s) => [s, ErrorBody]));
 }
+
+// ---- volumes ----
+
+export const VolumeName = Type.String({
+  pattern: '^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$',
+  description: 'Volume name (same rule as app names), unique in the project',
+});
+export const VolumeParams = Type.Object({ project_id: ProjectId, name: VolumeName });
+
+export const Volume = Type.Object({
+  name: Type.String(),
+  size_mib: Type.Integer({ description: 'The size of its filesystem: writes past it fail with ENOSPC' }),
+  created_at: Type.String({ format: 'date-time' }),
+});
+
+export const VolumeDetail = Type.Object({
+  name: Type.String(),
+  size_mib: Type.Integer(),
+  created_at: Type.String({ format: 'date-time' }),
+  used_bytes: Type.Integer({
+    description: 'Bytes in use in its filesystem (files, folders and the filesystem’s own metadata)',
+  }),
+  free_bytes: Type.Integer({ description: 'Bytes that can still be written' }),
+  mounted_by: Type.Array(Type.String(), { description: 'Apps of the project whose active build mounts it' }),
+});
+
+export const CreateVolumeBody = Type.Object(
+  {
+    name: VolumeName,
+    size_mib: Type.Integer({ minimum: 16, description: 'Size in MiB; at most FERRY_VOLUME_MAX_MIB' }),
+  },
+  { additionalProperties: false },
+);
+
+export const VolumePathQuery = Type.Object({
+  path: Type.String({
+    maxLength: 4096,
+    default: '',
+    description: 'A path inside the volume ("" or "/" is its root); ".." is refused, links are never followed',
+  }),
+});
+
+export const VolumeEntry = Type.Object({
+  name: Type.String(),
+  type: Type.Union([Type.Literal('file'), Type.Literal('folder'), Type.Literal('link'), Type.Literal('other')], {
+    description: 'link: a symbolic link (listed, never followed); other: a FIFO, socket or device node',
+  }),
+  size: Type.Integer({ description: 'Bytes, for files (0 otherwise)' }),
+  modified_at: Type.String({ format: 'date-time' }),
+});
+
+export const VolumeListing = Type.Object({
+  path: Type.String(),
+  entries: Type.Array(VolumeEntry),
+  truncated: Type.Boolean({ description: 'true when the folder has more than 10,000 entries (the first are listed)' }),
+});

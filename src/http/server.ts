@@ -6,29 +6,53 @@
 import { createServer } from 'node:http';
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
-import Fastify, { LogController } from 'fastify';
-import { registerDashboardRoutes } from '../dashboard/routes.js';
+import Fastify, { type FastifyBaseLogger, LogController } from 'fastify';
+import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
-import type { Services } from '../services.js';
+import type { Metrics } from '../metrics.js';
 import { parseJsonBody, useJsonBodies } from './body-parsers.js';
 import { clientErrorHandler, errorHandler } from './errors.js';
 import { swaggerOptions } from './openapi.js';
-import { registerAppRoutes } from './routes/apps.js';
-import { registerBuildRoutes } from './routes/builds.js';
-import { registerClusterRoutes } from './routes/cluster.js';
-import { registerRunRoutes } from './routes/run.js';
-import { registerRunsRoutes } from './routes/runs.js';
-import { registerSecretRoutes } from './routes/secrets.js';
-import { registerServiceAccountRoutes } from './routes/service-accounts.js';
-import { registerSystemRoutes } from './routes/system.js';
-import { registerWebhookRoutes } from './routes/webhooks.js';
-import { createRunFastPath, type RunFastPath } from './run-fast-path.js';
+import { type AppRouteDeps, registerAppRoutes } from './routes/apps.js';
+import { type BuildRouteDeps, registerBuildRoutes } from './routes/builds.js';
+import { type ClusterRouteDeps, registerClusterRoutes } from './routes/cluster.js';
+import { type DashboardRouteDeps, registerDashboardRoutes } from './routes/dashboard.js';
+import { type RunRouteDeps, registerRunRoutes } from './routes/run.js';
+import { type RunsRouteDeps, registerRunsRoutes } from './routes/runs.js';
+import { registerSecretRoutes, type SecretRouteDeps } from './routes/secrets.js';
+import { type AccountRouteDeps, registerServiceAccountRoutes } from './routes/service-accounts.js';
+import { registerSystemRoutes, type SystemRouteDeps } from './routes/system.js';
+import { registerVolumeRoutes, type VolumeRouteDeps } from './routes/volumes.js';
+import { registerWebhookRoutes, type WebhookRouteDeps } from './routes/webhooks.js';
+import { createRunFastPath, type RunFastPath, type RunFastPathDeps } from './run-fast-path.js';
+import type { TypedServer } from './typed-server.js';
 import { assertFiniteNumbers, formatValidationErrors } from './validation.js';
 
 export type FerryServer = TypedServer;
-export type TypedServer = ReturnType<typeof createFastify>;
+export type { TypedServer } from './typed-server.js';
 
-function createFastify(services: Services) {
+/**
+ * What the HTTP layer is given: each route module's own dependencies (its `...RouteDeps`), nothing more.
+ * The composition (services.ts) passes its parts; a test may pass its own.
+ */
+export type HttpDeps = AppRouteDeps &
+  BuildRouteDeps &
+  ClusterRouteDeps &
+  DashboardRouteDeps &
+  RunRouteDeps &
+  RunsRouteDeps &
+  SecretRouteDeps &
+  AccountRouteDeps &
+  SystemRouteDeps &
+  VolumeRouteDeps &
+  WebhookRouteDeps &
+  RunFastPathDeps & {
+    logger: Logger;
+    config: { maxBodyBytes: number };
+    metrics: Pick<Metrics, 'httpRequests' | 'httpDuration'>;
+  };
+
+function createFastify(services: HttpDeps): TypedServer {
   let fastPath: RunFastPath | undefined;
   const app = Fastify({
     // Node's server as Fastify would make it, with the run endpoint's hot case served before Fastify.
@@ -44,7 +68,7 @@ function createFastify(services: Services) {
       server.setTimeout(0);
       return server;
     },
-    loggerInstance: services.logger,
+    loggerInstance: services.logger as FastifyBaseLogger,
     // Per-request lines would drown the log at run-endpoint rates; metrics count requests instead.
     logController: new LogController({ disableRequestLogging: true, requestIdLogLabel: 'req' }),
     bodyLimit: services.config.maxBodyBytes,
@@ -63,7 +87,7 @@ function createFastify(services: Services) {
   return app;
 }
 
-export async function buildServer(services: Services): Promise<FerryServer> {
+export async function buildServer(services: HttpDeps): Promise<FerryServer> {
   const app = createFastify(services);
 
   await app.register(swagger, swaggerOptions);
@@ -94,6 +118,7 @@ export async function buildServer(services: Services): Promise<FerryServer> {
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);
   registerSecretRoutes(app, services);
+  registerVolumeRoutes(app, services);
   registerRunsRoutes(app, services);
   registerWebhookRoutes(app, services);
   registerRunRoutes(app, services);

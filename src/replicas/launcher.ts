@@ -13,6 +13,7 @@ import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from '../sandbo
 import type { SandboxNetwork } from '../sandbox/network.js';
 import type { BuildViews } from '../sandbox/views.js';
 import type { Store } from '../store/index.js';
+import type { Volumes } from '../volumes/volumes.js';
 import type { PoolBuild } from './pool.js';
 import type { LaunchPlan } from './replica.js';
 
@@ -43,6 +44,8 @@ export interface LauncherDeps {
   ensureLocal?: (buildId: string) => Promise<void>;
   /** The project's secrets, decrypted, for the replica's environment. */
   secrets(projectId: string): Promise<Record<string, string>>;
+  /** The app's `[[volumes]]`, mounted on this machine, as binds and groups (volumes/volumes.ts). */
+  volumes?: Pick<Volumes, 'forLaunch'>;
 }
 
 /**
@@ -151,6 +154,8 @@ export function createLauncher(deps: LauncherDeps) {
       ...replicaEnvironment(build, runtime, await deps.secrets(build.projectId), paths, row.entry),
       ...custom,
     };
+    // Mounted on this machine before the sandbox starts; refused (never unbounded) without the sandbox.
+    const volumes = (await deps.volumes?.forLaunch(build.projectId, build.config)) ?? { binds: [], groups: [] };
     const lease = sandboxed ? await deps.network.acquire(replicaId) : null;
     let prepared: Awaited<ReturnType<typeof prepareLaunch>>;
     try {
@@ -163,6 +168,7 @@ export function createLauncher(deps: LauncherDeps) {
           cpu: build.config.resources.cpu,
           command: await runtime.command(paths.runtimeFile(runtime.bootstrap.host), build.config.resources),
           env,
+          ...(volumes.binds.length > 0 ? { volumes: volumes.binds, groups: volumes.groups } : {}),
           ...(lease ? { network: lease } : {}),
           ...(runtime.custom ? { cwd: row.entry ?? runtime.defaultEntry } : {}),
         },

@@ -19,7 +19,7 @@
  * pool without the sandbox (bwrap) or without a views folder (the slot must be on the builds' filesystem).
  */
 import type { Logger } from 'pino';
-import { DEFAULT_MAX_PROCESSES } from '../apps/app-config.js';
+import { DEFAULT_MAX_PROCESSES, volumesOf } from '../apps/app-config.js';
 import { findPython } from '../builds/builders/python.js';
 import { uuidv7 } from '../ids.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from '../sandbox/launch.js';
@@ -260,7 +260,8 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
 
   return {
     async claim(build, onOutput) {
-      if (closed || build.config.runtime.custom) return undefined;
+      // A warm sandbox started before it knew its app: it has no volume bound, nor the volumes' groups.
+      if (closed || build.config.runtime.custom || volumesOf(build.config).length > 0) return undefined;
       const resources = build.config.resources;
       if (
         resources.memory !== WARM_RESOURCES.memory ||

@@ -210,6 +210,10 @@ export function createRunRecorder(deps: {
   owner?: string;
   /** Told of the runs' final states the fence refused (results of a node that came back too late). */
   onLateResults?: (count: number) => void;
+  /** Called after each flush that wrote outbox entries (wakes the webhook deliverer). */
+  onOutbox?: () => void;
+  /** Called after each flush that committed runs' final states, with their ids (wakes waiting callers). */
+  onFinished?: (runIds: string[]) => void;
   flushEveryMs?: number;
   limits?: Partial<RecorderLimits>;
 }): RunRecorder {
@@ -662,6 +666,8 @@ export function createRunRecorder(deps: {
   }
 
   const recorder: RunRecorder = {
+    ...(deps.onOutbox ? { onOutbox: deps.onOutbox } : {}),
+    ...(deps.onFinished ? { onFinished: deps.onFinished } : {}),
     start(row) {
       if (owner !== undefined && row.owner === null) row.owner = owner;
       pending.set(row.id, { row, inserted: false, changes: {}, since: Date.now() });

@@ -1,6 +1,6 @@
 /**
  * The gateway's invoker (`ferry serve --role gateway`): the same Invoker interface the run routes use on
- * one process, but each call goes over HTTP to a worker's internal listener (cluster/worker-api.ts), which
+ * one process, but each call goes over HTTP to a worker's internal listener (http/worker-api.ts), which
  * runs it with its own invoker and records it. The gateway runs no user code and records nothing itself.
  *
  * Placement (cluster/placement.ts): the live workers (cluster/workers.ts) in rendezvous order of the app,
@@ -17,7 +17,7 @@ import type { Logger } from 'pino';
 import { type Dispatcher, Pool } from 'undici';
 import type { ClusterAuth } from '../cluster/cluster-auth.js';
 import { placeCall, withOwnCalls } from '../cluster/placement.js';
-import { type CallMeta, encodeHeaderMeta, INTERNAL_PREFIX } from '../cluster/worker-api.js';
+import { type CallMeta, encodeHeaderMeta, INTERNAL_PREFIX } from '../cluster/protocol.js';
 import type { WorkerAnnouncement, WorkerDirectory } from '../cluster/workers.js';
 import { ERRORS, type ErrorCode, FerryError } from '../errors.js';
 import type {

@@ -24,7 +24,6 @@ import path from 'node:path';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
 import { abortError, type ChildExit, runChild, throwIfAborted } from '../builds/builders/run-child.js';
-import type { BuildContext } from '../builds/builders/types.js';
 import { createReplicaCgroup, type ReplicaCgroup } from './cgroups.js';
 import { acquireSandboxUid, dropPrivilegesArgs, releaseSandboxUid, unreachableByOthers } from './identity.js';
 import { baseBwrapArgs, resolvConfArgs, type SandboxCapabilities, spawnReplica, WRAPPER_ENV } from './launch.js';
@@ -43,6 +42,20 @@ export interface BuildLimits {
 export const DEFAULT_BUILD_LIMITS: BuildLimits = { memoryMiB: 2048, maxProcesses: 1024, timeoutMs: 15 * 60_000 };
 
 /** What every build step runs in: the server's sandbox capabilities, its network provider, the limits. */
+/**
+ * What a build step needs of its build: the part of a builder's context (builds/builders/types.ts,
+ * `BuildContext`) that is about where and how it runs. Declared here so the sandbox does not depend on
+ * the builders that use it.
+ */
+export interface BuildStepContext {
+  buildId: string;
+  sourceDir: string;
+  outputDir: string;
+  cacheDir: string;
+  sandbox: BuildSandbox;
+  signal: AbortSignal;
+}
+
 export interface BuildSandbox {
   caps: SandboxCapabilities;
   network: SandboxNetwork;
@@ -70,7 +83,7 @@ export function buildCacheDir(cacheDir: string, buildId: string): string {
   return path.join(cacheDir, 'builds', buildId);
 }
 
-export function stepPaths(ctx: BuildContext): StepPaths {
+export function stepPaths(ctx: BuildStepContext): StepPaths {
   const sandboxed = ctx.sandbox.caps.bwrap !== null;
   if (sandboxed) {
     const nodeDir = path.dirname(process.execPath);
@@ -130,7 +143,7 @@ export interface StepExit extends ChildExit {
  * Runs one step and resolves with how it exited; rejects with the abort reason when the build is
  * cancelled (after everything the step started is gone), or with an Error when it cannot start.
  */
-export async function runBuildStep(ctx: BuildContext, step: BuildStep): Promise<StepExit> {
+export async function runBuildStep(ctx: BuildStepContext, step: BuildStep): Promise<StepExit> {
   throwIfAborted(ctx.signal);
   const cacheHost = buildCacheDir(ctx.cacheDir, ctx.buildId);
   await fs.mkdir(cacheHost, { recursive: true });
@@ -288,7 +301,7 @@ class StepStage {
     readonly cache: string,
   ) {}
 
-  static async open(ctx: BuildContext, cacheHost: string, step: BuildStep): Promise<StepStage> {
+  static async open(ctx: BuildStepContext, cacheHost: string, step: BuildStep): Promise<StepStage> {
     const { identity } = ctx.sandbox.caps;
     const othersRead = identity !== null;
     const root = await stagingRoot(path.dirname(path.resolve(ctx.cacheDir)), othersRead);

@@ -111,13 +111,16 @@ export function releaseSandboxUid(uid: number | null): void {
   if (uid !== null) inUse.delete(uid);
 }
 
-/** `setpriv` with the options that make the rest of the command run as `uid` and nothing more. */
-export function dropPrivilegesArgs(identity: SandboxIdentity, uid: number): string[] {
+/**
+ * `setpriv` with the options that make the rest of the command run as `uid` and nothing more; `groups`:
+ * supplementary groups it keeps (a replica's volumes, whose files belong to each volume's group).
+ */
+export function dropPrivilegesArgs(identity: SandboxIdentity, uid: number, groups: readonly number[] = []): string[] {
   return [
     identity.setpriv,
     `--reuid=${uid}`,
     `--regid=${uid}`,
-    '--clear-groups',
+    groups.length > 0 ? `--groups=${groups.join(',')}` : '--clear-groups',
     '--inh-caps=-all',
     '--bounding-set=-all',
     '--',

@@ -133,6 +133,10 @@ export interface ReplicaLaunch extends SandboxLayout {
    * without clashing (custom runtime). Without bwrap this has no effect.
    */
   network?: 'host' | 'isolated' | Pick<SandboxNetworkLease, 'netnsPath' | 'usernsPath' | 'resolvConf'>;
+  /** Host folders bound read-write (or read-only) at absolute sandbox paths: the app's volumes. Needs bwrap. */
+  volumes?: ReadonlyArray<{ host: string; sandbox: string; readOnly: boolean }>;
+  /** Supplementary host groups the sandbox keeps (as root: the volumes' groups, identity.ts). */
+  groups?: readonly number[];
 }
 
 /** Paths as the replica sees them: sandbox paths under bwrap, the host paths themselves without it. */
@@ -392,6 +396,9 @@ export function socketPathThroughInit(initPid: number): string {
 export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabilities): Promise<PreparedLaunch> {
   validateLaunch(launch);
   const sandboxed = caps.bwrap !== null;
+  if (!sandboxed && (launch.volumes?.length ?? 0) > 0) {
+    throw new Error('Volumes are mounted into sandboxes only, and replicas are not sandboxed here');
+  }
   const paths = sandboxPaths(launch, sandboxed);
   const buildDir = path.resolve(launch.buildDir);
   if (!(await fs.stat(buildDir)).isDirectory()) throw new Error(`Build folder ${buildDir} is not a folder`);
@@ -453,6 +460,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
       SANDBOX_APP_DIR,
     ];
     const appBindAt = bwrapArgs.length - 2;
+    bwrapArgs.push(...volumeBindArgs(launch.volumes ?? []));
     launch.runtimeFiles.forEach((entry, i) => {
       bwrapArgs.push('--perms', '0444', '--file', String(FIRST_FILE_FD + i), entry.sandbox);
     });
@@ -487,7 +495,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
       }
       bwrapArgs[appBindAt] = appBind;
       hostUid = acquireSandboxUid(caps.identity);
-      const [setpriv, ...drop] = dropPrivilegesArgs(caps.identity, hostUid);
+      const [setpriv, ...drop] = dropPrivilegesArgs(caps.identity, hostUid, launch.groups);
       args = [...drop, file, ...args];
       file = setpriv!;
     }
@@ -578,6 +586,14 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   };
 }
 
+/**
+ * bwrap's binds of an app's volumes (volumes/volumes.ts): each host mount point at its sandbox path, before
+ * the root is made read-only (which does not reach the binds: bwrap's --remount-ro is not recursive).
+ */
+export function volumeBindArgs(volumes: NonNullable<ReplicaLaunch['volumes']>): string[] {
+  return volumes.flatMap((v) => [v.readOnly ? '--ro-bind' : '--bind', v.host, v.sandbox]);
+}
+
 function validateLaunch(launch: ReplicaLaunch): void {
   if (!/^[A-Za-z0-9_.-]{1,100}$/.test(launch.replicaId) || /^\.+$/.test(launch.replicaId)) {
     throw new Error(`Invalid replica id ${JSON.stringify(launch.replicaId)}`);
@@ -603,6 +619,16 @@ function validateLaunch(launch: ReplicaLaunch): void {
     const reserved = [SANDBOX_APP_DIR, SANDBOX_SOCKET_DIR, '/tmp', '/proc', '/dev', ...SYSTEM_DIRS, ...SYSTEM_LINKS];
     if (reserved.some((dir) => target === dir || target.startsWith(`${dir}/`))) {
       throw new Error(`Sandbox path ${target} is inside a folder the sandbox already uses`);
+    }
+  }
+  for (const volume of launch.volumes ?? []) {
+    const target = volume.sandbox;
+    if (!path.posix.isAbsolute(target) || target.split('/').includes('..') || target === '/') {
+      throw new Error(`Volume mount ${target} must be absolute without ".."`);
+    }
+    const reserved = [SANDBOX_APP_DIR, SANDBOX_SOCKET_DIR, '/run', '/tmp', '/proc', '/dev'];
+    if (reserved.some((dir) => target === dir || target.startsWith(`${dir}/`))) {
+      throw new Error(`Volume mount ${target} is inside a folder the sandbox already uses`);
     }
   }
   for (const [name, value] of Object.entries(launch.env)) {

@@ -298,7 +298,27 @@ const migrations: Record<string, Migration> = {
       if (isPostgres(db)) await sql`alter table run_log_stats alter column run_id type text collate "C"`.execute(db);
     },
   },
-  '0012_schedules_retries': {
+  '0012_volumes': {
+    async up(db: Kysely<unknown>) {
+      // A project's volumes (src/volumes/): the name, the size its filesystem image was made with, and the
+      // host group that owns its files (every replica mounting it gets that group; unique over all volumes).
+      await db.schema
+        .createTable('volumes')
+        .addColumn('project_id', 'text', (c) => c.notNull().references('projects.id'))
+        .addColumn('name', 'text', (c) => c.notNull())
+        .addColumn('size_mib', 'integer', (c) => c.notNull())
+        .addColumn('gid', 'bigint', (c) => c.notNull().unique())
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('volumes_pk', ['project_id', 'name'])
+        .execute();
+      if (isPostgres(db)) {
+        await sql`alter table volumes alter column project_id type text collate "C", alter column name type text collate "C", alter column created_at type text collate "C"`.execute(
+          db,
+        );
+      }
+    },
+  },
+  '0013_schedules_retries': {
     async up(db: Kysely<unknown>) {
       // `[[schedules]]` of the active build of each app (src/schedules/): replaced when a build becomes
       // active, paused and resumed by the API. `next_tick_at` is the next due tick; a node advances it with

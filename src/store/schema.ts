@@ -111,7 +111,7 @@ export interface RunsTable {
   started_at: string | null;
   finished_at: string | null;
   run_time_ms: number | null;
-  /** Null: a call; 'schedule': a schedule's tick; 'retry': `runs retry` of an earlier run (migration 0012). */
+  /** Null: a call; 'schedule': a schedule's tick; 'retry': `runs retry` of an earlier run (migration 0013). */
   trigger: Optional<string>;
   /** The schedule of a tick's run. */
   schedule_name: Optional<string>;
@@ -185,7 +185,7 @@ export interface SecretsTable {
   updated_at: string;
 }
 
-/** One `[[schedules]]` entry of an app's active build, with its state (migration 0012). */
+/** One `[[schedules]]` entry of an app's active build, with its state (migration 0013). */
 export interface SchedulesTable {
   app_id: string;
   name: string;
@@ -210,6 +210,18 @@ export interface SchedulesTable {
   updated_at: string;
 }
 
+/** A project's volume (migration 0012, src/volumes/). */
+export interface VolumesTable {
+  project_id: string;
+  /** Same rule as app names. */
+  name: string;
+  /** The size of its filesystem image, MiB: writes past it fail with ENOSPC. */
+  size_mib: number;
+  /** The host group owning the volume's files; replicas mounting it get it as a supplementary group. */
+  gid: number;
+  created_at: string;
+}
+
 export interface Database {
   projects: ProjectsTable;
   service_accounts: ServiceAccountsTable;
@@ -222,6 +234,7 @@ export interface Database {
   webhook_deliveries: WebhookDeliveriesTable;
   webhook_attempts: WebhookAttemptsTable;
   secrets: SecretsTable;
+  volumes: VolumesTable;
   nodes: NodesTable;
   schedules: SchedulesTable;
 }

@@ -9,6 +9,7 @@ import { renderRun, renderRuns } from './pages/runs.js';
 import { renderSchedules } from './pages/schedules.js';
 import { renderSecrets } from './pages/secrets.js';
 import { renderSettings } from './pages/settings.js';
+import { renderVolumeFiles, renderVolumes } from './pages/volumes.js';
 import { appHref, lastApp, listApps } from './shared.js';
 import { errorBox, errorText, h } from './ui.js';
 
@@ -45,6 +46,8 @@ const ROUTES = [
   [/^\/charts$/, pickApp('charts'), 'charts'],
   [/^\/keys$/, renderKeys, 'keys'],
   [/^\/secrets$/, renderSecrets, 'secrets'],
+  [/^\/volumes$/, renderVolumes, 'volumes'],
+  [/^\/volumes\/([^/]+)$/, renderVolumeFiles, 'volumes'],
 ];
 
 let current = null;

@@ -1,22 +1,18 @@
 /** `/v2/projects/{project_id}/apps`: list and get apps. Apps are created by their first deploy. */
 import { Type } from 'typebox';
-import {
-  AppConfigError,
-  DEFAULT_SCALING,
-  parseScalingOverride,
-  type ScalingOverride,
-  storedScalingOverride,
-} from '../../apps/app-config.js';
-import { activeConfig, findApp, getApp, listApps } from '../../apps/apps.js';
+import type { AppService } from '../../apps/app-service.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
-import { FerryError } from '../../errors.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { App, AppParams, errors, ProjectParams } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
-export function registerAppRoutes(app: TypedServer, services: Services): void {
+export interface AppRouteDeps extends AuthDeps {
+  apps: AppService;
+}
+
+export function registerAppRoutes(app: TypedServer, services: AppRouteDeps): void {
   const manage = requireScope(services, 'manage');
+  const { apps } = services;
 
   app.get(
     '/v2/projects/:project_id/apps',
@@ -28,7 +24,7 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
         response: { 200: Type.Object({ apps: Type.Array(App) }), ...errors(401, 403, 404) },
       },
     },
-    async (request) => ({ apps: await listApps(services.store, request.params.project_id) }),
+    async (request) => ({ apps: await apps.list(request.params.project_id) }),
   );
 
   app.get(
@@ -37,7 +33,7 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
       onRequest: manage,
       schema: { summary: 'Get an app', params: AppParams, response: { 200: App, ...errors(401, 403, 404) } },
     },
-    async (request) => getApp(services.store, request.params.project_id, request.params.app_id),
+    async (request) => apps.get(request.params.project_id, request.params.app_id),
   );
 
   app.delete(
@@ -68,8 +64,7 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
     },
     async (request) => {
       const { project_id, app_id } = request.params;
-      const done = await services.housekeeping.deleteApp(project_id, app_id);
-      services.webhooks.wake();
+      const done = await apps.delete(project_id, app_id);
       return {
         app_id,
         deleted: true as const,
@@ -106,38 +101,9 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
     },
     async (request) => {
       const { project_id, app_id } = request.params;
-      const found = await findApp(services.store, project_id, app_id);
-      let override: ScalingOverride | null = null;
-      if (request.body.scaling !== null) {
-        let patch: ScalingOverride;
-        try {
-          patch = parseScalingOverride(request.body.scaling);
-        } catch (err) {
-          if (err instanceof AppConfigError) throw new FerryError('FERRY_SCALING_INVALID', err.message);
-          throw err;
-        }
-        override = { ...(storedScalingOverride(found.scaling_json) ?? {}), ...patch };
-        const base = (await activeConfig(services.store, { ...found, scaling_json: null }))?.scaling ?? DEFAULT_SCALING;
-        const merged = { ...base, ...override };
-        if (merged.min_replicas > merged.max_replicas) {
-          throw new FerryError(
-            'FERRY_SCALING_INVALID',
-            `scaling.min_replicas: ${merged.min_replicas} is more than scaling.max_replicas (${merged.max_replicas})`,
-          );
-        }
-        if (Object.keys(override).length === 0) override = null;
-      }
-      await services.store
-        .updateTable('apps')
-        .set({ scaling_json: override ? JSON.stringify(override) : null, updated_at: new Date().toISOString() })
-        .where('project_id', '=', project_id)
-        .where('id', '=', app_id)
-        .execute();
-      // Every process (this one before the answer) reloads the app's target and rescales its replicas.
-      await services.changes.publish({ type: 'app.changed', projectId: project_id, appId: app_id });
-      await services.replicas.activate(project_id, app_id);
+      const { app: changed, override } = await apps.scale(project_id, app_id, request.body.scaling);
       request.log.info({ app: app_id, scaling: override }, 'app scaling changed');
-      return getApp(services.store, project_id, app_id);
+      return changed;
     },
   );
 
@@ -176,9 +142,8 @@ export function registerAppRoutes(app: TypedServer, services: Services): void {
     },
     async (request) => {
       const { project_id, app_id } = request.params;
-      await getApp(services.store, project_id, app_id);
       const { after = 0, limit = 1000 } = request.query;
-      return { app_id, node: NODE_NAME, lines: services.appLog.read(project_id, app_id, after, limit) };
+      return { app_id, node: NODE_NAME, lines: await apps.log(project_id, app_id, after, limit) };
     },
   );
 }

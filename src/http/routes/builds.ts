@@ -5,26 +5,25 @@
 import type { Readable } from 'node:stream';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import { Type } from 'typebox';
-import { findApp } from '../../apps/apps.js';
-import { findBuild, listBuilds, viewBuild } from '../../builds/builds.js';
-import { FINAL_BUILD_STATES } from '../../builds/pipeline.js';
-import { receiveBuild } from '../../builds/upload.js';
-import { listZip } from '../../builds/zip-archive.js';
-import { FerryError } from '../../errors.js';
-import type { Services } from '../../services.js';
-import { lockApp } from '../../store/active-build.js';
-import { requireScope } from '../auth.js';
+import type { BuildService } from '../../builds/build-service.js';
+import { FINAL_BUILD_STATES } from '../../builds/builds.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { bodyTooLarge, unsupportedMediaType } from '../body-parsers.js';
 import { AppParams, Build, BuildParams, errors, ZipContents } from '../schemas.js';
-import type { TypedServer } from '../server.js';
 import { formatEvent, startEventStream, wantsEventStream } from '../sse.js';
+import type { TypedServer } from '../typed-server.js';
 
 const ZIP = 'application/zip';
 const LogLine = Type.Object({ seq: Type.Integer(), at: Type.String(), line: Type.String() });
 
-export function registerBuildRoutes(app: TypedServer, services: Services): void {
+export interface BuildRouteDeps extends AuthDeps {
+  builds: BuildService;
+  config: { maxUploadBytes: number };
+}
+
+export function registerBuildRoutes(app: TypedServer, services: BuildRouteDeps): void {
   const manage = requireScope(services, 'manage');
-  const { store } = services;
+  const { builds } = services;
 
   // Its own scope: deploys read the archive as a stream of application/zip, and refuse any other body unread.
   void app.register(async function deployScope(plain) {
@@ -47,7 +46,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
           description:
             'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code.',
           params: AppParams,
-          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415) },
+          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415, 503) },
         },
       },
       async (request, reply) => {
@@ -59,24 +58,9 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
         if (!body || typeof (body as Readable).pipe !== 'function') {
           throw unsupportedMediaType(request.headers['content-type'], ZIP);
         }
-        const build = await receiveBuild(
-          {
-            store,
-            artifacts: services.artifacts,
-            tmpDir: services.dataDir.tmp,
-            buildsDir: services.dataDir.builds,
-            maxUploadBytes: services.config.maxUploadBytes,
-            zipLimits: services.config.zipLimits,
-            // A gateway builds nothing: the build stays free for a worker to claim.
-            ...(services.role === 'gateway' ? {} : { owner: services.node.id }),
-          },
-          request.params.project_id,
-          request.params.app_id,
-          body,
-        );
-        services.pipeline.enqueue(build);
+        const { build, view } = await builds.deploy(request.params.project_id, request.params.app_id, body);
         request.log.info({ buildId: build.id, app: build.app_id, bytes: build.archive_bytes }, 'build received');
-        return reply.code(201).send(viewBuild(build, false, null));
+        return reply.code(201).send(view);
       },
     );
   });
@@ -99,15 +83,14 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
       },
     },
     async (request) => {
-      const found = await findApp(store, request.params.project_id, request.params.app_id);
       const limit = request.query.limit ?? 50;
-      const builds = await listBuilds(store, request.params.project_id, request.params.app_id, {
+      const found = await builds.list(request.params.project_id, request.params.app_id, {
         limit,
         before: request.query.before,
       });
       return {
-        builds: builds.map((b) => viewBuild(b, false, found.active_build_id)),
-        next_before: builds.length === limit ? (builds.at(-1)?.id ?? null) : null,
+        builds: found,
+        next_before: found.length === limit ? (found.at(-1)?.id ?? null) : null,
       };
     },
   );
@@ -120,8 +103,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
-      const found = await findApp(store, project_id, app_id);
-      return viewBuild(await findBuild(store, project_id, app_id, build_id), true, found.active_build_id);
+      return builds.get(project_id, app_id, build_id);
     },
   );
 
@@ -143,7 +125,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
-      await services.housekeeping.deleteBuild(project_id, app_id, build_id);
+      await builds.delete(project_id, app_id, build_id);
       return { build_id, deleted: true as const };
     },
   );
@@ -164,39 +146,9 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
-      await findApp(store, project_id, app_id);
-      // Under the app's row lock, as a delete of the build takes it: the build is checked and made active
-      // with no delete in between (src/store/active-build.ts).
-      const build = await store.transaction().execute(async (trx) => {
-        if (!(await lockApp(trx, project_id, app_id))) {
-          throw new FerryError('FERRY_APP_NOT_FOUND', `No app "${app_id}" in this project`);
-        }
-        const found = await findBuild(trx, project_id, app_id, build_id);
-        if (found.state !== 'ready') {
-          throw new FerryError(
-            'FERRY_BUILD_NOT_READY',
-            `Build ${build_id} is ${found.state}: only a ready build can be activated`,
-          );
-        }
-        await trx
-          .updateTable('apps')
-          .set({ active_build_id: found.id, updated_at: new Date().toISOString() })
-          .where('project_id', '=', project_id)
-          .where('id', '=', app_id)
-          .execute();
-        return found;
-      });
-      // Every process (this one before the answer) forgets the app's run target and switches its replicas.
-      await services.changes.publish({
-        type: 'build.activated',
-        projectId: project_id,
-        appId: app_id,
-        buildId: build.id,
-      });
-      // This process has switched before it answers: a call sent after the answer runs the activated build.
-      await services.replicas.activate(project_id, app_id);
+      const build = await builds.activate(project_id, app_id, build_id);
       request.log.info({ app: app_id, build: build.id }, 'build activated');
-      return viewBuild(build, false, build.id);
+      return build;
     },
   );
 
@@ -212,7 +164,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
-      return viewBuild(await services.pipeline.cancel(project_id, app_id, build_id), false, null);
+      return builds.cancel(project_id, app_id, build_id);
     },
   );
 
@@ -237,10 +189,10 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request, reply) => {
       const { project_id, app_id, build_id } = request.params;
-      const build = await findBuild(store, project_id, app_id, build_id);
+      const build = await builds.find(project_id, app_id, build_id);
       const after = request.query.after ?? 0;
       if (!(request.query.follow || wantsEventStream(request.headers.accept))) {
-        const lines = await services.buildLog.read(build_id, after);
+        const lines = await builds.readLog(build_id, after);
         return { build_id, state: build.state, lines };
       }
       reply.hijack();
@@ -252,9 +204,8 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
       try {
         while (!gone.signal.aborted) {
           // Read the state before the lines: a build that is final now has all its lines written.
-          const state = (await store.selectFrom('builds').select('state').where('id', '=', build_id).executeTakeFirst())
-            ?.state;
-          const lines = await services.buildLog.read(build_id, seq);
+          const state = await builds.state(build_id);
+          const lines = await builds.readLog(build_id, seq);
           for (const line of lines) {
             res.write(formatEvent(JSON.stringify(line), undefined, line.seq));
             seq = line.seq;
@@ -263,7 +214,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
             res.write(formatEvent(JSON.stringify({ state: state ?? 'unknown' }), 'end'));
             break;
           }
-          await services.buildLog.waitForLines(build_id, 500, gone.signal);
+          await builds.waitForLog(build_id, 500, gone.signal);
         }
       } catch (err) {
         request.log.warn({ err, buildId: build_id }, 'build log stream failed');
@@ -286,10 +237,7 @@ export function registerBuildRoutes(app: TypedServer, services: Services): void 
     },
     async (request) => {
       const { project_id, app_id, build_id } = request.params;
-      await findBuild(store, project_id, app_id, build_id);
-      const file = await services.artifacts.localPath(build_id);
-      if (!file) throw new FerryError('FERRY_BUILD_NOT_FOUND', `The archive of build ${build_id} is no longer stored`);
-      const files = await listZip(file);
+      const files = await builds.archive(project_id, app_id, build_id);
       return { build_id, count: files.length, total_size: files.reduce((n, f) => n + f.size, 0), files };
     },
   );

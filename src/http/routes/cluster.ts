@@ -7,11 +7,11 @@
  * a node's `apps` are only the caller's project's; its `load` totals count every project's.
  */
 import { Type } from 'typebox';
+import type { NodeRow } from '../../cluster/node.js';
 import { parseNodeInfo } from '../../cluster/node-info.js';
-import type { Services } from '../../services.js';
-import { requireAnyProjectScope } from '../auth.js';
+import { type AuthDeps, requireAnyProjectScope } from '../auth.js';
 import { errors, Nullable } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 /** Nodes read at most: a cluster has a handful; this only bounds an answer gone wrong. */
 const MAX_NODES = 1000;
@@ -71,7 +71,15 @@ const Cluster = Type.Object({
   }),
 });
 
-export function registerClusterRoutes(app: TypedServer, services: Services): void {
+export interface ClusterRouteDeps extends AuthDeps {
+  /** This node (its id answers `node`). */
+  node: { id: string };
+  /** Records the address the server listens on, in this node's info. */
+  listening(url: string): Promise<void>;
+  listNodes(limit: number): Promise<NodeRow[]>;
+}
+
+export function registerClusterRoutes(app: TypedServer, services: ClusterRouteDeps): void {
   // The address goes into this node's info as soon as the server listens (its port may have been 0).
   app.addHook('onListen', async () => {
     const address = app.server.address();
@@ -97,13 +105,7 @@ export function registerClusterRoutes(app: TypedServer, services: Services): voi
     },
     async (request) => {
       const project = request.principal?.projectId;
-      const rows = await services.store
-        .selectFrom('nodes')
-        .select(['id', 'started_at', 'lease_until', 'info'])
-        .orderBy('started_at')
-        .orderBy('id')
-        .limit(MAX_NODES)
-        .execute();
+      const rows = await services.listNodes(MAX_NODES);
       const now = new Date().toISOString();
       const nodes = rows.map((row) => {
         const info = parseNodeInfo(row.info);

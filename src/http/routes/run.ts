@@ -8,20 +8,19 @@
 import { createGzip, constants as zlibConstants } from 'node:zlib';
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { Type } from 'typebox';
+import type { ServerConfig } from '../../config.js';
 import { FerryError } from '../../errors.js';
 import { uuidv7 } from '../../ids.js';
-import type { PoolBuild } from '../../replicas/pool.js';
 import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
-import { newRunRow } from '../../runs/recorder.js';
-import type { ReplayStream, StreamEndState, StreamReader } from '../../runs/stream-replay.js';
-import type { Services } from '../../services.js';
+import { type CallParts, checkFunction, type RunService, type RunTarget } from '../../runs/run-service.js';
+import type { ReplayStream, StreamEndState, StreamReader, StreamReplay } from '../../runs/stream-replay.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { errorEventData } from '../answer.js';
 import { useJsonBodies } from '../body-parsers.js';
 import { type CallerFlow, watchCaller } from '../caller-flow.js';
-import { attachWebSocketProxy, proxyHttp } from '../custom-proxy.js';
-import type { TypedServer } from '../server.js';
+import { attachWebSocketProxy, type CustomProxyDeps, proxyHttp } from '../custom-proxy.js';
 import { formatComment, formatEvent, startEventStream, wantsEventStream } from '../sse.js';
+import type { TypedServer } from '../typed-server.js';
 
 declare module 'fastify' {
   interface FastifyRequest {
@@ -30,15 +29,16 @@ declare module 'fastify' {
   }
 }
 
-/** The app and build a run call resolved to. */
-export interface RunTarget {
-  build: PoolBuild;
-  /** Public function names known from the build, or undefined when the builder could not tell. */
-  functions: string[] | undefined;
-}
-
 interface RawJson {
   raw: Buffer;
+}
+
+/** What the run endpoint uses. */
+export interface RunRouteDeps extends CustomProxyDeps {
+  runs: RunService;
+  /** Streaming runs' events, kept for a reconnect (runs/stream-replay.ts). */
+  streams: Pick<StreamReplay, 'open' | 'get'>;
+  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds' | 'streamBufferBytes'>;
 }
 
 const RunParams = Type.Object({
@@ -64,52 +64,6 @@ export function parseRunBody(raw: Buffer): RawJson {
   return { raw };
 }
 
-/** Finds the app's active build, authenticating unless the build turns auth off. */
-export async function resolveTarget(
-  services: Services,
-  projectId: string,
-  appName: string,
-  authorization: string | undefined,
-): Promise<RunTarget> {
-  const found = await services.runTargets.get(projectId, appName);
-  if (!found?.config?.app.disable_auth) await services.auth.authenticate(authorization, projectId, 'run');
-  if (!found) throw new FerryError('FERRY_APP_NOT_FOUND', `No app "${appName}" in this project`);
-  if (!found.config || !found.buildId) {
-    throw new FerryError('FERRY_NO_READY_BUILD', undefined, { headers: { 'retry-after': '5' } });
-  }
-  return {
-    build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
-    functions: found.functions,
-  };
-}
-
-/**
- * `resolveTarget` without a Promise when the app's target and the token's check are both cached (the warm
- * path of the run endpoint); undefined when either is not, or when something is wrong (then
- * `resolveTarget` finds it again and throws the coded error).
- */
-export function resolveTargetCached(
-  services: Services,
-  projectId: string,
-  appName: string,
-  authorization: string | undefined,
-): RunTarget | undefined {
-  const found = services.runTargets.peek(projectId, appName);
-  if (!found?.config || !found.buildId) return undefined;
-  if (!found.config.app.disable_auth && !services.auth.peek(authorization, projectId, 'run')) return undefined;
-  return {
-    build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
-    functions: found.functions,
-  };
-}
-
-/** Refuses a function the app does not have, or one that is not public (a leading `_`). */
-export function checkFunction(target: RunTarget, fn: string): void {
-  if (fn.startsWith('_') || (target.functions && !target.functions.includes(fn))) {
-    throw new FerryError('FERRY_FUNCTION_NOT_FOUND', `The app has no public function "${fn}"`);
-  }
-}
-
 /** The `webhookEndpoint` query parameter: an absolute http(s) URL without credentials, or undefined. */
 function parseWebhookEndpoint(value: unknown): string | undefined {
   if (value === undefined) return undefined;
@@ -127,21 +81,6 @@ function parseWebhookEndpoint(value: unknown): string | undefined {
   return url.toString();
 }
 
-const IDEMPOTENCY_WINDOW_MS = 24 * 3600 * 1000;
-
-export interface CallParts {
-  runId: string;
-  target: RunTarget;
-  fn: string;
-  body: Buffer;
-  webhookUrl: string | undefined;
-  webhookSecret: string | undefined;
-  /** Custom runtime: the whole HTTP request to forward, as JSON (the run's `http_request`). */
-  httpRequest?: string;
-  /** What the run record shows as its input (default: the body as text). */
-  input?: string | null;
-}
-
 /** The `Idempotency-Key` header: up to 255 visible ASCII characters, or undefined when not sent. */
 export function parseIdempotencyKey(key: string | string[] | undefined): string | undefined {
   if (key === undefined) return undefined;
@@ -150,103 +89,15 @@ export function parseIdempotencyKey(key: string | string[] | undefined): string 
   return key;
 }
 
-/**
- * A repeat of a call of the function that holds the key answers that run (its body is not compared: the
- * first call's stands, as documented); the key reused for another function of the app is refused (422)
- * rather than silently answering a run of another function.
- */
-function sameFunctionOrRefuse(earlier: { id: string; function_name: string }, fn: string): string {
-  if (earlier.function_name === fn) return earlier.id;
-  throw new FerryError('FERRY_IDEMPOTENCY_KEY_REUSED', undefined, { details: { held_by: earlier.id } });
-}
-
-/**
- * `?async=true`: stores the run with its input and resolves with its run id only once it is committed.
- * With `Idempotency-Key`, a repeat within 24 hours (same function) resolves with the first call's run id
- * and runs nothing; the key reused for another function of the app answers FERRY_IDEMPOTENCY_KEY_REUSED.
- */
-export async function acceptAsyncCall(
-  services: Services,
-  call: CallParts,
-  idempotencyKey: string | undefined,
-): Promise<string> {
-  const { store } = services;
-  const { build } = call.target;
-  const replay = async (): Promise<string | undefined> => {
-    if (!idempotencyKey) return undefined;
-    const earlier = await store
-      .selectFrom('runs')
-      .select(['id', 'created_at', 'function_name'])
-      .where('project_id', '=', build.projectId)
-      .where('app_id', '=', build.appId)
-      .where('idempotency_key', '=', idempotencyKey)
-      .executeTakeFirst();
-    if (!earlier) return undefined;
-    if (Date.now() - Date.parse(earlier.created_at) < IDEMPOTENCY_WINDOW_MS)
-      return sameFunctionOrRefuse(earlier, call.fn);
-    // Past the window the key is free again: the old run keeps its record but lets go of the key.
-    await store.updateTable('runs').set({ idempotency_key: null }).where('id', '=', earlier.id).execute();
-    return undefined;
-  };
-
-  const earlier = await replay();
-  if (earlier) return earlier;
-  if (services.asyncWorker.backlog >= services.config.maxAsyncBacklog) {
-    throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
-  }
-  if (!(await services.projectBacklog.admit(build.projectId))) {
-    throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
-  }
-  // Held by this node when it has room to run it soon; otherwise free for whichever node has room first.
-  const owner = services.asyncWorker.ownerFor(build.projectId, build.appId);
-  // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
-  const row = newRunRow({
-    id: call.runId,
-    build,
-    fn: call.fn,
-    mode: 'async',
-    // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
-    input: call.input !== undefined ? call.input : call.body.toString('utf8'),
-    httpRequest: call.httpRequest,
-    webhookUrl: call.webhookUrl,
-    webhookSecret: call.webhookSecret,
-    idempotencyKey,
-    owner,
-  });
-  const runId = await services.recorder.insertNow(row);
-  if (runId !== call.runId) {
-    // Another call took the key in the same group commit (or just before): the same function, or refused.
-    const winner = await store
-      .selectFrom('runs')
-      .select(['id', 'function_name'])
-      .where('id', '=', runId)
-      .executeTakeFirst();
-    return winner ? sameFunctionOrRefuse(winner, call.fn) : runId;
-  }
-  // The committed row's call: a run this node holds is performed from it, not read back (the recorder
-  // keeps the row until the run ends anyway, so this holds no more memory).
-  const { function_name, webhook_endpoint, http_request } = row;
-  services.asyncWorker.accepted(
-    {
-      id: call.runId,
-      projectId: build.projectId,
-      appId: build.appId,
-      call: { function_name, input: row.input, webhook_endpoint, http_request },
-    },
-    owner,
-  );
-  return call.runId;
-}
-
-/** `?async=true` through Fastify: 202 {"run_id"} once the run is committed (see acceptAsyncCall). */
+/** `?async=true` through Fastify: 202 {"run_id"} once the run is committed (RunService.acceptAsync). */
 async function acceptAsync(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   call: CallParts,
 ): Promise<FastifyReply> {
   const idempotencyKey = parseIdempotencyKey(request.headers['idempotency-key']);
-  const runId = await acceptAsyncCall(services, call, idempotencyKey);
+  const runId = await services.runs.acceptAsync(call, idempotencyKey);
   return reply.code(202).header('x-request-id', runId).type('application/json; charset=utf-8').send({ run_id: runId });
 }
 
@@ -295,7 +146,7 @@ function controlComment(event: string, data: string): string {
  * blocked, the connection is cut (a caller gone away: the stream's resume grace applies).
  */
 function eventConnection(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   runId: string,
@@ -322,7 +173,7 @@ function eventConnection(
       drains: z ? [res, z] : [res],
       stallMs: callerStallSeconds * 1000,
       onStalled: () => {
-        services.recorder.log(runId, 'system', `the caller read nothing for ${callerStallSeconds} s: disconnected`);
+        services.runs.note(runId, `the caller read nothing for ${callerStallSeconds} s: disconnected`);
         res.destroy();
       },
       onReady: () => following?.readerReady(),
@@ -397,10 +248,10 @@ function endStateOf(err: FerryError, clientGone: boolean): StreamEndState {
  * stream has started leaves the run going for the resume grace period. Before that it stops the run.
  */
 async function streamRun(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
-  call: Omit<Parameters<Services['invoker']['invoke']>[0], 'mode' | 'signal'>,
+  call: Omit<Parameters<RunService['invoke']>[0], 'mode' | 'signal'>,
 ): Promise<void> {
   const gone = new AbortController();
   const stop = () => gone.abort(new Error('client disconnected'));
@@ -425,7 +276,7 @@ async function streamRun(
     else stop();
   });
   try {
-    const outcome = await services.invoker.invoke({
+    const outcome = await services.runs.invoke({
       ...call,
       mode: 'stream',
       signal: gone.signal,
@@ -458,7 +309,7 @@ async function streamRun(
  * events after `seq` were dropped.
  */
 function resumeStream(
-  services: Services,
+  services: RunRouteDeps,
   request: FastifyRequest,
   reply: FastifyReply,
   target: RunTarget,
@@ -506,9 +357,9 @@ function resumeStream(
   return undefined;
 }
 
-export function registerRunRoutes(app: TypedServer, services: Services): void {
+export function registerRunRoutes(app: TypedServer, services: RunRouteDeps): void {
   attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
-    resolveTarget(services, projectId, appName, authorization),
+    services.runs.resolveTarget(projectId, appName, authorization),
   );
   // Its own scope, so the raw-body JSON parser (which keeps the bytes to forward) applies to the run endpoint only.
   void app.register(async function runEndpoint(scope: FastifyInstance) {
@@ -523,7 +374,7 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
       request.runId = runId;
       void reply.header('x-request-id', runId);
       const { project_id, app_name } = request.params as { project_id: string; app_name: string };
-      const target = await resolveTarget(services, project_id, app_name, request.headers.authorization);
+      const target = await services.runs.resolveTarget(project_id, app_name, request.headers.authorization);
       request.runTarget = target;
       if (target.build.config.app.runtime === 'custom') {
         return proxyHttp(services, request, reply, target, runId, parseWebhookEndpoint, (call) =>
@@ -596,7 +447,7 @@ export function registerRunRoutes(app: TypedServer, services: Services): void {
           if (gone.signal.aborted && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
           throw err;
         };
-        const outcome = await services.invoker.invoke({ ...common, signal: gone.signal, mode: 'sync' }).catch(orGone);
+        const outcome = await services.runs.invoke({ ...common, signal: gone.signal, mode: 'sync' }).catch(orGone);
         // The result's JSON, made once by the invoker for the run record, is spliced into the envelope.
         const result = outcome.resultJson ?? JSON.stringify(outcome.result) ?? 'null';
         return reply

@@ -1,14 +1,10 @@
 /** `/v2/projects/{project_id}/apps/{app_id}/runs`: list runs, get one, read its logs. */
 import { Type } from 'typebox';
-import { findApp } from '../../apps/apps.js';
-import { FerryError } from '../../errors.js';
-import { isFinalState } from '../../runs/lifecycle.js';
-import { cancelQueuedRun, findRun, listRuns, runLogDrops, runLogs, viewRun } from '../../runs/runs.js';
-import type { Services } from '../../services.js';
-import { WebhookViewSchema, webhookView } from '../../webhooks/view.js';
-import { requireScope } from '../auth.js';
+import type { RunService } from '../../runs/run-service.js';
+import { WebhookViewSchema } from '../../webhooks/view.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { AppId, AppParams, errors, Nullable, ProjectId } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const RunState = Type.Union([
   Type.Literal('queued'),
@@ -84,9 +80,13 @@ const RunParams = Type.Object({
   run_id: Type.String({ pattern: '^[0-9a-f-]{36}$' }),
 });
 
-export function registerRunsRoutes(app: TypedServer, services: Services): void {
+export interface RunsRouteDeps extends AuthDeps {
+  runs: RunService;
+}
+
+export function registerRunsRoutes(app: TypedServer, services: RunsRouteDeps): void {
   const manage = requireScope(services, 'manage');
-  const { store } = services;
+  const { runs } = services;
 
   app.get(
     '/v2/projects/:project_id/apps/:app_id/runs',
@@ -111,13 +111,11 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
     },
     async (request) => {
       const { project_id, app_id } = request.params;
-      await findApp(store, project_id, app_id);
-      await services.recorder.flush();
       const limit = request.query.limit ?? 50;
-      const runs = await listRuns(store, project_id, app_id, { ...request.query, limit });
+      const found = await runs.list(project_id, app_id, { ...request.query, limit });
       return {
-        runs: runs.map((r) => viewRun(r)),
-        next_before: runs.length === limit ? (runs.at(-1)?.id ?? null) : null,
+        runs: found,
+        next_before: found.length === limit ? (found.at(-1)?.run_id ?? null) : null,
       };
     },
   );
@@ -149,25 +147,16 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
     async (request) => {
       const { project_id, app_id, run_id } = request.params;
       const waitMs = (request.query.wait ?? 0) * 1000;
-      await services.recorder.flush();
-      let found = await findRun(store, project_id, app_id, run_id);
-      if (waitMs > 0 && !isFinalState(found.state)) {
-        // Registered before the second read: a run that ends in between wakes it, or that read sees the end.
-        const gone = new AbortController();
-        const onClose = () => gone.abort();
-        request.raw.once('close', onClose);
-        const waited = services.runWaiters.wait(run_id, waitMs, gone.signal);
-        found = await findRun(store, project_id, app_id, run_id);
-        if (isFinalState(found.state)) gone.abort();
-        await waited;
+      if (waitMs === 0) return runs.get(project_id, app_id, run_id);
+      // The caller hanging up ends the wait.
+      const gone = new AbortController();
+      const onClose = () => gone.abort();
+      request.raw.once('close', onClose);
+      try {
+        return await runs.get(project_id, app_id, run_id, { ms: waitMs, signal: gone.signal });
+      } finally {
         request.raw.off('close', onClose);
-        if (!isFinalState(found.state)) {
-          await services.recorder.flush();
-          found = await findRun(store, project_id, app_id, run_id);
-        }
       }
-      const run = viewRun(found, true);
-      return { ...run, webhook: await webhookView(store, run_id) };
     },
   );
 
@@ -191,29 +180,17 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
     },
     async (request, reply) => {
       const { project_id, app_id, run_id } = request.params;
-      await services.recorder.flush();
-      const found = await findRun(store, project_id, app_id, run_id);
-      if (isFinalState(found.state)) {
-        throw new FerryError('FERRY_RUN_FINISHED', `Run ${run_id} has already finished (${found.state})`);
-      }
       const gone = new AbortController();
       const onClose = () => gone.abort();
       request.raw.once('close', onClose);
-      const ended = services.runWaiters.wait(run_id, (services.config.cancelGraceSeconds + 10) * 1000, gone.signal);
-      if (await cancelQueuedRun(store, found)) {
-        services.runWaiters.finished([run_id]);
-        services.webhooks.wake();
+      try {
+        const { run, ended } = await runs.cancel(project_id, app_id, run_id, gone.signal, () =>
+          request.log.info({ app: app_id, runId: run_id }, 'run cancel requested'),
+        );
+        return reply.code(ended ? 200 : 202).send(run);
+      } finally {
+        request.raw.off('close', onClose);
       }
-      // The node performing it (this one or another) stops it; one holding it queued lets it go.
-      await services.changes.publish({ type: 'run.cancel', projectId: project_id, appId: app_id, runId: run_id });
-      request.log.info({ app: app_id, runId: run_id }, 'run cancel requested');
-      await ended;
-      request.raw.off('close', onClose);
-      await services.recorder.flush();
-      const run = await findRun(store, project_id, app_id, run_id);
-      return reply
-        .code(isFinalState(run.state) ? 200 : 202)
-        .send({ ...viewRun(run, true), webhook: await webhookView(store, run_id) });
     },
   );
 
@@ -243,10 +220,7 @@ export function registerRunsRoutes(app: TypedServer, services: Services): void {
     },
     async (request) => {
       const { project_id, app_id, run_id } = request.params;
-      await services.recorder.flush();
-      await findRun(store, project_id, app_id, run_id);
-      const lines = await runLogs(store, run_id, request.query.after ?? 0);
-      return { run_id, lines, ...(await runLogDrops(store, run_id)) };
+      return runs.logs(project_id, app_id, run_id, request.query.after ?? 0);
     },
   );
 }

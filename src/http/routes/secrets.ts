@@ -6,20 +6,16 @@
 import type { FastifyRequest } from 'fastify';
 import { Type } from 'typebox';
 import { FerryError } from '../../errors.js';
+import type { SecretService } from '../../secrets/secret-service.js';
 import {
-  deleteSecret,
-  getSecret,
-  listSecrets,
   MAX_SECRET_VALUE_BYTES,
   RESERVED_SECRET_NAMES,
   RESERVED_SECRET_PREFIX,
   SECRET_NAME_PATTERN,
-  setSecret,
 } from '../../secrets/secrets.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { errors, ProjectParams } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const SecretName = Type.String({
   pattern: SECRET_NAME_PATTERN,
@@ -59,7 +55,11 @@ async function rawValueIsString(request: FastifyRequest): Promise<void> {
   }
 }
 
-export function registerSecretRoutes(app: TypedServer, services: Services): void {
+export interface SecretRouteDeps extends AuthDeps {
+  secrets: SecretService;
+}
+
+export function registerSecretRoutes(app: TypedServer, services: SecretRouteDeps): void {
   const manage = requireScope(services, 'manage');
 
   app.put(
@@ -78,9 +78,7 @@ export function registerSecretRoutes(app: TypedServer, services: Services): void
     },
     async (request) => {
       const { project_id, name } = request.params;
-      const secret = await setSecret(services.store, services.secretsKey, project_id, name, request.body.value);
-      await services.changes.publish({ type: 'secrets.changed', projectId: project_id });
-      return secret;
+      return services.secrets.set(project_id, name, request.body.value);
     },
   );
 
@@ -94,7 +92,7 @@ export function registerSecretRoutes(app: TypedServer, services: Services): void
         response: { 200: Type.Object({ secrets: Type.Array(Secret) }), ...errors(401, 403, 404) },
       },
     },
-    async (request) => ({ secrets: await listSecrets(services.store, request.params.project_id) }),
+    async (request) => ({ secrets: await services.secrets.list(request.params.project_id) }),
   );
 
   app.get(
@@ -107,11 +105,7 @@ export function registerSecretRoutes(app: TypedServer, services: Services): void
         response: { 200: Secret, ...errors(400, 401, 403, 404) },
       },
     },
-    async (request) => {
-      const secret = await getSecret(services.store, request.params.project_id, request.params.name);
-      if (!secret) throw new FerryError('FERRY_SECRET_NOT_FOUND', `No secret named ${request.params.name}`);
-      return secret;
-    },
+    async (request) => services.secrets.get(request.params.project_id, request.params.name),
   );
 
   app.delete(
@@ -126,8 +120,7 @@ export function registerSecretRoutes(app: TypedServer, services: Services): void
       },
     },
     async (request, reply) => {
-      await deleteSecret(services.store, request.params.project_id, request.params.name);
-      await services.changes.publish({ type: 'secrets.changed', projectId: request.params.project_id });
+      await services.secrets.delete(request.params.project_id, request.params.name);
       return reply.code(204).send(null);
     },
   );

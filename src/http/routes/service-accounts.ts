@@ -1,17 +1,11 @@
 /** `/v2/projects/{project_id}/service-accounts`: create (token shown once), list, revoke. */
 import { Type } from 'typebox';
-import {
-  createServiceAccount,
-  DEFAULT_EXPIRY_DAYS,
-  getProject,
-  listServiceAccounts,
-  revokeServiceAccount,
-} from '../../auth/service-accounts.js';
+import type { AccountService } from '../../auth/account-service.js';
+import { DEFAULT_EXPIRY_DAYS } from '../../auth/service-accounts.js';
 import { FerryError } from '../../errors.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { errors, ProjectParams, ServiceAccount } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const CreateBody = Type.Object(
   {
@@ -40,7 +34,11 @@ function parseExpiry(value: string | undefined): Date {
   return new Date(ms);
 }
 
-export function registerServiceAccountRoutes(app: TypedServer, services: Services): void {
+export interface AccountRouteDeps extends AuthDeps {
+  accounts: AccountService;
+}
+
+export function registerServiceAccountRoutes(app: TypedServer, services: AccountRouteDeps): void {
   const manage = requireScope(services, 'manage');
 
   app.get(
@@ -56,11 +54,7 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         },
       },
     },
-    async (request) => {
-      const project = await getProject(services.store, request.params.project_id);
-      if (!project) throw new FerryError('FERRY_PROJECT_NOT_FOUND');
-      return project;
-    },
+    async (request) => services.accounts.project(request.params.project_id),
   );
 
   app.post(
@@ -79,7 +73,7 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
       },
     },
     async (request, reply) => {
-      const { account, token } = await createServiceAccount(services.store, services.jwtKey, {
+      const { account, token } = await services.accounts.create({
         projectId: request.params.project_id,
         name: request.body.name,
         scopes: request.body.scopes ?? ['manage', 'run'],
@@ -99,7 +93,7 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         response: { 200: Type.Object({ service_accounts: Type.Array(ServiceAccount) }), ...errors(401, 403, 404) },
       },
     },
-    async (request) => ({ service_accounts: await listServiceAccounts(services.store, request.params.project_id) }),
+    async (request) => ({ service_accounts: await services.accounts.list(request.params.project_id) }),
   );
 
   app.delete(
@@ -115,19 +109,6 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Service
         response: { 200: ServiceAccount, ...errors(401, 403, 404) },
       },
     },
-    async (request) => {
-      const account = await revokeServiceAccount(
-        services.store,
-        request.params.project_id,
-        request.params.service_account_id,
-      );
-      // Every process forgets its cached token checks (this one before answering).
-      await services.changes.publish({
-        type: 'service-account.changed',
-        projectId: account.project_id,
-        serviceAccountId: account.id,
-      });
-      return account;
-    },
+    async (request) => services.accounts.revoke(request.params.project_id, request.params.service_account_id),
   );
 }

@@ -5,14 +5,14 @@
  * portable between SQLite and PostgreSQL) and from the in-memory replica history.
  */
 import { Type } from 'typebox';
-import { activeConfig, findApp } from '../../apps/apps.js';
+import type { AppService } from '../../apps/app-service.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
 import { HISTORY_MINUTES, minuteOf, type ReplicaHistory } from '../../dashboard/replica-history.js';
 import { isFinalState } from '../../runs/lifecycle.js';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import type { RunService } from '../../runs/run-service.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { AppParams, errors, Nullable } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const MINUTE_MS = 60_000;
 /** At most this many runs are read for one window; older runs of a busier window are left out. */
@@ -65,12 +65,6 @@ const Stats = Type.Object({
   ),
 });
 
-/** The smallest UUIDv7 of the millisecond `ms`: run ids sort by creation time, so this bounds an index scan. */
-export function uuidv7Floor(ms: number): string {
-  const hex = Math.max(0, Math.floor(ms)).toString(16).padStart(12, '0');
-  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-0000-0000-000000000000`;
-}
-
 /** The `p` quantile (0..1) of sorted values, nearest rank; null for none. */
 export function percentile(sorted: readonly number[], p: number): number | null {
   if (sorted.length === 0) return null;
@@ -78,9 +72,13 @@ export function percentile(sorted: readonly number[], p: number): number | null 
   return sorted[Math.min(rank, sorted.length) - 1] ?? null;
 }
 
-export function registerStatsRoutes(app: TypedServer, services: Services, history: ReplicaHistory): void {
+export interface StatsRouteDeps extends AuthDeps {
+  apps: Pick<AppService, 'replicas'>;
+  runs: Pick<RunService, 'recentRuns'>;
+}
+
+export function registerStatsRoutes(app: TypedServer, services: StatsRouteDeps, history: ReplicaHistory): void {
   const manage = requireScope(services, 'manage');
-  const { store } = services;
 
   app.get(
     '/v2/projects/:project_id/apps/:app_id/stats',
@@ -107,37 +105,13 @@ export function registerStatsRoutes(app: TypedServer, services: Services, histor
     async (request) => {
       const { project_id, app_id } = request.params;
       const minutes = request.query.minutes ?? 60;
-      const found = await findApp(store, project_id, app_id);
-      await services.recorder.flush();
-
-      // Live replicas: every pool of the app (the current one and any draining one).
-      const live = { starting: 0, ready: 0, inflight: 0, queued: 0 };
-      for (const pool of services.replicas.pools()) {
-        if (pool.build.projectId !== project_id || pool.build.appId !== app_id) continue;
-        const s = pool.stats;
-        live.starting += s.starting;
-        live.ready += s.ready;
-        live.inflight += s.inflight;
-        live.queued += s.queued;
-      }
-      let limits: { min: number | null; max: number | null } = { min: null, max: null };
-      // The limits in force: the active build's ferry.toml with the app's scaling override (PATCH .../apps).
-      const config = await activeConfig(store, found);
-      if (config) limits = { min: config.scaling.min_replicas, max: config.scaling.max_replicas };
+      const { min, max, ...live } = await services.apps.replicas(project_id, app_id);
+      const limits = { min, max };
 
       // The window: `minutes` whole minutes, the last one being the current minute.
       const now = Date.now();
       const from = minuteOf(now) - (minutes - 1) * MINUTE_MS;
-      const rows = await store
-        .selectFrom('runs')
-        .select(['state', 'created_at', 'started_at', 'finished_at', 'run_time_ms'])
-        .where('project_id', '=', project_id)
-        .where('app_id', '=', app_id)
-        .where('id', '>=', uuidv7Floor(from))
-        .where('created_at', '>=', new Date(from).toISOString())
-        .orderBy('id', 'desc')
-        .limit(STATS_MAX_RUNS)
-        .execute();
+      const rows = await services.runs.recentRuns(project_id, app_id, from, STATS_MAX_RUNS);
 
       const buckets = Array.from({ length: minutes }, () => ({
         success: 0,
@@ -150,7 +124,7 @@ export function registerStatsRoutes(app: TypedServer, services: Services, histor
         const index = Math.floor((Date.parse(run.created_at) - from) / MINUTE_MS);
         const bucket = buckets[index];
         if (!bucket || !isFinalState(run.state)) continue;
-        bucket[run.state] += 1;
+        bucket[run.state as 'success' | 'failure' | 'timeout' | 'cancelled'] += 1;
         let ms = run.run_time_ms;
         if (ms === null && run.started_at && run.finished_at) {
           ms = Date.parse(run.finished_at) - Date.parse(run.started_at);

@@ -1,19 +1,27 @@
 /** `/healthz`, `/metrics` and the OpenAPI document. */
-import type { Services } from '../../services.js';
-import { probeStore } from '../../store/index.js';
-import type { TypedServer } from '../server.js';
+import type { Metrics } from '../../metrics.js';
+import type { StoreHealth } from '../../store/index.js';
+import type { TypedServer } from '../typed-server.js';
 
 /** How long `/healthz` waits for the store before it answers 503 store-busy. */
 const HEALTH_PROBE_MS = 1000;
 
-export function registerSystemRoutes(app: TypedServer, services: Services): void {
+export interface SystemRouteDeps {
+  /** Whether the store answers within `timeoutMs`. */
+  storeHealth(timeoutMs: number): Promise<StoreHealth>;
+  /** Brings the gauges up to date before /metrics is rendered. */
+  refreshGauges(): void;
+  metrics: Pick<Metrics, 'registry'>;
+}
+
+export function registerSystemRoutes(app: TypedServer, services: SystemRouteDeps): void {
   // For load balancers and orchestrators (docs/operations.md, "Health"). A store write-locked by another
   // process is not a reason to take this process out of rotation or restart it: it still serves reads and
   // runs, and writes wait or answer 503 FERRY_STORE_BUSY themselves. So that is 200 with `store: busy`;
   // 503 only when the store does not answer within HEALTH_PROBE_MS, or fails.
   app.get('/healthz', async (_request, reply) => {
     try {
-      const store = await probeStore(services.store, HEALTH_PROBE_MS);
+      const store = await services.storeHealth(HEALTH_PROBE_MS);
       if (store === 'ok') return { status: 'ok' };
       if (store === 'busy') return { status: 'ok', store: 'busy' };
       return reply.code(503).send({ status: 'unavailable', reason: 'store-busy' });

@@ -1,9 +1,9 @@
 /** `POST /v2/projects/{project_id}/apps/{app_id}/runs/{run_id}/webhook/redeliver`: send a run's webhook again. */
 import { Type } from 'typebox';
-import type { Services } from '../../services.js';
-import { requireScope } from '../auth.js';
+import type { RunService } from '../../runs/run-service.js';
+import { type AuthDeps, requireScope } from '../auth.js';
 import { AppId, errors, ProjectId } from '../schemas.js';
-import type { TypedServer } from '../server.js';
+import type { TypedServer } from '../typed-server.js';
 
 const RunParams = Type.Object({
   project_id: ProjectId,
@@ -11,7 +11,11 @@ const RunParams = Type.Object({
   run_id: Type.String({ pattern: '^[0-9a-f-]{36}$' }),
 });
 
-export function registerWebhookRoutes(app: TypedServer, services: Services): void {
+export interface WebhookRouteDeps extends AuthDeps {
+  runs: Pick<RunService, 'redeliverWebhook'>;
+}
+
+export function registerWebhookRoutes(app: TypedServer, services: WebhookRouteDeps): void {
   const manage = requireScope(services, 'manage');
 
   app.post(
@@ -32,9 +36,7 @@ export function registerWebhookRoutes(app: TypedServer, services: Services): voi
     },
     async (request, reply) => {
       const { project_id, app_id, run_id } = request.params;
-      // A run that finished a moment ago may still have its outbox row in the recorder's next batch.
-      await services.recorder.flush();
-      await services.webhooks.redeliver(project_id, app_id, run_id);
+      await services.runs.redeliverWebhook(project_id, app_id, run_id);
       return reply.code(202).send({ run_id, state: 'pending' as const });
     },
   );

@@ -8,7 +8,8 @@
  * `cluster.key`); anything else answers 401 FERRY_CLUSTER_UNAUTHENTICATED. `/healthz` and `/metrics` are
  * open, as on a gateway, for load balancers and scrapers.
  *
- * The protocol (version 1), all over HTTP/1.1 keep-alive:
+ * The protocol (version 1; cluster/protocol.ts has what the worker and its client share), all over
+ * HTTP/1.1 keep-alive:
  * - `POST /internal/v1/invoke`: body = one line of JSON (the call: CallMeta) + `\n` + the arguments JSON.
  *   Answer: `application/x-ndjson` lines: `{"e":"started"}` and `{"e":"item","d":…}` (streaming calls
  *   only), then `{"e":"done",…,"result":…}` (the result last, as the replica wrote it: a gateway answers
@@ -24,63 +25,28 @@ import http, { type IncomingMessage, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import { PassThrough } from 'node:stream';
 import type { Logger } from 'pino';
-import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
+import type { CallerTally } from '../cluster/caller-tally.js';
+import type { ClusterAuth } from '../cluster/cluster-auth.js';
+import {
+  type CallMeta,
+  decodeHeaderMeta,
+  INTERNAL_PREFIX,
+  MAX_META_BYTES,
+  parseCallMeta,
+} from '../cluster/protocol.js';
+import type { WorkerBuilds } from '../cluster/worker-builds.js';
 import { FerryError } from '../errors.js';
-import { answer, refuseOnSocket, workerErrorLine, writeAnswer } from '../http/answer.js';
 import type { Metrics } from '../metrics.js';
-import type { PoolBuild } from '../replicas/pool.js';
 import type { Invoker } from '../runs/invoke.js';
 import { RunAbort } from '../runs/run-abort.js';
-import { probeStore, type Store } from '../store/index.js';
-import type { RunMode } from '../store/schema.js';
-import type { CallerTally } from './caller-tally.js';
-import type { ClusterAuth } from './cluster-auth.js';
-
-/** What a gateway tells a worker about a call (the first line of the body, or `x-ferry-call`). */
-export interface CallMeta {
-  v: 1;
-  runId: string;
-  projectId: string;
-  appId: string;
-  buildId: string;
-  fn: string;
-  mode: RunMode;
-  webhookUrl?: string | undefined;
-  webhookSecret?: string | undefined;
-  /** Custom runtime: the request to forward. */
-  http?: { method: string; path: string; headers: Record<string, string | string[]>; hasBody: boolean };
-  /** Custom runtime: the run's stored input. */
-  input?: string | null;
-}
-
-export const INTERNAL_PREFIX = '/internal/v1';
-/** The call line is small (ids, a function name, forwarded headers): past this it is refused. */
-const MAX_META_BYTES = 256 * 1024;
-const ID = /^[A-Za-z0-9_.:-]{1,200}$/;
-const MODES: readonly RunMode[] = ['sync', 'async', 'stream'];
-
-/** The call in `value` when it is well formed; undefined otherwise (a worker trusts the cluster, not bytes). */
-export function parseCallMeta(value: unknown): CallMeta | undefined {
-  if (typeof value !== 'object' || value === null) return undefined;
-  const v = value as Record<string, unknown>;
-  const ok = (key: string) => typeof v[key] === 'string' && ID.test(v[key] as string);
-  if (v.v !== 1 || !ok('runId') || !ok('projectId') || !ok('appId') || !ok('buildId')) return undefined;
-  if (typeof v.fn !== 'string' || v.fn.length === 0 || v.fn.length > 512) return undefined;
-  if (!MODES.includes(v.mode as RunMode)) return undefined;
-  for (const key of ['webhookUrl', 'webhookSecret']) {
-    if (v[key] !== undefined && typeof v[key] !== 'string') return undefined;
-  }
-  if (v.input !== undefined && v.input !== null && typeof v.input !== 'string') return undefined;
-  if (v.http !== undefined) {
-    const h = v.http as Record<string, unknown> | null;
-    if (!h || typeof h.method !== 'string' || typeof h.path !== 'string' || !h.path.startsWith('/')) return undefined;
-    if (typeof h.headers !== 'object' || h.headers === null || typeof h.hasBody !== 'boolean') return undefined;
-  }
-  return v as unknown as CallMeta;
-}
+import type { StoreHealth } from '../store/index.js';
+import { answer, refuseOnSocket, workerErrorLine, writeAnswer } from './answer.js';
 
 export interface WorkerApiDeps {
-  store: Store;
+  /** The builds calls name, with the app's scaling in force (cluster/worker-builds.ts). */
+  builds: WorkerBuilds;
+  /** Whether the store answers within `timeoutMs` (`/healthz`). */
+  storeHealth(timeoutMs: number): Promise<StoreHealth>;
   invoker: Invoker;
   auth: ClusterAuth;
   /** Counts each call by app and calling gateway while it lasts (announced with the worker's load). */
@@ -104,7 +70,7 @@ export interface WorkerApi {
 
 export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
   const { logger } = deps;
-  const builds = createBuildCache(deps.store);
+  const { builds } = deps;
   const bufferBytes = Math.max(deps.streamBufferBytes ?? 1024 * 1024, 64 * 1024);
 
   const server = http.createServer({ keepAliveTimeout: 65_000, noDelay: true }, (req, res) => {
@@ -119,7 +85,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
   async function route(req: IncomingMessage, res: ServerResponse): Promise<void> {
     const url = req.url ?? '/';
     if (req.method === 'GET' && url === '/healthz') {
-      const state = await probeStore(deps.store, 1000).catch(() => 'down' as const);
+      const state = await deps.storeHealth(1000).catch(() => 'down' as const);
       const body = state === 'ok' || state === 'busy' ? { status: 'ok', role: 'worker' } : { status: 'unavailable' };
       sendJson(res, state === 'ok' || state === 'busy' ? 200 : 503, body);
       return;
@@ -383,15 +349,6 @@ function sendJson(res: ServerResponse, status: number, body: unknown, headers: R
   res.end(text);
 }
 
-export function encodeHeaderMeta(meta: CallMeta): string {
-  return Buffer.from(JSON.stringify(meta)).toString('base64url');
-}
-
-function decodeHeaderMeta(value: string | string[] | undefined): CallMeta | undefined {
-  if (typeof value !== 'string' || value.length > MAX_META_BYTES) return undefined;
-  return parseCallMeta(JSON.parse(Buffer.from(value, 'base64url').toString('utf8')));
-}
-
 /** Reads the call line; `rest` is what came after it in the same chunk. The request is left paused. */
 function readMeta(req: IncomingMessage): Promise<{ meta: CallMeta; rest: Buffer }> {
   return new Promise((resolve, reject) => {
@@ -473,51 +430,4 @@ function readCall(req: IncomingMessage, limit: number): Promise<{ meta: CallMeta
       else resolve({ meta, body: all.subarray(nl + 1) });
     });
   });
-}
-
-/** Builds by id, as the worker runs them: ready builds are immutable, so they are kept (bounded). */
-/**
- * The builds named by calls, with the app's scaling in force (an override set through the API applies to
- * every build): kept for a second, as run targets are, so a scaling change reaches this worker's pools.
- */
-function createBuildCache(store: Store) {
-  const cache = new Map<string, { build: PoolBuild; until: number }>();
-  return {
-    async get(meta: CallMeta): Promise<PoolBuild> {
-      const now = Date.now();
-      const hit = cache.get(meta.buildId);
-      if (hit && hit.until > now && hit.build.projectId === meta.projectId && hit.build.appId === meta.appId) {
-        return hit.build;
-      }
-      const row = await store
-        .selectFrom('builds')
-        .leftJoin('apps', (j) =>
-          j.onRef('apps.project_id', '=', 'builds.project_id').onRef('apps.id', '=', 'builds.app_id'),
-        )
-        .select([
-          'builds.id',
-          'builds.project_id',
-          'builds.app_id',
-          'builds.state',
-          'builds.config_json',
-          'apps.scaling_json',
-        ])
-        .where('builds.id', '=', meta.buildId)
-        .executeTakeFirst();
-      if (!row || row.project_id !== meta.projectId || row.app_id !== meta.appId || row.state !== 'ready') {
-        throw new FerryError('FERRY_NO_READY_BUILD', 'The build the gateway named is not a ready build of this app', {
-          headers: { 'retry-after': '1' },
-        });
-      }
-      const build: PoolBuild = {
-        projectId: row.project_id,
-        appId: row.app_id,
-        buildId: row.id,
-        config: withScalingOverride(JSON.parse(row.config_json ?? '{}') as AppConfig, row.scaling_json),
-      };
-      if (cache.size >= 1000) cache.delete(cache.keys().next().value as string);
-      cache.set(row.id, { build, until: now + 1000 });
-      return build;
-    },
-  };
 }
