@@ -104,7 +104,7 @@ describe('schedule ticker', () => {
         state: 'queued',
       },
     );
-    const [view] = await listSchedules(store, APP.appId);
+    const [view] = await listSchedules(store, APP);
     assert.equal(view?.next_tick_at, '2026-05-03T03:00:00.000Z');
     assert.equal(view?.last_run?.id, run?.id);
   });
@@ -138,14 +138,14 @@ describe('schedule ticker', () => {
     assert.equal(await dying.ticker.tickOnce(now), 0);
     assert.equal(inserted, 1);
     assert.equal((await runs()).length, 1);
-    const [stillDue] = await listSchedules(store, APP.appId);
+    const [stillDue] = await listSchedules(store, APP);
     assert.equal(stillDue?.next_tick_at, '2026-05-01T00:01:00.000Z');
     // Another node (or this one restarted) looks: the same run, and the schedule moves on.
     const other = node('other');
     assert.equal(await other.ticker.tickOnce(now + 500), 1);
     const all = await runs();
     assert.equal(all.length, 1);
-    const [moved] = await listSchedules(store, APP.appId);
+    const [moved] = await listSchedules(store, APP);
     assert.equal(moved?.next_tick_at, '2026-05-01T00:02:00.000Z');
     assert.equal(moved?.last_run?.id, all[0]?.id);
   });
@@ -161,7 +161,7 @@ describe('schedule ticker', () => {
       ['2026-05-01T01:00:00.000Z'],
     );
     assert.equal(await skipped(a.metrics, 'downtime'), 59);
-    const [view] = await listSchedules(store, APP.appId);
+    const [view] = await listSchedules(store, APP);
     assert.equal(view?.ticks_skipped, 59);
     assert.equal(view?.next_tick_at, '2026-05-01T01:01:00.000Z');
   });
@@ -191,11 +191,11 @@ describe('schedule ticker', () => {
   it('a paused schedule starts nothing; resumed, it goes on from its next tick without the missed ones', async () => {
     await replaceSchedules(store, APP, 'b1', [schedule({ cron: '@every 1m' })], Date.parse('2026-05-01T00:00:30Z'));
     const a = node('a');
-    await setPaused(store, APP.appId, 'nightly', true, Date.parse('2026-05-01T00:00:40Z'));
+    await setPaused(store, APP, 'nightly', true, Date.parse('2026-05-01T00:00:40Z'));
     assert.equal(await a.ticker.tickOnce(Date.parse('2026-05-01T00:05:00Z')), 0);
-    assert.equal((await listSchedules(store, APP.appId))[0]?.next_tick_at, null);
-    await setPaused(store, APP.appId, 'nightly', false, Date.parse('2026-05-01T00:10:30Z'));
-    assert.equal((await listSchedules(store, APP.appId))[0]?.next_tick_at, '2026-05-01T00:11:00.000Z');
+    assert.equal((await listSchedules(store, APP))[0]?.next_tick_at, null);
+    await setPaused(store, APP, 'nightly', false, Date.parse('2026-05-01T00:10:30Z'));
+    assert.equal((await listSchedules(store, APP))[0]?.next_tick_at, '2026-05-01T00:11:00.000Z');
     assert.equal(await a.ticker.tickOnce(Date.parse('2026-05-01T00:11:00Z')), 1);
     assert.equal(await skipped(a.metrics, 'downtime'), 0);
     assert.equal((await runs()).length, 1);
@@ -233,7 +233,7 @@ describe('schedule ticker', () => {
       ],
       t0,
     );
-    await setPaused(store, APP.appId, 'keep', true, t0);
+    await setPaused(store, APP, 'keep', true, t0);
     await replaceSchedules(
       store,
       APP,
@@ -245,7 +245,7 @@ describe('schedule ticker', () => {
       ],
       t0 + 1000,
     );
-    const views = await listSchedules(store, APP.appId);
+    const views = await listSchedules(store, APP);
     assert.deepEqual(
       views.map((v) => [v.name, v.build_id, v.paused, v.next_tick_at, v.args]),
       [

@@ -34,6 +34,7 @@ import {
   runsGetCommand,
   runsListCommand,
   runsLogsCommand,
+  runsRetryCommand,
 } from './runs.js';
 import {
   schedulesListCommand,
@@ -266,6 +267,7 @@ export function createProgram(): Command {
     .description('runs of an app, newest first')
     .option('--state <state>', 'only runs in this state (queued, running, success, failure, timeout, cancelled)')
     .option('--mode <mode>', 'only runs of this mode (sync, async, stream)')
+    .option('--dead', 'only runs that ended after exhausting their [retries] attempts')
     .option('--limit <n>', 'how many (default 50)')
     .option('--json', 'print an array')
     .action(runsListCommand);
@@ -280,6 +282,11 @@ export function createProgram(): Command {
     .description('cancel a queued or running run')
     .option('--json', 'print the run')
     .action(runsCancelCommand);
+  runs
+    .command('retry <app> <run_id>')
+    .description('run a finished run again, with its stored input, as a new async run')
+    .option('--json', 'print {"run_id"}')
+    .action(runsRetryCommand);
   runs
     .command('logs <app> <run_id>')
     .description('what the function printed during the run')

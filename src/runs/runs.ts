@@ -115,7 +115,13 @@ export async function listRuns(
   store: Store,
   projectId: string,
   appId: string,
-  options: { limit: number; before?: string | undefined; state?: RunState | undefined; mode?: RunMode | undefined },
+  options: {
+    limit: number;
+    before?: string | undefined;
+    state?: RunState | undefined;
+    mode?: RunMode | undefined;
+    dead?: boolean | undefined;
+  },
 ): Promise<Run[]> {
   // Only the runs of this app, not of a deleted app of the same name (their records wait for retention).
   let query = store
@@ -129,6 +135,7 @@ export async function listRuns(
   if (options.before) query = query.where('runs.id', '<', options.before);
   if (options.state) query = query.where('runs.state', '=', options.state);
   if (options.mode) query = query.where('runs.mode', '=', options.mode);
+  if (options.dead) query = query.where('runs.dead', '=', 1);
   return query.execute();
 }
 

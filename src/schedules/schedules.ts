@@ -13,6 +13,12 @@ import { isoTime } from '../ids.js';
 import type { Database, Schedule } from '../store/schema.js';
 import { parseTiming } from './spec.js';
 
+/** An app: schedules belong to one (app names are unique in a project only). */
+export interface AppRef {
+  projectId: string;
+  appId: string;
+}
+
 /** A schedule as the API and the CLI show it. */
 export interface ScheduleView {
   name: string;
@@ -21,7 +27,7 @@ export interface ScheduleView {
   function: string;
   args: unknown;
   webhook: string | null;
-  overlap: string;
+  overlap: 'skip' | 'allow';
   paused: boolean;
   /** The next tick due, or null when paused or the expression never matches again. */
   next_tick_at: string | null;
@@ -47,17 +53,27 @@ export function nextTickAfter(cron: string, timezone: string, now: number): stri
  */
 export async function replaceSchedules(
   db: Kysely<Database>,
-  app: { projectId: string; appId: string },
+  app: AppRef,
   buildId: string,
   schedules: readonly ScheduleConfig[],
   now = Date.now(),
 ): Promise<void> {
-  const existing = await db.selectFrom('schedules').selectAll().where('app_id', '=', app.appId).execute();
+  const existing = await db
+    .selectFrom('schedules')
+    .selectAll()
+    .where('project_id', '=', app.projectId)
+    .where('app_id', '=', app.appId)
+    .execute();
   const byName = new Map(existing.map((s) => [s.name, s]));
   const keep = new Set(schedules.map((s) => s.name));
   const gone = existing.filter((s) => !keep.has(s.name)).map((s) => s.name);
   if (gone.length > 0) {
-    await db.deleteFrom('schedules').where('app_id', '=', app.appId).where('name', 'in', gone).execute();
+    await db
+      .deleteFrom('schedules')
+      .where('project_id', '=', app.projectId)
+      .where('app_id', '=', app.appId)
+      .where('name', 'in', gone)
+      .execute();
   }
   const at = isoTime(now);
   for (const s of schedules) {
@@ -90,6 +106,7 @@ export async function replaceSchedules(
     await db
       .updateTable('schedules')
       .set(sameTiming ? fields : { ...fields, next_tick_at: nextTickAfter(s.cron, s.timezone, now) })
+      .where('project_id', '=', app.projectId)
       .where('app_id', '=', app.appId)
       .where('name', '=', s.name)
       .execute();
@@ -97,29 +114,31 @@ export async function replaceSchedules(
 }
 
 /** Removes every schedule of the app (the app is deleted). */
-export async function removeSchedules(db: Kysely<Database>, appId: string): Promise<void> {
-  await db.deleteFrom('schedules').where('app_id', '=', appId).execute();
+export async function removeSchedules(db: Kysely<Database>, app: AppRef): Promise<void> {
+  await db.deleteFrom('schedules').where('project_id', '=', app.projectId).where('app_id', '=', app.appId).execute();
 }
 
 /** The app's schedules, by name, with the state of each one's last run. */
-export async function listSchedules(db: Kysely<Database>, appId: string): Promise<ScheduleView[]> {
+export async function listSchedules(db: Kysely<Database>, app: AppRef): Promise<ScheduleView[]> {
   const rows = await db
     .selectFrom('schedules')
     .leftJoin('runs', 'runs.id', 'schedules.last_run_id')
     .selectAll('schedules')
     .select('runs.state as last_run_state')
-    .where('schedules.app_id', '=', appId)
+    .where('schedules.project_id', '=', app.projectId)
+    .where('schedules.app_id', '=', app.appId)
     .orderBy('schedules.name')
     .execute();
   return rows.map((r) => viewSchedule(r, r.last_run_state ?? null));
 }
 
 /** One schedule of the app, or FERRY_SCHEDULE_NOT_FOUND. */
-export async function findSchedule(db: Kysely<Database>, appId: string, name: string): Promise<Schedule> {
+export async function findSchedule(db: Kysely<Database>, app: AppRef, name: string): Promise<Schedule> {
   const row = await db
     .selectFrom('schedules')
     .selectAll()
-    .where('app_id', '=', appId)
+    .where('project_id', '=', app.projectId)
+    .where('app_id', '=', app.appId)
     .where('name', '=', name)
     .executeTakeFirst();
   if (!row) throw new FerryError('FERRY_SCHEDULE_NOT_FOUND', `The app has no schedule "${name}"`);
@@ -132,12 +151,12 @@ export async function findSchedule(db: Kysely<Database>, appId: string, name: st
  */
 export async function setPaused(
   db: Kysely<Database>,
-  appId: string,
+  app: AppRef,
   name: string,
   paused: boolean,
   now = Date.now(),
 ): Promise<void> {
-  const row = await findSchedule(db, appId, name);
+  const row = await findSchedule(db, app, name);
   if (Boolean(row.paused) === paused) return;
   await db
     .updateTable('schedules')
@@ -146,7 +165,8 @@ export async function setPaused(
       updated_at: isoTime(now),
       ...(paused ? {} : { next_tick_at: nextTickAfter(row.cron, row.timezone, now) }),
     })
-    .where('app_id', '=', appId)
+    .where('project_id', '=', app.projectId)
+    .where('app_id', '=', app.appId)
     .where('name', '=', name)
     .execute();
 }
@@ -165,7 +185,7 @@ export function viewSchedule(row: Schedule, lastRunState: string | null): Schedu
     function: row.function_name,
     args,
     webhook: row.webhook_endpoint,
-    overlap: row.overlap,
+    overlap: row.overlap === 'allow' ? 'allow' : 'skip',
     paused: Boolean(row.paused),
     next_tick_at: row.paused || row.next_tick_at === NEVER ? null : row.next_tick_at,
     last_tick_at: row.last_tick_at,

@@ -87,6 +87,7 @@ export function createScheduleTicker(deps: {
         ticks_skipped: eb('ticks_skipped', '+', fields.skipped),
         updated_at: isoTime(now),
       }))
+      .where('project_id', '=', row.project_id)
       .where('app_id', '=', row.app_id)
       .where('name', '=', row.name)
       .where('next_tick_at', '=', row.next_tick_at)
@@ -184,6 +185,7 @@ export function createScheduleTicker(deps: {
         await db
           .updateTable('schedules')
           .set({ last_run_id: id, updated_at: isoTime(now) })
+          .where('project_id', '=', row.project_id)
           .where('app_id', '=', row.app_id)
           .where('name', '=', row.name)
           .execute();

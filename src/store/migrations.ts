@@ -343,7 +343,7 @@ const migrations: Record<string, Migration> = {
         .addColumn('ticks_skipped', 'bigint', (c) => c.notNull().defaultTo(0))
         .addColumn('created_at', 'text', (c) => c.notNull())
         .addColumn('updated_at', 'text', (c) => c.notNull())
-        .addPrimaryKeyConstraint('schedules_pk', ['app_id', 'name'])
+        .addPrimaryKeyConstraint('schedules_pk', ['project_id', 'app_id', 'name'])
         .execute();
       await sql`create index schedules_due on schedules (next_tick_at) where paused = 0`.execute(db);
       // A run's origin: `trigger` null for a call, 'schedule' for a tick (with the schedule's name and the

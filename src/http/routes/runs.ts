@@ -102,6 +102,9 @@ export function registerRunsRoutes(app: TypedServer, services: RunsRouteDeps): v
           ),
           state: Type.Optional(RunState),
           mode: Type.Optional(RunMode),
+          dead: Type.Optional(
+            Type.Boolean({ description: 'Only runs that ended after exhausting their [retries] attempts' }),
+          ),
         }),
         response: {
           200: Type.Object({ runs: Type.Array(Run), next_before: Nullable(Type.String()) }),
@@ -191,6 +194,28 @@ export function registerRunsRoutes(app: TypedServer, services: RunsRouteDeps): v
       } finally {
         request.raw.off('close', onClose);
       }
+    },
+  );
+
+  app.post(
+    '/v2/projects/:project_id/apps/:app_id/runs/:run_id/retry',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Run a finished run again',
+        description:
+          'Starts a new async run of the app’s active build with the finished run’s stored input (a custom app: its ' +
+          'stored request) and webhook, `trigger: "retry"` and `retry_of` naming the old run; answers 202 with the new ' +
+          'run’s id. 409 FERRY_RUN_NOT_FINISHED for a queued or running run, 409 FERRY_RUN_INPUT_NOT_KEPT when its input ' +
+          'was not stored (a sync or stream call’s input over 64 KiB; a custom app’s synchronous request).',
+        params: RunParams,
+        response: { 202: Type.Object({ run_id: Type.String() }), ...errors(400, 401, 403, 404, 409, 429, 503) },
+      },
+    },
+    async (request, reply) => {
+      const { project_id, app_id, run_id } = request.params;
+      const id = await runs.retry(project_id, app_id, run_id);
+      return reply.code(202).header('x-request-id', id).send({ run_id: id });
     },
   );
 
