@@ -5,9 +5,11 @@
  * the schedules, deleting the app removes them, and bad schedules are refused naming the key.
  */
 import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { zipFiles } from './helpers/app-zip.js';
-import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+import { deployFiles, http, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
 interface RunView {
   run_id: string;
@@ -128,6 +130,24 @@ describe('scheduled runs', () => {
       .where('app_id', '=', 'clock')
       .execute();
     assert.deepEqual(rows, []);
+  });
+
+  it('examples/nightly-report deploys with its schedules and retries, and its heartbeat runs when triggered', async () => {
+    const dir = path.join(REPO_ROOT, 'examples', 'nightly-report');
+    await deployFiles(server, auth, 'nightly-report', {
+      'ferry.toml': readFileSync(path.join(dir, 'ferry.toml'), 'utf8'),
+      'main.ts': readFileSync(path.join(dir, 'main.ts'), 'utf8'),
+    });
+    const listed = await api('/apps/nightly-report/schedules');
+    assert.deepEqual(
+      listed.json.schedules.map((s: { name: string }) => s.name),
+      ['heartbeat', 'nightly'],
+    );
+    const triggered = await api('/apps/nightly-report/schedules/heartbeat/trigger', 'POST');
+    assert.equal(triggered.status, 202, triggered.text);
+    const run = await api(`/apps/nightly-report/runs/${triggered.json.run_id}?wait=30`);
+    assert.equal(run.json.state, 'success', run.text);
+    assert.deepEqual(run.json.result, { ok: true });
   });
 
   it('refuses a bad cron or time zone at upload, and a function the app does not export at build, naming the key', async () => {
