@@ -64,6 +64,9 @@ import { createSandboxNetwork } from './sandbox/choose-network.js';
 import { detectSandbox, type SandboxCapabilities } from './sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
 import { createBuildViews } from './sandbox/views.js';
+import { createScheduleService, type ScheduleService } from './schedules/schedule-service.js';
+import { createScheduleRunStarter } from './schedules/start-run.js';
+import { createScheduleTicker } from './schedules/ticker.js';
 import { createSecretService, type SecretService } from './secrets/secret-service.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openStore, probeStore, type Store, type StoreHealth } from './store/index.js';
@@ -149,6 +152,8 @@ export interface Services {
   storeHealth(timeoutMs: number): Promise<StoreHealth>;
   /** The projects' volumes: rows, their filesystem images and mounts, their files (src/volumes/). */
   volumes: Volumes;
+  /** Apps' schedules as the routes use them (src/schedules/). */
+  schedules: ScheduleService;
   close(): Promise<void>;
 }
 
@@ -620,7 +625,28 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     changes,
     webhooks,
     cancelWaitMs: (config.cancelGraceSeconds + 10) * 1000,
+    secretsKey,
   });
+  // Schedules: every node looks for due ticks (one run per tick whichever looks first, schedules/ticker.ts).
+  const ticker = createScheduleTicker({
+    db: store,
+    starter: createScheduleRunStarter({
+      insertNow: (row) => recorder.insertNow(row),
+      ownerFor: (projectId, appId) => asyncWorker.ownerFor(projectId, appId),
+      accepted: (run, owner) => asyncWorker.accepted(run, owner),
+      admit: async (projectId) =>
+        asyncWorker.backlog < config.maxAsyncBacklog && (await projectBacklog.admit(projectId)),
+      async runtimeOf(buildId) {
+        const row = await store.selectFrom('builds').select('runtime').where('id', '=', buildId).executeTakeFirst();
+        return row?.runtime === 'custom' ? 'custom' : 'cortex';
+      },
+    }),
+    log: logger.child({ component: 'schedules' }),
+    metrics,
+  });
+  ticker.start();
+  onClose(() => ticker.close());
+  const schedules = createScheduleService({ store, ticker });
   const builds = createBuildService({
     store,
     activation,
@@ -712,6 +738,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     appLog,
     streams,
     volumes,
+    schedules,
     refreshGauges: () => refreshGauges(metrics, replicas.pools(), warmPool?.stats()),
     async close() {
       // In reverse order of construction (the HTTP server closed first, by its owner).

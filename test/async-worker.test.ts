@@ -114,8 +114,8 @@ describe('the async worker with a fake invoker and the real recorder', () => {
     const config = parseAppConfig(`[app]\nname = "${appId}"\n`);
     config.scaling.max_replicas = capacity.replicas;
     config.scaling.replica_concurrency = capacity.concurrency;
-    apps.set(`${projectId}/${appId}`, { appId, buildId: uuidv7(), config, functions: undefined });
-    return { projectId, appId, buildId: uuidv7(), config };
+    apps.set(`${projectId}/${appId}`, { appId, buildId: uuidv7(), runtime: 'node', config, functions: undefined });
+    return { projectId, appId, buildId: uuidv7(), runtime: 'node', config };
   }
 
   function workerOf(fake: FakeInvoker, options: { claimFromStore?: boolean; pollIntervalMs?: number } = {}) {
@@ -243,7 +243,13 @@ describe('the async worker with a fake invoker and the real recorder', () => {
     const fake = fakeInvoker(recorder);
     const worker = workerOf(fake);
     const app = appOf();
-    apps.set(`${app.projectId}/${app.appId}`, { appId: app.appId, buildId: null, config: undefined, functions: [] });
+    apps.set(`${app.projectId}/${app.appId}`, {
+      appId: app.appId,
+      buildId: null,
+      runtime: null,
+      config: undefined,
+      functions: [],
+    });
     const id = await queued(app, OWNER, '{}', 'http://127.0.0.1:9/hook');
     worker.enqueue({ id, ...app });
     await waitUntil(() => worker.backlog === 0);

@@ -134,7 +134,7 @@ describe('the invoker with a fake replica and the real recorder', () => {
   function buildOf(graceSeconds = 30): PoolBuild {
     const config = parseAppConfig('[app]\nname = "comp"\n');
     config.scaling.response_grace_period = graceSeconds;
-    return { projectId: 'p-comp', appId: 'comp', buildId: uuidv7(), config };
+    return { projectId: 'p-comp', appId: 'comp', buildId: uuidv7(), runtime: 'node', config };
   }
 
   function invokerOf(fake: Fake, options: { cancelGraceMs?: number } = {}): Invoker {

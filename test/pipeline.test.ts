@@ -12,7 +12,7 @@ import { after, before, describe, it } from 'node:test';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { createBuildActivation } from '../src/builds/activation.js';
 import { createBuildLog } from '../src/builds/build-log.js';
-import { type Builder, BuildFailedError, type BuildResult } from '../src/builds/builders/types.js';
+import { type Builder, BuildFailedError, type BuildResult } from '../src/builds/builder.js';
 import { type BuildPipeline, createBuildPipeline } from '../src/builds/pipeline.js';
 import { createLocalChangeFeed } from '../src/cluster/change-feed.js';
 import { FerryError } from '../src/errors.js';

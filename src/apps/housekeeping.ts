@@ -20,6 +20,7 @@
  *   folders in its data directory whose build is gone from the store, that no replica uses and that are
  *   more than two minutes old (after a delete made on another process, or after a crash).
  */
+
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
@@ -30,6 +31,7 @@ import { ERRORS, FerryError } from '../errors.js';
 import { FINAL_RUN_STATES } from '../runs/lifecycle.js';
 import { droppedMarker } from '../runs/recorder.js';
 import { cancelQueued } from '../runs/runs.js';
+import { removeSchedules } from '../schedules/schedules.js';
 import { lockApp } from '../store/active-build.js';
 import type { Store } from '../store/index.js';
 import type { Build } from '../store/schema.js';
@@ -194,6 +196,8 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
             .execute();
         }
         await trx.deleteFrom('builds').where('project_id', '=', projectId).where('app_id', '=', appId).execute();
+        // Its schedules start nothing more (an app deployed again under this name brings its own).
+        await removeSchedules(trx, { projectId, appId });
         await trx.deleteFrom('apps').where('project_id', '=', projectId).where('id', '=', appId).execute();
         return { builds, cancelledRuns: queued.length, deletedRuns: finished.length };
       });

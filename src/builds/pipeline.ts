@@ -124,6 +124,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         log,
         signal: controller.signal,
       });
+      checkScheduledFunctions(config, result.functions);
       await deps.output?.publish(build.id);
       finalState = 'ready';
       note(`Build ready in ${((Date.now() - started) / 1000).toFixed(1)} s`);
@@ -281,4 +282,21 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       await Promise.allSettled([...queues.values()]);
     },
   };
+}
+
+/**
+ * A cortex app's `[[schedules]]` must each name a public function the build exports (known once it is
+ * built): the build fails naming the key otherwise. Custom apps' `function` is a path of their server.
+ */
+export function checkScheduledFunctions(config: AppConfig, functions: string[] | undefined): void {
+  if (config.app.runtime === 'custom' || functions === undefined) return;
+  (config.schedules ?? []).forEach((schedule, i) => {
+    if (!functions.includes(schedule.function) || schedule.function.startsWith('_')) {
+      throw new BuildFailedError(
+        `ferry.toml: schedules.${i}.function: "${schedule.function}" is not a public function of the app (it exports ${
+          functions.length > 0 ? functions.join(', ') : 'none'
+        })`,
+      );
+    }
+  });
 }

@@ -234,6 +234,7 @@ export function createProgram(): Command {
     .description('runs of an app, newest first')
     .option('--state <state>', 'only runs in this state (queued, running, success, failure, timeout, cancelled)')
     .option('--mode <mode>', 'only runs of this mode (sync, async, stream)')
+    .option('--dead', 'only runs that ended after exhausting their [retries] attempts')
     .option('--limit <n>', 'how many (default 50)')
     .option('--json', 'print an array')
     .action(lazy(() => import('./runs.js'), 'runsListCommand'));
@@ -249,6 +250,11 @@ export function createProgram(): Command {
     .option('--json', 'print the run')
     .action(lazy(() => import('./runs.js'), 'runsCancelCommand'));
   runs
+    .command('retry <app> <run_id>')
+    .description('run a finished run again, with its stored input, as a new async run')
+    .option('--json', 'print {"run_id"}')
+    .action(lazy(() => import('./runs.js'), 'runsRetryCommand'));
+  runs
     .command('logs <app> <run_id>')
     .description('what the function printed during the run')
     .option('--json', 'print an array of lines')
@@ -260,6 +266,30 @@ export function createProgram(): Command {
     .option('-f, --follow', 'keep printing new lines until interrupted')
     .option('--json', 'print an array of lines (with --follow: one JSON object per line)')
     .action(lazy(() => import('./runs.js'), 'appLogsCommand'));
+
+  const schedules = program
+    .command('schedules')
+    .description('runs started on a timetable: the [[schedules]] of apps’ active builds');
+  schedules
+    .command('list [app]')
+    .description('schedules of an app (or of every app), with the next tick and the last run')
+    .option('--json', 'print an array')
+    .action(lazy(() => import('./schedules.js'), 'schedulesListCommand'));
+  schedules
+    .command('pause <app> <name>')
+    .description('stop a schedule’s ticks until it is resumed (a new deploy keeps it paused)')
+    .option('--json', 'print the schedule')
+    .action(lazy(() => import('./schedules.js'), 'schedulesPauseCommand'));
+  schedules
+    .command('resume <app> <name>')
+    .description('start a paused schedule again from its next tick (the ticks it missed do not run)')
+    .option('--json', 'print the schedule')
+    .action(lazy(() => import('./schedules.js'), 'schedulesResumeCommand'));
+  schedules
+    .command('trigger <app> <name>')
+    .description('start one run of the schedule now, as its tick would')
+    .option('--json', 'print {"run_id"}')
+    .action(lazy(() => import('./schedules.js'), 'schedulesTriggerCommand'));
 
   const secrets = program
     .command('secrets')

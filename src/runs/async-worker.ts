@@ -34,6 +34,7 @@ import type { Store } from '../store/index.js';
 import { type Invoker, RunNotClaimedError, RunStartError } from './invoke.js';
 import { endRun } from './lifecycle.js';
 import type { RunRecorder } from './recorder.js';
+import { NO_RETRIES, type RetryPolicy } from './retries.js';
 import type { RunTargets } from './targets.js';
 
 export interface AsyncWorker {
@@ -65,6 +66,8 @@ export interface RunCall {
   input: string | null;
   webhook_endpoint: string | null;
   http_request: string | null;
+  /** The attempts of a run under a retry policy that ended before (runs/lifecycle.ts); absent: none. */
+  attempt_log?: string | null;
 }
 
 interface Queued {
@@ -76,6 +79,17 @@ interface Queued {
    * performed (whether it is still queued and this node's is checked when it is started, see `claim`).
    */
   call?: RunCall | undefined;
+}
+
+/**
+ * The retry policy an attempt runs under: the build's `[retries]` when it allows more than one attempt,
+ * or the attempts so far of a run that had one when it was accepted (a later build dropped it).
+ */
+function retriesOf(build: PoolBuild, run: RunCall): { policy: RetryPolicy; log: string | null } | undefined {
+  const policy = build.config.retries;
+  if (policy && policy.max_attempts > 1) return { policy, log: run.attempt_log ?? null };
+  if (run.attempt_log) return { policy: NO_RETRIES, log: run.attempt_log };
+  return undefined;
 }
 
 /** Runs this node holds queued, in all: past it, new runs are left free for other nodes. */
@@ -150,7 +164,7 @@ export function createAsyncWorker(deps: {
   async function readCall(id: string): Promise<RunCall | undefined> {
     const run = await store
       .selectFrom('runs')
-      .select(['input', 'function_name', 'webhook_endpoint', 'state', 'owner', 'http_request'])
+      .select(['input', 'function_name', 'webhook_endpoint', 'state', 'owner', 'http_request', 'attempt_log'])
       .where('id', '=', id)
       .executeTakeFirst();
     return run?.state === 'queued' && run.owner === owner ? run : undefined;
@@ -174,6 +188,7 @@ export function createAsyncWorker(deps: {
       webhookUrl: run.webhook_endpoint ?? undefined,
       signal: abort.signal,
       claim: () => start(q.id),
+      retries: retriesOf(build, run),
     };
     try {
       if (run.http_request) {
