@@ -108,7 +108,9 @@ describe('scheduled runs', () => {
     assert.equal(unknown.json.error.code, 'FERRY_SCHEDULE_NOT_FOUND');
   });
 
-  it('a new build replaces the schedules; deleting the app removes them', async () => {
+  it('a new build replaces the schedules, a rollback restores the old ones; deleting the app removes them', async () => {
+    const builds = await api('/apps/clock/builds');
+    const first = (builds.json.builds as { id: string; active: boolean }[]).find((b) => b.active)!;
     await deployFiles(server, auth, 'clock', {
       'ferry.toml':
         '[app]\nname = "clock"\n[[schedules]]\nname = "daily"\ncron = "0 3 * * *"\ntimezone = "Europe/Berlin"\n',
@@ -118,6 +120,14 @@ describe('scheduled runs', () => {
     assert.deepEqual(
       listed.json.schedules.map((s: { name: string; timezone: string }) => [s.name, s.timezone]),
       [['daily', 'Europe/Berlin']],
+    );
+    // Rolled back to the first build: its schedule is the app's again.
+    const rolled = await api(`/apps/clock/builds/${first.id}/activate`, 'POST');
+    assert.ok(rolled.status < 300, rolled.text);
+    const restored = await api('/apps/clock/schedules');
+    assert.deepEqual(
+      restored.json.schedules.map((s: { name: string; cron: string }) => [s.name, s.cron]),
+      [['tick', '@every 2s']],
     );
     const deleted = await http(`${server.url}/v2/projects/${auth.projectId}/apps/clock`, {
       method: 'DELETE',

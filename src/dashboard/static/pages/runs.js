@@ -356,6 +356,21 @@ export async function renderRun(ctx) {
             : '—',
         ],
         ['Reason', run.reason],
+        [
+          'Started by',
+          run.trigger === 'schedule' && run.schedule
+            ? `schedule ${run.schedule.name}, tick ${run.schedule.tick}`
+            : run.trigger === 'retry' && run.retry_of
+              ? h('a', { href: appHref(appId, 'runs', `/${run.retry_of}`) }, `retry of ${shortId(run.retry_of)}`)
+              : null,
+        ],
+        [
+          'Attempts',
+          run.attempt_history?.length
+            ? `${run.attempt_history.map((a) => `${a.attempt}: ${a.state}${a.error_code ? ` (${a.error_code})` : ''}`).join(', ')}${run.dead ? ' — dead: no attempt left' : ''}`
+            : null,
+        ],
+        ['Next attempt', run.next_attempt_at],
       ]),
       h('section', { 'aria-labelledby': 'run-timeline' }, h('h2', { id: 'run-timeline' }, 'Timeline'), timeline(run)),
     );
