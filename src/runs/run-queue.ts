@@ -18,6 +18,28 @@ export interface AcceptedRun {
   call?: RunCall;
 }
 
+/**
+ * A committed run row as the queue takes it: a run this node holds is performed from its call, not read
+ * back (the recorder keeps the row until the run ends anyway, so this holds no more memory).
+ */
+export function acceptedRun(row: {
+  id: string;
+  project_id: string;
+  app_id: string;
+  function_name: string;
+  input: string | null;
+  webhook_endpoint: string | null;
+  http_request: string | null;
+}): AcceptedRun {
+  const { function_name, input, webhook_endpoint, http_request } = row;
+  return {
+    id: row.id,
+    projectId: row.project_id,
+    appId: row.app_id,
+    call: { function_name, input, webhook_endpoint, http_request },
+  };
+}
+
 export interface RunQueue {
   /** The owner to insert an accepted async run with: this node, or null (free). */
   ownerFor(projectId: string, appId: string): string | null;

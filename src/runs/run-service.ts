@@ -23,7 +23,7 @@ import type { Invoker } from './invoke.js';
 import { isFinalState } from './lifecycle.js';
 import type { ProjectBacklog } from './project-backlog.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
-import type { RunQueue } from './run-queue.js';
+import { acceptedRun, type RunQueue } from './run-queue.js';
 import type { RunWaiters } from './run-waiters.js';
 import { cancelQueuedRun, findRun, listRuns, type RunView, runLogDrops, runLogs, viewRun } from './runs.js';
 import type { RunTargets } from './targets.js';
@@ -267,18 +267,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
           .executeTakeFirst();
         return winner ? sameFunctionOrRefuse(winner, call.fn) : runId;
       }
-      // The committed row's call: a run this node holds is performed from it, not read back (the recorder
-      // keeps the row until the run ends anyway, so this holds no more memory).
-      const { function_name, webhook_endpoint, http_request } = row;
-      runQueue.accepted(
-        {
-          id: call.runId,
-          projectId: build.projectId,
-          appId: build.appId,
-          call: { function_name, input: row.input, webhook_endpoint, http_request },
-        },
-        owner,
-      );
+      runQueue.accepted(acceptedRun(row), owner);
       return call.runId;
     },
 
@@ -348,20 +337,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
         origin: { trigger: 'retry', retryOf: old.id },
       });
       await recorder.insertNow(row);
-      runQueue.accepted(
-        {
-          id,
-          projectId,
-          appId: target.appId,
-          call: {
-            function_name: row.function_name,
-            input: row.input,
-            webhook_endpoint: row.webhook_endpoint,
-            http_request: row.http_request,
-          },
-        },
-        owner,
-      );
+      runQueue.accepted(acceptedRun(row), owner);
       return id;
     },
 

@@ -8,7 +8,7 @@
  */
 import { uuidv7 } from '../ids.js';
 import { newRunRow, type RunRow } from '../runs/recorder.js';
-import type { AcceptedRun } from '../runs/run-queue.js';
+import { type AcceptedRun, acceptedRun } from '../runs/run-queue.js';
 import type { Schedule } from '../store/schema.js';
 import type { ScheduleRunStarter } from './ticker.js';
 
@@ -52,22 +52,7 @@ export function createScheduleRunStarter(deps: {
         origin: { trigger: 'schedule', schedule: schedule.name, tick },
       });
       const holder = await deps.insertNow(row);
-      if (holder === row.id) {
-        deps.accepted(
-          {
-            id: holder,
-            projectId: schedule.project_id,
-            appId: schedule.app_id,
-            call: {
-              function_name: row.function_name,
-              input: row.input,
-              webhook_endpoint: row.webhook_endpoint,
-              http_request: row.http_request,
-            },
-          },
-          owner,
-        );
-      }
+      if (holder === row.id) deps.accepted(acceptedRun(row), owner);
       return holder;
     },
   };
