@@ -54,7 +54,8 @@ const IN_FLIGHT = 24;
 const PACE_MS = 10;
 /**
  * FERRY_LEASE_SECONDS. The killed process's runs are taken over at its restart (which ends its lease at
- * once), not at the lease's end, so the lease need not be short. It must outlast any stall of a live
+ * once) or at the lease's end, whichever comes first (on a loaded machine a restart can take longer than
+ * the lease), so the lease need not be short. It must outlast any stall of a live
  * process: on a loaded 2-core CI machine a live process once went 3.3 s without renewing (its 4 s run took
  * 7.3 s), its lease of 3 s lapsed, and another process ran its runs again while it still ran them. A
  * process stalled for longer than its lease is judged dead by design (docs/scaling-out.md, leases).
