@@ -49,6 +49,7 @@ export const ERRORS = {
   FERRY_BUILD_ACTIVE: { status: 409, message: 'The active build cannot be deleted' },
   FERRY_BUILD_IN_PROGRESS: { status: 409, message: 'The build is still being made: cancel it first' },
   FERRY_SCALING_INVALID: { status: 400, message: 'The scaling settings are not valid' },
+  FERRY_SCHEDULE_NOT_FOUND: { status: 404, message: 'No such schedule' },
 
   // App configuration (ferry.toml)
   FERRY_CONFIG_MISSING: { status: 400, message: 'The archive has no ferry.toml at its root' },
@@ -106,6 +107,8 @@ export const ERRORS = {
   FERRY_RUN_TIMEOUT: { status: 504, message: 'The run took longer than the app’s response_grace_period' },
   FERRY_RUN_CANCELLED: { status: 409, message: 'The run was cancelled' },
   FERRY_RUN_FINISHED: { status: 409, message: 'The run has already finished' },
+  FERRY_RUN_NOT_FINISHED: { status: 409, message: 'The run has not finished yet' },
+  FERRY_RUN_INPUT_NOT_KEPT: { status: 409, message: 'The run’s input was not kept, so it cannot be run again' },
   FERRY_REPLICA_DIED: { status: 502, message: 'The replica running the function stopped during the run' },
   FERRY_OUT_OF_MEMORY: {
     status: 502,

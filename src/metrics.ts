@@ -44,6 +44,10 @@ export interface Metrics {
    * this process could not renew its lease (it was paused or cut off from the store).
    */
   lateResultsDiscarded: Counter;
+  /** Schedules' ticks that started a run, by how (`tick`, `trigger`). */
+  scheduleRuns: Counter<'via'>;
+  /** Due ticks of schedules that started no run, by why (`downtime`, `overlap`). */
+  scheduleTicksSkipped: Counter<'reason'>;
 }
 
 export function createMetrics(labels?: { node: string; role: string }): Metrics {
@@ -161,6 +165,18 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
     retentionPasses: new Counter({
       name: 'ferry_retention_passes_total',
       help: 'Retention passes this process ran (FERRY_KEEP_BUILDS, FERRY_RUN_RETENTION_DAYS)',
+      registers: [registry],
+    }),
+    scheduleRuns: new Counter({
+      name: 'ferry_schedule_runs_total',
+      help: "Runs started by schedules, by how: a tick (tick) or 'ferry schedules trigger' (trigger)",
+      labelNames: ['via'],
+      registers: [registry],
+    }),
+    scheduleTicksSkipped: new Counter({
+      name: 'ferry_schedule_ticks_skipped_total',
+      help: 'Due ticks of schedules that started no run: passed over after downtime (downtime), or while the last run was unfinished with overlap = "skip" (overlap)',
+      labelNames: ['reason'],
       registers: [registry],
     }),
     lateResultsDiscarded: new Counter({

@@ -18,7 +18,6 @@ import { type ArtifactStore, createDiskArtifactStore } from './builds/artifact-s
 import { type BuildLog, createBuildLog } from './builds/build-log.js';
 import { type BuildOutput, createBuildOutput } from './builds/build-output.js';
 import { type BuildService, createBuildService } from './builds/build-service.js';
-import { createDefaultBuilders } from './builds/builders/index.js';
 import { createNatsArtifactStore, lazyArtifactsBucket } from './builds/nats-artifact-store.js';
 import { createNatsBuildOutput } from './builds/nats-build-output.js';
 import { type BuildPipeline, createBuildPipeline } from './builds/pipeline.js';
@@ -60,10 +59,14 @@ import { createRunService, type RunService } from './runs/run-service.js';
 import { createRunWaiters, type RunWaiters } from './runs/run-waiters.js';
 import { createStreamReplay, type StreamReplay } from './runs/stream-replay.js';
 import { createRunTargets, type RunTargets } from './runs/targets.js';
+import { createDefaultBuilders } from './runtimes/index.js';
 import { createSandboxNetwork } from './sandbox/choose-network.js';
 import { detectSandbox, type SandboxCapabilities } from './sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
 import { createBuildViews } from './sandbox/views.js';
+import { createScheduleService, type ScheduleService } from './schedules/schedule-service.js';
+import { createScheduleRunStarter } from './schedules/start-run.js';
+import { createScheduleTicker } from './schedules/ticker.js';
 import { createSecretService, type SecretService } from './secrets/secret-service.js';
 import { secretEnvironment } from './secrets/secrets.js';
 import { openStore, probeStore, type Store, type StoreHealth } from './store/index.js';
@@ -149,6 +152,8 @@ export interface Services {
   storeHealth(timeoutMs: number): Promise<StoreHealth>;
   /** The projects' volumes: rows, their filesystem images and mounts, their files (src/volumes/). */
   volumes: Volumes;
+  /** Apps' schedules as the routes use them (src/schedules/). */
+  schedules: ScheduleService;
   close(): Promise<void>;
 }
 
@@ -196,6 +201,18 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     ? createNatsLink({ url: config.natsUrl, name: node.id, logger: logger.child({ component: 'nats' }) })
     : undefined;
   onClose(() => nats?.close());
+  const sandbox = await detectSandbox();
+  // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
+  // Made before the build output, which removes a build's view with its folder (local-build-cache.ts).
+  const views =
+    sandbox.bwrap && runsCode
+      ? await createBuildViews({ buildsDir: dataDir.builds, othersRead: sandbox.identity !== null })
+      : undefined;
+  if (views?.reason) logger.warn(views.reason);
+  void views?.swept.then((removed) => {
+    if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');
+  });
+  onClose(() => views?.close());
   let artifacts: ArtifactStore;
   let buildOutput: BuildOutput;
   if (nats) {
@@ -211,6 +228,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       bucket: lazyArtifactsBucket(() => requireNats(nats), bucket),
       artifacts,
       zipLimits: config.zipLimits,
+      views,
       logger: logger.child({ component: 'builds' }),
     });
   } else {
@@ -220,6 +238,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       artifactsDir: config.artifactsDir,
       artifacts,
       zipLimits: config.zipLimits,
+      views,
       logger: logger.child({ component: 'builds' }),
     });
   }
@@ -254,7 +273,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     onFinished: (runIds) => events.emit('runs:finished', { runIds }),
   });
   onClose(() => recorder.close());
-  const sandbox = await detectSandbox();
   const names = clusterNames(config.clusterName);
   // Every node of a cluster knows the live workers: gateways to place calls, workers to know which apps
   // they are home to (min_replicas counts for the whole cluster).
@@ -293,16 +311,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const runDir = path.join(dataDir.root, 'run');
   await fs.rm(runDir, { recursive: true, force: true });
   await fs.mkdir(runDir, { recursive: true, mode: 0o711 });
-  // Only sandboxed replicas bind their build; the view keeps the data directory's path out of their mountinfo.
-  const views =
-    sandbox.bwrap && runsCode
-      ? await createBuildViews({ buildsDir: dataDir.builds, othersRead: sandbox.identity !== null })
-      : undefined;
-  if (views?.reason) logger.warn(views.reason);
-  void views?.swept.then((removed) => {
-    if (removed > 0) logger.info({ removed }, 'removed the build views folders of Ferry servers that are gone');
-  });
-  onClose(() => views?.close());
   const network = runsCode
     ? await createSandboxNetwork({
         egress: config.egress,
@@ -542,7 +550,6 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     changes,
     buildsDir: dataDir.builds,
     buildsInUse: () => replicas.buildsInUse(),
-    ...(views ? { dropView: (buildId: string) => views.drop(buildId) } : {}),
     cancelBuild: (projectId, appId, buildId) => pipeline.cancel(projectId, appId, buildId),
     logger: logger.child({ component: 'housekeeping' }),
     onRemoved({ builds = 0, runs = 0, bytes = 0 }) {
@@ -618,7 +625,28 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     changes,
     webhooks,
     cancelWaitMs: (config.cancelGraceSeconds + 10) * 1000,
+    secretsKey,
   });
+  // Schedules: every node looks for due ticks (one run per tick whichever looks first, schedules/ticker.ts).
+  const ticker = createScheduleTicker({
+    db: store,
+    starter: createScheduleRunStarter({
+      insertNow: (row) => recorder.insertNow(row),
+      ownerFor: (projectId, appId) => asyncWorker.ownerFor(projectId, appId),
+      accepted: (run, owner) => asyncWorker.accepted(run, owner),
+      admit: async (projectId) =>
+        asyncWorker.backlog < config.maxAsyncBacklog && (await projectBacklog.admit(projectId)),
+      async runtimeOf(buildId) {
+        const row = await store.selectFrom('builds').select('runtime').where('id', '=', buildId).executeTakeFirst();
+        return row?.runtime === 'custom' ? 'custom' : 'cortex';
+      },
+    }),
+    log: logger.child({ component: 'schedules' }),
+    metrics,
+  });
+  ticker.start();
+  onClose(() => ticker.close());
+  const schedules = createScheduleService({ store, ticker });
   const builds = createBuildService({
     store,
     activation,
@@ -710,6 +738,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     appLog,
     streams,
     volumes,
+    schedules,
     refreshGauges: () => refreshGauges(metrics, replicas.pools(), warmPool?.stats()),
     async close() {
       // In reverse order of construction (the HTTP server closed first, by its owner).

@@ -1,6 +1,7 @@
 /**
  * The auth matrix (spec section 5, invariant 3) on a management route and on zip-contents: no token,
  * malformed, bad signature, expired, revoked, other project, missing scope.
+ * The management routes in-process (`server.inject`), the run endpoint over the socket.
  */
 import assert from 'node:assert/strict';
 import { randomBytes, randomUUID } from 'node:crypto';
@@ -20,7 +21,7 @@ describe('authentication', () => {
     server = await startServer();
     ({ projectId, token } = await server.bootstrap('main'));
     other = await server.bootstrap('other');
-    const upload = await http(`${server.url}/v2/projects/${projectId}/apps/hello/builds`, {
+    const upload = await server.inject(`/v2/projects/${projectId}/apps/hello/builds`, {
       method: 'POST',
       token,
       body: await helloApp(),
@@ -37,7 +38,7 @@ describe('authentication', () => {
   ];
 
   async function expectError(path: string, authorization: string | undefined, status: number, code: string) {
-    const res = await http(`${server.url}${path}`, authorization === undefined ? {} : { headers: { authorization } });
+    const res = await server.inject(path, authorization === undefined ? {} : { headers: { authorization } });
     assert.equal(res.status, status, `${path}: ${res.text}`);
     assert.equal(res.json.error.code, code);
     assert.equal(typeof res.json.error.message, 'string');
@@ -46,7 +47,7 @@ describe('authentication', () => {
 
   it('accepts a valid token', async () => {
     for (const route of routes()) {
-      const res = await http(`${server.url}${route.path}`, { token });
+      const res = await server.inject(route.path, { token });
       assert.equal(res.status, 200, `${route.name}: ${res.text}`);
     }
   });
@@ -87,13 +88,13 @@ describe('authentication', () => {
     // 4 s of life: room for the first call below to be made in time on a busy machine (idle: a few ms), even
     // with the token's expiry rounded down to the second.
     const expiresAt = Date.now() + 4_000;
-    const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    const created = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: { name: 'short', expires_at: new Date(expiresAt).toISOString() },
     });
     assert.equal(created.status, 201, created.text);
-    const res = await http(`${server.url}${routes()[0]!.path}`, { token: created.json.token });
+    const res = await server.inject(routes()[0]!.path, { token: created.json.token });
     assert.equal(res.status, 200);
     // Then wait until it has surely expired: waiting longer never makes this pass wrongly.
     await new Promise((r) => setTimeout(r, expiresAt + 100 - Date.now()));
@@ -102,12 +103,12 @@ describe('authentication', () => {
   });
 
   it('refuses a revoked token at once (401)', async () => {
-    const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    const created = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: { name: 'to-revoke' },
     });
-    const revoked = await http(`${server.url}/v2/projects/${projectId}/service-accounts/${created.json.id}`, {
+    const revoked = await server.inject(`/v2/projects/${projectId}/service-accounts/${created.json.id}`, {
       method: 'DELETE',
       token,
     });
@@ -124,7 +125,7 @@ describe('authentication', () => {
   });
 
   it('refuses a run-only token on the management API (403)', async () => {
-    const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    const created = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: { name: 'runner', scopes: ['run'] },
@@ -147,7 +148,7 @@ describe('authentication', () => {
       404,
       'FERRY_BUILD_NOT_FOUND',
     );
-    const second = await http(`${server.url}/v2/projects/${projectId}/apps/second/builds`, {
+    const second = await server.inject(`/v2/projects/${projectId}/apps/second/builds`, {
       method: 'POST',
       token,
       body: await helloApp('second'),
@@ -162,13 +163,13 @@ describe('authentication', () => {
     );
     await expectError(`/v2/projects/${projectId}/apps/nope`, `Bearer ${token}`, 404, 'FERRY_APP_NOT_FOUND');
     await waitFor(async () => {
-      const b = await http(`${server.url}/v2/projects/${projectId}/apps/second/builds/${second.json.id}`, { token });
+      const b = await server.inject(`/v2/projects/${projectId}/apps/second/builds/${second.json.id}`, { token });
       return b.json.state !== 'pending' && b.json.state !== 'building';
     });
   });
 
   it('refuses a run call without a token, with a manage-only token, and for another project', async () => {
-    const manageOnly = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    const manageOnly = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: { name: 'manager', scopes: ['manage'] },

@@ -14,7 +14,7 @@ import * as esbuild from 'esbuild';
 import { Agent, request } from 'undici';
 import { REPO_ROOT } from './helpers/ferry.js';
 
-const BOOTSTRAP = path.join(REPO_ROOT, 'dist/src/runtimes/cortex-node/bootstrap.js');
+const BOOTSTRAP = path.join(REPO_ROOT, 'dist/src/runtimes/node/bootstrap.js');
 const FIXTURES = path.join(REPO_ROOT, 'test/fixtures');
 const TIMEOUT = 30_000;
 

@@ -7,8 +7,8 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { describe, it } from 'node:test';
 import { parseAppConfig } from '../src/apps/app-config.js';
-import { createCustomBuilder, parseFirstCommand } from '../src/builds/builders/custom.js';
-import { createDefaultBuilders, selectBuilder } from '../src/builds/builders/index.js';
+import { createCustomBuilder, parseFirstCommand } from '../src/runtimes/custom/builder.js';
+import { createDefaultBuilders, selectBuilder } from '../src/runtimes/index.js';
 import { assertFailed, assertReady, buildHarness, type Workspace } from './helpers/builds.js';
 
 const h = buildHarness('custom', () => createCustomBuilder());

@@ -11,10 +11,10 @@ import path from 'node:path';
 import { describe, it } from 'node:test';
 import { pathToFileURL } from 'node:url';
 import { parseAppConfig } from '../src/apps/app-config.js';
-import { inputsOutsideApp } from '../src/builds/builders/esbuild-agent.js';
-import { selectBuilder } from '../src/builds/builders/index.js';
-import { createNodeBuilder } from '../src/builds/builders/node.js';
-import { type Builder, BuildFailedError } from '../src/builds/builders/types.js';
+import { type Builder, BuildFailedError } from '../src/builds/builder.js';
+import { selectBuilder } from '../src/runtimes/index.js';
+import { createNodeBuilder } from '../src/runtimes/node/builder.js';
+import { inputsOutsideApp } from '../src/runtimes/node/esbuild-agent.js';
 import { detectSandbox } from '../src/sandbox/launch.js';
 import {
   assertFailed,

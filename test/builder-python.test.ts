@@ -13,11 +13,12 @@ import path from 'node:path';
 import { describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { parseAppConfig } from '../src/apps/app-config.js';
-import { createDefaultBuilders, selectBuilder } from '../src/builds/builders/index.js';
-import { createPythonBuilder, findPython } from '../src/builds/builders/python.js';
-import { requirementsProblem } from '../src/builds/builders/requirements.js';
-import { BuildFailedError } from '../src/builds/builders/types.js';
-import { PYTHON_BOOTSTRAP } from '../src/replicas/launcher.js';
+import { BuildFailedError } from '../src/builds/builder.js';
+import { createDefaultBuilders, selectBuilder } from '../src/runtimes/index.js';
+import { createPythonBuilder } from '../src/runtimes/python/builder.js';
+import { PYTHON_BOOTSTRAP } from '../src/runtimes/python/index.js';
+import { findPython } from '../src/runtimes/python/interpreter.js';
+import { requirementsProblem } from '../src/runtimes/python/requirements.js';
 import { detectSandbox } from '../src/sandbox/launch.js';
 import {
   assertFailed,

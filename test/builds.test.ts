@@ -1,6 +1,7 @@
 /**
- * Deploys over HTTP: upload, build states, the build log (JSON and live SSE), cancel, the zip-contents
- * listing, refusals of bad archives and bad requests, and a failed build leaving the previous one active.
+ * Deploys through the management routes: upload, build states, the build log (JSON and live SSE), cancel,
+ * the zip-contents listing, refusals of bad archives and bad requests, and a failed build leaving the
+ * previous one active. The routes are called in-process (Fastify's inject); the live log goes over a socket.
  */
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
@@ -8,17 +9,17 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { helloApp, zipFiles } from './helpers/app-zip.js';
-import { http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+import { startServer, type TestServer, waitFor } from './helpers/ferry.js';
 import { makeZip } from './helpers/raw-zip.js';
 
 describe('builds', () => {
   let server: TestServer;
   let projectId: string;
   let token: string;
-  const base = () => `${server.url}/v2/projects/${projectId}/apps`;
+  const appsPath = () => `/v2/projects/${projectId}/apps`;
 
   const upload = (app: string, zip: Buffer, headers: Record<string, string> = {}) =>
-    http(`${base()}/${app}/builds`, {
+    server.inject(`${appsPath()}/${app}/builds`, {
       method: 'POST',
       token,
       body: zip,
@@ -28,7 +29,7 @@ describe('builds', () => {
   const settle = (app: string, id: string) =>
     waitFor(
       async () => {
-        const res = await http(`${base()}/${app}/builds/${id}`, { token });
+        const res = await server.inject(`${appsPath()}/${app}/builds/${id}`, { token });
         return ['ready', 'failed', 'cancelled'].includes(res.json.state) ? res.json : undefined;
       },
       60_000,
@@ -56,11 +57,11 @@ describe('builds', () => {
     assert.equal(build.state, 'ready', JSON.stringify(build));
     assert.match(build.config_toml, /name = "greeter"/);
 
-    const app = await http(`${base()}/greeter`, { token });
+    const app = await server.inject(`${appsPath()}/greeter`, { token });
     assert.equal(app.json.active_build_id, res.json.id);
     assert.equal(app.json.state, 'active');
 
-    const listing = await http(`${base()}/greeter/builds/${res.json.id}/zip-contents`, { token });
+    const listing = await server.inject(`${appsPath()}/greeter/builds/${res.json.id}/zip-contents`, { token });
     assert.equal(listing.status, 200);
     assert.equal(listing.json.count, 3);
     const expected = Object.entries(files).map(([name, text]) => [name, Buffer.byteLength(text)]);
@@ -73,7 +74,7 @@ describe('builds', () => {
       expected.reduce((n, [, size]) => n + Number(size), 0),
     );
 
-    const logs = await http(`${base()}/greeter/builds/${res.json.id}/logs`, { token });
+    const logs = await server.inject(`${appsPath()}/greeter/builds/${res.json.id}/logs`, { token });
     assert.equal(logs.json.state, 'ready');
     assert.ok(
       logs.json.lines.some((l: { line: string }) => /Build ready/.test(l.line)),
@@ -88,9 +89,9 @@ describe('builds', () => {
     const failed = await settle('flaky', bad.json.id);
     assert.equal(failed.state, 'failed');
     assert.match(failed.error, /Bundling failed/);
-    const app = await http(`${base()}/flaky`, { token });
+    const app = await server.inject(`${appsPath()}/flaky`, { token });
     assert.equal(app.json.active_build_id, good.json.id);
-    const log = await http(`${base()}/flaky/builds/${bad.json.id}/logs`, { token });
+    const log = await server.inject(`${appsPath()}/flaky/builds/${bad.json.id}/logs`, { token });
     assert.ok(
       log.json.lines.some((l: { line: string }) => /main\.ts:\d+/.test(l.line)),
       'the log names the file and line',
@@ -99,7 +100,7 @@ describe('builds', () => {
 
   it('streams the build log as server-sent events until the build ends', async () => {
     const res = await upload('streamer', await helloApp('streamer'));
-    const stream = await fetch(`${base()}/streamer/builds/${res.json.id}/logs`, {
+    const stream = await fetch(`${server.url}${appsPath()}/streamer/builds/${res.json.id}/logs`, {
       headers: { authorization: `Bearer ${token}`, accept: 'text/event-stream' },
     });
     assert.equal(stream.status, 200);
@@ -113,11 +114,14 @@ describe('builds', () => {
     // Two uploads to one app build one at a time: the second waits while the first builds.
     const first = await upload('queue', await helloApp('queue'));
     const second = await upload('queue', await helloApp('queue'));
-    const cancel = await http(`${base()}/queue/builds/${second.json.id}/cancel`, { method: 'POST', token });
+    const cancel = await server.inject(`${appsPath()}/queue/builds/${second.json.id}/cancel`, {
+      method: 'POST',
+      token,
+    });
     assert.equal(cancel.status, 200, cancel.text);
     assert.equal(cancel.json.state, 'cancelled');
     assert.equal((await settle('queue', first.json.id)).state, 'ready');
-    const again = await http(`${base()}/queue/builds/${first.json.id}/cancel`, { method: 'POST', token });
+    const again = await server.inject(`${appsPath()}/queue/builds/${first.json.id}/cancel`, { method: 'POST', token });
     assert.equal(again.status, 409);
     assert.equal(again.json.error.code, 'FERRY_BUILD_NOT_CANCELLABLE');
   });
@@ -150,7 +154,7 @@ describe('builds', () => {
     );
     assert.deepEqual(await fs.readdir(path.join(server.dataDir, 'tmp')), [], 'no upload is left behind');
     await assert.rejects(fs.access(path.join(server.dataDir, 'escape.txt')));
-    const apps = await http(base(), { token });
+    const apps = await server.inject(appsPath(), { token });
     assert.ok(!apps.json.apps.some((a: { id: string }) => a.id === 'x'), 'a refused upload creates no app');
   });
 
@@ -173,7 +177,7 @@ describe('builds', () => {
     let res = await upload('big', big);
     assert.equal(res.status, 413, res.text);
     assert.equal(res.json.error.code, 'FERRY_BODY_TOO_LARGE');
-    res = await http(`${base()}/big/builds`, {
+    res = await server.inject(`${appsPath()}/big/builds`, {
       method: 'POST',
       token,
       body: Buffer.from('{}'),
@@ -184,7 +188,7 @@ describe('builds', () => {
   });
 
   it('answers clear 4xx for bad JSON, bad parameters and unknown routes', async () => {
-    let res = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    let res = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: Buffer.from('{"name": '),
@@ -192,31 +196,31 @@ describe('builds', () => {
     });
     assert.equal(res.status, 400);
     assert.equal(res.json.error.code, 'FERRY_INVALID_JSON');
-    res = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    res = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: { name: '' },
     });
     assert.equal(res.json.error.code, 'FERRY_VALIDATION');
-    res = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    res = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: { name: 'x', expires_at: 'soon' },
     });
     assert.equal(res.json.error.code, 'FERRY_VALIDATION');
-    res = await http(`${base()}/Bad_Name`, { token });
+    res = await server.inject(`${appsPath()}/Bad_Name`, { token });
     assert.equal(res.status, 400);
-    res = await http(`${base()}/hello/builds/not-a-build/zip-contents`, { token });
+    res = await server.inject(`${appsPath()}/hello/builds/not-a-build/zip-contents`, { token });
     assert.equal(res.status, 400);
-    res = await http(`${server.url}/v2/nothing-here`, { token });
+    res = await server.inject(`/v2/nothing-here`, { token });
     assert.equal(res.status, 404);
     assert.equal(res.json.error.code, 'FERRY_ROUTE_NOT_FOUND');
   });
 
   it('serves /healthz and Prometheus /metrics', async () => {
-    const health = await http(`${server.url}/healthz`);
+    const health = await server.inject(`/healthz`);
     assert.deepEqual(health.json, { status: 'ok' });
-    const metrics = await http(`${server.url}/metrics`);
+    const metrics = await server.inject(`/metrics`);
     assert.match(metrics.headers.get('content-type') ?? '', /^text\/plain/);
     assert.match(metrics.text, /^ferry_builds_total\{state="ready",node="[^"]+",role="all"\} \d+/m);
     assert.match(metrics.text, /^ferry_http_requests_total\{/m);

@@ -135,6 +135,8 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
           FERRY_WEBHOOK_ALLOW: '127.0.0.0/8',
           // A caller that goes away frees its slot soon (the gateway keeps a streaming run for a resume).
           FERRY_STREAM_RESUME_GRACE_SECONDS: '1',
+          // The product's default (test/helpers/fleet.ts turns it off): warm sandboxes on workers only.
+          FERRY_WARM_POOL: '1',
         },
       };
       auth = await bootstrapShared(path.join(root, 'boot'), db.url, settings.keysDir);

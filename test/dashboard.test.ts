@@ -42,6 +42,7 @@ const SHOTS = path.join(REPO_ROOT, 'test-output', 'screenshots');
 const PAGE_WAIT_MS = 30_000;
 const UUID = /^[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/;
 
+// The files in-process (Fastify's inject); the Chromium suite below goes over a socket.
 describe('dashboard files', () => {
   let server: TestServer;
   before(async () => {
@@ -57,36 +58,33 @@ describe('dashboard files', () => {
       '/dashboard/style.css',
       '/dashboard/vendor/uPlot.esm.js',
     ]) {
-      const res = await http(`${server.url}${url}`);
+      const res = await server.inject(url);
       assert.equal(res.status, 200, url);
       for (const [name, value] of Object.entries(DASHBOARD_HEADERS)) assert.equal(res.headers.get(name), value, url);
     }
-    const page = await http(`${server.url}/`);
+    const page = await server.inject(`/`);
     assert.equal(page.headers.get('content-type'), 'text/html; charset=utf-8');
     assert.match(page.text, /<script type="module" src="\/dashboard\/app.js"><\/script>/);
     assert.doesNotMatch(page.text, /https?:\/\//, 'the page names no other host');
     assert.equal(
-      (await http(`${server.url}/dashboard/app.js`)).headers.get('content-type'),
+      (await server.inject(`/dashboard/app.js`)).headers.get('content-type'),
       'text/javascript; charset=utf-8',
     );
+    assert.equal((await server.inject(`/dashboard/style.css`)).headers.get('content-type'), 'text/css; charset=utf-8');
     assert.equal(
-      (await http(`${server.url}/dashboard/style.css`)).headers.get('content-type'),
-      'text/css; charset=utf-8',
-    );
-    assert.equal(
-      (await http(`${server.url}/dashboard/vendor/uPlot.min.css`)).headers.get('content-type'),
+      (await server.inject(`/dashboard/vendor/uPlot.min.css`)).headers.get('content-type'),
       'text/css; charset=utf-8',
     );
   });
 
   it('revalidates with an ETag, and answers 404 for anything it does not ship', async () => {
-    const first = await http(`${server.url}/dashboard/app.js`);
+    const first = await server.inject(`/dashboard/app.js`);
     const etag = first.headers.get('etag');
     assert.ok(etag);
-    const again = await http(`${server.url}/dashboard/app.js`, { headers: { 'if-none-match': etag } });
+    const again = await server.inject(`/dashboard/app.js`, { headers: { 'if-none-match': etag } });
     assert.equal(again.status, 304);
     for (const url of ['/dashboard/nope.js', '/dashboard/vendor/uPlot.cjs.js', '/dashboard/pages', '/dashboard/x.ts']) {
-      const res = await http(`${server.url}${url}`);
+      const res = await server.inject(url);
       assert.equal(res.status, 404, url);
       assert.equal(res.json.error.code, 'FERRY_ROUTE_NOT_FOUND', url);
       assert.equal(res.headers.get('content-security-policy'), DASHBOARD_HEADERS['content-security-policy'], url);
@@ -97,12 +95,12 @@ describe('dashboard files', () => {
       '/dashboard/..%2f..%2fpackage.json',
       '/dashboard/../../package.json',
     ]) {
-      assert.equal((await http(`${server.url}${url}`)).status, 404, url);
+      assert.equal((await server.inject(url)).status, 404, url);
     }
   });
 
   it('keeps the dashboard routes out of the OpenAPI document', async () => {
-    const doc = (await http(`${server.url}/v2/openapi.json`)).json;
+    const doc = (await server.inject(`/v2/openapi.json`)).json;
     // The document covers the management API and the run endpoint, nothing else.
     for (const p of Object.keys(doc.paths)) assert.match(p, /^\/v[24]\//);
     assert.ok(!Object.keys(doc.paths).some((p) => p.includes('dashboard')));

@@ -15,6 +15,8 @@ import {
   MAX_RUN_STARTS,
   RUN_STATES,
   type RunEnding,
+  retryableAs,
+  withRetries,
 } from '../src/runs/lifecycle.js';
 import type { RunState } from '../src/store/schema.js';
 
@@ -203,6 +205,9 @@ describe('runs/lifecycle: endRun', () => {
         reason: expected.reason,
         error_code: expected.error?.code ?? null,
         error_message: expected.error?.message ?? null,
+        // No retry policy: the attempts and `dead` are left alone (a cancel keeps earlier attempts).
+        attempt_log: undefined,
+        dead: undefined,
       });
       assert.deepEqual(Object.keys(end.changes), [
         'state',
@@ -213,6 +218,8 @@ describe('runs/lifecycle: endRun', () => {
         'reason',
         'error_code',
         'error_message',
+        'attempt_log',
+        'dead',
       ]);
       assert.ok(end.outbox);
       assert.equal(end.outbox.runId, run.id);
@@ -318,5 +325,84 @@ describe('runs/lifecycle: the states', () => {
     assert.deepEqual(FINAL_RUN_STATES, ['success', 'failure', 'timeout', 'cancelled']);
     for (const s of RUN_STATES) assert.equal(isFinalState(s), FINAL_RUN_STATES.includes(s as never), s);
     assert.equal(isFinalState('constructor'), false);
+  });
+});
+
+describe('runs/lifecycle: retries', () => {
+  const policy = {
+    max_attempts: 3,
+    initial_delay: 2,
+    backoff: 3,
+    max_delay: 300,
+    on: ['failure', 'timeout'] as ('failure' | 'timeout' | 'interrupted')[],
+  };
+  const failed: RunEnding = { kind: 'failed', error: { code: 'FERRY_FUNCTION_ERROR', message: 'boom' }, runTimeMs: 5 };
+  const startedAt = new Date(NOW - 5).toISOString();
+
+  it('a failed attempt with attempts left is queued again after the delay, with no webhook', () => {
+    const retries = { policy, log: null, attempt: 1, startedAt };
+    const ending = withRetries(failed, retries);
+    assert.equal(ending.kind, 'retry');
+    const end = endRun({ ...run, attempt: 1, retries }, ending, NOW);
+    assert.equal(end.final, false);
+    assert.equal(end.state, 'queued');
+    assert.equal(end.outbox, undefined, 'the webhook waits for the last attempt');
+    assert.equal(end.changes.not_before, new Date(NOW + 2000).toISOString());
+    assert.equal(end.changes.owner, null);
+    assert.deepEqual(JSON.parse(end.changes.attempt_log ?? 'null'), [
+      {
+        attempt: 1,
+        started_at: startedAt,
+        ended_at: new Date(NOW).toISOString(),
+        state: 'failure',
+        status_code: 500,
+        error_code: 'FERRY_FUNCTION_ERROR',
+      },
+    ]);
+    // The second attempt's delay grows by the backoff.
+    const second = endRun(
+      { ...run, attempt: 2, retries: { ...retries, attempt: 2, log: end.changes.attempt_log ?? null } },
+      withRetries({ kind: 'timed-out', message: 'late', runTimeMs: 9 }, { ...retries, attempt: 2 }),
+      NOW,
+    );
+    assert.equal(second.changes.not_before, new Date(NOW + 6000).toISOString());
+    assert.equal((JSON.parse(second.changes.attempt_log ?? '[]') as unknown[]).length, 2);
+  });
+
+  it('the last attempt ends the run dead, its webhook once with every attempt', () => {
+    const log = JSON.stringify([
+      { attempt: 1, started_at: null, ended_at: 'a', state: 'failure', status_code: 500, error_code: 'X' },
+      { attempt: 2, started_at: null, ended_at: 'b', state: 'timeout', status_code: 504, error_code: 'Y' },
+    ]);
+    const retries = { policy, log, attempt: 3, startedAt };
+    const end = endRun({ ...run, attempt: 3, retries }, withRetries(failed, retries), NOW);
+    assert.equal(end.final, true);
+    assert.equal(end.state, 'failure');
+    assert.equal(end.changes.dead, 1);
+    const payload = JSON.parse(end.outbox?.payload ?? '{}') as { dead: boolean; attempts: { attempt: number }[] };
+    assert.equal(payload.dead, true);
+    assert.deepEqual(
+      payload.attempts.map((a) => a.attempt),
+      [1, 2, 3],
+    );
+  });
+
+  it('an ending the policy does not list, or a success, ends the run at once and not dead', () => {
+    const retries = { policy, log: null, attempt: 1, startedAt };
+    const interrupted: RunEnding = { kind: 'interrupted', runTimeMs: 1 };
+    assert.equal(withRetries(interrupted, retries), interrupted);
+    const end = endRun({ ...run, attempt: 1, retries }, withRetries(interrupted, retries), NOW);
+    assert.equal(end.changes.dead, null);
+    const ok = endRun(
+      { ...run, attempt: 1, retries },
+      withRetries({ kind: 'answered', statusCode: 200, runTimeMs: 1, result: { stored: '1', value: 1 } }, retries),
+      NOW,
+    );
+    assert.equal(ok.state, 'success');
+    const payload = JSON.parse(ok.outbox?.payload ?? '{}') as { dead: boolean; attempts: unknown[] };
+    assert.equal(payload.dead, false);
+    assert.equal(payload.attempts.length, 1);
+    // Cancelled and caller-gone endings are never retried.
+    assert.equal(retryableAs({ kind: 'cancelled', why: 'cancelled', runTimeMs: null }), null);
   });
 });

@@ -39,10 +39,20 @@ function script(args: string[], env: NodeJS.ProcessEnv = {}): Promise<{ code: nu
   });
 }
 
-/** A base port whose gateway (N, N+1) and worker (N+1001, N+1002) ports are all free now. */
+/**
+ * A base port whose gateway (N, N+1) and worker (N+1001, N+1002) ports are all free now, all four below
+ * the kernel's ephemeral range: a port in that range can be taken by any connection or `listen(0)` on the
+ * machine between this check and the script's servers binding it (seen once: "Port 35146 … is already in
+ * use" while other tests ran).
+ */
 async function basePort(): Promise<number> {
+  const range = await fs.readFile('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').catch(() => '32768 60999');
+  const ephemeralLow = Number(range.trim().split(/\s+/)[0]) || 32_768;
+  const low = 10_000;
+  const span = ephemeralLow - 1003 - low;
+  if (span <= 0) throw new Error(`no room below the ephemeral port range (${range.trim()})`);
   for (let i = 0; i < 50; i++) {
-    const base = 20_000 + ((await freePort()) % 20_000);
+    const base = low + ((await freePort()) % span);
     const ports = [base, base + 1, base + 1001, base + 1002];
     const free = await Promise.all(ports.map((p) => portFree(p)));
     if (free.every(Boolean)) return base;

@@ -1,5 +1,5 @@
 /**
- * Secrets: the four routes on a real server, the auth matrix, name and value rules, encryption at rest
+ * Secrets: the four routes in-process (Fastify's inject), the auth matrix, name and value rules, encryption at rest
  * (checked in every table of the store, and in the raw SQLite files on SQLite), AAD binding, `secretEnvironment`, and the CLI with
  * the value piped on stdin.
  */
@@ -11,7 +11,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { sql } from 'kysely';
 import { decryptSecret, encryptSecret, secretEnvironment, setSecret } from '../src/secrets/secrets.js';
-import { FERRY_BIN, http, type Response, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
+import { FERRY_BIN, type Response, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 
 const KEY = randomBytes(32);
 const unique = (label: string) => `${label}-${randomBytes(8).toString('hex')}`;
@@ -70,7 +70,7 @@ describe('secrets API', () => {
     server = await startServer();
     ({ projectId, token } = await server.bootstrap('main'));
     other = await server.bootstrap('other');
-    const created = await http(`${server.url}/v2/projects/${projectId}/service-accounts`, {
+    const created = await server.inject(`/v2/projects/${projectId}/service-accounts`, {
       method: 'POST',
       token,
       body: { name: 'runner', scopes: ['run'] },
@@ -80,15 +80,16 @@ describe('secrets API', () => {
   });
   after(() => server.close());
 
-  const secretsUrl = (name?: string, project = projectId) =>
-    `${server.url}/v2/projects/${project}/secrets${name === undefined ? '' : `/${encodeURIComponent(name)}`}`;
+  // The routes are called in-process (Fastify's inject); the CLI's suite below goes over a socket.
+  const secretsPath = (name?: string, project = projectId) =>
+    `/v2/projects/${project}/secrets${name === undefined ? '' : `/${encodeURIComponent(name)}`}`;
 
   async function api(
     method: string,
     name?: string,
     options: { body?: unknown; token?: string; project?: string } = {},
   ): Promise<Response> {
-    const res = await http(secretsUrl(name, options.project), {
+    const res = await server.inject(secretsPath(name, options.project), {
       method,
       token: options.token ?? token,
       ...(options.body === undefined ? {} : { body: options.body }),
@@ -265,7 +266,7 @@ describe('secrets API', () => {
     ];
     for (const [method, name, body] of calls) {
       const what = `${method} ${name ?? '(list)'}`;
-      const anonymous = await http(secretsUrl(name), {
+      const anonymous = await server.inject(secretsPath(name), {
         method,
         ...(body === undefined ? {} : { body }),
       });
@@ -371,7 +372,7 @@ describe('secrets API', () => {
   });
 
   it('documents the routes in the OpenAPI document without any value in responses', async () => {
-    const doc = (await http(`${server.url}/v2/openapi.json`)).json;
+    const doc = (await server.inject('/v2/openapi.json')).json;
     const one = doc.paths['/v2/projects/{project_id}/secrets/{name}'];
     const list = doc.paths['/v2/projects/{project_id}/secrets'];
     assert.ok(one?.put && one.get && one.delete && list?.get, 'all four routes are documented');

@@ -17,7 +17,7 @@ import { after, before, describe, it } from 'node:test';
 import pg from 'pg';
 import { createDiskArtifactStore } from '../src/builds/artifact-store.js';
 import { createBuildOutput, STALE_STAGING_MS } from '../src/builds/build-output.js';
-import { BuildFailedError } from '../src/builds/builders/types.js';
+import { BuildFailedError } from '../src/builds/builder.js';
 import { DEFAULT_ZIP_LIMITS } from '../src/builds/zip-archive.js';
 import type { ChangeEvent, FeedEvent } from '../src/cluster/change-feed.js';
 import { createPgChangeFeed, LISTENER_APPLICATION_NAME } from '../src/cluster/pg-change-feed.js';

@@ -145,7 +145,7 @@ describe('webhook payloads written outside the invoker', () => {
     // The app's active build is a cortex app: the stored HTTP request cannot be forwarded.
     const config = parseAppConfig('[app]\nname = "stateful"\n');
     const targets: RunTargets = {
-      get: async () => ({ appId: BUILD.appId, buildId: 'b-cortex', config, functions: undefined }),
+      get: async () => ({ appId: BUILD.appId, buildId: 'b-cortex', runtime: 'node', config, functions: undefined }),
       peek: () => undefined,
       forget: () => {},
     };

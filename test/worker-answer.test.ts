@@ -1,11 +1,11 @@
 /**
- * A worker's answer line as a gateway reads it (src/runs/remote-invoker.ts doneEvent): a `done` line with
+ * A worker's answer line as a gateway reads it (src/cluster/protocol.ts doneEvent): a `done` line with
  * its result last keeps the result's bytes; lines of the older form (result first) and error lines are
  * read as JSON, so gateways and workers of the two versions understand each other.
  */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import { doneEvent } from '../src/runs/remote-invoker.js';
+import { doneEvent } from '../src/cluster/protocol.js';
 
 describe("a worker's answer line", () => {
   it('keeps the result of a done line written result-last as its bytes', () => {

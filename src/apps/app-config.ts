@@ -8,6 +8,8 @@
 import { parse as parseToml } from 'smol-toml';
 import { type Static, Type } from 'typebox';
 import { Value } from 'typebox/value';
+import { MAX_ATTEMPTS_LIMIT, NO_RETRIES, RETRYABLE_ENDINGS, type RetryPolicy } from '../runs/retries.js';
+import { parseTiming, ScheduleSpecError } from '../schedules/spec.js';
 
 /** The longest `response_grace_period` allowed: 12 hours (spec section 8). */
 export const MAX_GRACE_PERIOD_SECONDS = 43_200;
@@ -67,6 +69,35 @@ const ResourcesSection = Type.Object(
   { additionalProperties: false },
 );
 
+/** The most `[[schedules]]` an app may have. */
+export const MAX_SCHEDULES = 50;
+
+const ScheduleEntry = Type.Object(
+  {
+    name: AppName,
+    cron: Type.String({ minLength: 1, maxLength: 200 }),
+    timezone: Type.Optional(Type.String({ minLength: 1, maxLength: 64 })),
+    function: Type.Optional(Type.String({ pattern: '^[A-Za-z_][A-Za-z0-9_]{0,127}$' })),
+    args: Type.Optional(Type.Unknown()),
+    webhook: Type.Optional(Type.String({ pattern: '^https?://', maxLength: 2048 })),
+    overlap: Type.Optional(Type.Union([Type.Literal('skip'), Type.Literal('allow')])),
+  },
+  { additionalProperties: false },
+);
+
+const RetriesSection = Type.Object(
+  {
+    max_attempts: Type.Optional(Type.Integer({ minimum: 1, maximum: MAX_ATTEMPTS_LIMIT })),
+    initial_delay: Type.Optional(Type.Number({ minimum: 0, maximum: 86_400 })),
+    backoff: Type.Optional(Type.Number({ minimum: 1, maximum: 10 })),
+    max_delay: Type.Optional(Type.Number({ minimum: 0, maximum: 86_400 })),
+    on: Type.Optional(
+      Type.Array(Type.Union(RETRYABLE_ENDINGS.map((e) => Type.Literal(e))), { minItems: 1, uniqueItems: true }),
+    ),
+  },
+  { additionalProperties: false },
+);
+
 /** Same rule as app names. */
 export const VOLUME_NAME_PATTERN = '^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$';
 /** Sandbox folders a volume may not be mounted on or under: the sandbox's own. */
@@ -88,6 +119,8 @@ const RawConfig = Type.Object(
     scaling: Type.Optional(ScalingSection),
     resources: Type.Optional(ResourcesSection),
     env: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String(), { additionalProperties: false })),
+    schedules: Type.Optional(Type.Array(ScheduleEntry, { maxItems: MAX_SCHEDULES })),
+    retries: Type.Optional(RetriesSection),
     volumes: Type.Optional(Type.Array(VolumeSection, { maxItems: 16 })),
   },
   { additionalProperties: false },
@@ -134,11 +167,32 @@ export interface AppConfig {
   /** cpu: cores as a CFS quota; memory: MiB, tmpfs included; max_processes: tasks (threads count too). */
   resources: { cpu: number; memory: number; max_processes: number };
   env: Record<string, string>;
+  /** `[[schedules]]`: runs started on a timetable (src/schedules/). */
+  schedules: ScheduleConfig[];
+  /** `[retries]`: how async and scheduled runs are tried again (src/runs/retries.ts). */
+  retries: RetryPolicy;
   /**
    * `[[volumes]]`: the project's volumes mounted in every replica (never in builds). Builds made before
    * volumes existed have none stored: read it with `volumesOf(config)`.
    */
   volumes: VolumeMount[];
+}
+
+/** One `[[schedules]]` entry with its defaults filled in. */
+export interface ScheduleConfig {
+  name: string;
+  /** A 5-field cron expression, a nickname (`@daily`) or `@every <duration>`. */
+  cron: string;
+  /** IANA name; default UTC. */
+  timezone: string;
+  /** The function each tick runs; default `run`. */
+  function: string;
+  /** The run's JSON body; default `{}`. */
+  args: unknown;
+  /** As `?webhookEndpoint=` on the run, or null. */
+  webhook: string | null;
+  /** `skip`: no tick starts while the schedule's last run is unfinished; `allow`: ticks overlap. */
+  overlap: 'skip' | 'allow';
 }
 
 export interface VolumeMount {
@@ -340,8 +394,81 @@ function withDefaults(raw: RawConfig): AppConfig {
       max_processes: raw.resources?.max_processes ?? DEFAULT_MAX_PROCESSES,
     },
     env: raw.env ?? {},
+    schedules: schedulesOf(raw.schedules ?? []),
+    retries: retriesOf(raw.retries),
     volumes,
   };
+}
+
+function schedulesOf(entries: NonNullable<RawConfig['schedules']>): ScheduleConfig[] {
+  const seen = new Set<string>();
+  return entries.map((entry, i) => {
+    if (seen.has(entry.name)) {
+      throw new AppConfigError(
+        `ferry.toml: schedules.${i}.name: "${entry.name}" is used by an earlier schedule (names are unique in the app)`,
+        `schedules.${i}.name`,
+      );
+    }
+    seen.add(entry.name);
+    const timezone = entry.timezone ?? 'UTC';
+    try {
+      parseTiming(entry.cron, timezone);
+    } catch (err) {
+      if (!(err instanceof ScheduleSpecError)) throw err;
+      throw new AppConfigError(`ferry.toml: schedules.${i}.${err.key}: ${err.message}`, `schedules.${i}.${err.key}`);
+    }
+    const args = toPlainJson(entry.args ?? {});
+    if (!isJson(args)) {
+      throw new AppConfigError(
+        `ferry.toml: schedules.${i}.args: must be JSON data (TOML dates and times are not)`,
+        `schedules.${i}.args`,
+      );
+    }
+    return {
+      name: entry.name,
+      cron: entry.cron.trim(),
+      timezone,
+      function: entry.function ?? 'run',
+      args,
+      webhook: entry.webhook ?? null,
+      overlap: entry.overlap ?? 'skip',
+    };
+  });
+}
+
+/** `value` as plain objects (smol-toml's tables have no prototype), or itself when it is not JSON data. */
+function toPlainJson(value: unknown): unknown {
+  return isJson(value) ? JSON.parse(JSON.stringify(value)) : value;
+}
+
+/** Whether `value` is plain JSON data (what smol-toml gives for everything but dates and times). */
+function isJson(value: unknown): boolean {
+  if (value === null || typeof value === 'string' || typeof value === 'boolean') return true;
+  if (typeof value === 'number') return Number.isFinite(value);
+  if (Array.isArray(value)) return value.every(isJson);
+  // smol-toml's tables have no prototype; a date or time is a Date subclass.
+  const proto = typeof value === 'object' ? Object.getPrototypeOf(value) : undefined;
+  if (proto === null || proto === Object.prototype) {
+    return Object.values(value as Record<string, unknown>).every(isJson);
+  }
+  return false;
+}
+
+function retriesOf(raw: RawConfig['retries']): RetryPolicy {
+  const policy: RetryPolicy = {
+    max_attempts: raw?.max_attempts ?? NO_RETRIES.max_attempts,
+    initial_delay: raw?.initial_delay ?? NO_RETRIES.initial_delay,
+    backoff: raw?.backoff ?? NO_RETRIES.backoff,
+    max_delay: raw?.max_delay ?? NO_RETRIES.max_delay,
+    on: raw?.on ? [...raw.on] : [...NO_RETRIES.on],
+  };
+  if (policy.max_delay < policy.initial_delay) {
+    throw new AppConfigError(
+      `ferry.toml: retries.max_delay: ${policy.max_delay} is less than retries.initial_delay (${policy.initial_delay})`,
+      'retries.max_delay',
+    );
+  }
+  return policy;
 }
 
 export type Scaling = AppConfig['scaling'];

@@ -20,6 +20,7 @@
  *   folders in its data directory whose build is gone from the store, that no replica uses and that are
  *   more than two minutes old (after a delete made on another process, or after a crash).
  */
+
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
@@ -30,6 +31,7 @@ import { ERRORS, FerryError } from '../errors.js';
 import { FINAL_RUN_STATES } from '../runs/lifecycle.js';
 import { droppedMarker } from '../runs/recorder.js';
 import { cancelQueued } from '../runs/runs.js';
+import { removeSchedules } from '../schedules/schedules.js';
 import { lockApp } from '../store/active-build.js';
 import type { Store } from '../store/index.js';
 import type { Build } from '../store/schema.js';
@@ -55,11 +57,6 @@ export interface HousekeepingDeps {
   buildsDir: string;
   /** Builds whose replicas run here now (their files stay). */
   buildsInUse(): Set<string>;
-  /**
-   * Removes the build's view here (replicas bind a view of hard links to the build's files, which would
-   * keep the files' space taken after the build folder is gone: sandbox/views.ts).
-   */
-  dropView?: (buildId: string) => Promise<void>;
   /** Cancels a build being made (the pipeline). */
   cancelBuild(projectId: string, appId: string, buildId: string): Promise<unknown>;
   logger: Logger;
@@ -114,7 +111,6 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
         kept.add(build.id);
       }
       bytes += await deps.buildOutput.remove(build.id, { shared: true, keepLocal });
-      if (!keepLocal) await deps.dropView?.(build.id);
       await deps.artifacts.delete(build.id);
       bytes += Number(build.archive_bytes) || 0;
     } catch (err) {
@@ -200,6 +196,8 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
             .execute();
         }
         await trx.deleteFrom('builds').where('project_id', '=', projectId).where('app_id', '=', appId).execute();
+        // Its schedules start nothing more (an app deployed again under this name brings its own).
+        await removeSchedules(trx, { projectId, appId });
         await trx.deleteFrom('apps').where('project_id', '=', projectId).where('id', '=', appId).execute();
         return { builds, cancelledRuns: queued.length, deletedRuns: finished.length };
       });
@@ -452,9 +450,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       }
       // No row names it any more, so nothing starts a replica of it again.
       try {
-        const bytes = await deps.buildOutput.remove(buildId);
-        await deps.dropView?.(buildId);
-        return bytes;
+        return await deps.buildOutput.remove(buildId);
       } catch (err) {
         logger.warn({ err, buildId }, 'removing a deleted build’s folder failed');
         return 0;
@@ -488,7 +484,6 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
         const stat = await fs.lstat(path.join(deps.buildsDir, id)).catch(() => undefined);
         if (!stat || now - stat.mtimeMs < LOCAL_MIN_AGE_MS) continue;
         bytes += await deps.buildOutput.remove(id).catch(() => 0);
-        await deps.dropView?.(id).catch(() => undefined);
       }
       return bytes;
     },

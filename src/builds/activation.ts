@@ -8,13 +8,18 @@
  *   replaces a newer active one;
  * - an activation through the API (a rollback to an earlier ready build, builds/build-service.ts).
  *
+ * Activation also makes the build's `[[schedules]]` the app's (schedules/schedules.ts), in the same
+ * transaction.
+ *
  * Only a build that did become active is announced (`build.activated` on the change feed): every process,
  * this one at once, forgets the app's run target and switches its replicas to it.
  */
 import type { Kysely } from 'kysely';
+import type { AppConfig } from '../apps/app-config.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
+import { replaceSchedules } from '../schedules/schedules.js';
 import { lockApp } from '../store/active-build.js';
 import type { Store } from '../store/index.js';
 import type { Build, Database } from '../store/schema.js';
@@ -50,6 +55,15 @@ async function setActive(trx: Kysely<Database>, projectId: string, appId: string
     .where('project_id', '=', projectId)
     .where('id', '=', appId)
     .execute();
+  // The active build's [[schedules]] are the app's, from this commit on (a rollback restores its own).
+  const row = await trx.selectFrom('builds').select('config_json').where('id', '=', buildId).executeTakeFirst();
+  let schedules: AppConfig['schedules'] = [];
+  try {
+    schedules = (row ? (JSON.parse(row.config_json) as Partial<AppConfig>).schedules : undefined) ?? [];
+  } catch {
+    // A build's config is stored as validated JSON; one that does not parse has no schedules.
+  }
+  await replaceSchedules(trx, { projectId, appId }, buildId, schedules);
 }
 
 export function createBuildActivation(deps: BuildActivationDeps): BuildActivation {

@@ -16,6 +16,7 @@ import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
+import { type Builders, selectBuilder } from '../runtimes/index.js';
 import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from '../sandbox/build-step.js';
 import type { SandboxCapabilities } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
@@ -26,8 +27,7 @@ import type { BuildActivation } from './activation.js';
 import { buildFolder } from './build-folder.js';
 import type { BuildLog } from './build-log.js';
 import type { BuildOutput } from './build-output.js';
-import { selectBuilder } from './builders/index.js';
-import { type Builder, BuildFailedError } from './builders/types.js';
+import { BuildFailedError } from './builder.js';
 import { FINAL_BUILD_STATES } from './builds.js';
 
 export interface BuildPipelineDeps {
@@ -36,7 +36,7 @@ export interface BuildPipelineDeps {
   /** `<data-dir>/builds`: each build gets `<buildsDir>/<build_id>/{source,out}`. */
   buildsDir: string;
   cacheDir: string;
-  builders: { node: Builder; python?: Builder; custom?: Builder };
+  builders: Builders;
   /** Build steps run in this sandbox (plain processes, loudly logged, when it has no bwrap). */
   sandbox: SandboxCapabilities;
   /** Gives every build step its network (sandbox/network.ts). */
@@ -124,6 +124,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         log,
         signal: controller.signal,
       });
+      checkScheduledFunctions(config, result.functions);
       await deps.output?.publish(build.id);
       finalState = 'ready';
       note(`Build ready in ${((Date.now() - started) / 1000).toFixed(1)} s`);
@@ -281,4 +282,21 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       await Promise.allSettled([...queues.values()]);
     },
   };
+}
+
+/**
+ * A cortex app's `[[schedules]]` must each name a public function the build exports (known once it is
+ * built): the build fails naming the key otherwise. Custom apps' `function` is a path of their server.
+ */
+export function checkScheduledFunctions(config: AppConfig, functions: string[] | undefined): void {
+  if (config.app.runtime === 'custom' || functions === undefined) return;
+  (config.schedules ?? []).forEach((schedule, i) => {
+    if (!functions.includes(schedule.function) || schedule.function.startsWith('_')) {
+      throw new BuildFailedError(
+        `ferry.toml: schedules.${i}.function: "${schedule.function}" is not a public function of the app (it exports ${
+          functions.length > 0 ? functions.join(', ') : 'none'
+        })`,
+      );
+    }
+  });
 }

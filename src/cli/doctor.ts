@@ -6,9 +6,9 @@
  */
 
 import { execFile } from 'node:child_process';
-import { findPython } from '../builds/builders/python.js';
 import { resolveServerConfig } from '../config.js';
 import { type ImageHostReport, probeImageHost, readCacheUse } from '../images/host-tools.js';
+import { findPython } from '../runtimes/python/interpreter.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
 import { probeVolumeSupport } from '../volumes/images.js';

@@ -2,7 +2,7 @@
  * The `ferry` command line: parses the arguments with the command tree of `program.ts` and turns a
  * `CliError` (or a store that cannot be reached) into one readable line and an exit code.
  */
-import { StoreUnavailableError } from '../store/index.js';
+import { StoreUnavailableError } from '../store/outage.js';
 import { CliError } from './client.js';
 import { createProgram } from './program.js';
 import { safeText } from './terminal.js';

@@ -7,44 +7,18 @@
  * line) only while following (`--follow`); messages about progress go to stderr.
  */
 import { Command, Option } from 'commander';
-import { bootstrapCommand, loginLinkCommand } from './admin.js';
-import { clusterCommand } from './cluster.js';
-import { deployCommand } from './deploy.js';
-import { doctorCommand } from './doctor.js';
-import {
-  appsDeleteCommand,
-  appsListCommand,
-  appsScaleCommand,
-  buildsActivateCommand,
-  buildsCancelCommand,
-  buildsDeleteCommand,
-  buildsFilesCommand,
-  buildsListCommand,
-  buildsLogsCommand,
-  loginCommand,
-  rollbackCommand,
-  tokensCreateCommand,
-  tokensListCommand,
-  tokensRevokeCommand,
-} from './resources.js';
-import {
-  appLogsCommand,
-  runCommand,
-  runsCancelCommand,
-  runsGetCommand,
-  runsListCommand,
-  runsLogsCommand,
-} from './runs.js';
-import { secretsDeleteCommand, secretsListCommand, secretsSetCommand } from './secrets.js';
-import { serveCommand } from './serve.js';
-import {
-  volumesCpCommand,
-  volumesCreateCommand,
-  volumesDeleteCommand,
-  volumesListCommand,
-  volumesLsCommand,
-  volumesRmCommand,
-} from './volumes.js';
+
+/**
+ * A command's action, its module loaded only when the command runs: `ferry runs list` does not load the
+ * server (`serve` alone loads Fastify, Kysely, both store drivers, NATS and the sandbox code: about a
+ * second of CPU at every start of the CLI when every command was imported up front).
+ */
+function lazy<M, K extends keyof M>(load: () => Promise<M>, name: K): (...args: unknown[]) => Promise<void> {
+  return async function lazyAction(...args: unknown[]) {
+    const action = (await load())[name] as (...args: unknown[]) => unknown;
+    await action(...args);
+  };
+}
 
 export function createProgram(): Command {
   const program = new Command('ferry')
@@ -109,7 +83,7 @@ export function createProgram(): Command {
         'comma-separated CIDRs sandboxes may never reach; wins over --egress-allow (env FERRY_EGRESS_DENY)',
       ),
     )
-    .action(serveCommand);
+    .action(lazy(() => import('./serve.js'), 'serveCommand'));
 
   program
     .command('doctor')
@@ -117,13 +91,13 @@ export function createProgram(): Command {
       'check what this machine gives replicas: sandbox (bubblewrap), memory limits, runtimes; and the cluster as the configured server sees it',
     )
     .option('--json', 'print the capabilities (and "cluster", "cluster_problem") as JSON')
-    .action(doctorCommand);
+    .action(lazy(() => import('./doctor.js'), 'doctorCommand'));
 
   program
     .command('cluster')
     .description('the Ferry processes (nodes) sharing the server’s store: role, version, address, load, replicas')
     .option('--json', 'print the GET /v2/cluster answer: {"node","nodes","expired"}')
-    .action(clusterCommand);
+    .action(lazy(() => import('./cluster.js'), 'clusterCommand'));
 
   const admin = program.command('admin').description('offline administration on a data directory');
   const dataDirOption = () => new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)');
@@ -145,7 +119,7 @@ export function createProgram(): Command {
       .option('--project-name <name>', 'project name', 'default')
       .option('--expires-in-days <days>', 'token lifetime in days (default 365)')
       .option('--json', 'print {"project_id", "token"} only'),
-  ).action(bootstrapCommand);
+  ).action(lazy(() => import('./admin.js'), 'bootstrapCommand'));
   addressOptions(
     admin
       .command('login-link')
@@ -158,7 +132,7 @@ export function createProgram(): Command {
       .option('--project-name <name>', 'project name', 'default')
       .option('--expires-in-minutes <minutes>', 'how long the link works, 5 to 1440 (default 60)')
       .option('--json', 'print {"project_id","service_account_id","url","link","expires_at"}'),
-  ).action(loginLinkCommand);
+  ).action(lazy(() => import('./admin.js'), 'loginLinkCommand'));
 
   program
     .command('login')
@@ -167,7 +141,7 @@ export function createProgram(): Command {
     .option('--token <token>', 'service account token')
     .option('--project <project_id>', 'project id (default: the token’s project)')
     .option('--json', 'print {"url","project_id","project_name","config_file"}')
-    .action(loginCommand);
+    .action(lazy(() => import('./resources.js'), 'loginCommand'));
 
   program
     .command('deploy [dir]')
@@ -176,20 +150,20 @@ export function createProgram(): Command {
       '--json',
       'print only {"project_id","app_id","app_name","build_id","status","run_url","function_urls"} on stdout',
     )
-    .action(deployCommand);
+    .action(lazy(() => import('./deploy.js'), 'deployCommand'));
 
   const apps = program.command('apps').description('apps of the project');
   apps
     .command('list')
     .description('apps with their state and run URL')
     .option('--json', 'print an array')
-    .action(appsListCommand);
+    .action(lazy(() => import('./resources.js'), 'appsListCommand'));
   apps
     .command('delete <app>')
     .description('delete an app with its builds and run history (asks first unless --yes)')
     .option('-y, --yes', 'do not ask')
     .option('--json', 'print what was deleted')
-    .action(appsDeleteCommand);
+    .action(lazy(() => import('./resources.js'), 'appsDeleteCommand'));
   apps
     .command('scale <app>')
     .description("change an app's scaling now, without a build (overrides ferry.toml until --reset)")
@@ -200,7 +174,7 @@ export function createProgram(): Command {
     .option('--grace <seconds>', 'response_grace_period')
     .option('--reset', "clear what was set here: the active build's ferry.toml applies again")
     .option('--json', 'print the app')
-    .action(appsScaleCommand);
+    .action(lazy(() => import('./resources.js'), 'appsScaleCommand'));
 
   const builds = program.command('builds').description('builds of an app');
   builds
@@ -208,51 +182,51 @@ export function createProgram(): Command {
     .description('builds of an app, newest first, with their state and error')
     .option('--limit <n>', 'how many (default 50)')
     .option('--json', 'print an array')
-    .action(buildsListCommand);
+    .action(lazy(() => import('./resources.js'), 'buildsListCommand'));
   builds
     .command('logs <build_id>')
     .description('the log of a build (live with --follow)')
     .option('--app <app>', "the build's app (found automatically when omitted)")
     .option('-f, --follow', 'follow the log live until the build ends')
     .option('--json', 'print an array of lines (with --follow: one JSON object per line)')
-    .action(buildsLogsCommand);
+    .action(lazy(() => import('./resources.js'), 'buildsLogsCommand'));
   builds
     .command('files <build_id>')
     .description('list the files of the build’s uploaded archive')
     .option('--app <app>', "the build's app (found automatically when omitted)")
     .option('--json', 'print the zip-contents response as JSON')
-    .action(buildsFilesCommand);
+    .action(lazy(() => import('./resources.js'), 'buildsFilesCommand'));
   builds
     .command('cancel <build_id>')
     .description('cancel a build that is pending or building')
     .option('--app <app>', "the build's app (found automatically when omitted)")
     .option('--json', 'print the build')
-    .action(buildsCancelCommand);
+    .action(lazy(() => import('./resources.js'), 'buildsCancelCommand'));
   builds
     .command('delete <build_id>')
     .description('delete a build and its files (not the active build)')
     .option('--app <app>', "the build's app (found automatically when omitted)")
     .option('--json', 'print {"build_id","deleted"}')
-    .action(buildsDeleteCommand);
+    .action(lazy(() => import('./resources.js'), 'buildsDeleteCommand'));
   builds
     .command('activate <build_id>')
     .description('make an earlier ready build the active one (roll back to it)')
     .option('--app <app>', "the build's app (found automatically when omitted)")
     .option('--json', 'print the build')
-    .action(buildsActivateCommand);
+    .action(lazy(() => import('./resources.js'), 'buildsActivateCommand'));
 
   program
     .command('rollback <app>')
     .description('activate the ready build before the active one')
     .option('--json', 'print {"app","from","to"}')
-    .action(rollbackCommand);
+    .action(lazy(() => import('./resources.js'), 'rollbackCommand'));
 
   program
     .command('run <app> [function]')
     .description('call a function synchronously (default function: run) and print its result')
     .option('-d, --data <json>', 'the arguments, as a JSON object', '{}')
     .option('--json', 'print the whole response')
-    .action(runCommand);
+    .action(lazy(() => import('./runs.js'), 'runCommand'));
 
   const runs = program.command('runs').description('runs of an app');
   runs
@@ -260,32 +234,62 @@ export function createProgram(): Command {
     .description('runs of an app, newest first')
     .option('--state <state>', 'only runs in this state (queued, running, success, failure, timeout, cancelled)')
     .option('--mode <mode>', 'only runs of this mode (sync, async, stream)')
+    .option('--dead', 'only runs that ended after exhausting their [retries] attempts')
     .option('--limit <n>', 'how many (default 50)')
     .option('--json', 'print an array')
-    .action(runsListCommand);
+    .action(lazy(() => import('./runs.js'), 'runsListCommand'));
   runs
     .command('get <app> <run_id>')
     .description('a run with its input and result')
     .option('--json', 'print the run as JSON (what it prints anyway; accepted for scripts)')
     .option('--wait [seconds]', 'wait until the run has ended, at most this long (default 60; up to 3600)')
-    .action(runsGetCommand);
+    .action(lazy(() => import('./runs.js'), 'runsGetCommand'));
   runs
     .command('cancel <app> <run_id>')
     .description('cancel a queued or running run')
     .option('--json', 'print the run')
-    .action(runsCancelCommand);
+    .action(lazy(() => import('./runs.js'), 'runsCancelCommand'));
+  runs
+    .command('retry <app> <run_id>')
+    .description('run a finished run again, with its stored input, as a new async run')
+    .option('--json', 'print {"run_id"}')
+    .action(lazy(() => import('./runs.js'), 'runsRetryCommand'));
   runs
     .command('logs <app> <run_id>')
     .description('what the function printed during the run')
     .option('--json', 'print an array of lines')
-    .action(runsLogsCommand);
+    .action(lazy(() => import('./runs.js'), 'runsLogsCommand'));
 
   program
     .command('logs <app>')
     .description('the app log: what its replicas print outside runs, and their starts and crashes')
     .option('-f, --follow', 'keep printing new lines until interrupted')
     .option('--json', 'print an array of lines (with --follow: one JSON object per line)')
-    .action(appLogsCommand);
+    .action(lazy(() => import('./runs.js'), 'appLogsCommand'));
+
+  const schedules = program
+    .command('schedules')
+    .description('runs started on a timetable: the [[schedules]] of apps’ active builds');
+  schedules
+    .command('list [app]')
+    .description('schedules of an app (or of every app), with the next tick and the last run')
+    .option('--json', 'print an array')
+    .action(lazy(() => import('./schedules.js'), 'schedulesListCommand'));
+  schedules
+    .command('pause <app> <name>')
+    .description('stop a schedule’s ticks until it is resumed (a new deploy keeps it paused)')
+    .option('--json', 'print the schedule')
+    .action(lazy(() => import('./schedules.js'), 'schedulesPauseCommand'));
+  schedules
+    .command('resume <app> <name>')
+    .description('start a paused schedule again from its next tick (the ticks it missed do not run)')
+    .option('--json', 'print the schedule')
+    .action(lazy(() => import('./schedules.js'), 'schedulesResumeCommand'));
+  schedules
+    .command('trigger <app> <name>')
+    .description('start one run of the schedule now, as its tick would')
+    .option('--json', 'print {"run_id"}')
+    .action(lazy(() => import('./schedules.js'), 'schedulesTriggerCommand'));
 
   const secrets = program
     .command('secrets')
@@ -294,17 +298,17 @@ export function createProgram(): Command {
     .command('set <name> [value]')
     .description('create or replace a secret; without VALUE, or with -, the value is read from stdin')
     .option('--json', 'print the secret’s metadata as JSON')
-    .action(secretsSetCommand);
+    .action(lazy(() => import('./secrets.js'), 'secretsSetCommand'));
   secrets
     .command('list')
     .description('names of the secrets, with when they were set (never their values)')
     .option('--json', 'print an array')
-    .action(secretsListCommand);
+    .action(lazy(() => import('./secrets.js'), 'secretsListCommand'));
   secrets
     .command('delete <name>')
     .description('delete a secret')
     .option('--json', 'print {"name","deleted"}')
-    .action(secretsDeleteCommand);
+    .action(lazy(() => import('./secrets.js'), 'secretsDeleteCommand'));
 
   const volumes = program
     .command('volumes')
@@ -314,17 +318,17 @@ export function createProgram(): Command {
     .description('create a volume of the given size')
     .requiredOption('--size <size>', 'its size, e.g. 512MiB, 20GiB, 1TiB (writes past it fail with ENOSPC)')
     .option('--json', 'print the volume as JSON')
-    .action(volumesCreateCommand);
+    .action(lazy(() => import('./volumes.js'), 'volumesCreateCommand'));
   volumes
     .command('list')
     .description('the volumes, with their size, use and the apps mounting them')
     .option('--json', 'print an array')
-    .action(volumesListCommand);
+    .action(lazy(() => import('./volumes.js'), 'volumesListCommand'));
   volumes
     .command('ls <ref>')
     .description('list a folder of a volume: NAME or NAME:PATH')
     .option('--json', 'print the listing')
-    .action(volumesLsCommand);
+    .action(lazy(() => import('./volumes.js'), 'volumesLsCommand'));
   volumes
     .command('cp <from> <to>')
     .description(
@@ -332,19 +336,19 @@ export function createProgram(): Command {
     )
     .option('--skip-existing', 'skip files already at the destination with the same size (resume a copy)')
     .option('--json', 'print what was copied')
-    .action(volumesCpCommand);
+    .action(lazy(() => import('./volumes.js'), 'volumesCpCommand'));
   volumes
     .command('rm <ref>')
     .description('remove a file or empty folder of a volume, NAME:PATH')
     .option('-r, --recursive', 'remove a folder and all in it')
     .option('--json', 'print {"volume","path","deleted"}')
-    .action(volumesRmCommand);
+    .action(lazy(() => import('./volumes.js'), 'volumesRmCommand'));
   volumes
     .command('delete <name>')
     .description('delete a volume and its files, freeing its space (refused while a deployed app mounts it)')
     .option('--force', 'delete even while a deployed app mounts it')
     .option('--json', 'print {"name","deleted"}')
-    .action(volumesDeleteCommand);
+    .action(lazy(() => import('./volumes.js'), 'volumesDeleteCommand'));
 
   const tokens = program.command('tokens').description('service accounts and their tokens');
   tokens
@@ -353,17 +357,17 @@ export function createProgram(): Command {
     .option('--expires <date>', 'expiry date, e.g. 2027-01-31 (default: 30 days)')
     .addOption(new Option('--scope <scope...>', 'scopes (default: manage run)').choices(['manage', 'run']))
     .option('--json', 'print the account with its token')
-    .action(tokensCreateCommand);
+    .action(lazy(() => import('./resources.js'), 'tokensCreateCommand'));
   tokens
     .command('list')
     .description('service accounts with their name, scopes, status and creation time (never their tokens)')
     .option('--json', 'print an array')
-    .action(tokensListCommand);
+    .action(lazy(() => import('./resources.js'), 'tokensListCommand'));
   tokens
     .command('revoke <service_account_id>')
     .description('revoke a service account and its token, at once')
     .option('--json', 'print the revoked account')
-    .action(tokensRevokeCommand);
+    .action(lazy(() => import('./resources.js'), 'tokensRevokeCommand'));
   return program;
 }
 

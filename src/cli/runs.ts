@@ -60,11 +60,12 @@ export async function runCommand(
 
 export async function runsListCommand(
   app: string,
-  options: { json?: boolean; limit?: string; state?: string; mode?: string },
+  options: { json?: boolean; limit?: string; state?: string; mode?: string; dead?: boolean },
 ): Promise<void> {
   const client = createClient();
   const query = new URLSearchParams();
   if (options.limit) query.set('limit', options.limit);
+  if (options.dead) query.set('dead', 'true');
   if (options.state) query.set('state', options.state);
   if (options.mode) query.set('mode', options.mode);
   const qs = query.size > 0 ? `?${query}` : '';
@@ -78,13 +79,17 @@ export async function runsListCommand(
       run_id: String(r.run_id),
       function: String(r.function),
       mode: String(r.mode),
-      state: String(r.state),
+      state: r.dead ? `${String(r.state)} (dead)` : String(r.state),
+      trigger:
+        r.trigger === 'schedule'
+          ? `schedule ${(r.schedule as { name: string } | null)?.name ?? ''}`
+          : String(r.trigger ?? 'call'),
       status: r.status_code === null ? null : Number(r.status_code),
       ms: r.run_time_ms === null ? null : Number(r.run_time_ms),
       cold: r.cold_start ? 'yes' : '',
       created_at: String(r.created_at),
     })),
-    ['run_id', 'function', 'mode', 'state', 'status', 'ms', 'cold', 'created_at'],
+    ['run_id', 'function', 'mode', 'trigger', 'state', 'status', 'ms', 'cold', 'created_at'],
   );
 }
 
@@ -128,6 +133,18 @@ export async function runsCancelCommand(app: string, runId: string, options: Jso
     run.state === 'cancelled'
       ? `Run ${runId} cancelled${run.error ? `: ${safeText(run.error.message)}` : ''}\n`
       : `Run ${runId}: ${run.state}${isFinalState(run.state) ? ' (it ended before the cancel reached it)' : ' (the cancel is under way)'}\n`,
+  );
+}
+
+export async function runsRetryCommand(app: string, runId: string, options: Json = {}): Promise<void> {
+  const client = createClient();
+  const started = await client.call<{ run_id: string }>(
+    'POST',
+    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/runs/${encodeURIComponent(runId)}/retry`,
+  );
+  if (options.json) return printJson(started);
+  process.stdout.write(
+    `Started run ${started.run_id}, a retry of ${runId}. Follow it with: ferry runs get ${app} ${started.run_id} --wait\n`,
   );
 }
 

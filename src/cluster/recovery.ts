@@ -32,7 +32,8 @@
  */
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
-import { endRun, interruption } from '../runs/lifecycle.js';
+import { endRun, interruption, type RetryContext, type RunEnding, withRetries } from '../runs/lifecycle.js';
+import { NO_RETRIES } from '../runs/retries.js';
 import type { Store } from '../store/index.js';
 import type { Run } from '../store/schema.js';
 import { unfinishedRun } from '../store/unfinished.js';
@@ -187,13 +188,32 @@ export function createRecovery(deps: {
   };
 }
 
-function retriesInterrupted(configJson: string | null): boolean {
-  if (!configJson) return false;
+function configOf(configJson: string | null): AppConfig | undefined {
+  if (!configJson) return undefined;
   try {
-    return (JSON.parse(configJson) as AppConfig).app.retry_interrupted === true;
+    return JSON.parse(configJson) as AppConfig;
   } catch {
-    return false;
+    return undefined;
   }
+}
+
+/** How an unfinished run ends: `retry_interrupted`'s start again, else its retry policy's, else interrupted. */
+function endingOf(run: UnfinishedRun, nowMs: number): { ending: RunEnding; retries: RetryContext | undefined } {
+  const config = configOf(run.config_json ?? null);
+  const ending = interruption(run, config?.app.retry_interrupted === true, nowMs);
+  const policy = config?.retries;
+  const retries =
+    run.mode === 'async' && ((policy && policy.max_attempts > 1) || run.attempt_log)
+      ? {
+          policy: policy && policy.max_attempts > 1 ? policy : NO_RETRIES,
+          log: run.attempt_log,
+          attempt: run.attempts,
+          startedAt: run.started_at,
+        }
+      : undefined;
+  // A run that never started (still queued when its node stopped) is no attempt of its own.
+  if (!retries || run.state !== 'running' || ending.kind !== 'interrupted') return { ending, retries: undefined };
+  return { ending: withRetries(ending, retries), retries };
 }
 
 const UNFINISHED_COLUMNS = [
@@ -203,6 +223,7 @@ const UNFINISHED_COLUMNS = [
   'runs.attempts',
   'runs.started_at',
   'runs.webhook_endpoint',
+  'runs.attempt_log',
   'builds.config_json',
 ] as const;
 
@@ -214,6 +235,7 @@ export interface UnfinishedRun {
   attempts: number;
   started_at: string | null;
   webhook_endpoint: string | null;
+  attempt_log: string | null;
   config_json: string | null;
 }
 
@@ -232,11 +254,8 @@ export async function endUnfinished(
   const result = { interrupted: 0, requeued: 0 };
   const now = new Date(nowMs).toISOString();
   for (const run of runs) {
-    const end = endRun(
-      { id: run.id, webhookUrl: run.webhook_endpoint },
-      interruption(run, retriesInterrupted(run.config_json ?? null), nowMs),
-      nowMs,
-    );
+    const { ending, retries } = endingOf(run, nowMs);
+    const end = endRun({ id: run.id, webhookUrl: run.webhook_endpoint, retries }, ending, nowMs);
     const changed = await trx
       .updateTable('runs')
       .set(end.changes)

@@ -36,6 +36,7 @@ export function createWorkerBuilds(store: Store): WorkerBuilds {
           'builds.project_id',
           'builds.app_id',
           'builds.state',
+          'builds.runtime',
           'builds.config_json',
           'apps.scaling_json',
         ])
@@ -50,6 +51,7 @@ export function createWorkerBuilds(store: Store): WorkerBuilds {
         projectId: row.project_id,
         appId: row.app_id,
         buildId: row.id,
+        runtime: row.runtime,
         config: withScalingOverride(JSON.parse(row.config_json ?? '{}') as AppConfig, row.scaling_json),
       };
       if (cache.size >= 1000) cache.delete(cache.keys().next().value as string);

@@ -173,7 +173,7 @@ export function errorEventData(err: unknown, runId: string): string {
   return JSON.stringify({ run_id: runId, error: errorObject(toFerryError(err)) });
 }
 
-/** A line of the worker protocol (cluster/worker-api.ts) telling the gateway how its call failed. */
+/** A line of the worker protocol (http/worker-api.ts) telling the gateway how its call failed. */
 export interface WorkerErrorLine {
   e: 'error';
   error: ErrorObject;

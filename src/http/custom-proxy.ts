@@ -20,6 +20,8 @@ import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { HttpResponseHead } from '../runs/invoke.js';
 import type { RunService, RunTarget } from '../runs/run-service.js';
+import { tunnel } from '../runs/tunnel.js';
+import { runtimeOf } from '../runtimes/index.js';
 import { webhookSecretOf } from '../webhooks/secret.js';
 import { answer, refuseOnSocket, writeAnswer } from './answer.js';
 import { watchCaller } from './caller-flow.js';
@@ -267,7 +269,7 @@ export function attachWebSocketProxy(
     const token = split.params.get('access_token');
     const authorization = req.headers.authorization ?? (token ? `Bearer ${token}` : undefined);
     const target = await resolve(projectId!, appName!, authorization);
-    if (target.build.config.app.runtime !== 'custom') throw new FerryError('FERRY_WEBSOCKET_NOT_CUSTOM');
+    if (runtimeOf(target.build).calls !== 'http') throw new FerryError('FERRY_WEBSOCKET_NOT_CUSTOM');
     if (split.params.has('webhookEndpoint')) throw new FerryError('FERRY_WEBSOCKET_WEBHOOK');
     if (split.params.has('async')) throw new FerryError('FERRY_WEBSOCKET_ASYNC');
     const idleMs = target.build.config.runtime.custom!.websocket_idle_timeout * 1000;
@@ -289,34 +291,14 @@ export function attachWebSocketProxy(
           noDeadline: true,
         },
         (replica, signal) =>
-          new Promise<number>((resolveSession, rejectSession) => {
-            const upstream = replica.connect();
-            let status = 0;
-            const finish = () => {
-              upstream.destroy();
-              socket.destroy();
-              if (status === 0) rejectSession(new FerryError('FERRY_REPLICA_DIED', 'The app closed the connection'));
-              else resolveSession(status);
-            };
-            signal.addEventListener('abort', finish, { once: true });
-            upstream.once('error', finish);
-            upstream.once('close', finish);
-            socket.once('close', finish);
-            upstream.once('connect', () => {
-              const lines = [`${req.method ?? 'GET'} ${split.path} HTTP/1.1`];
-              for (const [name, value] of Object.entries(headers)) {
-                for (const one of Array.isArray(value) ? value : [value]) lines.push(`${name}: ${one}`);
-              }
-              upstream.write(`${lines.join('\r\n')}\r\n\r\n`);
-              if (head.length > 0) upstream.write(head);
-              upstream.once('data', (first: Buffer) => {
-                // The status line of the server's answer (101, or a refusal it sends as-is), for the run record.
-                const match = /^HTTP\/1\.[01] (\d{3})/.exec(first.subarray(0, 16).toString('latin1'));
-                status = match ? Number(match[1]) : 502;
-                answered = true;
-              });
-              // pipe() stops reading one side while the other's socket is full (back-pressure both ways);
-              // a caller that leaves its side full past FERRY_CALLER_STALL_SECONDS is cut.
+          tunnel(socket, replica, signal, {
+            request: requestHead(req.method ?? 'GET', split.path, headers),
+            head,
+            onAnswered: () => {
+              answered = true;
+            },
+            onFlowing: (upstream, close) => {
+              // A caller that leaves its side full past FERRY_CALLER_STALL_SECONDS is cut.
               const stallSeconds = services.config.callerStallSeconds;
               const flow = watchCaller({
                 full: () => socket.writableNeedDrain,
@@ -324,22 +306,18 @@ export function attachWebSocketProxy(
                 stallMs: stallSeconds * 1000,
                 onStalled: () => {
                   services.runs.note(runId, `the caller read nothing for ${stallSeconds} s: disconnected`);
-                  finish();
+                  close();
                 },
               });
               socket.once('close', () => flow.stop());
-              upstream.pipe(socket);
-              socket.pipe(upstream);
               // After pipe's own listener: checked once the data went to the caller's socket.
               upstream.on('data', () => flow.wrote());
-              upstream.setNoDelay(true);
-              socket.setNoDelay(true);
               // Silence both ways for idleMs closes the pair (a socket's timeout counts its reads and writes).
               socket.setTimeout(idleMs, () => {
                 services.runs.note(runId, `closed after ${idleMs / 1000} s without traffic`);
-                finish();
+                close();
               });
-            });
+            },
           }),
       )
       .catch((err: unknown) => {
@@ -348,4 +326,13 @@ export function attachWebSocketProxy(
         throw err;
       });
   }
+}
+
+/** The caller's upgrade request as the app's server gets it: its line, then the forwarded headers. */
+function requestHead(method: string, path: string, headers: Record<string, string | string[]>): string {
+  const lines = [`${method} ${path} HTTP/1.1`];
+  for (const [name, value] of Object.entries(headers)) {
+    for (const one of Array.isArray(value) ? value : [value]) lines.push(`${name}: ${one}`);
+  }
+  return `${lines.join('\r\n')}\r\n\r\n`;
 }

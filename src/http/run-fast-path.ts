@@ -19,6 +19,7 @@ import { uuidv7 } from '../ids.js';
 import type { Metrics } from '../metrics.js';
 import { RunAbort } from '../runs/run-abort.js';
 import { checkFunction, type RunService } from '../runs/run-service.js';
+import { runtimeOf } from '../runtimes/index.js';
 import { answer as errorAnswer, writeAnswer } from './answer.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
 import { logError } from './errors.js';
@@ -117,7 +118,7 @@ export function createRunFastPath(
       const target =
         runs.resolveTargetCached(projectId, appName, authorization) ??
         (await runs.resolveTarget(projectId, appName, authorization));
-      if (target.build.config.app.runtime === 'custom') {
+      if (runtimeOf(target.build).calls === 'http') {
         // Served by the proxy behind the Fastify route; the body is still unread.
         res.removeListener('close', closed);
         fallback(req, res);

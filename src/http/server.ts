@@ -19,6 +19,7 @@ import { type ClusterRouteDeps, registerClusterRoutes } from './routes/cluster.j
 import { type DashboardRouteDeps, registerDashboardRoutes } from './routes/dashboard.js';
 import { type RunRouteDeps, registerRunRoutes } from './routes/run.js';
 import { type RunsRouteDeps, registerRunsRoutes } from './routes/runs.js';
+import { registerScheduleRoutes, type ScheduleRouteDeps } from './routes/schedules.js';
 import { registerSecretRoutes, type SecretRouteDeps } from './routes/secrets.js';
 import { type AccountRouteDeps, registerServiceAccountRoutes } from './routes/service-accounts.js';
 import { registerSystemRoutes, type SystemRouteDeps } from './routes/system.js';
@@ -41,6 +42,7 @@ export type HttpDeps = AppRouteDeps &
   DashboardRouteDeps &
   RunRouteDeps &
   RunsRouteDeps &
+  ScheduleRouteDeps &
   SecretRouteDeps &
   AccountRouteDeps &
   SystemRouteDeps &
@@ -118,6 +120,7 @@ export async function buildServer(services: HttpDeps): Promise<FerryServer> {
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);
   registerSecretRoutes(app, services);
+  registerScheduleRoutes(app, services);
   registerVolumeRoutes(app, services);
   registerRunsRoutes(app, services);
   registerWebhookRoutes(app, services);

@@ -8,18 +8,8 @@
  * `cluster.key`); anything else answers 401 FERRY_CLUSTER_UNAUTHENTICATED. `/healthz` and `/metrics` are
  * open, as on a gateway, for load balancers and scrapers.
  *
- * The protocol (version 1; cluster/protocol.ts has what the worker and its client share), all over
- * HTTP/1.1 keep-alive:
- * - `POST /internal/v1/invoke`: body = one line of JSON (the call: CallMeta) + `\n` + the arguments JSON.
- *   Answer: `application/x-ndjson` lines: `{"e":"started"}` and `{"e":"item","d":…}` (streaming calls
- *   only), then `{"e":"done",…,"result":…}` (the result last, as the replica wrote it: a gateway answers
- *   those bytes as they are) or `{"e":"error","error":{code,message,…},"headers":{…}}`.
- * - `POST /internal/v1/http`: body = the call line + the request body to forward, streamed. Answer: one
- *   line `{"e":"head","status":…,"headers":{…}}` (or `{"e":"error",…}`) then the server's body, streamed.
- *   A failure after the head cuts the answer (the gateway cuts its caller's).
- * - `GET /internal/v1/session` with `Upgrade: ferry-tunnel` and the call in `x-ferry-call` (base64url JSON):
- *   the rest of the connection is the caller's WebSocket request and then its bytes, both ways, to the
- *   app's server. A refusal is written as the HTTP error answer the caller would get from one process.
+ * The protocol (routes, the call line, the answer's lines, the session's tunnel) is cluster/protocol.ts,
+ * shared with the client (runs/remote-invoker.ts).
  */
 import http, { type IncomingMessage, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
@@ -28,17 +18,21 @@ import type { Logger } from 'pino';
 import type { CallerTally } from '../cluster/caller-tally.js';
 import type { ClusterAuth } from '../cluster/cluster-auth.js';
 import {
+  CALL_HEADER,
   type CallMeta,
   decodeHeaderMeta,
-  INTERNAL_PREFIX,
+  doneLine,
   MAX_META_BYTES,
   parseCallMeta,
+  line as protocolLine,
+  WORKER_PATHS,
 } from '../cluster/protocol.js';
 import type { WorkerBuilds } from '../cluster/worker-builds.js';
 import { FerryError } from '../errors.js';
 import type { Metrics } from '../metrics.js';
 import type { Invoker } from '../runs/invoke.js';
 import { RunAbort } from '../runs/run-abort.js';
+import { tunnel } from '../runs/tunnel.js';
 import type { StoreHealth } from '../store/index.js';
 import { answer, refuseOnSocket, workerErrorLine, writeAnswer } from './answer.js';
 
@@ -99,8 +93,8 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     }
     const caller = deps.auth.verify(req.headers.authorization);
     if (!caller) throw new FerryError('FERRY_CLUSTER_UNAUTHENTICATED');
-    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/invoke`) return invoke(req, res, caller.nodeId);
-    if (req.method === 'POST' && url === `${INTERNAL_PREFIX}/http`) return forwardHttp(req, res, caller.nodeId);
+    if (req.method === 'POST' && url === WORKER_PATHS.invoke) return invoke(req, res, caller.nodeId);
+    if (req.method === 'POST' && url === WORKER_PATHS.http) return forwardHttp(req, res, caller.nodeId);
     throw new FerryError('FERRY_ROUTE_NOT_FOUND', `No internal route ${req.method} ${url.split('?')[0]}`);
   }
 
@@ -126,9 +120,9 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       res.writeHead(200, { 'content-type': 'application/x-ndjson' });
       res.flushHeaders();
     };
-    const line = (value: unknown) => {
+    const line = (value: Parameters<typeof protocolLine>[0]) => {
       open();
-      res.write(`${JSON.stringify(value)}\n`);
+      res.write(protocolLine(value));
     };
     try {
       const outcome = await deps.invoker.invoke({
@@ -157,15 +151,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
           : {}),
       });
       // `result` last, as the replica's bytes: the gateway answers them as they are (remote-invoker.ts).
-      const result = outcome.resultJson ?? JSON.stringify(outcome.result ?? null);
-      const head = JSON.stringify({
-        e: 'done',
-        streamed: outcome.streamed,
-        runTimeMs: outcome.runTimeMs,
-        coldStart: outcome.coldStart,
-        statusCode: outcome.statusCode,
-      });
-      const done = `${head.slice(0, -1)},"result":${result}}\n`;
+      const done = doneLine(outcome, outcome.resultJson ?? JSON.stringify(outcome.result ?? null));
       if (opened) res.end(done);
       else {
         res.writeHead(200, { 'content-type': 'application/x-ndjson', 'content-length': Buffer.byteLength(done) });
@@ -224,7 +210,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
         onResponse(head) {
           answered = true;
           res.writeHead(200, { 'content-type': 'application/octet-stream' });
-          res.write(`${JSON.stringify({ e: 'head', status: head.statusCode, headers: head.headers })}\n`);
+          res.write(protocolLine({ e: 'head', status: head.statusCode, headers: head.headers }));
           res.socket?.setNoDelay(true);
           return res;
         },
@@ -237,7 +223,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       }
       if (!(err instanceof FerryError)) logger.error({ err, runId: meta.runId }, 'internal http call failed');
       res.writeHead(200, { 'content-type': 'application/octet-stream' });
-      res.end(`${JSON.stringify(workerErrorLine(err))}\n`);
+      res.end(protocolLine(workerErrorLine(err)));
     }
   }
 
@@ -246,7 +232,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     socket.on('error', () => socket.destroy());
     let meta: CallMeta | undefined;
     try {
-      meta = decodeHeaderMeta(req.headers['x-ferry-call']);
+      meta = decodeHeaderMeta(req.headers[CALL_HEADER]);
     } catch {
       meta = undefined;
     }
@@ -256,7 +242,7 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       refuseOnSocket(socket, answer(new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'), { runId }));
       return;
     }
-    if (req.url !== `${INTERNAL_PREFIX}/session` || !meta) {
+    if (req.url !== WORKER_PATHS.session || !meta) {
       refuseOnSocket(socket, answer(new FerryError('FERRY_VALIDATION', 'not a session call'), { runId }));
       return;
     }
@@ -276,33 +262,13 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     await deps.invoker
       .invokeSession(
         { runId: meta.runId, build, fn: meta.fn, mode: 'stream', signal: gone.signal, noDeadline: true },
+        // What the gateway sent after the tunnel's own head: the caller's request, then its bytes.
         (replica, signal) =>
-          new Promise<number>((resolve, reject) => {
-            const upstream = replica.connect();
-            let status = 0;
-            const finish = () => {
-              upstream.destroy();
-              socket.destroy();
-              if (status === 0) reject(new FerryError('FERRY_REPLICA_DIED', 'The app closed the connection'));
-              else resolve(status);
-            };
-            signal.addEventListener('abort', finish, { once: true });
-            upstream.once('error', finish);
-            upstream.once('close', finish);
-            socket.once('close', finish);
-            upstream.once('connect', () => {
-              // What the gateway sent after the tunnel's own head: the caller's request, then its bytes.
-              if (head.length > 0) upstream.write(head);
-              upstream.once('data', (first: Buffer) => {
-                const match = /^HTTP\/1\.[01] (\d{3})/.exec(first.subarray(0, 16).toString('latin1'));
-                status = match ? Number(match[1]) : 502;
-                answered = true;
-              });
-              upstream.pipe(socket);
-              socket.pipe(upstream);
-              upstream.setNoDelay(true);
-              socket.setNoDelay(true);
-            });
+          tunnel(socket, replica, signal, {
+            head,
+            onAnswered: () => {
+              answered = true;
+            },
           }),
       )
       .catch((err: unknown) => {

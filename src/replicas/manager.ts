@@ -6,6 +6,7 @@ import type { Logger } from 'pino';
 import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
+import { runtimeOf } from '../runtimes/index.js';
 import type { Store } from '../store/index.js';
 import { type PoolBuild, ReplicaPool } from './pool.js';
 import { type LaunchPlan, type Replica, startReplica } from './replica.js';
@@ -96,8 +97,7 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
 
   function makePool(build: PoolBuild): ReplicaPool {
     // A custom server gets its own start_timeout (the supervisor enforces it), plus time to start the sandbox.
-    const custom = build.config.runtime.custom;
-    const startTimeoutMs = custom ? custom.start_timeout * 1000 + deps.startTimeoutMs : deps.startTimeoutMs;
+    const startTimeoutMs = runtimeOf(build).startTimeoutMs(build.config, deps.startTimeoutMs);
     const pool = new ReplicaPool({
       build,
       maxQueue: deps.maxQueue,
@@ -186,14 +186,14 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
     const row = await deps.store
       .selectFrom('apps')
       .innerJoin('builds', 'builds.id', 'apps.active_build_id')
-      .select(['builds.id', 'builds.config_json', 'apps.scaling_json'])
+      .select(['builds.id', 'builds.runtime', 'builds.config_json', 'apps.scaling_json'])
       .where('apps.project_id', '=', projectId)
       .where('apps.id', '=', appId)
       .executeTakeFirst();
     if (!row) return undefined;
     activeIds.set(`${projectId}/${appId}`, row.id);
     const config = withScalingOverride(JSON.parse(row.config_json) as AppConfig, row.scaling_json);
-    return { projectId, appId, buildId: row.id, config };
+    return { projectId, appId, buildId: row.id, runtime: row.runtime, config };
   }
 
   /** Drains the app's pool if the build it runs is no longer in the store (deleted, alone or with its app). */

@@ -17,6 +17,8 @@ export interface PoolBuild {
   projectId: string;
   appId: string;
   buildId: string;
+  /** The build's runtime (`builds.runtime`): `runtimeOf` (runtimes/) gives what differs between runtimes. */
+  runtime: string | null;
   config: AppConfig;
 }
 

@@ -20,17 +20,18 @@
  */
 import type { Logger } from 'pino';
 import { DEFAULT_MAX_PROCESSES, volumesOf } from '../apps/app-config.js';
-import { findPython } from '../builds/builders/python.js';
 import { uuidv7 } from '../ids.js';
+import { RUNTIMES, runtimeOf } from '../runtimes/index.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
 import type { BuildViews } from '../sandbox/views.js';
 import type { Store } from '../store/index.js';
-import { baseEnvironment, RUNTIMES, replicaEnvironment } from './launcher.js';
+import { baseEnvironment, recipeCommand, replicaEnvironment } from './launcher.js';
 import type { PoolBuild } from './pool.js';
 import { describeExit, type LaunchPlan, type Replica, type ReplicaExit, startReplica } from './replica.js';
 
-export const WARM_RUNTIMES = ['node', 'python'] as const;
+/** The runtimes kept warm: those whose `Runtime.warm` is set (runtimes/). */
+export const WARM_RUNTIMES = ['node', 'python'] as const satisfies readonly (keyof typeof RUNTIMES)[];
 export type WarmRuntime = (typeof WARM_RUNTIMES)[number];
 
 /** The [resources] warm sandboxes are started with: the defaults, which most apps keep. */
@@ -38,12 +39,6 @@ export const WARM_RESOURCES: PoolBuild['config']['resources'] = {
   cpu: 1,
   memory: 1024,
   max_processes: DEFAULT_MAX_PROCESSES,
-};
-
-/** Variables a runtime reads only as it starts: an app setting one gets a replica started for it. */
-const STARTUP_VARIABLES: Record<WarmRuntime, RegExp> = {
-  node: /^(NODE_|UV_|LD_|MALLOC_|GLIBC_|OPENSSL_)/,
-  python: /^(PYTHON|LD_|MALLOC_|GLIBC_|LANG$|LC_|OPENSSL_)/,
 };
 
 /** Restart back-off after a warm sandbox failed to start or died while waiting: 1 s, doubling, at most 60 s. */
@@ -143,8 +138,12 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
       const slotDir = slot;
       // Until the process is started, a failure undoes here what was made; after, its exit does.
       release = () => deps.views.dropSlot(slotDir);
-      const launchInfo = RUNTIMES[runtime]!;
-      const layout = { buildDir: slot, socketDir: slot, runtimeFiles: [launchInfo.bootstrap] };
+      const recipe = await RUNTIMES[runtime].launchRecipe({
+        entry: RUNTIMES[runtime].defaultEntry,
+        resources: WARM_RESOURCES,
+        sandboxed: true,
+      });
+      const layout = { buildDir: slot, socketDir: slot, runtimeFiles: [recipe.program] };
       const paths = sandboxPaths(layout, true);
       const lease = await deps.network.acquire(id);
       release = async () => {
@@ -158,9 +157,9 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
           memoryMiB: WARM_RESOURCES.memory,
           maxProcesses: WARM_RESOURCES.max_processes,
           cpu: WARM_RESOURCES.cpu,
-          command: await launchInfo.command(paths.runtimeFile(launchInfo.bootstrap.host), WARM_RESOURCES),
+          command: recipeCommand(recipe, paths),
           // Ferry's variables only: no app's, no secrets, until an app claims it.
-          env: { ...baseEnvironment(launchInfo, paths.socketPath), FERRY_WARM: '1' },
+          env: { ...baseEnvironment(recipe, paths.socketPath), FERRY_WARM: '1' },
           network: lease,
         },
         deps.sandbox,
@@ -249,19 +248,22 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
   }
 
   for (const runtime of runtimes) {
-    if (runtime === 'python') {
-      // Builds and replicas need the same interpreter; without one, Python apps fail to build anyway.
-      void findPython().then((python) => {
-        if (python) refill('python');
-        else runtimes.delete('python');
-      });
-    } else refill(runtime);
+    if (!RUNTIMES[runtime].warm) {
+      runtimes.delete(runtime);
+      continue;
+    }
+    // Python needs an interpreter (Runtime.available): without one, Python apps fail to build anyway.
+    void RUNTIMES[runtime].available().then((available) => {
+      if (available) refill(runtime);
+      else runtimes.delete(runtime);
+    });
   }
 
   return {
     async claim(build, onOutput) {
+      const kind = runtimeOf(build);
       // A warm sandbox started before it knew its app: it has no volume bound, nor the volumes' groups.
-      if (closed || build.config.runtime.custom || volumesOf(build.config).length > 0) return undefined;
+      if (closed || !kind.warm || volumesOf(build.config).length > 0) return undefined;
       const resources = build.config.resources;
       if (
         resources.memory !== WARM_RESOURCES.memory ||
@@ -272,19 +274,20 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
       }
       // Side by side: each is a wait a cold start has too, and here they are most of the claim's time.
       const [row, secrets] = await Promise.all([
-        deps.store.selectFrom('builds').select(['entry', 'runtime']).where('id', '=', build.buildId).executeTakeFirst(),
+        deps.store.selectFrom('builds').select(['entry']).where('id', '=', build.buildId).executeTakeFirst(),
         deps.secrets(build.projectId),
         deps.ensureLocal?.(build.buildId),
       ]);
-      const runtime = row?.runtime as WarmRuntime | undefined;
-      if (!row || runtime === undefined || !runtimes.has(runtime) || idle[runtime].length === 0) return undefined;
-      const startup = STARTUP_VARIABLES[runtime];
+      const runtime = kind.name as WarmRuntime;
+      if (!row || !runtimes.has(runtime) || idle[runtime].length === 0) return undefined;
+      const startup = kind.warm.startupVariables;
       if ([...Object.keys(secrets), ...Object.keys(build.config.env)].some((name) => startup.test(name))) {
         return undefined;
       }
-      const launchInfo = RUNTIMES[runtime]!;
-      const paths = sandboxPaths({ buildDir: '/', socketDir: '/', runtimeFiles: [launchInfo.bootstrap] }, true);
-      const env = replicaEnvironment(build, launchInfo, secrets, paths, row.entry);
+      const entry = row.entry ?? kind.defaultEntry;
+      const recipe = await kind.launchRecipe({ build, entry, resources: WARM_RESOURCES, sandboxed: true });
+      const paths = sandboxPaths({ buildDir: '/', socketDir: '/', runtimeFiles: [recipe.program] }, true);
+      const env = { ...replicaEnvironment(build, kind, recipe, secrets, paths, row.entry), ...recipe.overrides };
       if (closed) return undefined;
       const sandbox = take(runtime);
       if (!sandbox) {

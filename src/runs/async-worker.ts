@@ -28,11 +28,13 @@ import type { Logger } from 'pino';
 import { endUnfinished, heldAsyncRuns } from '../cluster/recovery.js';
 import { FerryError } from '../errors.js';
 import type { PoolBuild } from '../replicas/pool.js';
+import { runtimeOf } from '../runtimes/index.js';
 import { claimQueuedRuns, releaseQueuedRuns } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import { type Invoker, RunNotClaimedError, RunStartError } from './invoke.js';
 import { endRun } from './lifecycle.js';
 import type { RunRecorder } from './recorder.js';
+import { NO_RETRIES, type RetryPolicy } from './retries.js';
 import type { RunTargets } from './targets.js';
 
 export interface AsyncWorker {
@@ -64,6 +66,8 @@ export interface RunCall {
   input: string | null;
   webhook_endpoint: string | null;
   http_request: string | null;
+  /** The attempts of a run under a retry policy that ended before (runs/lifecycle.ts); absent: none. */
+  attempt_log?: string | null;
 }
 
 interface Queued {
@@ -75,6 +79,17 @@ interface Queued {
    * performed (whether it is still queued and this node's is checked when it is started, see `claim`).
    */
   call?: RunCall | undefined;
+}
+
+/**
+ * The retry policy an attempt runs under: the build's `[retries]` when it allows more than one attempt,
+ * or the attempts so far of a run that had one when it was accepted (a later build dropped it).
+ */
+function retriesOf(build: PoolBuild, run: RunCall): { policy: RetryPolicy; log: string | null } | undefined {
+  const policy = build.config.retries;
+  if (policy && policy.max_attempts > 1) return { policy, log: run.attempt_log ?? null };
+  if (run.attempt_log) return { policy: NO_RETRIES, log: run.attempt_log };
+  return undefined;
 }
 
 /** Runs this node holds queued, in all: past it, new runs are left free for other nodes. */
@@ -136,14 +151,20 @@ export function createAsyncWorker(deps: {
   async function target(q: Queued): Promise<PoolBuild | undefined> {
     const found = await deps.targets.get(q.projectId, q.appId);
     if (!found?.buildId || !found.config) return undefined;
-    return { projectId: q.projectId, appId: q.appId, buildId: found.buildId, config: found.config };
+    return {
+      projectId: q.projectId,
+      appId: q.appId,
+      buildId: found.buildId,
+      runtime: found.runtime,
+      config: found.config,
+    };
   }
 
   /** The run's call from its record, or undefined when it is no longer this node's queued run. */
   async function readCall(id: string): Promise<RunCall | undefined> {
     const run = await store
       .selectFrom('runs')
-      .select(['input', 'function_name', 'webhook_endpoint', 'state', 'owner', 'http_request'])
+      .select(['input', 'function_name', 'webhook_endpoint', 'state', 'owner', 'http_request', 'attempt_log'])
       .where('id', '=', id)
       .executeTakeFirst();
     return run?.state === 'queued' && run.owner === owner ? run : undefined;
@@ -167,6 +188,7 @@ export function createAsyncWorker(deps: {
       webhookUrl: run.webhook_endpoint ?? undefined,
       signal: abort.signal,
       claim: () => start(q.id),
+      retries: retriesOf(build, run),
     };
     try {
       if (run.http_request) {
@@ -178,7 +200,7 @@ export function createAsyncWorker(deps: {
           headers: Record<string, string | string[]>;
           body_base64: string;
         };
-        if (build.config.app.runtime !== 'custom') {
+        if (runtimeOf(build).calls !== 'http') {
           return await failRunOrRetry(
             q,
             'FERRY_CORTEX_CALL',
@@ -190,7 +212,7 @@ export function createAsyncWorker(deps: {
           ...common,
           http: { method: stored.method, path: stored.path, headers: stored.headers, body: body.length ? body : null },
         });
-      } else if (build.config.app.runtime === 'custom') {
+      } else if (runtimeOf(build).calls === 'http') {
         return await failRunOrRetry(
           q,
           'FERRY_CORTEX_CALL',

@@ -14,11 +14,13 @@ import { DEFAULT_FRAME_LIMITS, type Frame, type FrameLimits } from '../replicas/
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { CallFlow } from '../replicas/replica.js';
+import { runtimeOf } from '../runtimes/index.js';
 import type { RunMode, RunState } from '../store/schema.js';
 import { MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
 import { InFlightRuns } from './in-flight.js';
-import { endRun, failedAnswer, type RunEnding } from './lifecycle.js';
+import { endRun, failedAnswer, type RunEnding, withRetries } from './lifecycle.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
+import type { RetryPolicy } from './retries.js';
 import { RunAbort } from './run-abort.js';
 
 /** Inputs over this size are not kept on the run record (the run still gets them). */
@@ -66,6 +68,12 @@ export interface RunRequestBase {
    * (FERRY_QUEUE_FULL) is not recorded on the run either: the caller tries again later.
    */
   claim?: (() => Promise<number | undefined>) | undefined;
+  /**
+   * Async runs of an app with `[retries]` (max_attempts above 1): the policy and the record's attempts so
+   * far. A failed attempt the policy retries ends in a retry (queued after its delay, no webhook), the last
+   * one records `dead` (runs/lifecycle.ts withRetries).
+   */
+  retries?: { policy: RetryPolicy; log: string | null } | undefined;
 }
 
 /** Marking the run started failed (the store failed): nothing was called or recorded; try again later. */
@@ -291,6 +299,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         }
         if (attempt === undefined) throw new RunNotClaimedError(runId);
         claimed = true;
+        if (request.retries) recorder.attemptStarted(runId, attempt, request.retries.policy.max_attempts);
       }
       coldStart = slot.coldStart;
       started = Date.now();
@@ -391,9 +400,23 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     /** Records how the run ended (runs/lifecycle.ts), with its webhook, and tells the metrics. */
     function finish(ending: RunEnding): void {
       const now = Date.now();
-      const end = endRun({ id: runId, webhookUrl: request.webhookUrl, attempt }, ending, now);
+      const retries =
+        request.retries && attempt !== undefined
+          ? {
+              policy: request.retries.policy,
+              log: request.retries.log,
+              attempt,
+              startedAt: started ? isoTime(started) : null,
+            }
+          : undefined;
+      const end = endRun(
+        { id: runId, webhookUrl: request.webhookUrl, attempt, retries },
+        withRetries(ending, retries),
+        now,
+      );
       recorder.finish(end);
-      deps.onFinished?.(build, end.state, end.statusCode ?? 0, (now - created) / 1000, coldStart);
+      // An attempt the retry policy tries again is not the run's end (metrics count runs, not attempts).
+      if (end.final) deps.onFinished?.(build, end.state, end.statusCode ?? 0, (now - created) / 1000, coldStart);
     }
   }
 
@@ -530,7 +553,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
         request,
         { stored: storedInput(request.body), bytes: request.body.length },
         callFunction(request),
-        request.build.config.app.runtime !== 'custom',
+        runtimeOf(request.build).calls === 'frames',
       );
     },
     cancel(runId) {

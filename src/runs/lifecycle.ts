@@ -19,7 +19,10 @@
 import { ERRORS, type ErrorCode } from '../errors.js';
 import { isoTime } from '../ids.js';
 import type { Run, RunMode, RunState } from '../store/schema.js';
-import { buildWebhookPayload, type WebhookRunState } from '../webhooks/payload.js';
+import { type AttemptRecord, buildWebhookPayload, type WebhookRunState } from '../webhooks/payload.js';
+import { nextAttempt, type RetryableEnding, type RetryPolicy } from './retries.js';
+
+export type { AttemptRecord };
 
 /** A run's final state: success, failure, timeout or cancelled (the state its webhook reports). */
 export type FinalRunState = WebhookRunState;
@@ -119,7 +122,26 @@ export type RunEnding =
   /** The node running it stopped (recovery, or a start the node never heard of: the held-runs sweep). */
   | { kind: 'interrupted'; runTimeMs: number | null }
   /** Started again: queued for any node, its next start one more attempt; nothing is sent yet. */
-  | { kind: 'retry'; why: 'interrupted' };
+  | { kind: 'retry'; why: 'interrupted' }
+  /**
+   * The app's `[retries]` policy tries it again after `delayMs`: queued, not claimed before then; `after`
+   * is how this attempt ended (recorded in the run's attempts). See `withRetries`.
+   */
+  | { kind: 'retry'; why: 'policy'; delayMs: number; after: RunEnding };
+
+/**
+ * A run under a retry policy (`[retries]` with max_attempts above 1), as the place ending an attempt of it
+ * knows it: the policy, the attempts that ended before (the record's `attempt_log`) and this one.
+ */
+export interface RetryContext {
+  policy: RetryPolicy;
+  /** The record's `attempt_log` before this ending (JSON of AttemptRecord[]), or null. */
+  log: string | null;
+  /** This attempt's number (the run's starts so far). */
+  attempt: number;
+  /** When this attempt started, or null when it never did. */
+  startedAt: string | null;
+}
 
 /** The run being ended, as the place that ends it knows it. */
 export interface EndingRun {
@@ -131,6 +153,52 @@ export interface EndingRun {
    * recorder fences the changes by it. Undefined when the run was not started by the one ending it.
    */
   attempt?: number | undefined;
+  /** Set for an async run under a retry policy: its attempts are recorded, and the last one says `dead`. */
+  retries?: RetryContext | undefined;
+}
+
+/** The endings a retry policy's `on` names, from the way an attempt ended; null: never retried. */
+export function retryableAs(ending: RunEnding): RetryableEnding | null {
+  switch (ending.kind) {
+    case 'answered':
+      return failedAnswer(ending.statusCode) ? 'failure' : null;
+    case 'failed':
+    case 'internal-error':
+      return 'failure';
+    case 'timed-out':
+      return 'timeout';
+    case 'interrupted':
+      return 'interrupted';
+    default:
+      // Cancelled, a caller gone, not performed (no ready build), or already a retry.
+      return null;
+  }
+}
+
+/**
+ * `ending` under the run's retry policy: a `retry` after the policy's delay when the ending is one the
+ * policy retries and attempts are left, else `ending` itself (endRun then marks an exhausted run `dead`).
+ */
+export function withRetries(ending: RunEnding, retries: RetryContext | undefined): RunEnding {
+  if (!retries) return ending;
+  const as = retryableAs(ending);
+  if (as === null) return ending;
+  const next = nextAttempt(retries.policy, retries.attempt, as);
+  return next.retry ? { kind: 'retry', why: 'policy', delayMs: next.delayMs, after: ending } : ending;
+}
+
+/** The run's attempts with this one appended (for the record and the webhook). */
+function attemptsWith(retries: RetryContext, entry: AttemptRecord): AttemptRecord[] {
+  let earlier: AttemptRecord[] = [];
+  if (retries.log) {
+    try {
+      const parsed = JSON.parse(retries.log) as unknown;
+      if (Array.isArray(parsed)) earlier = parsed as AttemptRecord[];
+    } catch {
+      // A log that does not parse (hand-edited) starts again from this attempt.
+    }
+  }
+  return [...earlier, entry];
 }
 
 /** What `endRun` answers: the writers apply it as it is. */
@@ -164,6 +232,28 @@ export const INTERRUPTED_MESSAGE = 'The server running this run stopped while th
  *   recorder.finish(endRun({ id, webhookUrl }, { kind: 'caller-gone', runTimeMs: 12 }));
  */
 export function endRun(run: EndingRun, ending: RunEnding, now: number = Date.now()): RunEnd {
+  if (ending.kind === 'retry' && ending.why === 'policy') {
+    const ended = endRun({ id: run.id, webhookUrl: undefined }, ending.after, now);
+    const attempts = run.retries
+      ? attemptsWith(run.retries, attemptRecord(run.retries, ended.state as FinalRunState, ended.changes, now))
+      : null;
+    return {
+      runId: run.id,
+      state: 'queued',
+      final: false,
+      statusCode: null,
+      changes: {
+        state: 'queued',
+        owner: null,
+        started_at: null,
+        published_at: null,
+        not_before: isoTime(now + ending.delayMs),
+        attempt_log: attempts ? JSON.stringify(attempts) : null,
+      },
+      attempt: run.attempt,
+      outbox: undefined,
+    };
+  }
   if (ending.kind === 'retry') {
     return {
       runId: run.id,
@@ -241,6 +331,19 @@ export function endRun(run: EndingRun, ending: RunEnding, now: number = Date.now
       runTimeMs = ending.runTimeMs;
       break;
   }
+  // Under a retry policy: this attempt joins the record's attempts, and a run whose last attempt ended in a
+  // way the policy retries has exhausted them (`dead`).
+  const retries = run.retries;
+  let attempts: AttemptRecord[] | undefined;
+  let dead = false;
+  if (retries) {
+    attempts = attemptsWith(
+      retries,
+      attemptRecord(retries, state, { error_code: error?.code ?? null, status_code: statusCode }, now),
+    );
+    const as = retryableAs(ending);
+    dead = as !== null && retries.policy.on.includes(as) && retries.policy.max_attempts > 1;
+  }
   const outbox = run.webhookUrl
     ? {
         runId: run.id,
@@ -256,6 +359,8 @@ export function endRun(run: EndingRun, ending: RunEnding, now: number = Date.now
           resultOmitted: result?.omitted,
           resultEncoding: result?.encoding,
           error: error ?? undefined,
+          attempts,
+          dead: retries ? dead : undefined,
         }),
       }
     : undefined;
@@ -275,9 +380,29 @@ export function endRun(run: EndingRun, ending: RunEnding, now: number = Date.now
       reason,
       error_code: error?.code ?? null,
       error_message: error?.message ?? null,
+      // Left alone (undefined) for a run with no retry policy: a cancel does not erase earlier attempts.
+      attempt_log: attempts ? JSON.stringify(attempts) : undefined,
+      dead: retries ? (dead ? 1 : null) : undefined,
     },
     attempt: run.attempt,
     outbox,
+  };
+}
+
+/** One attempt as the run's attempts record it. */
+function attemptRecord(
+  retries: RetryContext,
+  state: FinalRunState,
+  changes: { error_code?: string | null | undefined; status_code?: number | null | undefined },
+  now: number,
+): AttemptRecord {
+  return {
+    attempt: retries.attempt,
+    started_at: retries.startedAt,
+    ended_at: isoTime(now),
+    state,
+    status_code: changes.status_code ?? null,
+    error_code: changes.error_code ?? null,
   };
 }
 

@@ -33,7 +33,10 @@ export function newRunRow(fields: {
   /** The node that holds the run (cluster/node.ts); sync and stream runs are stamped by the recorder. */
   owner?: string | null | undefined;
   createdAt?: number;
+  /** Where the run comes from, when not a call: a schedule's tick, or `runs retry` of an earlier run. */
+  origin?: { trigger: 'schedule'; schedule: string; tick: string } | { trigger: 'retry'; retryOf: string };
 }): RunRow {
+  const origin = fields.origin;
   return {
     id: fields.id,
     project_id: fields.build.projectId,
@@ -62,6 +65,13 @@ export function newRunRow(fields: {
     started_at: null,
     finished_at: null,
     run_time_ms: null,
+    trigger: origin?.trigger ?? null,
+    schedule_name: origin?.trigger === 'schedule' ? origin.schedule : null,
+    scheduled_for: origin?.trigger === 'schedule' ? origin.tick : null,
+    retry_of: origin?.trigger === 'retry' ? origin.retryOf : null,
+    not_before: null,
+    dead: null,
+    attempt_log: null,
   };
 }
 interface Pending {
@@ -109,6 +119,11 @@ export interface RunRecorder {
   holds(runId: string): boolean;
   /** Appends a log line of the run. */
   log(runId: string, stream: 'stdout' | 'stderr' | 'system', line: string): void;
+  /**
+   * Attempt `attempt` (of at most `of`) of a run under a retry policy starts here: its log lines are
+   * numbered after the earlier attempts' (which another node may have written), with a note first.
+   */
+  attemptStarted(runId: string, attempt: number, of: number): void;
   /** UTF-8 bytes of the log lines this recorder has taken to store, since it was made. */
   loggedBytes(): number;
   /**
@@ -157,13 +172,18 @@ export const DEFAULT_RECORDER_LIMITS: RecorderLimits = {
   maxRunLogBytes: 1024 * 1024,
 };
 
+/** Log line numbers per attempt of a retried run: attempt N's lines are numbered from (N - 1) × this. */
+export const ATTEMPT_SEQ_STRIDE = 100_000;
+
 type LogRow = { run_id: string; seq: number; at: string; stream: string; line: string };
 
 /** A run's log so far, on the node recording it (written to run_log_stats with its lines). */
 interface LogAccount {
   runId: string;
-  /** The last line's seq. */
+  /** The last line's seq, within this attempt's lines. */
   seq: number;
+  /** Added to `seq` in the store: a later attempt's lines follow the earlier ones' (ATTEMPT_SEQ_STRIDE). */
+  base?: number;
   /** UTF-8 bytes of the lines kept. */
   bytes: number;
   droppedLines: number;
@@ -633,7 +653,13 @@ export function createRunRecorder(deps: {
         : `a run's log keeps at most ${limits.maxRunLogBytes} bytes and ${MAX_LINES_PER_RUN} lines`,
     );
     account.seq += 1;
-    logs.push({ run_id: account.runId, seq: account.seq, at: isoTime(Date.now()), stream: 'system', line });
+    logs.push({
+      run_id: account.runId,
+      seq: (account.base ?? 0) + account.seq,
+      at: isoTime(Date.now()),
+      stream: 'system',
+      line,
+    });
     logBytes += line.length;
     account.bytes += Buffer.byteLength(line);
     dirty.set(account.runId, account);
@@ -704,6 +730,22 @@ export function createRunRecorder(deps: {
     holds(runId) {
       return pending.has(runId) || writingBatch?.has(runId) === true;
     },
+    attemptStarted(runId, attempt, of) {
+      if (attempt <= 1) return;
+      // The earlier attempt ran here: its lines go on. Elsewhere (or before a restart): numbered after them.
+      if (accounts[runId] === undefined) {
+        accounts[runId] = {
+          runId,
+          seq: 0,
+          base: (attempt - 1) * ATTEMPT_SEQ_STRIDE,
+          bytes: 0,
+          droppedLines: 0,
+          droppedBytes: 0,
+        };
+        accountRuns += 1;
+      }
+      recorder.log(runId, 'system', `attempt ${attempt} of ${of} started`);
+    },
     log(runId, stream, text) {
       let account = accounts[runId];
       if (account === undefined) {
@@ -721,7 +763,7 @@ export function createRunRecorder(deps: {
       account.bytes += size;
       totalLogBytes += size;
       dirty.set(runId, account);
-      logs.push({ run_id: runId, seq: account.seq, at: isoTime(Date.now()), stream, line });
+      logs.push({ run_id: runId, seq: (account.base ?? 0) + account.seq, at: isoTime(Date.now()), stream, line });
       logBytes += line.length;
       schedule();
     },

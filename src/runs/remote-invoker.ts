@@ -17,7 +17,14 @@ import type { Logger } from 'pino';
 import { type Dispatcher, Pool } from 'undici';
 import type { ClusterAuth } from '../cluster/cluster-auth.js';
 import { placeCall, withOwnCalls } from '../cluster/placement.js';
-import { type CallMeta, encodeHeaderMeta, INTERNAL_PREFIX } from '../cluster/protocol.js';
+import {
+  type CallMeta,
+  callLine,
+  doneEvent,
+  parseLine,
+  sessionRequestHead,
+  WORKER_PATHS,
+} from '../cluster/protocol.js';
 import type { WorkerAnnouncement, WorkerDirectory } from '../cluster/workers.js';
 import { ERRORS, type ErrorCode, FerryError } from '../errors.js';
 import type {
@@ -164,7 +171,7 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
       });
       if (res.statusCode !== 200) {
         const text = await res.body.text().catch(() => '');
-        throw errorFromWorker(parseJson(text), res.statusCode);
+        throw errorFromWorker(parseLine(text), res.statusCode);
       }
       return res;
     } catch (err) {
@@ -183,10 +190,9 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
 
     invoke(given: InvokeRequest): Promise<InvokeResult> {
       const request = withSignal(given);
-      const line = Buffer.from(`${JSON.stringify(metaOf(request))}\n`);
-      const body = Buffer.concat([line, request.body]);
+      const body = Buffer.concat([callLine(metaOf(request)), request.body]);
       return dispatch(request, async (worker) => {
-        const res = await post(worker, `${INTERNAL_PREFIX}/invoke`, body, request.signal);
+        const res = await post(worker, WORKER_PATHS.invoke, body, request.signal);
         try {
           // A sync call's answer is one line: read it whole, without the line splitter's iterator.
           const events = request.mode === 'stream' ? lines(res.body) : oneLine(res.body);
@@ -225,12 +231,12 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
         http: { method: http.method, path: http.path, headers: http.headers, hasBody: http.body !== null },
         input: request.input ?? null,
       };
-      const line = Buffer.from(`${JSON.stringify(meta)}\n`);
+      const line = callLine(meta);
       const started = Date.now();
       return dispatch(request, async (worker) => {
         const res = await post(
           worker,
-          `${INTERNAL_PREFIX}/http`,
+          WORKER_PATHS.http,
           Readable.from(bodyOf(line, http.body), { objectMode: false }),
           request.signal,
         );
@@ -246,7 +252,7 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
                 if (pending.length > 1024 * 1024) throw new Error('the answer head is too long');
                 continue;
               }
-              const head = parseJson(pending.subarray(0, nl).toString('utf8')) as Record<string, unknown> | undefined;
+              const head = parseLine(pending.subarray(0, nl).toString('utf8')) as Record<string, unknown> | undefined;
               if (!head || head.e === 'error') throw errorFromWorker(head, Number(head?.status) || 502);
               statusCode = Number(head.status) || 502;
               sink = request.onResponse?.({
@@ -274,7 +280,7 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
 
     invokeSession(given, session) {
       const request = withSignal(given);
-      const meta = encodeHeaderMeta(metaOf(request));
+      const meta = metaOf(request);
       const started = Date.now();
       const signal = request.signal ?? new AbortController().signal;
       return dispatch(request, async (worker) => {
@@ -305,7 +311,7 @@ class NotConnected extends Error {
 }
 
 /** Opens a TCP (or TLS) connection to the worker and sends the tunnel's head; the rest is the caller's. */
-function connectTunnel(workerUrl: string, meta: string, authorization: string): Promise<net.Socket> {
+function connectTunnel(workerUrl: string, meta: CallMeta, authorization: string): Promise<net.Socket> {
   const url = new URL(workerUrl);
   const port = Number(url.port) || (url.protocol === 'https:' ? 443 : 80);
   return new Promise((resolve, reject) => {
@@ -327,10 +333,7 @@ function connectTunnel(workerUrl: string, meta: string, authorization: string): 
     socket.once(url.protocol === 'https:' ? 'secureConnect' : 'connect', () => {
       clearTimeout(timer);
       socket.removeListener('error', onError);
-      socket.write(
-        `GET ${INTERNAL_PREFIX}/session HTTP/1.1\r\nhost: ${url.host}\r\nauthorization: ${authorization}\r\n` +
-          `connection: Upgrade\r\nupgrade: ferry-tunnel\r\nx-ferry-call: ${meta}\r\n\r\n`,
-      );
+      socket.write(sessionRequestHead(url.host, authorization, meta));
       resolve(socket as net.Socket);
     });
   });
@@ -353,30 +356,6 @@ async function* oneLine(body: Dispatcher.ResponseData['body']): AsyncGenerator<R
   if (event && typeof event === 'object') yield event as Record<string, unknown>;
 }
 
-const RESULT_MEMBER = ',"result":';
-
-/**
- * A worker's answer line. A `done` line ends with its result (worker-api.ts writes it last): the rest is
- * read as JSON and the result is kept as its text (`resultJson`), which the worker took from the replica
- * and checked, so the gateway answers those bytes without parsing and writing them again. Any other
- * line, or a done line of another form, is read as JSON.
- */
-export function doneEvent(text: string): unknown {
-  if (text.startsWith('{"e":"done",')) {
-    const at = text.indexOf(RESULT_MEMBER);
-    const end = text.trimEnd();
-    if (at > 0 && end.endsWith('}')) {
-      const event = parseJson(`${text.slice(0, at)}}`);
-      // The head of this form has every other member (an older worker wrote `result` first, then the rest).
-      if (event && typeof event === 'object' && typeof (event as { statusCode?: unknown }).statusCode === 'number') {
-        const resultJson = end.slice(at + RESULT_MEMBER.length, -1);
-        return { ...event, resultJson, result: undefined };
-      }
-    }
-  }
-  return parseJson(text);
-}
-
 /**
  * The events of an NDJSON answer, as they arrive. Linear: an unfinished line's pieces are kept in a list
  * and joined once its newline comes (a long item is not searched and copied again for every chunk).
@@ -394,19 +373,11 @@ async function* lines(body: AsyncIterable<Buffer>): AsyncGenerator<Record<string
       const line = pending.length === 1 ? pending[0]! : pending.join('');
       pending = [];
       start = nl + 1;
-      const event = parseJson(line);
+      const event = parseLine(line);
       if (event && typeof event === 'object') yield event as Record<string, unknown>;
       nl = text.indexOf('\n', start);
     }
     if (start < text.length) pending.push(text.slice(start));
-  }
-}
-
-function parseJson(text: string): unknown {
-  try {
-    return JSON.parse(text) as unknown;
-  } catch {
-    return undefined;
   }
 }
 

@@ -13,9 +13,11 @@ import { findApp } from '../apps/apps.js';
 import type { Authenticator } from '../auth/authenticate.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
 import { FerryError } from '../errors.js';
+import { uuidv7 } from '../ids.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import type { Store } from '../store/index.js';
 import type { Run, RunMode, RunState } from '../store/schema.js';
+import { decryptWebhookSecret, encryptWebhookSecret } from '../webhooks/secret.js';
 import { type WebhookView, webhookView } from '../webhooks/view.js';
 import type { Invoker } from './invoke.js';
 import { isFinalState } from './lifecycle.js';
@@ -85,6 +87,8 @@ export interface RunServiceDeps {
   webhooks: { wake(): void; redeliver(projectId: string, appId: string, runId: string): Promise<unknown> };
   /** How long a cancel waits for the run to end before answering 202 (FERRY_CANCEL_GRACE_SECONDS + 10 s). */
   cancelWaitMs: number;
+  /** Encrypts webhook secrets per run (a retried run's secret is the old run's, under its own id). */
+  secretsKey?: Uint8Array;
 }
 
 export interface RunService {
@@ -113,8 +117,19 @@ export interface RunService {
   list(
     projectId: string,
     appId: string,
-    query: { limit: number; before?: string | undefined; state?: RunState | undefined; mode?: RunMode | undefined },
+    query: {
+      limit: number;
+      before?: string | undefined;
+      state?: RunState | undefined;
+      mode?: RunMode | undefined;
+      dead?: boolean | undefined;
+    },
   ): Promise<RunView[]>;
+  /**
+   * `runs retry`: a finished run performed again as a new async run of the app's active build, with the
+   * old run's stored input (and webhook), linked to it (`retry_of`). Resolves with the new run's id.
+   */
+  retry(projectId: string, appId: string, runId: string): Promise<string>;
   /** One run; with `waitMs`, once it has ended or the time has passed (or `signal` aborts), whichever is first. */
   get(projectId: string, appId: string, runId: string, wait?: { ms: number; signal: AbortSignal }): Promise<RunDetail>;
   /**
@@ -201,7 +216,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
         throw new FerryError('FERRY_NO_READY_BUILD', undefined, { headers: { 'retry-after': '5' } });
       }
       return {
-        build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
+        build: { projectId, appId: found.appId, buildId: found.buildId, runtime: found.runtime, config: found.config },
         functions: found.functions,
       };
     },
@@ -211,7 +226,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
       if (!found?.config || !found.buildId) return undefined;
       if (!found.config.app.disable_auth && !auth.peek(authorization, projectId, 'run')) return undefined;
       return {
-        build: { projectId, appId: found.appId, buildId: found.buildId, config: found.config },
+        build: { projectId, appId: found.appId, buildId: found.buildId, runtime: found.runtime, config: found.config },
         functions: found.functions,
       };
     },
@@ -276,6 +291,78 @@ export function createRunService(deps: RunServiceDeps): RunService {
       await findApp(store, projectId, appId);
       await recorder.flush();
       return (await listRuns(store, projectId, appId, query)).map((r) => viewRun(r));
+    },
+
+    async retry(projectId, appId, runId) {
+      await findApp(store, projectId, appId);
+      await recorder.flush();
+      const old = await findRun(store, projectId, appId, runId);
+      if (!isFinalState(old.state)) {
+        throw new FerryError(
+          'FERRY_RUN_NOT_FINISHED',
+          `Run ${runId} is ${old.state}: only a finished run can be retried`,
+        );
+      }
+      const target = await runTargets.get(projectId, appId);
+      if (!target?.config || !target.buildId) {
+        throw new FerryError('FERRY_NO_READY_BUILD', undefined, { headers: { 'retry-after': '5' } });
+      }
+      // A custom app's call is its HTTP request; a cortex call its JSON arguments. Either must have been kept.
+      const custom = target.config.app.runtime === 'custom';
+      if (custom ? old.http_request === null : old.input === null || old.http_request !== null) {
+        throw new FerryError(
+          'FERRY_RUN_INPUT_NOT_KEPT',
+          old.http_request === null && old.input === null
+            ? `Run ${runId}'s input was not kept (larger than 64 KiB, or a custom app's synchronous call): it cannot be retried`
+            : `Run ${runId} was a call of the app's other runtime: it cannot be retried on the active build`,
+        );
+      }
+      if (runQueue.backlog >= deps.maxAsyncBacklog) {
+        throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
+      }
+      if (!(await deps.projectBacklog.admit(projectId))) {
+        throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
+      }
+      const build = { projectId, appId: target.appId, buildId: target.buildId };
+      const owner = runQueue.ownerFor(projectId, target.appId);
+      const id = uuidv7();
+      let webhookSecret: string | undefined;
+      if (old.webhook_endpoint && old.webhook_secret && deps.secretsKey) {
+        try {
+          const secret = decryptWebhookSecret(deps.secretsKey, old.id, old.webhook_secret);
+          webhookSecret = encryptWebhookSecret(deps.secretsKey, id, secret);
+        } catch {
+          // Erased (the delivery ended over 7 days ago) or unreadable: the new run's webhook is signed as without one.
+        }
+      }
+      const row = newRunRow({
+        id,
+        build,
+        fn: old.function_name,
+        mode: 'async',
+        input: old.input,
+        httpRequest: old.http_request ?? undefined,
+        webhookUrl: old.webhook_endpoint ?? undefined,
+        webhookSecret,
+        owner,
+        origin: { trigger: 'retry', retryOf: old.id },
+      });
+      await recorder.insertNow(row);
+      runQueue.accepted(
+        {
+          id,
+          projectId,
+          appId: target.appId,
+          call: {
+            function_name: row.function_name,
+            input: row.input,
+            webhook_endpoint: row.webhook_endpoint,
+            http_request: row.http_request,
+          },
+        },
+        owner,
+      );
+      return id;
     },
 
     async get(projectId, appId, runId, wait) {

@@ -6,7 +6,7 @@ import type { ExpressionBuilder } from 'kysely';
 import { ERRORS, FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
 import type { Database, Run, RunMode, RunState } from '../store/schema.js';
-import { endRun } from './lifecycle.js';
+import { type AttemptRecord, endRun } from './lifecycle.js';
 
 export interface RunView {
   run_id: string;
@@ -26,6 +26,18 @@ export interface RunView {
   reason: string | null;
   /** How many times the run was started (an interrupted async run may start again: retry_interrupted). */
   attempts: number;
+  /** What started it: `call` (the run endpoint), `schedule` (a schedule's tick) or `retry` (`runs retry`). */
+  trigger: 'call' | 'schedule' | 'retry';
+  /** A schedule's run: the schedule's name and the tick's time. */
+  schedule: { name: string; tick: string } | null;
+  /** A `runs retry` run: the run it repeats. */
+  retry_of: string | null;
+  /** Runs of an app with `[retries]`: each attempt that ended, oldest first; empty for other runs. */
+  attempt_history: AttemptRecord[];
+  /** A run waiting for its next attempt: not started before this time. */
+  next_attempt_at: string | null;
+  /** True when the run ended after exhausting its retry attempts. */
+  dead: boolean;
   /** Only on a single run: the stored input and result (JSON), when they were small enough to keep. */
   input?: unknown;
   result?: unknown;
@@ -37,6 +49,16 @@ function parse(text: string | null): unknown {
     return JSON.parse(text);
   } catch {
     return text;
+  }
+}
+
+function attemptHistory(log: string | null): AttemptRecord[] {
+  if (!log) return [];
+  try {
+    const parsed = JSON.parse(log) as unknown;
+    return Array.isArray(parsed) ? (parsed as AttemptRecord[]) : [];
+  } catch {
+    return [];
   }
 }
 
@@ -58,6 +80,12 @@ export function viewRun(run: Run, full = false): RunView {
     error: run.error_code ? { code: run.error_code, message: run.error_message ?? '' } : null,
     reason: run.reason,
     attempts: run.attempts,
+    trigger: run.trigger === 'schedule' || run.trigger === 'retry' ? run.trigger : 'call',
+    schedule: run.schedule_name && run.scheduled_for ? { name: run.schedule_name, tick: run.scheduled_for } : null,
+    retry_of: run.retry_of ?? null,
+    attempt_history: attemptHistory(run.attempt_log ?? null),
+    next_attempt_at: run.state === 'queued' ? (run.not_before ?? null) : null,
+    dead: run.dead === 1,
     ...(full ? { input: parse(run.input), result: parse(run.result) } : {}),
   };
 }
@@ -87,7 +115,13 @@ export async function listRuns(
   store: Store,
   projectId: string,
   appId: string,
-  options: { limit: number; before?: string | undefined; state?: RunState | undefined; mode?: RunMode | undefined },
+  options: {
+    limit: number;
+    before?: string | undefined;
+    state?: RunState | undefined;
+    mode?: RunMode | undefined;
+    dead?: boolean | undefined;
+  },
 ): Promise<Run[]> {
   // Only the runs of this app, not of a deleted app of the same name (their records wait for retention).
   let query = store
@@ -101,6 +135,7 @@ export async function listRuns(
   if (options.before) query = query.where('runs.id', '<', options.before);
   if (options.state) query = query.where('runs.state', '=', options.state);
   if (options.mode) query = query.where('runs.mode', '=', options.mode);
+  if (options.dead) query = query.where('runs.dead', '=', 1);
   return query.execute();
 }
 

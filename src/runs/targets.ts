@@ -10,6 +10,8 @@ export interface AppTarget {
   appId: string;
   /** Null while the app has no ready build. */
   buildId: string | null;
+  /** The active build's runtime (`builds.runtime`). */
+  runtime: string | null;
   config: AppConfig | undefined;
   /** Public function names known from the build, or undefined when the builder could not tell. */
   functions: string[] | undefined;
@@ -36,7 +38,14 @@ export function createRunTargets(deps: { store: Store }): RunTargets {
       const row = await deps.store
         .selectFrom('apps')
         .leftJoin('builds', 'builds.id', 'apps.active_build_id')
-        .select(['apps.id', 'apps.scaling_json', 'builds.id as build_id', 'builds.config_json', 'builds.functions'])
+        .select([
+          'apps.id',
+          'apps.scaling_json',
+          'builds.id as build_id',
+          'builds.runtime',
+          'builds.config_json',
+          'builds.functions',
+        ])
         .where('apps.project_id', '=', projectId)
         .where('apps.id', '=', appId)
         .executeTakeFirst();
@@ -44,6 +53,7 @@ export function createRunTargets(deps: { store: Store }): RunTargets {
       const value: AppTarget = {
         appId: row.id,
         buildId: row.build_id,
+        runtime: row.runtime,
         config: row.config_json
           ? withScalingOverride(JSON.parse(row.config_json) as AppConfig, row.scaling_json)
           : undefined,

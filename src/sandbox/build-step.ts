@@ -23,7 +23,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { createInterface } from 'node:readline';
 import type { Readable } from 'node:stream';
-import { abortError, type ChildExit, runChild, throwIfAborted } from '../builds/builders/run-child.js';
+import { abortError, type ChildExit, runChild, throwIfAborted } from '../builds/run-child.js';
 import { createReplicaCgroup, type ReplicaCgroup } from './cgroups.js';
 import { acquireSandboxUid, dropPrivilegesArgs, releaseSandboxUid, unreachableByOthers } from './identity.js';
 import { baseBwrapArgs, resolvConfArgs, type SandboxCapabilities, spawnReplica, WRAPPER_ENV } from './launch.js';
@@ -43,7 +43,7 @@ export const DEFAULT_BUILD_LIMITS: BuildLimits = { memoryMiB: 2048, maxProcesses
 
 /** What every build step runs in: the server's sandbox capabilities, its network provider, the limits. */
 /**
- * What a build step needs of its build: the part of a builder's context (builds/builders/types.ts,
+ * What a build step needs of its build: the part of a builder's context (builds/builder.ts,
  * `BuildContext`) that is about where and how it runs. Declared here so the sandbox does not depend on
  * the builders that use it.
  */

@@ -230,6 +230,8 @@ const PROBE_TIMEOUT_MS = 5_000;
 const SYSTEM_DIRS = ['/usr', '/etc'];
 /** Top-level folders that are symlinks into /usr on merged-/usr systems and real folders elsewhere. */
 const SYSTEM_LINKS = ['/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
+/** The host's folders a sandbox sees at their own path, read-only (the `host` root filesystem, runtimes/runtime.ts). */
+export const HOST_SYSTEM_ROOTS: readonly string[] = [...SYSTEM_DIRS, ...SYSTEM_LINKS];
 const SEARCH_PATH = ['/usr/local/sbin', '/usr/local/bin', '/usr/sbin', '/usr/bin', '/sbin', '/bin'];
 /** The first fd of the runtime files passed to bwrap's --file (0-2 stdio, 3 status, 4 arguments). */
 const FIRST_FILE_FD = 5;

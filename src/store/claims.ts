@@ -32,6 +32,15 @@ function picked<TB extends keyof Database, O>(
     : sql<SqlBool>`${sql.ref(column)} in (${pick})`;
 }
 
+/**
+ * A queued run is due: not waiting out its retry policy's delay (`not_before`, runs/lifecycle.ts), an ISO
+ * time compared by bytes on both stores.
+ */
+function dueAt(now: number): RawBuilder<SqlBool> {
+  const at = new Date(now).toISOString();
+  return sql<SqlBool>`(not_before is null or not_before <= ${at})`;
+}
+
 export interface ClaimedRun {
   id: string;
   project_id: string;
@@ -47,6 +56,7 @@ export async function claimQueuedRuns(
   owner: string,
   limit: number,
   skipApps: ReadonlyArray<{ projectId: string; appId: string }> = [],
+  now = Date.now(),
 ): Promise<ClaimedRun[]> {
   if (limit <= 0) return [];
   let pick = db
@@ -56,6 +66,7 @@ export async function claimQueuedRuns(
     .where('mode', '=', 'async')
     .where('owner', 'is', null)
     .where(unfinishedRun())
+    .where(dueAt(now))
     .orderBy('id')
     .limit(limit);
   if (skipApps.length > 0) {
@@ -118,21 +129,31 @@ export async function releaseQueuedRuns(db: Db, owner: string, runIds: readonly 
  * statement: those still queued and held by nobody. A run missing from the answer is finished, or held by
  * another node (which runs it, or whose death frees it for the relay to publish again).
  */
-export async function claimPublishedRuns(db: Db, owner: string, runIds: readonly string[]): Promise<ClaimedRun[]> {
+export async function claimPublishedRuns(
+  db: Db,
+  owner: string,
+  runIds: readonly string[],
+  now = Date.now(),
+): Promise<ClaimedRun[]> {
   if (runIds.length === 0) return [];
   // These exact runs: wait for a row another statement holds (the publisher marking it published), never
   // skip it, or a free run would look taken. Locked in id order, so two claimers never deadlock.
   let pick = db.selectFrom('runs').select('id').where('id', 'in', runIds);
   if (dialectOf(db) === 'postgres') pick = pick.orderBy('id').forUpdate();
-  return db
-    .updateTable('runs')
-    .set({ owner })
-    .where('id', 'in', pick)
-    .where('owner', 'is', null)
-    .where('state', '=', 'queued')
-    .where('mode', '=', 'async')
-    .returning(['id', 'project_id', 'app_id'])
-    .execute();
+  return (
+    db
+      .updateTable('runs')
+      .set({ owner })
+      .where('id', 'in', pick)
+      .where('owner', 'is', null)
+      .where('state', '=', 'queued')
+      .where('mode', '=', 'async')
+      // A message of a run now waiting for its next attempt (an older one, redelivered): the relay publishes
+      // the run again once it is due.
+      .where(dueAt(now))
+      .returning(['id', 'project_id', 'app_id'])
+      .execute()
+  );
 }
 
 /** Of these runs, the ones this node still holds unfinished (their message is not to be acknowledged yet). */
@@ -198,6 +219,7 @@ export async function claimRunsToPublish(
     .where('state', '=', 'queued')
     .where('mode', '=', 'async')
     .where('owner', 'is', null)
+    .where(dueAt(Date.parse(options.now)))
     .limit(options.limit);
   const { staleBefore } = options;
   // Unpublished runs: runs_unpublished holds just them. Stale ones: runs_state, the free queued runs.

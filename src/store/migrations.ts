@@ -318,6 +318,74 @@ const migrations: Record<string, Migration> = {
       }
     },
   },
+  '0013_schedules_retries': {
+    async up(db: Kysely<unknown>) {
+      // `[[schedules]]` of the active build of each app (src/schedules/): replaced when a build becomes
+      // active, paused and resumed by the API. `next_tick_at` is the next due tick; a node advances it with
+      // a compare-and-set after the tick's run is inserted, and the run's idempotency key names the tick, so
+      // nodes racing on one tick, or a node killed between the two statements, give one run per tick.
+      await db.schema
+        .createTable('schedules')
+        .addColumn('app_id', 'text', (c) => c.notNull())
+        .addColumn('name', 'text', (c) => c.notNull())
+        .addColumn('project_id', 'text', (c) => c.notNull())
+        .addColumn('build_id', 'text', (c) => c.notNull())
+        .addColumn('cron', 'text', (c) => c.notNull())
+        .addColumn('timezone', 'text', (c) => c.notNull())
+        .addColumn('function_name', 'text', (c) => c.notNull())
+        .addColumn('args', 'text', (c) => c.notNull())
+        .addColumn('webhook_endpoint', 'text')
+        .addColumn('overlap', 'text', (c) => c.notNull())
+        .addColumn('paused', 'integer', (c) => c.notNull().defaultTo(0))
+        .addColumn('next_tick_at', 'text', (c) => c.notNull())
+        .addColumn('last_tick_at', 'text')
+        .addColumn('last_run_id', 'text')
+        .addColumn('ticks_skipped', 'bigint', (c) => c.notNull().defaultTo(0))
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('updated_at', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('schedules_pk', ['project_id', 'app_id', 'name'])
+        .execute();
+      await sql`create index schedules_due on schedules (next_tick_at) where paused = 0`.execute(db);
+      // A run's origin: `trigger` null for a call, 'schedule' for a tick (with the schedule's name and the
+      // tick's time), 'retry' for `runs retry` (with the run it repeats). `not_before`: a queued run waiting
+      // for its next attempt's delay is not claimed or published before it. `dead`: 1 for a run that ended
+      // after exhausting its retry attempts.
+      for (const column of ['trigger', 'schedule_name', 'scheduled_for', 'retry_of', 'not_before'])
+        await db.schema.alterTable('runs').addColumn(column, 'text').execute();
+      await db.schema.alterTable('runs').addColumn('dead', 'integer').execute();
+      // The attempts of a run under a retry policy that have ended, as a JSON array (null for a run with one
+      // attempt, nearly all): written with the run's other changes when an attempt ends, read with its call.
+      await db.schema.alterTable('runs').addColumn('attempt_log', 'text').execute();
+      if (isPostgres(db)) {
+        for (const [table, columns] of [
+          [
+            'schedules',
+            [
+              'app_id',
+              'name',
+              'project_id',
+              'build_id',
+              'cron',
+              'timezone',
+              'function_name',
+              'args',
+              'webhook_endpoint',
+              'overlap',
+              'next_tick_at',
+              'last_tick_at',
+              'last_run_id',
+              'created_at',
+              'updated_at',
+            ],
+          ],
+          ['runs', ['trigger', 'schedule_name', 'scheduled_for', 'retry_of', 'not_before', 'attempt_log']],
+        ] as const) {
+          const changes = columns.map((c) => sql`alter column ${sql.ref(c)} type text collate "C"`);
+          await sql`alter table ${sql.table(table)} ${sql.join(changes)}`.execute(db);
+        }
+      }
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

@@ -38,6 +38,13 @@ const COLUMNS = [
   'started_at',
   'finished_at',
   'run_time_ms',
+  'trigger',
+  'schedule_name',
+  'scheduled_for',
+  'retry_of',
+  'not_before',
+  'dead',
+  'attempt_log',
 ] as const satisfies ReadonlyArray<keyof Run>;
 
 // A column added to runs and not here would not be written: the type check fails instead.

@@ -111,6 +111,20 @@ export interface RunsTable {
   started_at: string | null;
   finished_at: string | null;
   run_time_ms: number | null;
+  /** Null: a call; 'schedule': a schedule's tick; 'retry': `runs retry` of an earlier run (migration 0013). */
+  trigger: Optional<string>;
+  /** The schedule of a tick's run. */
+  schedule_name: Optional<string>;
+  /** The tick's time of a schedule's run. */
+  scheduled_for: Optional<string>;
+  /** The run a `runs retry` repeats. */
+  retry_of: Optional<string>;
+  /** A queued run waiting for its next attempt: not claimed or published before this time. */
+  not_before: Optional<string>;
+  /** 1: the run ended after exhausting its retry attempts. */
+  dead: Optional<number>;
+  /** The ended attempts of a run under a retry policy, JSON (runs/lifecycle.ts AttemptRecord[]). */
+  attempt_log: Optional<string>;
 }
 
 export interface RunLogLinesTable {
@@ -171,6 +185,31 @@ export interface SecretsTable {
   updated_at: string;
 }
 
+/** One `[[schedules]]` entry of an app's active build, with its state (migration 0013). */
+export interface SchedulesTable {
+  app_id: string;
+  name: string;
+  project_id: string;
+  /** The build whose ferry.toml defines it (the active build when it was written). */
+  build_id: string;
+  cron: string;
+  timezone: string;
+  function_name: string;
+  /** The run's JSON body. */
+  args: string;
+  webhook_endpoint: string | null;
+  overlap: string;
+  paused: Generated<number>;
+  /** The next tick due (ISO time); advanced by compare-and-set when a tick's run is in. */
+  next_tick_at: string;
+  last_tick_at: string | null;
+  last_run_id: string | null;
+  /** Due ticks passed over (downtime, overlap skip), in all. */
+  ticks_skipped: Generated<number>;
+  created_at: string;
+  updated_at: string;
+}
+
 /** A project's volume (migration 0012, src/volumes/). */
 export interface VolumesTable {
   project_id: string;
@@ -197,6 +236,7 @@ export interface Database {
   secrets: SecretsTable;
   volumes: VolumesTable;
   nodes: NodesTable;
+  schedules: SchedulesTable;
 }
 
 export type Project = Selectable<ProjectsTable>;
@@ -204,3 +244,4 @@ export type ServiceAccount = Selectable<ServiceAccountsTable>;
 export type App = Selectable<AppsTable>;
 export type Build = Selectable<BuildsTable>;
 export type Run = Selectable<RunsTable>;
+export type Schedule = Selectable<SchedulesTable>;

@@ -28,6 +28,20 @@ export interface WebhookPayload {
   /** `base64` when `result` is a custom server's non-text response body, base64-encoded. */
   result_encoding?: 'base64';
   error?: { code: string; message: string; type?: string };
+  /** Runs of an app with `[retries]`: every attempt, the last one this ending (docs/functions.md, Retries). */
+  attempts?: AttemptRecord[];
+  /** Runs of an app with `[retries]`: true when the run ended after exhausting its attempts. */
+  dead?: boolean;
+}
+
+/** One ended attempt of a run under a retry policy (the run record's `attempt_history`, the webhook's `attempts`). */
+export interface AttemptRecord {
+  attempt: number;
+  started_at: string | null;
+  ended_at: string;
+  state: WebhookRunState;
+  status_code: number | null;
+  error_code: string | null;
 }
 
 export function buildWebhookPayload(input: {
@@ -44,6 +58,8 @@ export function buildWebhookPayload(input: {
   resultOmitted?: string | undefined;
   resultEncoding?: 'base64' | undefined;
   error?: { code: string; message: string; type?: string | undefined } | undefined;
+  attempts?: AttemptRecord[] | undefined;
+  dead?: boolean | undefined;
 }): string {
   const payload: WebhookPayload = {
     run_id: input.runId,
@@ -52,6 +68,8 @@ export function buildWebhookPayload(input: {
     status_code: input.statusCode,
     run_time_ms: input.runTimeMs,
   };
+  if (input.attempts) payload.attempts = input.attempts;
+  if (input.dead !== undefined) payload.dead = input.dead;
   if (input.error) {
     payload.error = { code: input.error.code, message: input.error.message };
     if (input.error.type) payload.error.type = input.error.type;

@@ -10,7 +10,7 @@ import os from 'node:os';
 import path from 'node:path';
 import { after, before } from 'node:test';
 import { parseAppConfig } from '../../src/apps/app-config.js';
-import { type Builder, BuildFailedError, type BuildResult } from '../../src/builds/builders/types.js';
+import { type Builder, BuildFailedError, type BuildResult } from '../../src/builds/builder.js';
 import { DEFAULT_BUILD_LIMITS } from '../../src/sandbox/build-step.js';
 import { detectSandbox, probeSandbox, type SandboxCapabilities } from '../../src/sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork, type SandboxNetworkLease } from '../../src/sandbox/network.js';

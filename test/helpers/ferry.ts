@@ -2,6 +2,14 @@
  * Test helpers: a Ferry server in this process on a real socket (port 0), a real `ferry serve` child
  * process, the CLI as a child process, and a small HTTP helper. Every server gets its own temp data dir,
  * and on PostgreSQL (`FERRY_TEST_STORE=postgres`, test/helpers/store.ts) its own fresh database.
+ *
+ * Management routes are tested in-process with `server.inject(path, ...)` (Fastify's `inject`: no socket,
+ * the same answer shape as `http`); the run endpoint (whose hot case is served before Fastify, see
+ * http/run-fast-path.ts), streams, proxies, WebSockets and the CLI go over the socket with `http(url, ...)`.
+ *
+ * A test server (in this process or `ferry serve`) starts without a warm pool (FERRY_WARM_POOL=0) unless the test sets one: each warm
+ * sandbox is a Node or Python process started in the background and stopped at close, the largest part of
+ * a server's start-up and close for the many tests that never take one.
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import fs from 'node:fs/promises';
@@ -9,11 +17,9 @@ import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import type { DestinationStream } from 'pino';
-import { bootstrapProject } from '../../src/auth/service-accounts.js';
-import { resolveServerConfig, type ServerConfig } from '../../src/config.js';
-import { buildServer, type FerryServer } from '../../src/http/server.js';
-import { createLogger } from '../../src/logger.js';
-import { createServices, type Services } from '../../src/services.js';
+import type { ServerConfig } from '../../src/config.js';
+import type { FerryServer } from '../../src/http/server.js';
+import type { Services } from '../../src/services.js';
 import { createTestDatabase, type TestDatabase, testStoreKind } from './store.js';
 
 /** The repository root (tests run from dist/test, two levels below). */
@@ -32,6 +38,8 @@ export interface TestServer {
   /** The PostgreSQL database the server uses (undefined on SQLite). */
   databaseUrl: string | undefined;
   bootstrap(projectName?: string): Promise<{ projectId: string; token: string }>;
+  /** One request through Fastify's `inject` (no socket): `path` is the URL's path and query. */
+  inject(path: string, options?: RequestOptions): Promise<Response>;
   close(): Promise<void>;
 }
 
@@ -48,8 +56,19 @@ export async function startServer(
   } = {},
 ): Promise<TestServer> {
   const { log, ...configOverrides } = overrides;
+  // Loaded here, not at the top: the many test files that import this module only for tempDir, http or
+  // the CLI do not load the whole server (about a second of CPU per test process).
+  const [{ resolveServerConfig }, { buildServer }, { createLogger }, { createServices }, { bootstrapProject }] =
+    await Promise.all([
+      import('../../src/config.js'),
+      import('../../src/http/server.js'),
+      import('../../src/logger.js'),
+      import('../../src/services.js'),
+      import('../../src/auth/service-accounts.js'),
+    ]);
   const dataDir = overrides.dataDir ?? (await tempDir());
-  const config = { ...resolveServerConfig({ dataDir, port: 0 }, overrides.env ?? {}), ...configOverrides, dataDir };
+  const env = { FERRY_WARM_POOL: '0', ...overrides.env };
+  const config = { ...resolveServerConfig({ dataDir, port: 0 }, env), ...configOverrides, dataDir };
   let database: TestDatabase | undefined;
   if (testStoreKind() === 'postgres' && !config.databaseUrl) {
     database = await createTestDatabase();
@@ -85,6 +104,7 @@ export async function startServer(
       const { project, token } = await bootstrapProject(services.store, services.jwtKey, { projectName });
       return { projectId: project.id, token };
     },
+    inject: (path, options) => inject(app, path, options),
     async close() {
       try {
         await app.close();
@@ -104,11 +124,15 @@ export interface Response {
   json: any;
 }
 
-/** One HTTP request; `body` objects are sent as JSON, Buffers as they are. */
-export async function http(
-  url: string,
-  options: { method?: string; token?: string; body?: unknown; headers?: Record<string, string> } = {},
-): Promise<Response> {
+export interface RequestOptions {
+  method?: string;
+  token?: string;
+  body?: unknown;
+  headers?: Record<string, string>;
+}
+
+/** The headers and body of a request: `body` objects are sent as JSON, Buffers as they are. */
+function requestParts(options: RequestOptions): { headers: Record<string, string>; body: Buffer | string | undefined } {
   const headers: Record<string, string> = { ...options.headers };
   if (options.token) headers.authorization = `Bearer ${options.token}`;
   let body: Buffer | string | undefined;
@@ -117,15 +141,40 @@ export async function http(
     body = JSON.stringify(options.body);
     headers['content-type'] ??= 'application/json';
   }
+  return { headers, body };
+}
+
+function parsedJson(text: string): unknown {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+}
+
+/** One HTTP request over a socket; `body` objects are sent as JSON, Buffers as they are. */
+export async function http(url: string, options: RequestOptions = {}): Promise<Response> {
+  const { headers, body } = requestParts(options);
   const res = await fetch(url, { method: options.method ?? 'GET', headers, body, signal: AbortSignal.timeout(30_000) });
   const text = await res.text();
-  let json: unknown;
-  try {
-    json = JSON.parse(text);
-  } catch {
-    json = undefined;
+  return { status: res.status, headers: res.headers, text, json: parsedJson(text) };
+}
+
+/** One request through Fastify's `inject` (in-process, no socket), answered in the shape `http` has. */
+export async function inject(app: FerryServer, path: string, options: RequestOptions = {}): Promise<Response> {
+  const { headers, body } = requestParts(options);
+  const res = await app.inject({
+    method: (options.method ?? 'GET') as 'GET',
+    url: path,
+    headers,
+    ...(body === undefined ? {} : { payload: body }),
+  });
+  const answered = new Headers();
+  for (const [name, value] of Object.entries(res.headers)) {
+    if (value === undefined) continue;
+    for (const one of Array.isArray(value) ? value : [value]) answered.append(name, String(one));
   }
-  return { status: res.status, headers: res.headers, text, json };
+  return { status: res.statusCode, headers: answered, text: res.body, json: parsedJson(res.body) };
 }
 
 export interface CliResult {
@@ -182,11 +231,12 @@ export interface ServeProcess {
   stop(signal?: NodeJS.Signals): Promise<number | null>;
 }
 
-/** Starts a real `ferry serve` child process on a free port and waits until it listens. */
+/** Starts a real `ferry serve` child process on a free port (no warm pool unless `env` sets one) and waits until it listens. */
 export async function spawnServe(dataDir: string, env: NodeJS.ProcessEnv = {}, as?: RunAs): Promise<ServeProcess> {
   const { bin = FERRY_BIN, ...ids } = as ?? {};
   const child = spawn(process.execPath, [bin, 'serve', '--port', '0', '--data-dir', dataDir], {
-    env: { PATH: process.env.PATH, HOME: process.env.HOME, FERRY_LOG_FORMAT: 'json', ...env },
+    // No warm pool unless the test sets one (see the header).
+    env: { PATH: process.env.PATH, HOME: process.env.HOME, FERRY_LOG_FORMAT: 'json', FERRY_WARM_POOL: '0', ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
     ...ids,
   });

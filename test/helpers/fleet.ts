@@ -56,7 +56,10 @@ export interface FleetSettings {
   databaseUrl: string;
   keysDir: string;
   artifactsDir: string;
-  /** More environment for the serve process (PATH, HOME and FERRY_LOG_FORMAT=json are always set). */
+  /**
+   * More environment for the serve process (PATH, HOME and FERRY_LOG_FORMAT=json are always set;
+   * FERRY_WARM_POOL is 0 unless set here).
+   */
   env?: NodeJS.ProcessEnv;
 }
 
@@ -106,10 +109,12 @@ export async function startFleetProcess(
     settings.artifactsDir,
   ];
   const child = spawn(process.execPath, args, {
+    // No warm pool unless the test sets one: two background sandboxes per process that most tests never take.
     env: {
       PATH: process.env.PATH,
       HOME: process.env.HOME,
       FERRY_LOG_FORMAT: 'json',
+      FERRY_WARM_POOL: '0',
       // FERRY_TEST_LOG=debug shows the serve processes' debug lines too (with FERRY_TEST_FLEET_LOGS to read them).
       ...(process.env.FERRY_TEST_LOG ? { FERRY_LOG_LEVEL: process.env.FERRY_TEST_LOG } : {}),
       ...settings.env,

@@ -6,10 +6,18 @@
  * postgres://postgres@127.0.0.1:5432/postgres, created here and dropped when the test is done). The files
  * under test/postgres/ set it to `postgres` and import a test file, so one `node --test` run covers both.
  * When PostgreSQL cannot be reached the tests fail with a message saying so; they never skip.
+ *
+ * A fresh database is a copy of a pre-migrated template, `ferry_template_<hash of the compiled
+ * migrations>`, made once per migration set by whichever test process needs it first (a few hundred
+ * milliseconds of migrations per database otherwise, on every server a PostgreSQL test starts). Ferry
+ * still runs its migrator at open, which finds nothing to do. The migrations from an empty database stay
+ * covered: `{ icuLocale }` databases (test/store-collation) and the cluster tests' databases
+ * (test/helpers/fleet.ts) start empty.
  */
-import { randomBytes } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
+import { readFile } from 'node:fs/promises';
 import pg from 'pg';
-import { openPostgresStore, openSqliteStore, type Store } from '../../src/store/index.js';
+import type { Store } from '../../src/store/index.js';
 import { withoutPassword } from '../../src/store/outage.js';
 
 export type TestStoreKind = 'sqlite' | 'postgres';
@@ -68,19 +76,88 @@ export interface CreateTestDatabaseOptions {
   icuLocale?: string;
 }
 
-/** Creates a fresh, empty database (Ferry's migrations run when a store opens it). */
-export async function createTestDatabase(options: CreateTestDatabaseOptions = {}): Promise<TestDatabase> {
-  const name = `ferry_t_${randomBytes(6).toString('hex')}`;
-  const locale = options.icuLocale
-    ? ` TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE '${options.icuLocale.replace(/[^A-Za-z0-9@=;_-]/g, '')}'`
-    : '';
-  await withAdminClient((client) => client.query(`CREATE DATABASE "${name}"${locale}`));
+/** The URL of database `name` on the admin URL's server. */
+function databaseUrl(name: string): string {
   const url = new URL(pgAdminUrl());
   url.pathname = `/${name}`;
+  return url.toString();
+}
+
+/** PostgreSQL's error code, if `err` is an error the server sent. */
+function pgCode(err: unknown): string | undefined {
+  return (err as { code?: unknown })?.code === undefined ? undefined : String((err as { code: unknown }).code);
+}
+
+/** Runs `statement` on the admin connection, again while a session still leaving `database` is in the way. */
+async function adminStatement(statement: string): Promise<void> {
+  for (let attempt = 0; ; attempt++) {
+    try {
+      await withAdminClient((client) => client.query(statement));
+      return;
+    } catch (err) {
+      // 55006: "database is being accessed by other users", a backend of a pool just closed still exiting.
+      if (pgCode(err) !== '55006' || attempt >= 50) throw err;
+      await new Promise((resolve) => setTimeout(resolve, 100));
+    }
+  }
+}
+
+let template: Promise<string> | undefined;
+
+/**
+ * The name of the pre-migrated template database for the migrations this build has, made if missing.
+ * Several test processes may race to make it: each migrates a database of its own and renames it to the
+ * template's name, which succeeds for one (a rename is atomic); the others drop theirs. Nobody connects to
+ * the template (connections are disallowed on it), so copying it never finds it in use.
+ */
+function migratedTemplate(): Promise<string> {
+  if (template) return template;
+  template = (async () => {
+    const migrations = await readFile(new URL('../../src/store/migrations.js', import.meta.url));
+    const name = `ferry_template_${createHash('sha256').update(migrations).digest('hex').slice(0, 16)}`;
+    const found = await withAdminClient((client) =>
+      client.query('select 1 from pg_database where datname = $1', [name]),
+    );
+    if (found.rowCount) return name;
+    const building = `ferry_tb_${randomBytes(6).toString('hex')}`;
+    await adminStatement(`CREATE DATABASE "${building}"`);
+    try {
+      const { openPostgresStore } = await import('../../src/store/index.js');
+      const store = await openPostgresStore({ databaseUrl: databaseUrl(building), poolSize: 1 });
+      await store.destroy();
+      await adminStatement(`ALTER DATABASE "${building}" WITH ALLOW_CONNECTIONS false`);
+      try {
+        await adminStatement(`ALTER DATABASE "${building}" RENAME TO "${name}"`);
+      } catch (err) {
+        // 42P04: another process made the template first; theirs is the same schema.
+        if (pgCode(err) !== '42P04') throw err;
+      }
+    } finally {
+      await adminStatement(`DROP DATABASE IF EXISTS "${building}" WITH (FORCE)`);
+    }
+    return name;
+  })();
+  // A failure (PostgreSQL unreachable) is reported by this call, and the next call tries again.
+  template.catch(() => {
+    template = undefined;
+  });
+  return template;
+}
+
+/**
+ * Creates a fresh database: a copy of the pre-migrated template, or (with `icuLocale`) an empty database
+ * of that collation, migrated when a store opens it.
+ */
+export async function createTestDatabase(options: CreateTestDatabaseOptions = {}): Promise<TestDatabase> {
+  const name = `ferry_t_${randomBytes(6).toString('hex')}`;
+  const from = options.icuLocale
+    ? ` TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE '${options.icuLocale.replace(/[^A-Za-z0-9@=;_-]/g, '')}'`
+    : ` TEMPLATE "${await migratedTemplate()}"`;
+  await adminStatement(`CREATE DATABASE "${name}"${from}`);
   let dropped: Promise<void> | undefined;
   return {
     name,
-    url: url.toString(),
+    url: databaseUrl(name),
     drop() {
       dropped ??= withAdminClient(async (client) => {
         await client.query(`DROP DATABASE IF EXISTS "${name}" WITH (FORCE)`);
@@ -105,12 +182,14 @@ export interface TestStore {
  */
 export async function openTestStore(dataDir: string, options: CreateTestDatabaseOptions = {}): Promise<TestStore> {
   if (testStoreKind() === 'sqlite') {
+    const { openSqliteStore } = await import('../../src/store/index.js');
     const store = await openSqliteStore({ dataDir });
     return { store, kind: 'sqlite', databaseUrl: undefined, close: () => store.destroy() };
   }
   const database = await createTestDatabase(options);
   let store: Store;
   try {
+    const { openPostgresStore } = await import('../../src/store/index.js');
     store = await openPostgresStore({ databaseUrl: database.url });
   } catch (err) {
     await database.drop();

@@ -6,6 +6,7 @@ import { renderBuild, renderBuilds } from './pages/builds.js';
 import { renderCharts } from './pages/charts.js';
 import { renderKeys } from './pages/keys.js';
 import { renderRun, renderRuns } from './pages/runs.js';
+import { renderSchedules } from './pages/schedules.js';
 import { renderSecrets } from './pages/secrets.js';
 import { renderSettings } from './pages/settings.js';
 import { renderVolumeFiles, renderVolumes } from './pages/volumes.js';
@@ -39,6 +40,7 @@ const ROUTES = [
   [/^\/apps\/([^/]+)\/runs$/, renderRuns, 'runs'],
   [/^\/apps\/([^/]+)\/runs\/([^/]+)$/, renderRun, 'runs'],
   [/^\/apps\/([^/]+)\/charts$/, renderCharts, 'charts'],
+  [/^\/apps\/([^/]+)\/schedules$/, renderSchedules, 'apps'],
   [/^\/apps\/([^/]+)\/settings$/, renderSettings, 'apps'],
   [/^\/runs$/, pickApp('runs'), 'runs'],
   [/^\/charts$/, pickApp('charts'), 'charts'],

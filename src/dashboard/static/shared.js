@@ -35,6 +35,7 @@ const SECTIONS = [
   ['builds', 'Builds'],
   ['runs', 'Runs'],
   ['charts', 'Charts'],
+  ['schedules', 'Schedules'],
   ['settings', 'Settings'],
 ];
 

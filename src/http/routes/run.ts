@@ -14,6 +14,7 @@ import { uuidv7 } from '../../ids.js';
 import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { type CallParts, checkFunction, type RunService, type RunTarget } from '../../runs/run-service.js';
 import type { ReplayStream, StreamEndState, StreamReader, StreamReplay } from '../../runs/stream-replay.js';
+import { runtimeOf } from '../../runtimes/index.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { errorEventData } from '../answer.js';
 import { useJsonBodies } from '../body-parsers.js';
@@ -376,7 +377,7 @@ export function registerRunRoutes(app: TypedServer, services: RunRouteDeps): voi
       const { project_id, app_name } = request.params as { project_id: string; app_name: string };
       const target = await services.runs.resolveTarget(project_id, app_name, request.headers.authorization);
       request.runTarget = target;
-      if (target.build.config.app.runtime === 'custom') {
+      if (runtimeOf(target.build).calls === 'http') {
         return proxyHttp(services, request, reply, target, runId, parseWebhookEndpoint, (call) =>
           acceptAsync(services, request, reply, {
             ...call,

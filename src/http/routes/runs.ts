@@ -44,6 +44,31 @@ const Run = Type.Object({
     description:
       'How many times the run was started: 1 for a run that ran once; more when an interrupted async run of an app with retry_interrupted ran again; 0 while queued',
   }),
+  trigger: Type.Union([Type.Literal('call'), Type.Literal('schedule'), Type.Literal('retry')], {
+    description: 'What started the run: a call of the run endpoint, a schedule’s tick, or `runs retry`',
+  }),
+  schedule: Nullable(
+    Type.Object(
+      { name: Type.String(), tick: Type.String({ format: 'date-time' }) },
+      { description: 'A schedule’s run: the schedule and the tick it was started for' },
+    ),
+  ),
+  retry_of: Nullable(Type.String({ description: 'A `runs retry` run: the run it repeats' })),
+  attempt_history: Type.Array(
+    Type.Object({
+      attempt: Type.Integer(),
+      started_at: Nullable(Type.String({ format: 'date-time' })),
+      ended_at: Type.String({ format: 'date-time' }),
+      state: RunState,
+      status_code: Nullable(Type.Integer()),
+      error_code: Nullable(Type.String()),
+    }),
+    { description: 'Runs of an app with [retries]: each attempt that ended, oldest first (empty otherwise)' },
+  ),
+  next_attempt_at: Nullable(
+    Type.String({ format: 'date-time', description: 'A run waiting for its next attempt: not started before this' }),
+  ),
+  dead: Type.Boolean({ description: 'The run ended after exhausting its [retries] attempts' }),
   input: Type.Optional(Type.Unknown({ description: 'The arguments (when at most 64 KiB; async runs: always)' })),
   result: Type.Optional(Type.Unknown({ description: 'The result (when at most 256 KiB)' })),
   webhook: Type.Optional(Type.Union([WebhookViewSchema, Type.Null()])),
@@ -77,6 +102,9 @@ export function registerRunsRoutes(app: TypedServer, services: RunsRouteDeps): v
           ),
           state: Type.Optional(RunState),
           mode: Type.Optional(RunMode),
+          dead: Type.Optional(
+            Type.Boolean({ description: 'Only runs that ended after exhausting their [retries] attempts' }),
+          ),
         }),
         response: {
           200: Type.Object({ runs: Type.Array(Run), next_before: Nullable(Type.String()) }),
@@ -166,6 +194,28 @@ export function registerRunsRoutes(app: TypedServer, services: RunsRouteDeps): v
       } finally {
         request.raw.off('close', onClose);
       }
+    },
+  );
+
+  app.post(
+    '/v2/projects/:project_id/apps/:app_id/runs/:run_id/retry',
+    {
+      onRequest: manage,
+      schema: {
+        summary: 'Run a finished run again',
+        description:
+          'Starts a new async run of the app’s active build with the finished run’s stored input (a custom app: its ' +
+          'stored request) and webhook, `trigger: "retry"` and `retry_of` naming the old run; answers 202 with the new ' +
+          'run’s id. 409 FERRY_RUN_NOT_FINISHED for a queued or running run, 409 FERRY_RUN_INPUT_NOT_KEPT when its input ' +
+          'was not stored (a sync or stream call’s input over 64 KiB; a custom app’s synchronous request).',
+        params: RunParams,
+        response: { 202: Type.Object({ run_id: Type.String() }), ...errors(400, 401, 403, 404, 409, 429, 503) },
+      },
+    },
+    async (request, reply) => {
+      const { project_id, app_id, run_id } = request.params;
+      const id = await runs.retry(project_id, app_id, run_id);
+      return reply.code(202).header('x-request-id', id).send({ run_id: id });
     },
   );
 

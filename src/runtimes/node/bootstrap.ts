@@ -139,7 +139,7 @@ async function loadEntry(entry: string): Promise<boolean> {
 if (!warm && !(await loadEntry(startEntry!))) process.exit(3);
 if (warm) {
   // A first dynamic import compiles much of Node's module loader; done now, the app's import is quicker. The
-  // module is what Ferry's bundles start with (src/builds/builders/node.ts), from a data: URL: no file.
+  // module is what Ferry's bundles start with (src/runtimes/node/builder.ts), from a data: URL: no file.
   const warmModule =
     "data:text/javascript,import { createRequire } from 'node:module'; import { fileURLToPath } from 'node:url'; import { dirname } from 'node:path'; createRequire('file:///ferry/warm.mjs'); dirname(fileURLToPath('file:///ferry/warm.mjs'));";
   await import(warmModule);

@@ -2,18 +2,24 @@
  * The Python builder (cortex runtime, `main.py`): checks the entry's syntax and finds its public functions
  * without running it (Python's own compiler and `ast`, in a subprocess), then, when `requirements.txt`
  * exists, installs the dependencies with pip into `<outputDir>/site-packages`, where the Python bootstrap
- * (src/runtimes/cortex-python/bootstrap.py) puts them on `sys.path`.
+ * (src/runtimes/python/bootstrap.py) puts them on `sys.path`.
  *
  * Builds use the interpreter replicas run (`findPython()`), so compiled extensions and the bytecode pip
  * writes match it.
  */
-import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import {
+  type BuildContext,
+  type Builder,
+  BuildFailedError,
+  type BuildResult,
+  noEntryError,
+} from '../../builds/builder.js';
+import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from '../../sandbox/build-step.js';
+import { findPython } from './interpreter.js';
 import { requirementsProblem } from './requirements.js';
-import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
-import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
 
 export const PYTHON_ENTRY = 'main.py';
 /** The oldest Python the bootstrap runs on. */
@@ -37,39 +43,6 @@ const PASSED_ENV = [
   'SSL_CERT_FILE',
   'SSL_CERT_DIR',
 ];
-
-/**
- * Interpreters tried in order. The system's come first: a replica's sandbox shows `/usr` but not, say, a
- * pyenv under /root, so an interpreter found on PATH is only a fallback (it works without the sandbox).
- */
-const SYSTEM_PYTHONS = ['/usr/bin/python3', '/usr/local/bin/python3'];
-
-let pythonLookup: Promise<string | null> | undefined;
-
-/** The absolute path of the `python3` replicas and builds run, or null when there is none (looked up once). */
-export function findPython(): Promise<string | null> {
-  pythonLookup ??= lookUpPython(process.env.PATH ?? '');
-  return pythonLookup;
-}
-
-async function lookUpPython(searchPath: string): Promise<string | null> {
-  const candidates = [
-    ...SYSTEM_PYTHONS,
-    ...searchPath
-      .split(':')
-      .filter((dir) => path.isAbsolute(dir))
-      .map((dir) => path.join(dir, 'python3')),
-  ];
-  for (const candidate of candidates) {
-    try {
-      await fs.access(candidate, fsSync.constants.X_OK);
-      if ((await fs.stat(candidate)).isFile()) return candidate;
-    } catch {
-      // not here
-    }
-  }
-  return null;
-}
 
 /**
  * Run by the build's interpreter with `-I` on `main.py`: compiles it (a syntax check that runs none of

@@ -1,7 +1,7 @@
 """
 The Python replica bootstrap (cortex runtime): the program every Python replica runs. It imports the
 app's ``main.py`` once, then serves replica protocol version 1 (docs/replica-protocol.md) over HTTP/1.1
-on a Unix socket, as the Node bootstrap (src/runtimes/cortex-node/bootstrap.ts) does.
+on a Unix socket, as the Node bootstrap (src/runtimes/node/bootstrap.ts) does.
 
 Standard library only; needs Python 3.9 or newer. The sandbox binds this one file and nothing else.
 

@@ -17,14 +17,16 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { throwIfAborted } from './run-child.js';
-import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from './types.js';
+import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from '../../builds/builder.js';
+import { throwIfAborted } from '../../builds/run-child.js';
+import { HOST_ROOTFS } from '../runtime.js';
 
-/** The PATH a custom replica's server gets (set by the launcher); the sandbox shows this machine's /usr. */
-export const REPLICA_PATH = ['/usr/local/bin', '/usr/bin', '/bin'] as const;
-
-/** Folders a sandboxed replica sees at their own path (src/sandbox/launch.ts), plus Node's own folder. */
-const SYSTEM_ROOTS = ['/usr', '/etc', '/bin', '/sbin', '/lib', '/lib64', '/lib32', '/libx32'];
+/**
+ * The PATH a custom replica's server gets and the folders a sandboxed replica sees at their own path (plus
+ * Node's own folder): those of the root filesystem its launch recipe runs it on (./index.ts), this machine's.
+ */
+const REPLICA_PATH = HOST_ROOTFS.searchPath;
+const SYSTEM_ROOTS = HOST_ROOTFS.systemRoots;
 
 /** Interpreters whose first script-like argument must be a file of the app. */
 const INTERPRETERS = new Set([

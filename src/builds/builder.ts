@@ -1,9 +1,9 @@
 /**
  * The per-runtime builder interface: what turns an extracted app folder into something replicas load.
- * One implementation per runtime (`node.ts` now; Python and custom builders implement the same shape).
+ * One implementation per runtime, beside the rest of that runtime (`runtimes/<name>/builder.ts`).
  */
-import type { AppConfig } from '../../apps/app-config.js';
-import type { BuildSandbox } from '../../sandbox/build-step.js';
+import type { AppConfig } from '../apps/app-config.js';
+import type { BuildSandbox } from '../sandbox/build-step.js';
 
 export interface BuildContext {
   buildId: string;

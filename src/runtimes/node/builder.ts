@@ -9,6 +9,14 @@ import { createRequire } from 'node:module';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import {
+  type BuildContext,
+  type Builder,
+  BuildFailedError,
+  type BuildResult,
+  noEntryError,
+} from '../../builds/builder.js';
+import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
+import {
   describeStepExit,
   runBuildStep,
   STEP_SOURCE_DIR,
@@ -17,8 +25,6 @@ import {
   toolMounts,
 } from '../../sandbox/build-step.js';
 import { AGENT_RESULT_PREFIX, type AgentMessage, type AgentRequest, type AgentResult } from './esbuild-agent.js';
-import { isFile, PROXY_ENV, throwIfAborted } from './run-child.js';
-import { type BuildContext, type Builder, BuildFailedError, type BuildResult, noEntryError } from './types.js';
 
 /** Entry files the Node builder accepts, in the order they are looked for. */
 export const NODE_ENTRIES = ['main.ts', 'main.js', 'main.mjs'] as const;
