@@ -7,6 +7,7 @@
  */
 import { type ChildProcess, spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
+import { createWriteStream, readdirSync, readFileSync } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import pg from 'pg';
@@ -73,7 +74,8 @@ export interface FleetProcess {
   output(): string;
   /**
    * SIGKILLs the process group (the serve and every replica it started) and waits until none of it is
-   * left; resolves with Date.now() at that moment, after which nothing of it can run.
+   * left; resolves with Date.now() taken right after the SIGKILL was sent, after which nothing of it can
+   * run (see `groupKiller`).
    */
   kill(): Promise<number>;
   /** SIGTERM to the serve, then SIGKILL to its whole group after `graceMs`; leaves nothing of the group. */
@@ -113,6 +115,8 @@ export async function startFleetProcess(
       HOME: process.env.HOME,
       FERRY_LOG_FORMAT: 'json',
       FERRY_WARM_POOL: '0',
+      // FERRY_TEST_LOG=debug shows the serve processes' debug lines too (with FERRY_TEST_FLEET_LOGS to read them).
+      ...(process.env.FERRY_TEST_LOG ? { FERRY_LOG_LEVEL: process.env.FERRY_TEST_LOG } : {}),
       ...settings.env,
     },
     stdio: ['ignore', 'pipe', 'pipe'],
@@ -127,6 +131,15 @@ export async function startFleetProcess(
   };
   child.stdout.on('data', keep);
   child.stderr.on('data', keep);
+  // FERRY_TEST_FLEET_LOGS=<folder>: every serve's whole output is kept there too (`<label>-<start>.log`), for
+  // reading what each process did after a failure (the test's own data dirs are removed at its end).
+  const logDir = process.env.FERRY_TEST_FLEET_LOGS;
+  if (logDir) {
+    const file = createWriteStream(path.join(logDir, `${label}-${startedAt}.log`));
+    child.stdout.on('data', (d: Buffer) => file.write(d));
+    child.stderr.on('data', (d: Buffer) => file.write(d));
+    child.once('close', () => file.end());
+  }
   const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
   const pid = child.pid;
   if (pid === undefined) throw new Error(`ferry serve ${label} did not start`);
@@ -145,10 +158,7 @@ export async function startFleetProcess(
     pid,
     startedAt,
     output: () => out.slice(-OUTPUT_KEEP),
-    async kill() {
-      await killGroup();
-      return Date.now();
-    },
+    kill: () => killGroup(),
     async stop(graceMs = 10_000) {
       // The serve alone first: it stops its replicas itself on a graceful shutdown.
       if (child.exitCode === null && child.signalCode === null) child.kill('SIGTERM');
@@ -190,13 +200,17 @@ function signalGroup(pgid: number, signal: NodeJS.Signals): boolean {
  * Whether any process of the group is left, zombies aside (a zombie runs nothing, and who reaps it, the
  * serve or init, is not ours to wait for): read from /proc/<pid>/stat, whose fields after the command's
  * closing parenthesis are state, ppid, pgrp.
+ *
+ * Read synchronously: a few hundred small reads of /proc take milliseconds, whereas awaiting each one
+ * costs a turn of this process's event loop, and on a loaded machine, with the fleet test's callers
+ * busy in the same loop, one scan took 18 to 43 s that way.
  */
-async function groupAlive(pgid: number): Promise<boolean> {
-  for (const entry of await fs.readdir('/proc')) {
+function groupAlive(pgid: number): boolean {
+  for (const entry of readdirSync('/proc')) {
     if (!/^\d+$/.test(entry)) continue;
     let stat: string;
     try {
-      stat = await fs.readFile(`/proc/${entry}/stat`, 'utf8');
+      stat = readFileSync(`/proc/${entry}/stat`, 'utf8');
     } catch {
       continue;
     }
@@ -210,21 +224,31 @@ async function groupAlive(pgid: number): Promise<boolean> {
  * SIGKILLs a process group and waits (at most 10 s) until the leader exited and no member runs. Signals
  * go to the group only while it is known to exist (the leader unreaped, or a member seen in /proc), so a
  * process group id reused by someone else later is never hit.
+ *
+ * Resolves with Date.now() taken right after kill(2) returned: the moment the group stopped running.
+ * A SIGKILL cannot be blocked or caught; kill(2) marks it pending on every thread of every member and
+ * wakes them, and a thread with it pending never returns to user space: no member executes another line
+ * of its code after that moment (a member forked meanwhile is covered too: fork restarts when a signal to
+ * the group arrives during it). The confirmation that follows (the leader reaped, no member left in
+ * /proc) comes later, by how long this process takes to see it, which on a loaded machine was seconds:
+ * dating the death there made the executions the kill cut short look as if they went on running.
  */
-function groupKiller(pgid: number, leader: ChildProcess, leaderExited: Promise<void>): () => Promise<void> {
-  let gone = false;
+function groupKiller(pgid: number, leader: ChildProcess, leaderExited: Promise<void>): () => Promise<number> {
+  let diedAt: number | undefined;
   const leaderUnreaped = () => leader.exitCode === null && leader.signalCode === null;
   return async function killGroup() {
-    if (gone) return;
+    if (diedAt !== undefined) return diedAt;
     const end = Date.now() + 10_000;
-    if (leaderUnreaped() || (await groupAlive(pgid))) signalGroup(pgid, 'SIGKILL');
+    if (leaderUnreaped() || groupAlive(pgid)) signalGroup(pgid, 'SIGKILL');
+    const signalledAt = Date.now();
     await within(leaderExited, 10_000);
-    while (await groupAlive(pgid)) {
+    while (groupAlive(pgid)) {
       if (Date.now() > end) throw new Error(`process group ${pgid} survived SIGKILL for 10 s`);
       signalGroup(pgid, 'SIGKILL');
       await sleep(20);
     }
-    gone = true;
+    diedAt = signalledAt;
+    return diedAt;
   };
 }
 
@@ -424,7 +448,7 @@ export interface Incarnation {
   label: string;
   dataDir: string;
   from: number;
-  /** When it was confirmed dead (the kill), or Infinity while it lives. */
+  /** When it was SIGKILLed (nothing of it runs after: `FleetProcess.kill`), or Infinity while it lives. */
   until: number;
 }
 
