@@ -10,7 +10,7 @@ import { createReadStream } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { FERRY_BIN, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
+import { FERRY_BIN, runCli, type ServeProcess, spawnServe, tempDir } from './helpers/ferry.js';
 
 const MIB = 1024 * 1024;
 const LIMIT_BYTES = 200 * MIB;
@@ -27,8 +27,8 @@ async function sha256(file: string): Promise<string> {
   return hash.digest('hex');
 }
 
-/** Runs the CLI, sampling its and this process's (the server's) resident memory every 50 ms. */
-function runSampled(args: string[], env: NodeJS.ProcessEnv) {
+/** Runs the CLI, sampling its and the server's (`ferry serve`, pid `serverPid`) resident memory every 50 ms. */
+function runSampled(args: string[], env: NodeJS.ProcessEnv, serverPid: number) {
   return new Promise<{ code: number | null; stdout: string; stderr: string; cliPeak: number; serverPeak: number }>(
     (resolve, reject) => {
       const child = spawn(process.execPath, [FERRY_BIN, ...args], {
@@ -43,7 +43,7 @@ function runSampled(args: string[], env: NodeJS.ProcessEnv) {
       child.stderr.on('data', (d: Buffer) => (stderr += d));
       const timer = setInterval(() => {
         void rssOf(child.pid!).then((n) => (cliPeak = Math.max(cliPeak, n)));
-        void rssOf('self').then((n) => (serverPeak = Math.max(serverPeak, n)));
+        void rssOf(serverPid).then((n) => (serverPeak = Math.max(serverPeak, n)));
       }, 50);
       child.on('error', reject);
       child.on('close', (code) => {
@@ -55,19 +55,23 @@ function runSampled(args: string[], env: NodeJS.ProcessEnv) {
 }
 
 describe('ferry volumes (CLI)', () => {
-  let server: TestServer;
+  // A `ferry serve` of its own: the server's memory is its process's alone, not the test runner's as well.
+  let server: ServeProcess;
   let env: NodeJS.ProcessEnv;
   let work: string;
 
   before(async () => {
-    server = await startServer();
-    const { projectId, token } = await server.bootstrap(`cli-${randomBytes(4).toString('hex')}`);
+    const dataDir = await tempDir('ferry-volcli-data-');
+    server = await spawnServe(dataDir);
+    const boot = await runCli(['admin', 'bootstrap', '--data-dir', dataDir, '--json'], {});
+    assert.equal(boot.code, 0, boot.stderr);
+    const { project_id: projectId, token } = JSON.parse(boot.stdout);
     work = await tempDir('ferry-volcli-');
     env = { HOME: work, FERRY_URL: server.url, FERRY_TOKEN: token, FERRY_PROJECT: projectId };
   });
 
   after(async () => {
-    await server?.close();
+    await server?.stop();
     await fs.rm(work, { recursive: true, force: true });
   });
 
@@ -101,13 +105,16 @@ describe('ferry volumes (CLI)', () => {
     await big.close();
     assert.equal((await fs.stat(path.join(src, 'weights.bin'))).blocks * 512, 1024 * MIB);
 
-    const up = await runSampled(['volumes', 'cp', src, 'weights:/', '--json'], env);
+    const up = await runSampled(['volumes', 'cp', src, 'weights:/', '--json'], env, server.child.pid!);
     assert.equal(up.code, 0, up.stderr);
     const upResult = JSON.parse(up.stdout);
     assert.equal(upResult.files.length, 3);
     assert.equal(upResult.bytes, 1024 * MIB + 13 + 6);
     assert.ok(up.cliPeak > 0 && up.cliPeak < LIMIT_BYTES, `CLI peak ${up.cliPeak}`);
     assert.ok(up.serverPeak < LIMIT_BYTES, `server peak ${up.serverPeak}`);
+    console.log(
+      `1 GiB upload: CLI peak ${(up.cliPeak / MIB).toFixed(0)} MiB, server peak ${(up.serverPeak / MIB).toFixed(0)} MiB`,
+    );
 
     const ls = await runCli(['volumes', 'ls', 'weights:/model', '--json'], env);
     assert.deepEqual(
@@ -116,7 +123,7 @@ describe('ferry volumes (CLI)', () => {
     );
 
     const dest = path.join(work, 'back');
-    const down = await runSampled(['volumes', 'cp', 'weights:/model', dest, '--json'], env);
+    const down = await runSampled(['volumes', 'cp', 'weights:/model', dest, '--json'], env, server.child.pid!);
     assert.equal(down.code, 0, down.stderr);
     assert.ok(down.cliPeak > 0 && down.cliPeak < LIMIT_BYTES, `CLI peak ${down.cliPeak}`);
     assert.ok(down.serverPeak < LIMIT_BYTES, `server peak ${down.serverPeak}`);
