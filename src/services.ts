@@ -155,6 +155,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const volumes = await createVolumes({
     store,
     config,
+    changes,
     sandboxed: sandbox.bwrap !== null,
     nodeId: node.id,
     logger: logger.child({ component: 'volumes' }),
@@ -282,6 +283,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
         .catch((err: unknown) => logger.warn({ err, app: appId }, 'dropping the deleted app’s queue failed'));
       sweepLocal();
     },
+    stopApp: (projectId, appId, reason) => replicas.stop(projectId, appId, reason),
     // Its copy here goes now, or when the last replica running it stops (onDrained).
     buildDeleted: (buildId) => releaseBuild(buildId),
     ...(executor

@@ -25,7 +25,7 @@ import type { ClusterLink } from './cluster-link.js';
 import type { Core } from './core.js';
 
 /** What the rest of a node asks of its replicas (a gateway's answer: there are none). */
-export type ReplicaView = Pick<ReplicaManager, 'activate' | 'pools' | 'warmUp' | 'remove' | 'buildsInUse'>;
+export type ReplicaView = Pick<ReplicaManager, 'activate' | 'pools' | 'warmUp' | 'remove' | 'stop' | 'buildsInUse'>;
 
 /** A gateway's replicas: none, and nothing to start, stop or keep warm. */
 export const NO_REPLICAS: ReplicaView = {
@@ -33,6 +33,7 @@ export const NO_REPLICAS: ReplicaView = {
   pools: () => [],
   warmUp: async () => undefined,
   remove: () => undefined,
+  stop: () => undefined,
   buildsInUse: () => new Set<string>(),
 };
 
