@@ -333,12 +333,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const ticker = createScheduleTicker({
     db: store,
     starter: createScheduleRunStarter({
-      insertNow: (row) => core.recorder.insertNow(row),
-      ownerFor: (projectId, appId) => asyncWorker.ownerFor(projectId, appId),
-      accepted: (run, owner) => asyncWorker.accepted(run, owner),
-      admit: async (projectId) =>
-        asyncWorker.backlog < config.maxAsyncBacklog && (await projectBacklog.admit(projectId)),
-      async runtimeOf(buildId) {
+      runs,
+      // The schedule's build is the app's active one: its runtime comes from the run targets' cache.
+      async runtimeOf(projectId, appId, buildId) {
+        const target = await core.runTargets.get(projectId, appId);
+        if (target?.buildId === buildId) return target.runtime === 'custom' ? 'custom' : 'cortex';
         const row = await store.selectFrom('builds').select('runtime').where('id', '=', buildId).executeTakeFirst();
         return row?.runtime === 'custom' ? 'custom' : 'cortex';
       },
