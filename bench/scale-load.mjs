@@ -5,15 +5,15 @@
  * Kysely for log lines, log stats, apps and builds. Kept small on purpose: when the run write path changes,
  * only `writeBatch` should need to follow.
  *
- * The apps: one app is deployed through the API beforehand (a real build); each of the others gets an
- * apps row and a builds row copied from that app's active build (new id, its own name). Their build
- * folders do not exist: a build's files are needed only when a replica starts, and these apps are never
- * called (min_replicas 0).
+ * The apps: the apps deployed through the API beforehand (real builds) stay; each of the others, up to
+ * `apps` in all, gets an apps row and a builds row copied from the active build of `appId` (new id, its
+ * own name). Their build folders do not exist: a build's files are needed only when a replica starts,
+ * and these apps are never called (min_replicas 0).
  *
  * The runs, in creation order (run ids are UUIDv7 of their creation time, as Ferry makes them):
  * `expiredShare` of them created between 90 and 31 days ago (past a 30-day retention), the rest spread
- * over the last 29 days up to a minute ago. `mainShare` of them belong to the deployed app (the one the
- * bench reads through the API), the others are spread over the other apps at random.
+ * over the last 29 days up to a minute ago. `mainShare` of them belong to `appId` (the app the bench reads
+ * through the API), the others are spread over all the other apps at random.
  */
 import crypto from 'node:crypto';
 import path from 'node:path';
@@ -68,7 +68,7 @@ function content(rand, i) {
 }
 
 /**
- * Loads `apps - 1` more apps (copies of `appId`'s active build) and `runs` finished runs into the store of
+ * Loads more apps, up to `apps` (copies of `appId`'s active build), and `runs` finished runs into the store of
  * `dataDir` / `databaseUrl`. Resolves with what the bench needs to read them back: sample run ids of the
  * deployed app, a deep-page cursor, the number of expired runs, and timings.
  */
@@ -99,12 +99,17 @@ export async function loadScale({ dataDir, databaseUrl, projectId, appId, apps, 
       .updateTable('apps')
       .set({ created_at: isoTime(oldest) })
       .where('project_id', '=', projectId)
-      .where('id', '=', appId)
       .execute();
-    const appIds = [appId];
-    const builds = { [appId]: build.id };
+    const deployed = await store
+      .selectFrom('apps')
+      .select(['id', 'active_build_id'])
+      .where('project_id', '=', projectId)
+      .orderBy('id')
+      .execute();
+    const appIds = [appId, ...deployed.map((a) => a.id).filter((id) => id !== appId)];
+    const builds = Object.fromEntries(deployed.map((a) => [a.id, a.active_build_id]));
     const width = String(apps).length;
-    for (let from = 1; from < apps; from += 500) {
+    for (let from = appIds.length; from < apps; from += 500) {
       await store.transaction().execute(async (trx) => {
         const appRows = [];
         const buildRows = [];

@@ -5,9 +5,11 @@
  * BENCH_SCALE_RUNS finished runs, side by side in one run, with ratios. Asserts nothing about timing.
  *
  * Per store (SQLite; with `--database-url <url>` also PostgreSQL, in a database the bench creates there):
- *   1. deploy one app through the API (a real build) and call it once each way;
- *   2. empty: restart Ferry, its idle memory (RSS), the read routes (runs lists, a run, its logs, the
- *      dashboard's stats, the apps list), then sync calls and async intake (202s) under load;
+ *   1. deploy two apps through the API (real builds): `bench`, whose runs the bench reads, called once
+ *      each way, and `intake`, which takes the load;
+ *   2. empty: restart Ferry, its idle memory (RSS), the read routes of `bench` (runs lists, a run, its
+ *      logs, the dashboard's stats, the apps list), then sync calls and async intake (202s) of `intake`
+ *      under load, and the stats of `intake` (a window full of runs);
  *   3. load, with Ferry stopped: the other apps (copies of the deployed app's build) and the runs, with
  *      inputs, results and log lines, written by Ferry's own store code (bench/scale-load.mjs);
  *   4. loaded: restart Ferry, and the same measurements as in 2, then a paced async load without retention;
@@ -57,7 +59,9 @@ const RETENTION_TIMEOUT_S = envInt('BENCH_SCALE_RETENTION_TIMEOUT', 1800);
 const EXPIRED_SHARE = 0.9;
 /** Share of the runs that belong to the deployed app (the one whose routes are read). */
 const MAIN_SHARE = 0.1;
+/** The app whose runs the bench reads, and the app that takes the load (so its runs stay out of the reads). */
 const APP = 'bench';
+const INTAKE = 'intake';
 
 const TARGET_RATIO = 0.8;
 const TARGET_P50_MS = 20;
@@ -65,9 +69,9 @@ const TARGET_P99_MS = 100;
 const TARGET_MEMORY_RATIO = 2;
 const TARGET_PAUSE_MS = 100;
 
-const APP_FILES = {
+const appFiles = (name) => ({
   'ferry.toml': `[app]
-name = "${APP}"
+name = "${name}"
 
 [scaling]
 min_replicas = 0
@@ -76,7 +80,7 @@ replica_concurrency = 64
 response_grace_period = 30
 `,
   'main.ts': 'export function run(input: unknown) { return { ok: true, echo: input }; }\n',
-};
+});
 
 /** The figures of the two phases, by key, for the side-by-side table. */
 function phaseTable(empty, loaded) {
@@ -127,7 +131,7 @@ function phaseTable(empty, loaded) {
   for (const [i, read] of loaded.reads.entries()) {
     const before = empty.reads[i];
     rows.push([
-      `${read.label} p50 / p99 ms`,
+      `${read.label} p50 / p99 ms${read.inWindow !== undefined ? ` (${before.inWindow} / ${read.inWindow} runs in it)` : ''}`,
       `${fmt(before.p50)} / ${fmt(before.p99)}`,
       `${fmt(read.p50)} / ${fmt(read.p99)}`,
       fmt(ratio(read.p50, before.p50)),
@@ -207,9 +211,9 @@ function failures(result, okCount) {
   return result.non2xx + (result['2xx'] - okCount) + result.errors + result.timeouts;
 }
 
-/** Runs of the app that have ended, from ferry_runs_total. */
+/** Runs of the intake app that have ended, from ferry_runs_total. */
 async function endedRuns(ferry, projectId) {
-  return metricSum(await fetchMetrics(ferry), 'ferry_runs_total', { project: projectId, app: APP });
+  return metricSum(await fetchMetrics(ferry), 'ferry_runs_total', { project: projectId, app: INTAKE });
 }
 
 async function drain(ferry, auth, base, expected) {
@@ -222,7 +226,7 @@ async function drain(ferry, auth, base, expected) {
 
 /** Sync calls and async intake under load (autocannon, CONNECTIONS connections), as bench:async does. */
 async function measureIntake(ferry, auth) {
-  const runUrl = `${ferry.url}/v4/${auth.projectId}/${APP}/run`;
+  const runUrl = `${ferry.url}/v4/${auth.projectId}/${INTAKE}/run`;
   const headers = { 'content-type': 'application/json', authorization: `Bearer ${auth.token}` };
   const body = JSON.stringify({ order: 12345, items: [{ sku: 'sku-1', qty: 2 }] });
   const common = { headers, method: 'POST', body, connections: CONNECTIONS, pipelining: 1 };
@@ -286,7 +290,7 @@ async function measureIntake(ferry, auth) {
  * every 202's latency with the time it was answered.
  */
 async function pacedLoad(ferry, auth, seconds, until) {
-  const url = `${ferry.url}/v4/${auth.projectId}/${APP}/run?async=true`;
+  const url = `${ferry.url}/v4/${auth.projectId}/${INTAKE}/run?async=true`;
   const headers = { 'content-type': 'application/json', authorization: `Bearer ${auth.token}` };
   const answers = [];
   const run = autocannon({
@@ -333,6 +337,14 @@ async function measurePhase(label, dataDir, env, auth, runIds, deepCursor) {
   console.log(`  idle RSS: ${fmt(rss, 1)} MiB`);
   const reads = await measureReads(ferry, auth, runIds, deepCursor);
   const intake = await measureIntake(ferry, auth);
+  // The dashboard's stats of an app whose window is full of runs: the intake app's, after its load.
+  const statsUrl = `${ferry.url}/v2/projects/${auth.projectId}/apps/${INTAKE}/stats`;
+  const series = JSON.parse((await http(statsUrl, { token: auth.token })).text).series ?? [];
+  const inWindow = series.reduce((n, m) => n + m.success + m.failure + m.timeout + m.cancelled, 0);
+  process.stdout.write(`  GET stats of ${INTAKE} (${inWindow} runs in its 60 minutes): ${REQUESTS} requests... `);
+  const busy = await timedGets(statsUrl, auth.token, REQUESTS);
+  console.log(`p50 ${fmt(busy.p50)} ms, p99 ${fmt(busy.p99)} ms`);
+  reads.push({ label: `GET stats of ${INTAKE} (busy window)`, inWindow, target: false, ...busy });
   return { ferry, rssMiB: rss, reads, ...intake };
 }
 
@@ -349,7 +361,8 @@ async function measure(store) {
   const auth = await bootstrapProject(dataDir, env);
   let ferry = await startFerry(dataDir, { env });
   console.log(`ferry serve: ${ferry.url} (pid ${ferry.child.pid}, data dir ${dataDir})`);
-  await deployApp(ferry, auth, APP, APP_FILES);
+  await deployApp(ferry, auth, APP, appFiles(APP));
+  await deployApp(ferry, auth, INTAKE, appFiles(INTAKE));
   const runUrl = `${ferry.url}/v4/${auth.projectId}/${APP}/run`;
   const first = await http(runUrl, { method: 'POST', token: auth.token, body: {} });
   if (first.status !== 200) throw new Error(`the first sync run answered ${first.status}: ${first.text}`);
