@@ -18,6 +18,7 @@
 import crypto from 'node:crypto';
 import path from 'node:path';
 import { pathToFileURL } from 'node:url';
+import { sql } from 'kysely';
 import { REPO_ROOT } from './lib.mjs';
 
 const DAY = 86_400_000;
@@ -27,6 +28,21 @@ const dist = (p) => import(pathToFileURL(path.join(REPO_ROOT, 'dist', 'src', p))
 const BATCH = 2000;
 /** Log lines per INSERT (5 values each: under SQLite's limit of bound values). */
 const LINES_CHUNK = 1000;
+
+/**
+ * A UUIDv7 of the time `ms` (as src/ids.ts lays it out: 48-bit milliseconds, version 7, then random bits).
+ * Not Ferry's `uuidv7`, which stays monotonic within a process: after one load it would stamp every id
+ * of a second load (the next store) with the first load's last time, and retention, which goes by the
+ * ids' time, would find no expired run.
+ */
+function uuidv7At(ms) {
+  const bytes = crypto.randomBytes(16);
+  bytes.writeUIntBE(ms, 0, 6);
+  bytes[6] = 0x70 | (bytes[6] & 0x0f);
+  bytes[8] = 0x80 | (bytes[8] & 0x3f);
+  const hex = bytes.toString('hex');
+  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
+}
 
 /** A small deterministic random source (the same data for the same seed on both stores). */
 function rng(seed) {
@@ -73,10 +89,10 @@ function content(rand, i) {
  * deployed app, a deep-page cursor, the number of expired runs, and timings.
  */
 export async function loadScale({ dataDir, databaseUrl, projectId, appId, apps, runs, expiredShare, mainShare, now }) {
-  const { openStore } = await dist('store/index.js');
+  const { openStore, dialectOf } = await dist('store/index.js');
   const { newRunRow } = await dist('runs/recorder.js');
   const { insertRunsIgnoring } = await dist('store/run-inserts.js');
-  const { uuidv7, isoTime } = await dist('ids.js');
+  const { isoTime } = await dist('ids.js');
   const store = await openStore({ dataDir, databaseUrl });
   const rand = rng(31);
   const t0 = performance.now();
@@ -115,7 +131,7 @@ export async function loadScale({ dataDir, databaseUrl, projectId, appId, apps, 
         const buildRows = [];
         for (let n = from; n < Math.min(apps, from + 500); n++) {
           const name = `app-${String(n).padStart(width, '0')}`;
-          const id = uuidv7(oldest - 60_000 + n);
+          const id = uuidv7At(oldest - 60_000 + n);
           const rename = (text) => text.replaceAll(`"${appId}"`, `"${name}"`);
           buildRows.push({
             ...build,
@@ -153,7 +169,7 @@ export async function loadScale({ dataDir, databaseUrl, projectId, appId, apps, 
     }
     const tApps = performance.now();
 
-    // The runs, oldest first (uuidv7 stays monotonic only for times that do not go back).
+    // The runs, oldest first.
     const expired = Math.round(runs * expiredShare);
     const expiredFrom = now - 90 * DAY;
     const expiredSpan = 59 * DAY;
@@ -173,7 +189,7 @@ export async function loadScale({ dataDir, databaseUrl, projectId, appId, apps, 
             ? expiredFrom + Math.floor((i / expired) * expiredSpan)
             : recentFrom + Math.floor(((i - expired) / Math.max(1, runs - expired)) * recentSpan);
         const app = rand() < mainShare ? appId : (appIds[1 + Math.floor(rand() * (appIds.length - 1))] ?? appId);
-        const id = uuidv7(created);
+        const id = uuidv7At(created);
         const m = rand();
         const mode = m < 0.7 ? 'sync' : m < 0.98 ? 'async' : 'stream';
         const s = rand();
@@ -245,6 +261,9 @@ export async function loadScale({ dataDir, databaseUrl, projectId, appId, apps, 
       }
     }
     process.stdout.write('\n');
+    // PostgreSQL plans from its statistics: what autovacuum would gather soon after the tables grew so.
+    // (SQLite has none unless ANALYZE is run, which Ferry does not do: its plans are measured without.)
+    if (dialectOf(store) === 'postgres') await sql`analyze`.execute(store);
     return {
       appIds,
       expired,

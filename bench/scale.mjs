@@ -25,6 +25,7 @@ import autocannon from 'autocannon';
 import { request } from 'undici';
 import {
   bootstrapProject,
+  cpuMs,
   createDatabase,
   deployApp,
   envInt,
@@ -50,6 +51,8 @@ const RUNS = envInt('BENCH_SCALE_RUNS', 1_000_000);
 const REQUESTS = envInt('BENCH_SCALE_REQUESTS', 200);
 const DURATION = envInt('BENCH_DURATION', 5);
 const WARMUP = envInt('BENCH_WARMUP', 2, 0);
+/** Rounds of sync then async load per phase (medians reported). */
+const ROUNDS = envInt('BENCH_SCALE_ROUNDS', 3);
 const CONNECTIONS = envInt('BENCH_CONNECTIONS', 32);
 const IDLE_SECONDS = envInt('BENCH_SCALE_IDLE_SECONDS', 10);
 /**
@@ -110,6 +113,14 @@ function phaseTable(empty, loaded) {
     '-',
   ]);
   rows.push([
+    'Ferry CPU per 202, µs',
+    fmt(empty.async.cpuUs, 0),
+    fmt(loaded.async.cpuUs, 0),
+    fmt(ratio(loaded.async.cpuUs, empty.async.cpuUs)),
+    '-',
+    '-',
+  ]);
+  rows.push([
     'sync calls/s',
     fmt(empty.sync.rate, 0),
     fmt(loaded.sync.rate, 0),
@@ -125,6 +136,14 @@ function phaseTable(empty, loaded) {
     fmt(ratio(empty.sync.p50, loaded.sync.p50)),
     `>= ${TARGET_RATIO}x`,
     verdict(loaded.sync.valid && ratio(empty.sync.p50, loaded.sync.p50) >= TARGET_RATIO),
+  ]);
+  rows.push([
+    'Ferry CPU per sync call, µs',
+    fmt(empty.sync.cpuUs, 0),
+    fmt(loaded.sync.cpuUs, 0),
+    fmt(ratio(loaded.sync.cpuUs, empty.sync.cpuUs)),
+    '-',
+    '-',
   ]);
   rows.push([
     'Ferry RSS idle, MiB',
@@ -231,65 +250,73 @@ async function drain(ferry, auth, base, expected) {
   });
 }
 
-/** Sync calls and async intake under load (autocannon, CONNECTIONS connections), as bench:async does. */
+/** One load of `url` for DURATION s (after WARMUP s): answers `ok` per second, their p50, Ferry's CPU per answer. */
+async function loadOnce(ferry, common, url, ok) {
+  const warm = WARMUP > 0 ? await autocannon({ ...common, url, duration: WARMUP }) : undefined;
+  const times = [];
+  const run = autocannon({ ...common, url, duration: DURATION });
+  run.on('response', (_c, status, _b, ms) => {
+    if (status === ok) times.push(ms);
+  });
+  const cpu0 = cpuMs(ferry.child.pid);
+  const t0 = performance.now();
+  const result = await run;
+  const seconds = (performance.now() - t0) / 1000;
+  const cpuUs = ((cpuMs(ferry.child.pid) - cpu0) / Math.max(1, times.length)) * 1000;
+  const lat = summarize(times);
+  return {
+    rate: times.length / seconds,
+    p50: lat.median,
+    p99: lat.p99,
+    cpuUs,
+    count: times.length,
+    warm: warm?.statusCodeStats?.[String(ok)]?.count ?? 0,
+    failed: failures(result, times.length),
+  };
+}
+
+/** The median of each figure over rounds (and the failures summed). */
+function medians(rounds) {
+  const med = (key) => summarize(rounds.map((r) => r[key])).median;
+  const failed = rounds.reduce((n, r) => n + r.failed, 0);
+  return {
+    rate: med('rate'),
+    p50: med('p50'),
+    p99: med('p99'),
+    cpuUs: med('cpuUs'),
+    failed,
+    valid: failed === 0 && rounds.every((r) => r.count > 0),
+  };
+}
+
+/**
+ * Sync calls and async intake under load (autocannon, CONNECTIONS connections), as bench:async does,
+ * ROUNDS times in turn; the medians. Ferry's CPU per answer is the steadiest of these on a shared machine.
+ */
 async function measureIntake(ferry, auth) {
   const runUrl = `${ferry.url}/v4/${auth.projectId}/${INTAKE}/run`;
   const headers = { 'content-type': 'application/json', authorization: `Bearer ${auth.token}` };
   const body = JSON.stringify({ order: 12345, items: [{ sku: 'sku-1', qty: 2 }] });
   const common = { headers, method: 'POST', body, connections: CONNECTIONS, pipelining: 1 };
-
-  process.stdout.write(`  sync: ${WARMUP} s warm-up + ${DURATION} s, ${CONNECTIONS} connections... `);
-  if (WARMUP > 0) await autocannon({ ...common, url: runUrl, duration: WARMUP });
-  const syncTimes = [];
-  const syncRun = autocannon({ ...common, url: runUrl, duration: DURATION });
-  syncRun.on('response', (_c, status, _b, ms) => {
-    if (status === 200) syncTimes.push(ms);
-  });
-  let t0 = performance.now();
-  const syncResult = await syncRun;
-  const syncSeconds = (performance.now() - t0) / 1000;
-  const syncLat = summarize(syncTimes);
-  const sync = {
-    rate: syncTimes.length / syncSeconds,
-    p50: syncLat.median,
-    p99: syncLat.p99,
-    failed: failures(syncResult, syncTimes.length),
-  };
-  sync.valid = sync.failed === 0 && syncTimes.length > 0;
-  console.log(`${fmt(sync.rate, 0)} runs/s, p50 ${fmt(sync.p50)} ms${sync.failed ? `, ${sync.failed} failed` : ''}`);
-  await sleep(1000);
-
-  const asyncUrl = `${runUrl}?async=true`;
-  process.stdout.write(`  async: ${WARMUP} s warm-up + ${DURATION} s, ${CONNECTIONS} connections, then the drain... `);
-  if (WARMUP > 0) {
-    const base = await endedRuns(ferry, auth.projectId);
-    const w = await autocannon({ ...common, url: asyncUrl, duration: WARMUP });
-    await drain(ferry, auth, base, w.statusCodeStats?.['202']?.count ?? 0);
+  const syncRounds = [];
+  const asyncRounds = [];
+  for (let round = 1; round <= ROUNDS; round++) {
+    const sync = await loadOnce(ferry, common, runUrl, 200);
+    syncRounds.push(sync);
     await sleep(1000);
+    const base = await endedRuns(ferry, auth.projectId);
+    const accepted = await loadOnce(ferry, common, `${runUrl}?async=true`, 202);
+    asyncRounds.push(accepted);
+    // Every run accepted (warm-up included) has ended before the next load.
+    await drain(ferry, auth, base, accepted.count + accepted.warm);
+    await sleep(1000);
+    console.log(
+      `  round ${round}: sync ${fmt(sync.rate, 0)}/s p50 ${fmt(sync.p50)} ms ${fmt(sync.cpuUs, 0)} µs/call; ` +
+        `async ${fmt(accepted.rate, 0)} 202/s p50 ${fmt(accepted.p50)} ms ${fmt(accepted.cpuUs, 0)} µs/202` +
+        `${sync.failed + accepted.failed ? `; ${sync.failed + accepted.failed} failed` : ''}`,
+    );
   }
-  const base = await endedRuns(ferry, auth.projectId);
-  const times = [];
-  const run = autocannon({ ...common, url: asyncUrl, duration: DURATION });
-  run.on('response', (_c, status, _b, ms) => {
-    if (status === 202) times.push(ms);
-  });
-  t0 = performance.now();
-  const result = await run;
-  const seconds = (performance.now() - t0) / 1000;
-  const lat = summarize(times);
-  const failed = failures(result, times.length);
-  await drain(ferry, auth, base, times.length);
-  const asyncFigures = {
-    rate: times.length / seconds,
-    p50: lat.median,
-    p99: lat.p99,
-    failed,
-    valid: failed === 0 && times.length > 0,
-  };
-  console.log(
-    `${fmt(asyncFigures.rate, 0)} 202/s, p50 ${fmt(asyncFigures.p50)} ms${failed ? `, ${failed} failed` : ''}`,
-  );
-  return { sync, async: asyncFigures };
+  return { sync: medians(syncRounds), async: medians(asyncRounds) };
 }
 
 /**
