@@ -77,7 +77,7 @@ export async function receiveBuild(
     try {
       config = parseAppConfig(toml);
     } catch (err) {
-      if (err instanceof AppConfigError) throw new FerryError('FERRY_CONFIG_INVALID', err.message);
+      if (err instanceof AppConfigError) throw new FerryError(err.code, err.message);
       throw err;
     }
     if (config.app.name !== appId) {

@@ -109,6 +109,9 @@ export function createCustomBuilder(): Builder {
       ctx.log('Runtime: custom (your own HTTP server); nothing is installed, replicas run the app folder as uploaded');
       const checker = new EntrypointChecker(ctx, await fs.realpath(ctx.sourceDir));
       const { entrypoint } = custom;
+      if (entrypoint === undefined) {
+        throw new BuildFailedError('runtime.custom.entrypoint: is required (the app has no image to take one from)');
+      }
       if (typeof entrypoint === 'string') {
         ctx.log(`Entrypoint: ${JSON.stringify(entrypoint)} (run with /bin/sh -c)`);
         await checker.checkShell(entrypoint);
