@@ -77,6 +77,15 @@ export const ERRORS = {
     status: 503,
     message: 'The images in use on this node leave no room for this image in FERRY_IMAGE_CACHE_MIB',
   },
+  FERRY_IMAGE_NO_PYTHON: { status: 422, message: 'The image has no usable python3 (3.9 or newer) for a Python app' },
+  FERRY_IMAGE_NO_SANDBOX: {
+    status: 422,
+    message: 'Apps with [image] need the sandbox (bubblewrap), which this server does not have',
+  },
+  FERRY_IMAGE_BUILD_TIMEOUT: {
+    status: 422,
+    message: 'The image part of the build took longer than FERRY_IMAGE_BUILD_TIMEOUT_SECONDS',
+  },
 
   // Uploaded archives
   FERRY_ZIP_CORRUPT: { status: 400, message: 'The archive is not a readable ZIP file' },

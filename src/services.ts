@@ -43,6 +43,8 @@ import type { NodeRole, ServerConfig } from './config.js';
 import { type DataDir, loadOrCreateKey, prepareArtifactsDir, prepareDataDir, prepareKeysDir } from './data-dir.js';
 import { FerryError } from './errors.js';
 import { createEventBus } from './events.js';
+import { imagesDir } from './images/host-tools.js';
+import { createImageStore } from './images/image-store.js';
 import { createMetrics, type Metrics } from './metrics.js';
 import { createLauncher } from './replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from './replicas/manager.js';
@@ -329,7 +331,14 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     logger: logger.child({ component: 'volumes' }),
   });
   onClose(() => volumes.close());
+  // Images ([image] in ferry.toml) run only sandboxed; without bwrap their builds fail (FERRY_IMAGE_NO_SANDBOX).
+  const images =
+    runsCode && sandbox.bwrap
+      ? await createImageStore({ dir: imagesDir(dataDir.root), settings: config.images })
+      : undefined;
+  onClose(() => images?.cache.close());
   const launch = createLauncher({
+    images,
     volumes,
     store,
     buildsDir: dataDir.builds,
@@ -503,6 +512,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     builders: createDefaultBuilders(),
     sandbox,
     network,
+    images,
+    imageBuildTimeoutMs: config.images.buildTimeoutMs,
     limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
     owner: node.id,

@@ -107,6 +107,8 @@ export async function receiveBuild(
       created_at: now,
       started_at: null,
       finished_at: null,
+      image_digest: null,
+      image_json: null,
     };
     await deps.artifacts.put(buildId, tmpFile);
     await deps.store.transaction().execute(async (trx) => {
