@@ -14,7 +14,11 @@
  *   `[image]` table is refused at upload with its 400 code. Each failure names the step, not a host path.
  */
 import assert from 'node:assert/strict';
+import { execFile } from 'node:child_process';
+import fs from 'node:fs/promises';
+import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
+import { promisify } from 'node:util';
 import { zipFiles } from './helpers/app-zip.js';
 import { deployFiles, http, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 import { makeBaseImage, requireImageTools, startRegistry, type TestRegistry } from './helpers/registry.js';
@@ -36,6 +40,35 @@ tmp=$tmp
 "
 printf 'Content-Type: text/plain\\r\\nContent-Length: %s\\r\\n\\r\\n%s' "\${#body}" "$body"
 `;
+
+/** The machine's own Python (Debian's), for an image that has one. */
+const HOST_PYTHON = '/usr/bin/python3';
+/** Parts of the standard library a function's replica never needs: left out of the test's image. */
+const STDLIB_LEFT_OUT = new Set([
+  '__pycache__',
+  'test',
+  'tests',
+  'idle_test',
+  'site-packages',
+  'dist-packages',
+  'idlelib',
+  'tkinter',
+  'turtledemo',
+  'lib2to3',
+  'ensurepip',
+  'pydoc_data',
+  'distutils',
+]);
+
+/** The shared libraries `files` link (ldd), each with the path the loader finds it at. */
+async function sharedLibraries(files: string[]): Promise<string[]> {
+  const libs = new Set<string>();
+  for (const file of files) {
+    const { stdout } = await promisify(execFile)('ldd', [file]).catch(() => ({ stdout: '' }));
+    for (const match of stdout.matchAll(/(?:=>\s+)?(\/\S+)\s+\(0x/g)) libs.add(match[1]!);
+  }
+  return [...libs];
+}
 
 function fields(text: string): Record<string, string> {
   const out: Record<string, string> = {};
@@ -145,6 +178,63 @@ export function run() {
     assert.equal(result.greeting, 'hello from ENV');
     assert.notEqual(result.uid, 0);
     assert.equal(result.cwd, '/srv/www');
+  });
+
+  it("runs a Python function with the image's python3", async () => {
+    const real = await fs.realpath(HOST_PYTHON);
+    const version = path.basename(real); // python3.11
+    const stdlib = `/usr/lib/${version}`;
+    const dynload = path.join(stdlib, 'lib-dynload');
+    const extensions = (await fs.readdir(dynload)).map((name) => path.join(dynload, name));
+    const libs = await sharedLibraries([real, ...extensions]);
+    const work = await tempDir('imgrun-python-');
+    const image = await makeBaseImage(work, {
+      files: { 'etc/os-release': 'ID=ferry-python-image' },
+      copy: [
+        { from: real, to: `usr/bin/${version}` },
+        {
+          from: stdlib,
+          to: stdlib.slice(1),
+          filter: (source) => !STDLIB_LEFT_OUT.has(path.basename(source)) && !source.includes('/config-3'),
+        },
+        ...libs.map((lib) => ({ from: lib, to: lib.slice(1) })),
+      ],
+      links: { 'usr/bin/python3': version },
+      config: { cmd: ['/usr/bin/python3'], env: ['PATH=/usr/bin:/bin', 'GREETING=hello from ENV'], workingdir: '/' },
+    });
+    await registry.push(image, 'ferry-test/py:1');
+    const build = await deployFiles(server, auth, 'img-python-ok', {
+      'ferry.toml': `[app]\nname = "img-python-ok"\n\n[image]\nbase = "${registry.host}/ferry-test/py:1"\n`,
+      'main.py': `import os, sys
+
+def run():
+    return {
+        "executable": sys.executable,
+        "version": list(sys.version_info[:2]),
+        "uid": os.getuid(),
+        "os": open("/etc/os-release").read(),
+        "host_usr_local": os.path.exists("/usr/local/bin"),
+        "greeting": os.environ.get("GREETING"),
+    }
+`,
+    });
+    const log = await http(api(`/apps/img-python-ok/builds/${build.id}/logs`), { token: auth.token });
+    assert.match(
+      log.text,
+      new RegExp(`Image Python: /usr/bin/python3 \\(${version.slice('python'.length).replace('.', '\\.')}\\)`),
+    );
+    const res = await http(`${server.url}/v4/${auth.projectId}/img-python-ok/run`, {
+      method: 'POST',
+      token: auth.token,
+      body: {},
+    });
+    assert.equal(res.status, 200, res.text);
+    const result = res.json.result ?? res.json;
+    assert.equal(result.executable, '/usr/bin/python3');
+    assert.equal(result.os, 'ID=ferry-python-image');
+    assert.equal(result.host_usr_local, false);
+    assert.equal(result.greeting, 'hello from ENV');
+    assert.notEqual(result.uid, 0);
   });
 
   it('fails builds with coded image errors that name the step', async () => {

@@ -74,7 +74,16 @@ export interface BaseImageConfig {
  */
 export async function makeBaseImage(
   dir: string,
-  options: { files?: Record<string, string>; executable?: string[]; tag?: string; config?: BaseImageConfig } = {},
+  options: {
+    files?: Record<string, string>;
+    executable?: string[];
+    /** Host files or folders copied in (links followed), with a filter on the host paths of a folder's entries. */
+    copy?: Array<{ from: string; to: string; filter?: (source: string) => boolean }>;
+    /** Symbolic links made in the image: path → target. */
+    links?: Record<string, string>;
+    tag?: string;
+    config?: BaseImageConfig;
+  } = {},
 ): Promise<BaseImage> {
   await fs.mkdir(dir, { recursive: true });
   const layout = path.join(dir, 'oci');
@@ -101,6 +110,15 @@ export async function makeBaseImage(
     const target = path.join(rootfs, file);
     await fs.mkdir(path.dirname(target), { recursive: true });
     await fs.writeFile(target, content, { mode: options.executable?.includes(file) ? 0o755 : 0o644 });
+  }
+  for (const { from, to, filter } of options.copy ?? []) {
+    const target = path.join(rootfs, to);
+    await fs.mkdir(path.dirname(target), { recursive: true });
+    await fs.cp(from, target, { recursive: true, dereference: true, ...(filter ? { filter } : {}) });
+  }
+  for (const [file, target] of Object.entries(options.links ?? {})) {
+    await fs.mkdir(path.dirname(path.join(rootfs, file)), { recursive: true });
+    await fs.symlink(target, path.join(rootfs, file));
   }
   await run(TOOLS.umoci, ['repack', '--image', image, bundle]);
   const config = options.config ?? {};
