@@ -20,7 +20,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { zipFiles } from './helpers/app-zip.js';
-import { deployFiles, http, startServer, type TestServer, tempDir } from './helpers/ferry.js';
+import { deployFiles, http, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 import { makeBaseImage, requireImageTools, startRegistry, type TestRegistry } from './helpers/registry.js';
 
 // A body of known length: Ferry's proxy wants a framed answer, and httpd frames CGI output by closing.
@@ -86,6 +86,12 @@ describe('images: apps deployed on their own image', () => {
   let digest: string;
   let base: string;
   const api = (rest: string) => `${server.url}/v2/projects/${auth.projectId}${rest}`;
+  const cliEnv = async () => ({
+    HOME: await tempDir('imgrun-home-'),
+    FERRY_URL: server.url,
+    FERRY_TOKEN: auth.token,
+    FERRY_PROJECT: auth.projectId,
+  });
 
   before(async () => {
     await requireImageTools();
@@ -149,6 +155,9 @@ describe('images: apps deployed on their own image', () => {
     const list = await http(api('/apps/img-custom/builds'), { token: auth.token });
     const listed = list.json.builds.find((b: { id: string }) => b.id === build.id);
     assert.deepEqual(listed.image, { reference: `${registry.host}/ferry-test/busy@${digest}`, digest });
+    const cli = await runCli(['builds', 'list', 'img-custom'], await cliEnv());
+    assert.equal(cli.code, 0, cli.stderr);
+    assert.ok(cli.stdout.includes(digest.slice(0, 'sha256:'.length + 12)), cli.stdout);
   });
 
   it("runs a TypeScript function on the image, on Ferry's Node bound in", async () => {
@@ -178,6 +187,12 @@ export function run() {
     assert.equal(result.greeting, 'hello from ENV');
     assert.notEqual(result.uid, 0);
     assert.equal(result.cwd, '/srv/www');
+    // One unpacked copy of the image on the node, shared by both apps' builds and replicas.
+    const unpacked = await fs.readdir(path.join(server.dataDir, 'images', 'unpacked'));
+    assert.deepEqual(
+      unpacked.filter((name) => !name.startsWith('.')),
+      [digest.slice('sha256:'.length)],
+    );
   });
 
   it("runs a Python function with the image's python3", async () => {
@@ -285,5 +300,15 @@ def run():
     assert.equal(res.status, 400, res.text);
     assert.equal(res.json.error.code, 'FERRY_IMAGE_CONFIG_INVALID');
     assert.match(res.json.error.message, /image\.bogus: unknown key/);
+
+    // ferry deploy refuses it before uploading, with the same words.
+    const dir = await tempDir('imgrun-bad-');
+    await fs.writeFile(path.join(dir, 'ferry.toml'), '[app]\nname = "img-bad"\n\n[image]\nbase = "Bad"\n');
+    await fs.writeFile(path.join(dir, 'main.ts'), 'export const run = () => 1;\n');
+    const cli = await runCli(['deploy', dir], await cliEnv());
+    assert.notEqual(cli.code, 0);
+    assert.match(cli.stderr, /image\.base: "Bad" is not an image reference/);
+    const builds = await http(api('/apps/img-bad/builds'), { token: auth.token });
+    assert.equal(builds.status, 404, 'nothing was uploaded');
   });
 });
