@@ -1,6 +1,6 @@
 /**
  * The image part of a build of an app with `[image]`: the base is pulled (or found in the node's cache)
- * and pinned for the build's time, the steps that need building go through the seam (image-builder.ts),
+ * and pinned for the build's time, the steps that need building go through the seam (image-steps.ts),
  * and what replicas need of the image is written down once, as the build's `BuildImageRecord`
  * (`builds.image_json`, with the digest in `builds.image_digest`).
  *
@@ -8,9 +8,9 @@
  * the image part has its own time limit, `FERRY_IMAGE_BUILD_TIMEOUT_SECONDS`, inside the build's.
  */
 import { FerryError } from '../errors.js';
-import { buildImage, ImageBuildError, needsImageBuild } from './image-builder.js';
 import type { ImageRunConfig } from './image-config.js';
 import type { ImageSpec } from './image-spec.js';
+import { buildImageSteps, ImageBuildError, needsImageBuild } from './image-steps.js';
 import type { ImageStore, PinnedImage } from './image-store.js';
 import { formatImageReference, parseImageReference } from './reference.js';
 
@@ -75,7 +75,7 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
   const signal = AbortSignal.any([options.signal, timer.signal]);
   try {
     if (spec.kind === 'dockerfile') {
-      await buildImage({ ...common(options, signal), spec });
+      await buildImageSteps({ ...common(options, signal), spec });
       throw new Error('built images are not connected to the image store yet');
     }
     log(`Image: base ${spec.baseText}`);
@@ -96,7 +96,7 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
     }
     try {
       if (needsImageBuild(spec)) {
-        await buildImage({
+        await buildImageSteps({
           ...common(options, signal),
           spec,
           baseRootfs: pinned.image.rootfs,

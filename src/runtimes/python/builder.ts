@@ -17,7 +17,7 @@ import {
   noEntryError,
 } from '../../builds/builder.js';
 import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
-import { ImageBuildError } from '../../images/image-builder.js';
+import { ImageBuildError } from '../../images/image-steps.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from '../../sandbox/build-step.js';
 import { findImagePython, findPython } from './interpreter.js';
 import { requirementsProblem } from './requirements.js';
