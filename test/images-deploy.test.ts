@@ -86,8 +86,15 @@ describe('images: apps deployed on their own image', () => {
   let digest: string;
   let base: string;
   const api = (rest: string) => `${server.url}/v2/projects/${auth.projectId}${rest}`;
+  /** Folders the test made, removed at the end. */
+  const made: string[] = [];
+  const scratch = async (prefix: string) => {
+    const dir = await tempDir(prefix);
+    made.push(dir);
+    return dir;
+  };
   const cliEnv = async () => ({
-    HOME: await tempDir('imgrun-home-'),
+    HOME: await scratch('imgrun-home-'),
     FERRY_URL: server.url,
     FERRY_TOKEN: auth.token,
     FERRY_PROJECT: auth.projectId,
@@ -95,7 +102,7 @@ describe('images: apps deployed on their own image', () => {
 
   before(async () => {
     await requireImageTools();
-    const work = await tempDir('imgrun-images-');
+    const work = await scratch('imgrun-images-');
     const image = await makeBaseImage(work, {
       files: {
         'etc/os-release': 'ID=ferry-test-image',
@@ -122,6 +129,7 @@ describe('images: apps deployed on their own image', () => {
   after(async () => {
     await server?.close();
     await registry?.stop();
+    for (const dir of made) await fs.rm(dir, { recursive: true, force: true });
   });
 
   it("runs a custom app's image CMD in its WORKDIR with its ENV, on the image's read-only root, not as root", async () => {
@@ -202,7 +210,7 @@ export function run() {
     const dynload = path.join(stdlib, 'lib-dynload');
     const extensions = (await fs.readdir(dynload)).map((name) => path.join(dynload, name));
     const libs = await sharedLibraries([real, ...extensions]);
-    const work = await tempDir('imgrun-python-');
+    const work = await scratch('imgrun-python-');
     const image = await makeBaseImage(work, {
       files: { 'etc/os-release': 'ID=ferry-python-image' },
       copy: [
@@ -302,7 +310,7 @@ def run():
     assert.match(res.json.error.message, /image\.bogus: unknown key/);
 
     // ferry deploy refuses it before uploading, with the same words.
-    const dir = await tempDir('imgrun-bad-');
+    const dir = await scratch('imgrun-bad-');
     await fs.writeFile(path.join(dir, 'ferry.toml'), '[app]\nname = "img-bad"\n\n[image]\nbase = "Bad"\n');
     await fs.writeFile(path.join(dir, 'main.ts'), 'export const run = () => 1;\n');
     const cli = await runCli(['deploy', dir], await cliEnv());
