@@ -204,6 +204,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     builders: createDefaultBuilders(),
     sandbox,
     network,
+    images: executor?.images,
+    imageBuildTimeoutMs: config.images.buildTimeoutMs,
     limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
     owner: node.id,

@@ -1,7 +1,8 @@
 /**
  * One call from an image reference to a pinned, unpacked root file system on this node: pull (guarded,
  * verified) into a scratch OCI layout, unpack the layers as untrusted input into the node's cache, and
- * pin the result. What builds and replicas will call once images are wired in; nothing calls it yet.
+ * pin the result: what builds (builds/pipeline.ts, images/build-image.ts) and replicas (replicas/launcher.ts)
+ * call.
  *
  * The cache is keyed by the manifest digest, so a reference pinned by digest that the cache already has
  * needs no registry at all; a tag is always resolved at the registry first (a tag moves), and only the
@@ -87,6 +88,7 @@ export async function createImageStore(options: { dir: string; settings: ImageSe
             pulled.manifest.layers.map((layer) => () => openBlob(layout, layer.digest)),
             { maxBytes: settings.cacheBytes, maxEntries: MAX_IMAGE_ENTRIES },
           );
+          await prepareMountPoints(rootfs);
           return { bytes: result.bytes, meta: { config } };
         });
         return { digest: pulled.digest, reference: formatImageReference(ref), config, image, release };
@@ -95,6 +97,31 @@ export async function createImageStore(options: { dir: string; settings: ImageSe
       }
     },
   };
+}
+
+/**
+ * What the sandbox mounts over inside an image's root must exist there before it is shared read-only:
+ * `/etc/resolv.conf` as a regular file (a replica's DNS settings go over it; a link there, as many images
+ * have, would point bwrap elsewhere). The root is Ferry's own copy, so this changes no image.
+ */
+async function prepareMountPoints(rootfs: string): Promise<void> {
+  const etc = path.join(rootfs, 'etc');
+  let st = await fs.lstat(etc).catch(() => undefined);
+  if (!st) {
+    await fs.mkdir(etc, { mode: 0o755 });
+    st = await fs.lstat(etc);
+  }
+  if (!st.isDirectory()) return; // an image whose /etc is not a folder: replicas get no resolv.conf of Ferry's
+  const file = path.join(etc, 'resolv.conf');
+  if ((await fs.lstat(file).catch(() => undefined))?.isFile()) return;
+  const mode = st.mode & 0o7777;
+  await fs.chmod(etc, mode | 0o700);
+  try {
+    await fs.rm(file, { recursive: true, force: true });
+    await fs.writeFile(file, '', { mode: 0o644 });
+  } finally {
+    await fs.chmod(etc, mode);
+  }
 }
 
 function runConfigOf(image: CachedImage): ImageRunConfig {
