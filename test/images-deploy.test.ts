@@ -10,8 +10,11 @@
  * - a TypeScript function runs on the same image, on Ferry's own Node bound in;
  * - the build records the image's digest (the one the registry gave), and the builds list shows it;
  * - a Python app on an image without python3 fails FERRY_IMAGE_NO_PYTHON; a base the registry does not
- *   have fails FERRY_IMAGE_NOT_FOUND; apt/run steps fail FERRY_IMAGE_UNSUPPORTED (not built yet); a bad
- *   `[image]` table is refused at upload with its 400 code. Each failure names the step, not a host path.
+ *   have fails FERRY_IMAGE_NOT_FOUND; a failing `run` step FERRY_IMAGE_STEP_FAILED naming it; a bad
+ *   `[image]` table is refused at upload with its 400 code. Each failure names the step, not a host path;
+ * - `[image].run` steps are built into the image, and a second deploy changing only the source re-runs none
+ *   (`cached`, the same image digest); a custom app built from a Dockerfile (RUN, COPY from the context,
+ *   WORKDIR, ENV, EXPOSE, CMD) serves from what its steps made.
  */
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
@@ -20,7 +23,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { zipFiles } from './helpers/app-zip.js';
-import { deployFiles, http, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
+import { deployFiles, http, runCli, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 import { makeBaseImage, requireImageTools, startRegistry, type TestRegistry } from './helpers/registry.js';
 
 // A body of known length: Ferry's proxy wants a framed answer, and httpd frames CGI output by closing.
@@ -287,11 +290,81 @@ def run():
       /^FERRY_IMAGE_NO_PYTHON: finding python3 in the image: the image has no python3 on its PATH \(\/bin\)/,
     );
     assert.match(
-      await failed('img-apt', `\n[image]\nbase = "${base}"\napt = ["ffmpeg"]\n`, {
+      await failed('img-step', `\n[image]\nbase = "${base}"\nrun = ["echo about to fail", "exit 7"]\n`, {
         'main.ts': 'export const run = () => 1;\n',
       }),
-      /^FERRY_IMAGE_UNSUPPORTED: image\.apt: apt\/run\/dockerfile steps are not built yet/,
+      /^FERRY_IMAGE_STEP_FAILED: building the image: .*step 2\/2.*exit 7.*exit code 7/s,
     );
+    assert.match(
+      await failed('img-nodockerfile', '\n[image]\ndockerfile = "Dockerfile"\n', {
+        'main.ts': 'export const run = () => 1;\n',
+      }),
+      /^FERRY_IMAGE_DOCKERFILE_NOT_FOUND: reading Dockerfile: /,
+    );
+  });
+
+  it('builds [image].run steps into the image, and a deploy that changes only the source re-runs none', async () => {
+    const toml = `[app]\nname = "img-steps"\n\n[image]\nbase = "${base}"\nrun = ["mkdir -p /opt/made && echo made-by-a-step > /opt/made/marker", "echo second > /opt/made/two"]\n`;
+    const source = (n: number) =>
+      `import fs from 'node:fs';\nexport function run() { return { n: ${n}, marker: fs.readFileSync('/opt/made/marker', 'utf8').trim(), two: fs.readFileSync('/opt/made/two', 'utf8').trim() }; }\n`;
+    const first = await deployFiles(server, auth, 'img-steps', { 'ferry.toml': toml, 'main.ts': source(1) });
+    const log1 = (await http(api(`/apps/img-steps/builds/${first.id}/logs`), { token: auth.token })).text;
+    assert.match(log1, /step 1\/2: mkdir -p \/opt\/made/);
+    assert.doesNotMatch(log1, /step \d\/2: .*: cached/);
+    const call = async () =>
+      http(`${server.url}/v4/${auth.projectId}/img-steps/run`, { method: 'POST', token: auth.token, body: {} });
+    const res1 = await call();
+    assert.equal(res1.status, 200, res1.text);
+    assert.deepEqual(res1.json.result, { n: 1, marker: 'made-by-a-step', two: 'second' });
+
+    const second = await deployFiles(server, auth, 'img-steps', { 'ferry.toml': toml, 'main.ts': source(2) });
+    const log2 = (await http(api(`/apps/img-steps/builds/${second.id}/logs`), { token: auth.token })).text;
+    assert.match(log2, /step 1\/2: .*: cached/);
+    assert.match(log2, /step 2\/2: .*: cached/);
+    assert.match(log2, /\(0 steps ran, 2 cached\)/);
+    const res2 = await waitFor(
+      async () => {
+        const r = await call();
+        return r.status === 200 && r.json.result.n === 2 ? r : undefined;
+      },
+      30_000,
+      'the second build answering',
+    );
+    assert.equal(res2.json.result.marker, 'made-by-a-step');
+    // The same steps on the same base make the same image.
+    const list = await http(api('/apps/img-steps/builds'), { token: auth.token });
+    const images = list.json.builds.map((b: { image: { digest: string } }) => b.image.digest);
+    assert.equal(images.length, 2);
+    assert.equal(images[0], images[1]);
+  });
+
+  it("runs a custom app built from its Dockerfile, with the image's CMD and EXPOSE", async () => {
+    const dockerfile = [
+      `FROM ${base}`,
+      'RUN mkdir -p /srv/site && echo from-the-dockerfile > /srv/site/index.html',
+      'COPY extra.txt /srv/site/extra.txt',
+      'WORKDIR /srv/site',
+      'ENV FROM_DOCKERFILE=yes',
+      'EXPOSE 8081',
+      'CMD ["/bin/busybox", "httpd", "-f", "-p", "8081", "-h", "."]',
+      '',
+    ].join('\n');
+    const build = await deployFiles(server, auth, 'img-docker', {
+      'ferry.toml':
+        '[app]\nname = "img-docker"\nruntime = "custom"\n\n[image]\ndockerfile = "Dockerfile"\n\n[runtime.custom]\nreadycheck_endpoint = "/index.html"\n',
+      Dockerfile: dockerfile,
+      'extra.txt': 'copied from the context\n',
+    });
+    const log = (await http(api(`/apps/img-docker/builds/${build.id}/logs`), { token: auth.token })).text;
+    assert.match(log, /Port: 8081 \(given to your server as PORT; the image's EXPOSE\)/);
+    const page = await http(`${server.url}/v4/${auth.projectId}/img-docker/index.html`, { token: auth.token });
+    assert.equal(page.status, 200, page.text);
+    assert.equal(page.text, 'from-the-dockerfile\n');
+    const extra = await http(`${server.url}/v4/${auth.projectId}/img-docker/extra.txt`, { token: auth.token });
+    assert.equal(extra.text, 'copied from the context\n');
+    const listed = (await http(api('/apps/img-docker/builds'), { token: auth.token })).json.builds[0];
+    assert.match(listed.image.digest, /^sha256:[a-f0-9]{64}$/);
+    assert.notEqual(listed.image.digest, digest);
   });
 
   it('refuses a bad [image] table at upload with its own 400 code, naming the key', async () => {

@@ -157,7 +157,7 @@ export interface AppConfig {
       entrypoint?: string | string[];
       port: number;
       /**
-       * Whether ferry.toml set `port`: on an image without it, the image's first EXPOSEd port is used.
+       * Whether ferry.toml set `port`: on an image without it, the image's last EXPOSEd port is used.
        * Absent in configs stored before images (they set it or meant the default).
        */
       port_given?: boolean;

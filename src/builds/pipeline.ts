@@ -12,11 +12,13 @@
  * claims free builds and runs them here, from the start.
  */
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
 import { type BuildImage, type BuildImageRecord, prepareBuildImage } from '../images/build-image.js';
+import { DEFAULT_IMAGE_BUILD_LIMITS } from '../images/image-builder.js';
 import type { ImageStore } from '../images/image-store.js';
 import { type Builders, selectBuilder } from '../runtimes/index.js';
 import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from '../sandbox/build-step.js';
@@ -136,6 +138,16 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
           sandboxed: deps.sandbox.bwrap !== null,
           log,
           signal: controller.signal,
+          steps: {
+            sandbox: { caps: deps.sandbox, network: deps.network },
+            cacheDir: path.join(deps.cacheDir, 'image-steps'),
+            limits: {
+              memoryMiB: limits.memoryMiB,
+              maxProcesses: limits.maxProcesses,
+              cpu: DEFAULT_IMAGE_BUILD_LIMITS.cpu,
+              diskBytes: DEFAULT_IMAGE_BUILD_LIMITS.diskBytes,
+            },
+          },
         });
       }
       const built = await builder.build({

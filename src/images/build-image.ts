@@ -7,12 +7,19 @@
  * Each failure is a coded build failure, `FERRY_IMAGE_*: step: cause`, never a stack trace or a host path;
  * the image part has its own time limit, `FERRY_IMAGE_BUILD_TIMEOUT_SECONDS`, inside the build's.
  */
+
+import fs from 'node:fs/promises';
+import path from 'node:path';
 import { FerryError } from '../errors.js';
+import type { SandboxCapabilities } from '../sandbox/launch.js';
+import type { SandboxNetwork } from '../sandbox/network.js';
+import { buildImage, readDockerfileBase } from './image-builder.js';
 import type { ImageRunConfig } from './image-config.js';
 import type { ImageSpec } from './image-spec.js';
-import { buildImageSteps, ImageBuildError, needsImageBuild } from './image-steps.js';
+import { ImageBuildError, needsImageBuild } from './image-steps.js';
 import type { ImageStore, PinnedImage } from './image-store.js';
 import { formatImageReference, parseImageReference } from './reference.js';
+import type { StepLimits } from './step-sandbox.js';
 
 /** What a replica of an image build needs of its image: stored with the build, read at every launch. */
 export interface BuildImageRecord {
@@ -20,6 +27,11 @@ export interface BuildImageRecord {
   reference: string;
   /** The manifest digest: the key of the node's image cache. */
   digest: string;
+  /**
+   * Built by this cluster (`apt`, `run` or a Dockerfile): no registry has it, so a node without it fetches it
+   * from the image shelf only; `reference` then only says what it was built from.
+   */
+  built?: boolean;
   /** The image's run config as its config blob says it. */
   config: ImageRunConfig;
   /** The replica's base environment: the image's `ENV`, then `[image].env` over it. */
@@ -58,6 +70,13 @@ export interface PrepareBuildImageOptions {
   log: (line: string) => void;
   /** The build's own signal (cancel, server stop, the build's time limit). */
   signal: AbortSignal;
+  /** What image steps (`apt`, `run`, a Dockerfile) run with: the node's sandbox, the build cache, limits. */
+  steps: {
+    sandbox: { caps: SandboxCapabilities; network: SandboxNetwork };
+    /** The node's image build cache (a folder per project inside). */
+    cacheDir: string;
+    limits: StepLimits;
+  };
 }
 
 /** Pulls and pins the image of a build; throws ImageBuildError for every failure that is the app's. */
@@ -74,15 +93,19 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
   const timeout = setTimeout(() => timer.abort(), options.timeoutMs);
   const signal = AbortSignal.any([options.signal, timer.signal]);
   try {
+    let baseText: string;
     if (spec.kind === 'dockerfile') {
-      await buildImageSteps({ ...common(options, signal), spec });
-      throw new Error('built images are not connected to the image store yet');
+      baseText = await imageStep(`reading ${spec.dockerfile}`, () =>
+        readDockerfileBase(options.sourceDir, spec.dockerfile),
+      );
+    } else {
+      baseText = spec.baseText;
     }
-    log(`Image: base ${spec.baseText}`);
-    const step = `pulling the base image ${spec.baseText}`;
+    log(`Image: base ${baseText}`);
+    const step = `pulling the base image ${baseText}`;
     let pinned: PinnedImage;
     try {
-      pinned = await images.acquire(spec.baseText, {
+      pinned = await images.acquire(baseText, {
         signal,
         onProgress: (line) => log(`  ${line}`),
       });
@@ -94,22 +117,47 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
       }
       throw err;
     }
+    let final = pinned;
     try {
       if (needsImageBuild(spec)) {
-        await buildImageSteps({
-          ...common(options, signal),
-          spec,
-          baseRootfs: pinned.image.rootfs,
-          baseDigest: pinned.digest,
+        const out = await images.scratch();
+        const built = await imageStep('building the image', () =>
+          buildImage({
+            spec,
+            baseLayoutDir: pinned.layout,
+            baseDigest: pinned.digest,
+            contextDir: options.sourceDir,
+            projectId: options.projectId,
+            cacheDir: options.steps.cacheDir,
+            outDir: path.join(out, 'layout'),
+            sandbox: options.steps.sandbox,
+            limits: { ...options.steps.limits, timeoutMs: options.timeoutMs },
+            log,
+            signal,
+          }),
+        ).catch(async (err: unknown) => {
+          await fs.rm(out, { recursive: true, force: true });
+          throw err;
         });
-        throw new Error('built images are not connected to the image store yet');
+        log(`Image: built ${built.digest} (${built.ran} steps ran, ${built.cached} cached)`);
+        final = await images.adopt(built.layoutDir, built.digest, `built from ${pinned.reference}`);
+        await fs.rm(out, { recursive: true, force: true });
+        pinned.release();
+        // The cluster's other nodes have no registry to pull it from: the shelf must have it.
+        await imageStep('putting the image on the image shelf', () => images.publish(final));
+      } else {
+        await images.publish(pinned).catch((err: unknown) => {
+          // Other nodes can still pull it from its registry by digest.
+          log(`  (not put on the image shelf: ${(err as Error).message}; other nodes pull it from the registry)`);
+        });
       }
-      const record = recordOf(pinned, spec.env);
-      log(`Image: ${record.reference}`);
+      const record = recordOf(final, spec.env, final !== pinned);
+      log(`Image: ${record.reference}${record.built ? ` ${record.digest}` : ''}`);
       describe(record, log);
-      return { record, rootfs: pinned.image.rootfs, release: pinned.release };
+      return { record, rootfs: final.image.rootfs, release: final.release };
     } catch (err) {
-      pinned.release();
+      final.release();
+      if (final !== pinned) pinned.release();
       if (timer.signal.aborted && !options.signal.aborted && !(err instanceof ImageBuildError)) {
         throw timedOut('building the image', options.timeoutMs, err);
       }
@@ -120,14 +168,28 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
   }
 }
 
-function common(options: PrepareBuildImageOptions, signal: AbortSignal) {
-  return {
-    contextDir: options.sourceDir,
-    projectId: options.projectId,
-    buildId: options.buildId,
-    log: options.log,
-    signal,
-  };
+/**
+ * Runs one part of the image build, turning its coded failures (FERRY_IMAGE_*, and the shelf's
+ * FERRY_ARTIFACTS_UNAVAILABLE) into build failures that name `step`.
+ */
+async function imageStep<T>(step: string, fn: () => Promise<T>): Promise<T> {
+  try {
+    return await fn();
+  } catch (err) {
+    if (err instanceof ImageBuildError) throw err;
+    if (
+      err instanceof FerryError &&
+      (err.code.startsWith('FERRY_IMAGE_') || err.code === 'FERRY_ARTIFACTS_UNAVAILABLE')
+    ) {
+      throw new ImageBuildError(err.code, step, err.message, { cause: err });
+    }
+    if (err instanceof Error && !(err instanceof FerryError) && step.startsWith('putting')) {
+      throw new ImageBuildError('FERRY_ARTIFACTS_UNAVAILABLE', step, 'the image shelf cannot be reached', {
+        cause: err,
+      });
+    }
+    throw err;
+  }
 }
 
 function timedOut(step: string, ms: number, cause: unknown): ImageBuildError {
@@ -139,9 +201,12 @@ function timedOut(step: string, ms: number, cause: unknown): ImageBuildError {
   );
 }
 
-/** The record of a pulled image, `[image].env` over its ENV. */
-export function recordOf(pinned: Pick<PinnedImage, 'reference' | 'digest' | 'config'>, env: Record<string, string>) {
-  const ref = parseImageReference(pinned.reference);
+/** The record of an image (pulled, or `built` here), `[image].env` over its ENV. */
+export function recordOf(
+  pinned: Pick<PinnedImage, 'reference' | 'digest' | 'config'>,
+  env: Record<string, string>,
+  built = false,
+) {
   const merged: Record<string, string> = {};
   for (const [name, value] of pinned.config.env) merged[name] = value;
   Object.assign(merged, env);
@@ -149,8 +214,11 @@ export function recordOf(pinned: Pick<PinnedImage, 'reference' | 'digest' | 'con
     .split(':')
     .filter((dir) => dir.startsWith('/') && !dir.split('/').includes('..'));
   const record: BuildImageRecord = {
-    reference: formatImageReference({ ...ref, tag: undefined, digest: pinned.digest }),
+    reference: built
+      ? pinned.reference
+      : formatImageReference({ ...parseImageReference(pinned.reference), tag: undefined, digest: pinned.digest }),
     digest: pinned.digest,
+    ...(built ? { built: true } : {}),
     config: pinned.config,
     env: merged,
     searchPath: searchPath.length > 0 ? searchPath : DEFAULT_IMAGE_PATH,

@@ -40,7 +40,7 @@ export interface LauncherDeps {
    * The node's images: a replica of an image build pins its image here (pulled by digest when this node
    * does not have it) for as long as it runs. Absent where replicas are not sandboxed.
    */
-  images?: Pick<ImageStore, 'acquire'>;
+  images?: Pick<ImageStore, 'acquire' | 'acquireBuilt'>;
 }
 
 /** A recipe's command as the replica sees it (its program where the sandbox copies it). */
@@ -68,7 +68,10 @@ export function createLauncher(deps: LauncherDeps) {
       if (record) {
         if (!sandboxed || !deps.images) throw new FerryError('FERRY_IMAGE_NO_SANDBOX');
         // Held until the replica's cleanup: the cache never evicts an image a replica runs on.
-        pinned = await deps.images.acquire(record.reference);
+        // A built image comes from this node's cache or the image shelf; a pulled one also from its registry.
+        pinned = record.built
+          ? await deps.images.acquireBuilt(record.digest, record.reference)
+          : await deps.images.acquire(record.reference);
         view = await imageViews.acquire(pinned.digest, pinned.image.rootfs);
       }
       const image = record && view ? { record, rootfs: view.dir } : undefined;

@@ -152,19 +152,22 @@ function imageCommand(config: { entrypoint: string[] | undefined; cmd: string[] 
   return argv.length > 0 ? argv : undefined;
 }
 
-/** `port` from ferry.toml; when it sets none, the image's first EXPOSEd TCP port (replicas cannot bind below 1024). */
+/**
+ * `port` from ferry.toml; when it sets none, the image's last EXPOSEd TCP port: the latest declaration, so a
+ * Dockerfile's own EXPOSE wins over its base's (set `port` to choose another). Replicas cannot bind below 1024.
+ */
 function portOf(
   custom: { port: number; port_given?: boolean },
   exposed: readonly number[],
 ): { port: number; exposed: boolean } {
-  const first = exposed[0];
-  if (custom.port_given !== false || first === undefined) return { port: custom.port, exposed: false };
-  if (first < 1024) {
+  const last = exposed.at(-1);
+  if (custom.port_given !== false || last === undefined) return { port: custom.port, exposed: false };
+  if (last < 1024) {
     throw new BuildFailedError(
-      `runtime.custom.port: the image EXPOSEs ${first}, below 1024, which replicas (unprivileged) cannot listen on: set port (1024 or more) and have the server listen there`,
+      `runtime.custom.port: the image EXPOSEs ${last}, below 1024, which replicas (unprivileged) cannot listen on: set port (1024 or more) and have the server listen there`,
     );
   }
-  return { port: first, exposed: true };
+  return { port: last, exposed: true };
 }
 
 function describeCheck(endpoint: string, port: number): string {
