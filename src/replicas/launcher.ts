@@ -6,6 +6,7 @@
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { FerryError } from '../errors.js';
 import { runtimeOf } from '../runtimes/index.js';
 import type { LaunchRecipe, Runtime } from '../runtimes/runtime.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from '../sandbox/launch.js';
@@ -51,7 +52,15 @@ export function createLauncher(deps: LauncherDeps) {
       .selectFrom('builds')
       .select(['entry'])
       .where('id', '=', build.buildId)
-      .executeTakeFirstOrThrow();
+      .executeTakeFirst();
+    // Deleted since the call resolved it (retention, or its app deleted on another node): the caller may try
+    // again and find the app's build as it is now. The answer a worker gives a gateway naming such a build
+    // (cluster/worker-builds.ts); it was a 500 FERRY_INTERNAL (test/contract-invoker.test.ts).
+    if (!row) {
+      throw new FerryError('FERRY_NO_READY_BUILD', 'The build this call was resolved to is not there any more', {
+        headers: { 'retry-after': '1' },
+      });
+    }
     await deps.ensureLocal?.(build.buildId);
     const sandboxed = deps.sandbox.bwrap !== null;
     const buildDir =
