@@ -6,7 +6,8 @@
  *   202 and never in its way, to the work-queue stream `<cluster>_runs` on `<cluster>.runs.<project>.<app>`
  *   with the message id `<run id>.0` (JetStream drops a second publish of one id within its duplicate
  *   window). Publishes are pipelined on the one connection; acknowledged ones are recorded
- *   (`published_at`) about once a second, one UPDATE for all of them, on the runs still waiting for a node.
+ *   (`published_at`) about once a second, one UPDATE for all of them, on the runs still waiting for a node
+ *   and never started (a run started and queued again since had that message acknowledged).
  * - **Relay.** Every node republishes queued runs held by nobody with no known message (their publish
  *   failed or was never tried, NATS being down; or recovery freed them, their message gone), once they are
  *   a few seconds old, as `<run id>.<publishes>`: a fresh id, so JetStream never drops a republish as a
