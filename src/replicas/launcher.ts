@@ -56,7 +56,15 @@ export function createLauncher(deps: LauncherDeps) {
       .selectFrom('builds')
       .select(['entry', 'image_json'])
       .where('id', '=', build.buildId)
-      .executeTakeFirstOrThrow();
+      .executeTakeFirst();
+    // Deleted since the call resolved it (retention, or its app deleted on another node): the caller may try
+    // again and find the app's build as it is now. The answer a worker gives a gateway naming such a build
+    // (cluster/worker-builds.ts); it was a 500 FERRY_INTERNAL (test/contract-invoker.test.ts).
+    if (!row) {
+      throw new FerryError('FERRY_NO_READY_BUILD', 'The build this call was resolved to is not there any more', {
+        headers: { 'retry-after': '1' },
+      });
+    }
     await deps.ensureLocal?.(build.buildId);
     const sandboxed = deps.sandbox.bwrap !== null;
     const buildDir =
