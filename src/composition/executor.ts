@@ -97,7 +97,12 @@ export async function createExecutor(
   const ensureLocal = (buildId: string) => storage.buildOutput.ensureLocal(buildId);
   const secrets = (projectId: string) => secretEnvironment(store, secretsKey, projectId);
   const images = sandbox.bwrap
-    ? await createImageStore({ dir: imagesDir(dataDir.root), settings: config.images, shelf: storage.imageShelf })
+    ? await createImageStore({
+        dir: imagesDir(dataDir.root),
+        settings: config.images,
+        shelf: storage.imageShelf,
+        logger: logger.child({ component: 'images' }),
+      })
     : undefined;
   core.onClose(() => images?.cache.close());
   const launch = createLauncher({
