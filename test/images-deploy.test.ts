@@ -322,6 +322,9 @@ def run():
     assert.match(log2, /step 1\/2: .*: cached/);
     assert.match(log2, /step 2\/2: .*: cached/);
     assert.match(log2, /\(0 steps ran, 2 cached\)/);
+    // The base's tag is resolved at the registry again, but its layers are not fetched: the node has them.
+    assert.match(log2, /layer 1\/1 sha256:\S+ already on this node/);
+    assert.doesNotMatch(log2, /pulling layer/);
     const res2 = await waitFor(
       async () => {
         const r = await call();

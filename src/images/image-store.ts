@@ -5,8 +5,8 @@
  * call.
  *
  * The cache is keyed by the manifest digest, so a reference pinned by digest that the cache already has
- * needs no registry at all; a tag is always resolved at the registry first (a tag moves), and only the
- * blobs are skipped when the digest is known.
+ * needs no registry at all; a tag is always resolved at the registry first (a tag moves), and when the
+ * cache has the digest it resolves to, no layer is fetched again.
  */
 import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
@@ -190,22 +190,28 @@ export async function createImageStore(options: {
         const found = (await fromCache(ref.digest, formatted)) ?? (await fromShelf(ref.digest, formatted));
         if (found) return found;
       }
-      const layout = await scratch();
-      try {
-        const pulled = await pullImage(ref, layout, LAYOUT_TAG, {
-          access,
-          authFile: settings.authFile,
-          maxBytes: settings.cacheBytes,
-          ...(opts.signal ? { signal: opts.signal } : {}),
-          ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
-        });
-        // A tag resolved to a digest the cache has: its blobs were fetched again, but nothing is unpacked.
-        const cached = await fromCache(pulled.digest, formatted);
-        if (cached) return cached;
-        return await unpackLayout(layout, pulled.digest, formatted);
-      } finally {
-        await fs.rm(layout, { recursive: true, force: true });
+      // A tag resolved to a digest the cache has: no layer is fetched, nothing is unpacked. Evicted between
+      // the look and the pin, the image is pulled again, whole.
+      for (const skipKnown of [true, false]) {
+        const layout = await scratch();
+        try {
+          const pulled = await pullImage(ref, layout, LAYOUT_TAG, {
+            access,
+            authFile: settings.authFile,
+            maxBytes: settings.cacheBytes,
+            ...(opts.signal ? { signal: opts.signal } : {}),
+            ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
+            ...(skipKnown ? { known: (digest: string) => cache.peek(digest) !== undefined } : {}),
+          });
+          const cached = await fromCache(pulled.digest, formatted);
+          if (cached) return cached;
+          if (pulled.layersSkipped) continue;
+          return await unpackLayout(layout, pulled.digest, formatted);
+        } finally {
+          await fs.rm(layout, { recursive: true, force: true });
+        }
       }
+      throw new Error('unreachable: the second pull fetches every layer');
     },
 
     async acquireBuilt(digest, reference) {
