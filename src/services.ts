@@ -151,7 +151,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const sandbox = await detectSandbox();
   const runsCode = role !== 'gateway';
   const views = runsCode ? await prepareSandboxViews(core, sandbox) : undefined;
-  const { artifacts, buildOutput } = await createBuildStorage(core, link, views);
+  const storage = await createBuildStorage(core, link, views);
+  const { artifacts, buildOutput } = storage;
   const volumes = await createVolumes({
     store,
     config,
@@ -162,9 +163,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   onClose(() => volumes.close());
   // A gateway runs no user code: no executor, its calls go to the workers through the cluster link.
-  const executor = runsCode
-    ? await createExecutor(core, { sandbox, views, storage: { artifacts, buildOutput }, volumes, link })
-    : undefined;
+  const executor = runsCode ? await createExecutor(core, { sandbox, views, storage, volumes, link }) : undefined;
   const replicas: ReplicaView = executor?.replicas ?? NO_REPLICAS;
   const network = executor?.network ?? createLoopbackOnlyNetwork();
   const invoker: Invoker = executor?.invoker ?? requireLink(link).remoteInvoker();
@@ -204,6 +203,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     builders: createDefaultBuilders(),
     sandbox,
     network,
+    images: executor?.images,
+    imageBuildTimeoutMs: config.images.buildTimeoutMs,
     limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
     owner: node.id,

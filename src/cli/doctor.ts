@@ -135,7 +135,7 @@ function imageLines(images: ImagesReport): string[] {
   const mib = (bytes: number) => `${Math.round(bytes / 1024 / 1024)} MiB`;
   const lines = [
     `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? 'yes' : 'no'}` +
-      ` (images are a coming feature: [image] in ferry.toml is not taken yet)`,
+      ' ([image] base images build and run; apt/run/dockerfile steps are built but not yet taken by deploys)',
   ];
   if (images.missing.length > 0) lines.push(`missing: ${images.missing.join('; ')}`);
   if (images.cache) {

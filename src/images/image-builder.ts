@@ -634,7 +634,8 @@ async function resolveUser(
     uid = Number(name);
     gid = uid;
   } else {
-    const found = await lookup('passwd', name);
+    // `root` is uid 0 even in an image without /etc/passwd (busybox, scratch), as Docker and runc have it.
+    const found = (await lookup('passwd', name)) ?? (name === 'root' ? { id: 0, gid: 0 } : null);
     if (!found) throw new FerryError('FERRY_IMAGE_STEP_FAILED', `${what}: USER ${name}: the image has no such user`);
     uid = found.id;
     gid = found.gid;

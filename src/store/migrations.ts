@@ -386,6 +386,20 @@ const migrations: Record<string, Migration> = {
       }
     },
   },
+  '0014_build_images': {
+    async up(db: Kysely<unknown>) {
+      // A build of an app with `[image]`: the manifest digest of the image its replicas run on, and what they
+      // need of it (images/build-image.ts `BuildImageRecord`, JSON: the reference pinned by digest, the run
+      // config, the environment, the custom runtime's command and port). Null for a host-runtime build.
+      await db.schema.alterTable('builds').addColumn('image_digest', 'text').execute();
+      await db.schema.alterTable('builds').addColumn('image_json', 'text').execute();
+      if (isPostgres(db)) {
+        await sql`alter table builds alter column image_digest type text collate "C", alter column image_json type text collate "C"`.execute(
+          db,
+        );
+      }
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

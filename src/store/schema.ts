@@ -67,6 +67,10 @@ export interface BuildsTable {
   created_at: string;
   started_at: string | null;
   finished_at: string | null;
+  /** With `[image]`: the manifest digest of the image replicas run on (null: the host runtime). */
+  image_digest: Optional<string>;
+  /** With `[image]`: what replicas need of the image, JSON (images/build-image.ts `BuildImageRecord`). */
+  image_json: Optional<string>;
 }
 
 export interface BuildLogLinesTable {
