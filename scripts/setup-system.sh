@@ -7,7 +7,8 @@
 #   Also, as root: records the sandboxes' uid range in /etc/subuid and /etc/subgid (ferry-sandbox).
 #   (default)   also what the tests use (Chromium for the dashboard's browser tests; for the image tests,
 #               Debian's docker-registry served on loopback, skopeo to push to it, apache2-utils' htpasswd
-#               for its password file, busybox-static for the base images they make); run by .ci/run
+#               for its password file, busybox-static for the base images they make, dpkg-dev's
+#               dpkg-scanpackages for the apt repository the apt test serves); run by .ci/run
 # Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
 # without these (`ferry doctor` says what is missing), and tests that need one say so.
 set -uo pipefail
@@ -40,6 +41,7 @@ if [ "${1:-}" != "--runtime" ]; then
   has docker-registry || need+=(docker-registry)
   has htpasswd || need+=(apache2-utils)
   dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
+  has dpkg-scanpackages || need+=(dpkg-dev)
 fi
 if [ ${#need[@]} -eq 0 ]; then
   echo "system packages: all present"

@@ -45,7 +45,7 @@ import { tempDir } from './helpers/ferry.js';
 import { createOutsideNetwork, type OutsideNetwork } from './helpers/netns.js';
 import type { BaseImage } from './helpers/registry.js';
 
-const TIMEOUT = Number(process.env.APT_TIMEOUT ?? 300_000);
+const TIMEOUT = 300_000;
 /** Where the repository's server listens, inside the test's own namespace. */
 const REPO_PORT = 47601;
 const MARKER = 'ferry-hello says hi from the test apt repository';
@@ -155,10 +155,7 @@ describe('images: apt installs a package from a repository the test serves', { t
       outDir: path.join(work, `out-${n}`),
       sandbox: { caps, network: opts.network ?? allowed },
       limits: { ...DEFAULT_IMAGE_BUILD_LIMITS, memoryMiB: 512, timeoutMs: TIMEOUT },
-      log: (line) => {
-        lines.push(line);
-        if (process.env.APT_DEBUG) console.error(`[build ${n}] ${line}`);
-      },
+      log: (line) => lines.push(line),
       signal: new AbortController().signal,
     };
     return { lines, promise: buildImage(options) };
@@ -191,13 +188,14 @@ describe('images: apt installs a package from a repository the test serves', { t
     const status = layer.get('var/lib/dpkg/status')?.content ?? '';
     assert.match(status, /^Package: ferry-hello\nStatus: install ok installed$/m, status);
     assert.ok(layer.has('var/lib/dpkg/info/ferry-hello.list'), "dpkg's file list for the package");
+    const names = [...layer.keys()];
     assert.ok(
-      ![...layer.keys()].some((k) => k.startsWith('var/lib/apt/lists/') && k !== 'var/lib/apt/lists'),
-      `the package lists are removed: ${[...layer.keys()].filter((k) => k.startsWith('var/lib/apt/')).join(', ')}`,
+      !names.some((k) => k.startsWith('var/lib/apt/lists/') && !path.posix.basename(k).startsWith('.wh.')),
+      `the package lists are removed: ${names.filter((k) => k.startsWith('var/lib/apt/lists/')).join(', ')}`,
     );
     assert.ok(
-      ![...layer.keys()].some((k) => k.endsWith('.deb')),
-      `the downloaded .deb is not kept: ${[...layer.keys()].filter((k) => k.startsWith('var/cache/')).join(', ')}`,
+      !names.some((k) => k.endsWith('.deb')),
+      `the downloaded .deb is not kept: ${names.filter((k) => k.startsWith('var/cache/')).join(', ')}`,
     );
 
     const requests = served.length;
@@ -229,14 +227,14 @@ describe('images: apt installs a package from a repository the test serves', { t
     const denied = await vethNetwork('net-denied', '');
     try {
       const requests = served.length;
-      const { promise, lines } = build({ apt: ['ferry-hello'] }, { projectId: 'proj-denied', network: denied });
+      const { promise } = build({ apt: ['ferry-hello'] }, { projectId: 'proj-denied', network: denied });
       const err = await rejectsWith(promise, 'FERRY_IMAGE_STEP_FAILED');
       assert.match(err.message, /^step 1\/1 \(apt-get install ferry-hello\) failed/);
       assert.equal(served.length, requests, `no request reached the repository:\n${served.join('\n')}`);
-      assert.ok(
-        lines.some((l) => l.includes(outside.address)),
-        `apt says it could not reach the repository:\n${lines.join('\n')}`,
-      );
+      // apt-get update only warns about a source it cannot fetch (as in a Dockerfile); the install then
+      // fails, and the error's output tail names both.
+      assert.match(err.message, new RegExp(`Failed to fetch http://${outside.address.replace(/\./g, '\\.')}`));
+      assert.match(err.message, /Unable to locate package ferry-hello/);
     } finally {
       await denied.close();
     }
