@@ -216,11 +216,11 @@ for (const kind of ['btrfs', 'xfs'] as const) {
           path.join(folder('nest'), 'nested'),
         ]);
         await deployFiles(server, auth, 'nester', volumeApp('nester', '[[volumes]]\nname = "nest"\nmount = "/data"\n'));
-        const escape = await call('nester', 'fill', { file: '/data/nested/big.bin', mib: 40 });
-        assert.equal(escape.status, 200, escape.text);
-        assert.equal(escape.json.result.ok, false, JSON.stringify(escape.json.result));
-        assert.equal(escape.json.result.code, 'EDQUOT');
-        assert.ok(escape.json.result.written < 33, JSON.stringify(escape.json.result));
+        const nested = await call('nester', 'fill', { file: '/data/nested/big.bin', mib: 40 });
+        assert.equal(nested.status, 200, nested.text);
+        assert.equal(nested.json.result.ok, false, JSON.stringify(nested.json.result));
+        assert.equal(nested.json.result.code, 'EDQUOT');
+        assert.ok(nested.json.result.written < 33, JSON.stringify(nested.json.result));
         // A delete removes the nested subvolume with the rest.
         const del = await http(api('/volumes/nest?force=true'), { method: 'DELETE', token: auth.token });
         assert.equal(del.status, 204, del.text);
