@@ -151,7 +151,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const sandbox = await detectSandbox();
   const runsCode = role !== 'gateway';
   const views = runsCode ? await prepareSandboxViews(core, sandbox) : undefined;
-  const { artifacts, buildOutput } = await createBuildStorage(core, link, views);
+  const storage = await createBuildStorage(core, link, views);
+  const { artifacts, buildOutput } = storage;
   const volumes = await createVolumes({
     store,
     config,
@@ -162,9 +163,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   onClose(() => volumes.close());
   // A gateway runs no user code: no executor, its calls go to the workers through the cluster link.
-  const executor = runsCode
-    ? await createExecutor(core, { sandbox, views, storage: { artifacts, buildOutput }, volumes, link })
-    : undefined;
+  const executor = runsCode ? await createExecutor(core, { sandbox, views, storage, volumes, link }) : undefined;
   const replicas: ReplicaView = executor?.replicas ?? NO_REPLICAS;
   const network = executor?.network ?? createLoopbackOnlyNetwork();
   const invoker: Invoker = executor?.invoker ?? requireLink(link).remoteInvoker();
@@ -204,6 +203,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     builders: createDefaultBuilders(),
     sandbox,
     network,
+    images: executor?.images,
+    imageBuildTimeoutMs: config.images.buildTimeoutMs,
     limits: config.buildLimits,
     logger: logger.child({ component: 'builds' }),
     owner: node.id,
@@ -333,12 +334,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const ticker = createScheduleTicker({
     db: store,
     starter: createScheduleRunStarter({
-      insertNow: (row) => core.recorder.insertNow(row),
-      ownerFor: (projectId, appId) => asyncWorker.ownerFor(projectId, appId),
-      accepted: (run, owner) => asyncWorker.accepted(run, owner),
-      admit: async (projectId) =>
-        asyncWorker.backlog < config.maxAsyncBacklog && (await projectBacklog.admit(projectId)),
-      async runtimeOf(buildId) {
+      runs,
+      // The schedule's build is the app's active one: its runtime comes from the run targets' cache.
+      async runtimeOf(projectId, appId, buildId) {
+        const target = await core.runTargets.get(projectId, appId);
+        if (target?.buildId === buildId) return target.runtime === 'custom' ? 'custom' : 'cortex';
         const row = await store.selectFrom('builds').select('runtime').where('id', '=', buildId).executeTakeFirst();
         return row?.runtime === 'custom' ? 'custom' : 'cortex';
       },

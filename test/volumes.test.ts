@@ -317,7 +317,9 @@ describe('volumes', () => {
     const deleted = await http(api('/volumes/small'), { method: 'DELETE', token: auth.token });
     assert.equal(deleted.status, 204, deleted.text);
     await assert.rejects(fs.stat(image), { code: 'ENOENT' });
-    assert.deepEqual(losetupLines(image), []);
+    // The loop device lets go once the last mount of it is gone: the deleted app's replicas stop on their own
+    // time (after their runs, within the grace period), and their mount namespaces hold it until then.
+    await waitFor(async () => losetupLines(image).length === 0, 60_000, `the loop device of ${image} detached`);
     const gone = await http(api('/volumes/small'), { token: auth.token });
     assert.equal(gone.status, 404);
   });

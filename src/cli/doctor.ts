@@ -134,8 +134,8 @@ async function imagesReport(caps: SandboxCapabilities): Promise<ImagesReport> {
 function imageLines(images: ImagesReport): string[] {
   const mib = (bytes: number) => `${Math.round(bytes / 1024 / 1024)} MiB`;
   const lines = [
-    `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? `yes (${images.umoci})` : 'no'}` +
-      ` (images are a coming feature: [image] in ferry.toml is not taken yet)`,
+    `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? 'yes' : 'no'}` +
+      ' ([image] base images build and run; apt/run/dockerfile steps are built but not yet taken by deploys)',
   ];
   if (images.missing.length > 0) lines.push(`missing: ${images.missing.join('; ')}`);
   if (images.cache) {

@@ -386,7 +386,21 @@ const migrations: Record<string, Migration> = {
       }
     },
   },
-  '0014_volume_backends': {
+  '0014_build_images': {
+    async up(db: Kysely<unknown>) {
+      // A build of an app with `[image]`: the manifest digest of the image its replicas run on, and what they
+      // need of it (images/build-image.ts `BuildImageRecord`, JSON: the reference pinned by digest, the run
+      // config, the environment, the custom runtime's command and port). Null for a host-runtime build.
+      await db.schema.alterTable('builds').addColumn('image_digest', 'text').execute();
+      await db.schema.alterTable('builds').addColumn('image_json', 'text').execute();
+      if (isPostgres(db)) {
+        await sql`alter table builds alter column image_digest type text collate "C", alter column image_json type text collate "C"`.execute(
+          db,
+        );
+      }
+    },
+  },
+  '0015_volume_backends': {
     async up(db: Kysely<unknown>) {
       // Which backend made each volume (FERRY_VOLUMES_BACKEND; null: `image`, every volume made before this),
       // so a server with the other backend refuses it by name rather than looking for what is not there; and

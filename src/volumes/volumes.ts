@@ -2,7 +2,7 @@
  * Volumes: a project's persistent folders, bounded in size, mounted into the replicas of the apps that
  * list them in ferry.toml (`[[volumes]]`), and read and written through the API.
  *
- * The rows are in the store (`volumes`, migrations 0012 and 0014); what bounds a volume on disk is its
+ * The rows are in the store (`volumes`, migrations 0012 and 0015); what bounds a volume on disk is its
  * backend (`backend.ts`, FERRY_VOLUMES_BACKEND): filesystem images and their mounts (`images.ts`) or
  * folders with the filesystem's own quota (`quota-dirs.ts`); the host-side file operations are
  * `volume-files.ts`.
