@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Ferry uses, when they are missing and we are root with apt-get.
 #   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; e2fsprogs and acl, volumes;
+#               xfsprogs and btrfs-progs, volumes in directories with XFS project quotas or btrfs qgroups;
 #               iproute2 and nftables, the sandboxes' own networks; slirp4netns, their egress when Ferry
 #               is not root; umoci, which turns an image build step's changes into a layer, rootless); run
 #               by `npm install`
@@ -34,6 +35,10 @@ has slirp4netns || need+=(slirp4netns)
 has mkfs.ext4 || need+=(e2fsprogs)
 has setfacl || need+=(acl)
 has flock || need+=(util-linux)
+# Volumes in directories with the filesystem's own quota (FERRY_VOLUMES_BACKEND=quota-dir, src/volumes/quotas.ts):
+# xfs_quota sets XFS project quotas (xfsprogs); btrfs makes subvolumes and limits their qgroups (btrfs-progs).
+has xfs_quota || need+=(xfsprogs)
+has btrfs || need+=(btrfs-progs)
 has umoci || need+=(umoci)
 if [ "${1:-}" != "--runtime" ]; then
   [ -x /usr/bin/chromium ] || need+=(chromium)
