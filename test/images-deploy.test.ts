@@ -341,6 +341,33 @@ def run():
     assert.equal(images[0], images[1]);
   });
 
+  it('removes the image of deleted builds from the node and the image shelf once no build uses it', async () => {
+    const list = await http(api('/apps/img-steps/builds'), { token: auth.token });
+    const built = list.json.builds[0].image.digest as string;
+    const hex = built.slice('sha256:'.length);
+    const unpacked = path.join(server.dataDir, 'images', 'unpacked', hex);
+    const shelved = path.join(server.services.config.artifactsDir, 'images', 'blobs', 'sha256', hex);
+    await fs.stat(unpacked);
+    await fs.stat(shelved);
+    // The base stays: other apps' builds use it.
+    const baseShelved = path.join(server.services.config.artifactsDir, 'images', 'blobs', 'sha256', digest.slice(7));
+    await fs.stat(baseShelved);
+    const deleted = await http(api('/apps/img-steps'), { method: 'DELETE', token: auth.token });
+    assert.equal(deleted.status, 200, deleted.text);
+    await assert.rejects(fs.stat(shelved), { code: 'ENOENT' });
+    // The replica that ran it stops first (after its runs), then the unpacked copy goes.
+    await waitFor(
+      async () =>
+        !(await fs.stat(unpacked).then(
+          () => true,
+          () => false,
+        )),
+      60_000,
+      'the unpacked image removed',
+    );
+    await fs.stat(baseShelved);
+  });
+
   it("runs a custom app built from its Dockerfile, with the image's CMD and EXPOSE", async () => {
     const dockerfile = [
       `FROM ${base}`,
