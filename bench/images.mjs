@@ -387,7 +387,7 @@ async function secondDeploys(ferry, auth, apps) {
 
 async function firstStarts(registry, baseLarge, largeInfo) {
   console.log(
-    `\n(3) First start on a node that never had the image: PostgreSQL + NATS (${NATS_URL}), one \`--role all\` process deploys; ${NODES} fresh \`--role all\` processes, one after the other, serve their first calls`,
+    `\n(3) First start on a node that never had the image: PostgreSQL + NATS (${NATS_URL}), one \`--role all\` process deploys; ${NODES} fresh \`--role all\` process${NODES > 1 ? 'es' : ''}, one after the other, serve their first calls`,
   );
   const databaseUrl = await createDatabase(ADMIN_URL, 'ferry_bench_images_');
   const cluster = `benchimg_${crypto.randomBytes(4).toString('hex')}`;
