@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 /**
  * Ferry with many apps and many run records (issue 31, target 3): the same measurements on a store
- * holding one app and a few runs, and then on the same store grown to BENCH_SCALE_APPS apps and
+ * holding two apps and a few runs, and then on the same store grown to BENCH_SCALE_APPS apps and
  * BENCH_SCALE_RUNS finished runs, side by side in one run, with ratios. Asserts nothing about timing.
  *
  * Per store (SQLite; with `--database-url <url>` also PostgreSQL, in a database the bench creates there):
@@ -415,7 +415,7 @@ async function measure(store) {
   await ferry.stop();
 
   const empty = await measurePhase(
-    'empty: one app, a few runs',
+    'empty: two apps, a few runs',
     dataDir,
     env,
     auth,
