@@ -425,10 +425,32 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       let bytes = 0;
       // Builds: per app, the newest keepBuilds ready builds and the active one stay; older builds go
       // (failed and cancelled ones older than the oldest kept ready build too).
-      const apps =
-        keepBuilds > 0 ? await store.selectFrom('apps').select(['project_id', 'id', 'active_build_id']).execute() : [];
+      // Only apps with more builds than are kept can have one to delete: one count over the builds finds
+      // them (a pass looked at every app with two queries each, 2,000 queries at 1,000 apps, which on
+      // SQLite ran without a turn of the event loop between them: 0.2-0.4 s of stalled calls, bench:scale).
+      const crowded =
+        keepBuilds > 0
+          ? await store
+              .selectFrom('builds')
+              .select(['project_id', 'app_id'])
+              .groupBy(['project_id', 'app_id'])
+              .having((eb) => eb.fn.countAll(), '>', keepBuilds)
+              .execute()
+          : [];
+      const apps = [];
+      for (const c of crowded) {
+        const app = await store
+          .selectFrom('apps')
+          .select(['project_id', 'id', 'active_build_id'])
+          .where('project_id', '=', c.project_id)
+          .where('id', '=', c.app_id)
+          .executeTakeFirst();
+        if (app) apps.push(app);
+      }
       for (const app of apps) {
         if (builds >= RETENTION_MAX_BUILDS) break;
+        // A turn of the event loop per app: on SQLite an awaited query does not give one.
+        await new Promise((resolve) => setImmediate(resolve));
         const ready = await store
           .selectFrom('builds')
           .select('id')
