@@ -94,7 +94,11 @@ export class LayerWriter {
     };
     if (entry.type !== 'file' || body === undefined || (entry.size ?? 0) === 0) {
       await new Promise<void>((resolve, reject) => {
-        this.pack.entry(header, (err) => (err ? reject(err) : resolve()));
+        const done = (err?: Error | null) => (err ? reject(err) : resolve());
+        // A file entry given no buffer waits for its body to be written: an empty one gets an empty buffer
+        // (else the entry, and the whole layer, never ends: an empty file or a whiteout hung the build).
+        if (entry.type === 'file') this.pack.entry(header, Buffer.alloc(0), done);
+        else this.pack.entry(header, done);
       });
       if (body !== undefined && !Buffer.isBuffer(body)) body.destroy();
       return;
