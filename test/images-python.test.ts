@@ -13,7 +13,11 @@
  *   one changing a file requirements.txt names re-runs the install;
  * - a failing install is FERRY_IMAGE_STEP_FAILED naming the pip step, never a host path;
  * - the syntax check runs the image's python3, in the build sandbox on the image's root: an image whose
- *   python3 is a script that answers for it decides the version and the functions the build reports.
+ *   python3 is a script that answers for it decides the version and the functions the build reports;
+ * - examples/image-app deploys and answers, with its `base` rewritten to this image (the test reaches no
+ *   Docker Hub), its PyPI requirement served by a stand-in wheel (`--no-index --find-links ./wheels` put
+ *   before its lines: no PyPI either), and `apt` served by the image's stand-in `apt-get` (no Debian
+ *   mirror: it installs a stand-in `file`). Its `run` and `env` lines and its main.py are as shipped.
  */
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
@@ -21,7 +25,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
-import { deployFiles, http, startServer, type TestServer, tempDir } from './helpers/ferry.js';
+import { deployFiles, http, REPO_ROOT, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 import { makeBaseImage, requireImageTools, startRegistry, type TestRegistry } from './helpers/registry.js';
 
 const run = promisify(execFile);
@@ -79,29 +83,57 @@ setup(name="hello", version="0.1", py_modules=["hello", "hello_built"])
   return fs.readFile(archive);
 }
 
-/** A pure-Python wheel, written by the host's Python (zipfile, RECORD with hashes). */
-async function makeWheel(dir: string): Promise<Buffer> {
-  const file = path.join(dir, 'greet-0.1-py3-none-any.whl');
+/**
+ * A pure-Python wheel of one package `name` (its `__init__.py` is `source`), written by the host's Python
+ * (zipfile, RECORD with hashes).
+ */
+async function makeWheel(dir: string, name = 'greet', version = '0.1', source?: string): Promise<Buffer> {
+  const file = path.join(dir, `${name}-${version}-py3-none-any.whl`);
+  const init = source ?? "def greet(name):\n    return 'greetings, ' + name + ', from a wheel'\n";
   const script = `
-import base64, hashlib, sys, zipfile
+import base64, hashlib, json, sys, zipfile
+name, version, init = sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+info = "%s-%s.dist-info" % (name, version)
 files = {
-    "greet/__init__.py": "def greet(name):\\n    return 'greetings, ' + name + ', from a wheel'\\n",
-    "greet-0.1.dist-info/METADATA": "Metadata-Version: 2.1\\nName: greet\\nVersion: 0.1\\n",
-    "greet-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\\nGenerator: ferry-test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n",
+    name + "/__init__.py": init,
+    info + "/METADATA": "Metadata-Version: 2.1\\nName: %s\\nVersion: %s\\n" % (name, version),
+    info + "/WHEEL": "Wheel-Version: 1.0\\nGenerator: ferry-test\\nRoot-Is-Purelib: true\\nTag: py3-none-any\\n",
 }
 record = []
 with zipfile.ZipFile(sys.argv[1], "w") as z:
-    for name, text in files.items():
+    for path, text in files.items():
         data = text.encode()
-        z.writestr(name, data)
+        z.writestr(path, data)
         digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-        record.append("%s,sha256=%s,%d" % (name, digest, len(data)))
-    record.append("greet-0.1.dist-info/RECORD,,")
-    z.writestr("greet-0.1.dist-info/RECORD", "\\n".join(record) + "\\n")
+        record.append("%s,sha256=%s,%d" % (path, digest, len(data)))
+    record.append(info + "/RECORD,,")
+    z.writestr(info + "/RECORD", "\\n".join(record) + "\\n")
 `;
-  await run(HOST_PYTHON, ['-I', '-c', script, file]);
+  await run(HOST_PYTHON, ['-I', '-c', script, file, name, version, JSON.stringify(init)]);
   return fs.readFile(file);
 }
+
+/**
+ * A stand-in for apt-get in the test's image (no Debian mirror is reachable): `update` succeeds, `install`
+ * knows one package, `file`, which it installs as a script answering like file(1).
+ */
+const STAND_IN_APT_GET = `#!/bin/sh
+case "$1" in
+  update) echo "stand-in apt-get: update (DEBIAN_FRONTEND=$DEBIAN_FRONTEND)"; exit 0 ;;
+  install) shift ;;
+  *) echo "stand-in apt-get: $1 is not known" >&2; exit 100 ;;
+esac
+for package in "$@"; do
+  case "$package" in
+    -*) ;;
+    file)
+      printf '#!/bin/sh\\n/bin/busybox cat >/dev/null\\necho "ASCII text (stand-in file)"\\n' >/usr/bin/file
+      /bin/busybox chmod 755 /usr/bin/file
+      echo "stand-in apt-get: installed file" ;;
+    *) echo "E: Unable to locate package $package" >&2; exit 100 ;;
+  esac
+done
+`;
 
 describe('images: Python apps with requirements.txt installed into their image', () => {
   let registry: TestRegistry;
@@ -146,7 +178,8 @@ describe('images: Python apps with requirements.txt installed into their image',
       `the test needs Debian's python3-pip and python3-setuptools (found in ${DIST_PACKAGES}: ${kept.join(', ')})`,
     );
     const image = await makeBaseImage(path.join(work, 'py'), {
-      files: { 'etc/os-release': 'ID=ferry-python-pip-image' },
+      files: { 'etc/os-release': 'ID=ferry-python-pip-image', 'usr/bin/apt-get': STAND_IN_APT_GET },
+      executable: ['usr/bin/apt-get'],
       copy: [
         { from: real, to: `usr/bin/${version}` },
         {
@@ -305,5 +338,49 @@ def run():
     const log = await logOf('pyimg-check', build.id);
     assert.match(log, /Python 3\.42\.0 \(\/usr\/bin\/python3, the image’s\)/);
     assert.match(log, /Public functions: answered_by_the_image/);
+  });
+
+  it('deploys examples/image-app (base, PyPI and apt served by stand-ins) and runs its function', async () => {
+    const dir = path.join(REPO_ROOT, 'examples', 'image-app');
+    const shipped: Record<string, string | Buffer> = {};
+    for (const name of await fs.readdir(dir)) shipped[name] = await fs.readFile(path.join(dir, name), 'utf8');
+    const toml = String(shipped['ferry.toml']);
+    assert.match(toml, /^base = "docker\.io\/library\/python:3\.12-slim"$/m);
+    assert.match(String(shipped['requirements.txt']), /^humanize==4\.9\.0$/m);
+    const humanize = await makeWheel(
+      work,
+      'humanize',
+      '4.9.0',
+      "def naturalsize(n):\n    return '%d Bytes (stand-in humanize)' % n\n",
+    );
+    const build = await deployFiles(
+      server,
+      auth,
+      'image-app',
+      {
+        ...shipped,
+        'ferry.toml': toml.replace(/^base = ".*"$/m, `base = "${pyBase}"`),
+        'requirements.txt': `--no-index\n--find-links ./wheels\n${shipped['requirements.txt']}`,
+        'wheels/humanize-4.9.0-py3-none-any.whl': humanize,
+      },
+      { timeoutMs: 240_000 },
+    ).catch(async (err) => {
+      await dump('image-app');
+      throw err;
+    });
+    const log = await logOf('image-app', build.id);
+    assert.match(log, /step 1\/5: apt-get install file\n/);
+    assert.match(log, /stand-in apt-get: update \(DEBIAN_FRONTEND=noninteractive\)/);
+    assert.match(log, /step 2\/5: mkdir -p \/opt\/image-app && echo 'baked in by a run step'/);
+    assert.match(log, /step 5\/5: python3 -m pip install --no-cache-dir -r requirements\.txt\n/);
+    assert.match(log, /Successfully installed humanize-4\.9\.0/);
+    const result = await call('image-app');
+    assert.deepEqual(result, {
+      python: result.python,
+      file_says: 'ASCII text (stand-in file)',
+      size: '24 Bytes (stand-in humanize)',
+      banner: 'baked in by a run step',
+    });
+    assert.match(result.python, /^3\.\d+\.\d+$/);
   });
 });
