@@ -5,6 +5,14 @@
  * dialect, the number of rows and whether ids are returned, so it is compiled by Kysely once per shape and
  * kept: later batches of that shape pass only their parameters (and the SQLite driver's statement cache,
  * keyed by the text, keeps the prepared statement too).
+ *
+ * On PostgreSQL a batch of any size is one statement of one text: each column's values go as one array
+ * parameter and `unnest` turns them back into rows (graphile-worker's `add_jobs` does the same with a
+ * JSON array). One statement needs no transaction around it to be atomic, so a group of async runs is one
+ * round trip to the server instead of a BEGIN, a few INSERTs of the fixed shapes and a COMMIT, and the
+ * server parses one text whatever the group's size (issue 31). Arrays, not JSON: the driver encodes each
+ * string as it encodes a plain parameter (a lone UTF-16 surrogate becomes U+FFFD), where PostgreSQL's JSON
+ * parser would refuse the whole statement for one bad escape.
  */
 import { CompiledQuery, type Kysely } from 'kysely';
 import { dialectOf } from './index.js';
@@ -47,6 +55,21 @@ const COLUMNS = [
   'attempt_log',
 ] as const satisfies ReadonlyArray<keyof Run>;
 
+/** The run columns PostgreSQL holds as `integer`; every other column of runs is `text`. */
+const INTEGER_COLUMNS: ReadonlySet<keyof Run> = new Set([
+  'status_code',
+  'cold_start',
+  'attempts',
+  'publishes',
+  'run_time_ms',
+  'dead',
+] satisfies Array<keyof Run>);
+
+/** The PostgreSQL array type of a run column's values (`unnest` parameters). */
+export function pgArrayType(column: keyof Run): 'int4[]' | 'text[]' {
+  return INTEGER_COLUMNS.has(column) ? 'int4[]' : 'text[]';
+}
+
 // A column added to runs and not here would not be written: the type check fails instead.
 type Missing = Exclude<keyof Run, (typeof COLUMNS)[number]>;
 const complete: Missing extends never ? true : Missing = true;
@@ -80,6 +103,8 @@ export async function insertRunsIgnoring(
   rows: readonly Run[],
   returning = false,
 ): Promise<{ inserted: number; ids: string[] }> {
+  if (rows.length === 0) return { inserted: 0, ids: [] };
+  if (dialectOf(db) === 'postgres') return insertUnnest(db, rows, returning);
   let inserted = 0;
   const ids: string[] = [];
   let at = 0;
@@ -115,6 +140,37 @@ async function insertShape(
     if (same) texts.set(key, query.sql);
   }
   const result = await db.executeQuery<{ id: string }>(query);
+  return {
+    inserted: returning ? result.rows.length : Number(result.numAffectedRows ?? 0n),
+    ids: result.rows.map((r) => r.id),
+  };
+}
+
+/** The PostgreSQL statement texts, with and without `returning id`. */
+const unnestTexts: Record<'r' | '', string> = { r: '', '': '' };
+
+/** PostgreSQL: every row in one `INSERT … SELECT * FROM unnest(<one array per column>)`. */
+async function insertUnnest(
+  db: Kysely<Database>,
+  rows: readonly Run[],
+  returning: boolean,
+): Promise<{ inserted: number; ids: string[] }> {
+  const key = returning ? 'r' : '';
+  let text = unnestTexts[key];
+  if (text === '') {
+    const columns = COLUMNS.map((c) => `"${c}"`).join(', ');
+    const arrays = COLUMNS.map((c, i) => `$${i + 1}::${pgArrayType(c)}`).join(', ');
+    text = `insert into "runs" (${columns}) select * from unnest(${arrays}) on conflict do nothing${returning ? ' returning "id"' : ''}`;
+    unnestTexts[key] = text;
+  }
+  const params = new Array<unknown[]>(COLUMNS.length);
+  for (let c = 0; c < COLUMNS.length; c++) {
+    const column = COLUMNS[c]!;
+    const values = new Array<unknown>(rows.length);
+    for (let r = 0; r < rows.length; r++) values[r] = rows[r]![column] ?? null;
+    params[c] = values;
+  }
+  const result = await db.executeQuery<{ id: string }>(CompiledQuery.raw(text, params));
   return {
     inserted: returning ? result.rows.length : Number(result.numAffectedRows ?? 0n),
     ids: result.rows.map((r) => r.id),
