@@ -34,7 +34,8 @@ export default async function* specWithTimes(source) {
     // The runner's summary is a run of diagnostics at the end, starting with "tests N".
     if (!timesPrinted && type === 'test:diagnostic' && data.nesting === 0 && /^tests \d+/.test(data.message)) {
       timesPrinted = true;
-      yield `\nsuite wall time: ${((Date.now() - started) / 1000).toFixed(1)} s\nslowest files:\n`;
+      const sum = [...perFile.values()].reduce((a, b) => a + b, 0);
+      yield `\nsuite wall time: ${((Date.now() - started) / 1000).toFixed(1)} s (the files' own times add up to ${(sum / 1000).toFixed(0)} s over ${perFile.size} files)\nslowest files:\n`;
       const slowest = [...perFile].sort((a, b) => b[1] - a[1]).slice(0, 10);
       for (const [file, ms] of slowest)
         yield `  ${(ms / 1000).toFixed(1).padStart(7)} s  ${file.replace(`${process.cwd()}/`, '')}\n`;

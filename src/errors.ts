@@ -77,6 +77,16 @@ export const ERRORS = {
     status: 503,
     message: 'The images in use on this node leave no room for this image in FERRY_IMAGE_CACHE_MIB',
   },
+  // Image builds (apt/run steps and Dockerfiles, src/images/image-builder.ts)
+  FERRY_IMAGE_STEP_FAILED: { status: 422, message: 'A step of the image build failed' },
+  FERRY_IMAGE_BUILD_TIMEOUT: { status: 422, message: 'The image build took longer than the server allows' },
+  FERRY_IMAGE_DOCKERFILE_NOT_FOUND: {
+    status: 422,
+    message: 'The Dockerfile named in ferry.toml is not in the app folder',
+  },
+  FERRY_IMAGE_DOCKERFILE_INVALID: { status: 422, message: 'The Dockerfile cannot be built' },
+  FERRY_IMAGE_ADD_URL_REFUSED: { status: 422, message: 'ADD from a URL is not supported: download in a RUN step' },
+  FERRY_IMAGE_CONTEXT_ESCAPE: { status: 422, message: 'A COPY or ADD source is outside the build context' },
 
   // Uploaded archives
   FERRY_ZIP_CORRUPT: { status: 400, message: 'The archive is not a readable ZIP file' },

@@ -157,7 +157,7 @@ describe('images: the node cache', () => {
     const images = JSON.parse(json.stdout).images;
     assert.deepEqual(images.cache, { dir: dataDir, bytes: 3 * 1024 * 1024, images: 1, max_bytes: 100 * 1024 * 1024 });
     assert.equal(typeof images.canRun, 'boolean');
-    assert.equal(images.canBuild, images.canRun && images.umoci !== null);
+    assert.equal(images.canBuild, images.canRun, 'builds need the sandbox only (Ferry writes the layers)');
     const text = await runCli(['doctor'], env);
     assert.match(text.stdout, /Images +can run: (yes|no); can build: (yes|no)/);
     assert.match(text.stdout, /cache: 1 unpacked, 3 MiB of 100 MiB/);

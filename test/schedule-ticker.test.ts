@@ -10,7 +10,7 @@ import { after, before, beforeEach, describe, it } from 'node:test';
 import pino from 'pino';
 import type { ScheduleConfig } from '../src/apps/app-config.js';
 import { createMetrics } from '../src/metrics.js';
-import { createRunRecorder, type RunRecorder } from '../src/runs/recorder.js';
+import { createRunRecorder, newRunRow, type RunRecorder } from '../src/runs/recorder.js';
 import { listSchedules, replaceSchedules, setPaused } from '../src/schedules/schedules.js';
 import { createScheduleRunStarter } from '../src/schedules/start-run.js';
 import { createScheduleTicker, type ScheduleRunStarter } from '../src/schedules/ticker.js';
@@ -59,11 +59,12 @@ describe('schedule ticker', () => {
     const recorder = createRunRecorder({ store, logger: log, owner: name });
     recorders.push(recorder);
     const metrics = createMetrics();
+    // The run service's two steps as the ticker needs them: always admitted, committed by this node's recorder.
     const starter = createScheduleRunStarter({
-      insertNow: (row) => recorder.insertNow(row),
-      ownerFor: () => null,
-      accepted: () => {},
-      admit: async () => true,
+      runs: {
+        admitAsync: async () => {},
+        commitAsync: (fields) => recorder.insertNow(newRunRow({ ...fields, mode: 'async', owner: null })),
+      },
       runtimeOf: async () => 'cortex',
     });
     const ticker = createScheduleTicker({ db: store, starter: wrap ? wrap(starter) : starter, log, metrics });

@@ -12,7 +12,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { MOUNT_ROOT, probeVolumeSupport } from '../src/volumes/images.js';
-import { deployFiles, http, REPO_ROOT, startServer, type TestServer } from './helpers/ferry.js';
+import { deployFiles, http, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
 const support = await probeVolumeSupport(true);
 assert.ok(
@@ -317,14 +317,31 @@ describe('volumes', () => {
     const deleted = await http(api('/volumes/small'), { method: 'DELETE', token: auth.token });
     assert.equal(deleted.status, 204, deleted.text);
     await assert.rejects(fs.stat(image), { code: 'ENOENT' });
-    assert.deepEqual(losetupLines(image), []);
+    // The loop device lets go once the last mount of it is gone: the deleted app's replicas stop on their own
+    // time (after their runs, within the grace period), and their mount namespaces hold it until then.
+    await waitFor(async () => losetupLines(image).length === 0, 60_000, `the loop device of ${image} detached`);
     const gone = await http(api('/volumes/small'), { token: auth.token });
     assert.equal(gone.status, 404);
   });
 
-  it('deletes a mounted volume with force=true', async () => {
+  it('deletes a mounted volume with force=true, stopping the replicas that mount it', async () => {
+    // A replica of writer runs, binding the volume.
+    const before = await call('writer', 'write', { file: '/models/last.txt', text: 'before the delete' });
+    assert.equal(before.status, 200, before.text);
+    const writerReplicas = () =>
+      server.services.replicas
+        .pools()
+        .filter((p) => p.build.projectId === auth.projectId && p.build.appId === 'writer')
+        .reduce((n, p) => n + p.liveReplicas, 0);
+    assert.ok(writerReplicas() > 0);
     const forced = await http(api('/volumes/models?force=true'), { method: 'DELETE', token: auth.token });
     assert.equal(forced.status, 204, forced.text);
+    // Its replicas stop (the defence off, they go on writing into the detached filesystem).
+    await waitFor(async () => writerReplicas() === 0, 30_000, 'the writer replicas stopped after the forced delete');
+    // The next call starts no replica on a volume that is gone: it fails, naming the volume.
+    const after = await call('writer', 'write', { file: '/models/last.txt', text: 'after the delete' });
+    assert.notEqual(after.status, 200, after.text);
+    assert.match(after.text, /models/);
     const list = await http(api('/volumes'), { token: auth.token });
     assert.deepEqual(list.json.volumes, []);
     void MOUNT_ROOT;

@@ -134,7 +134,7 @@ async function imagesReport(caps: SandboxCapabilities): Promise<ImagesReport> {
 function imageLines(images: ImagesReport): string[] {
   const mib = (bytes: number) => `${Math.round(bytes / 1024 / 1024)} MiB`;
   const lines = [
-    `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? `yes (${images.umoci})` : 'no'}` +
+    `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? 'yes' : 'no'}` +
       ` (images are a coming feature: [image] in ferry.toml is not taken yet)`,
   ];
   if (images.missing.length > 0) lines.push(`missing: ${images.missing.join('; ')}`);

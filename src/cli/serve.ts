@@ -77,7 +77,8 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
       'runs left in progress by a stopped server were marked failed (interrupted)',
     );
   }
-  if (config.role !== 'gateway') await services.replicas.warmUp();
+  // A gateway has no replicas (composition/executor.ts NO_REPLICAS): this keeps nothing warm there.
+  await services.replicas.warmUp();
 
   let address: string;
   try {

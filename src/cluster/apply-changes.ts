@@ -18,6 +18,7 @@
  * - resync (the feed may have lost events): all of the above for everything this process holds.
  */
 import type { Logger } from 'pino';
+import { volumesOf } from '../apps/app-config.js';
 import type { Authenticator } from '../auth/authenticate.js';
 import type { ReplicaManager } from '../replicas/manager.js';
 import type { RunTargets } from '../runs/targets.js';
@@ -33,6 +34,8 @@ export interface ApplyChangesDeps {
   cancelRun?: (runId: string) => void;
   /** The app was deleted: stop its replicas, drop its queue, remove local copies of its builds. */
   deleteApp?: (projectId: string, appId: string) => void;
+  /** Stops the app's replicas here (they take no new runs; the next call starts new ones). */
+  stopApp?: (projectId: string, appId: string, reason: string) => void;
   /** A build was deleted (alone, or with its app): remove the local copy once no replica here runs it. */
   buildDeleted?: (buildId: string) => void;
   logger: Logger;
@@ -73,6 +76,18 @@ export function applyChanges(feed: ChangeFeed, deps: ApplyChangesDeps): () => vo
       case 'build.deleted':
         deps.buildDeleted?.(event.buildId);
         return;
+      case 'volume.deleted': {
+        // The replicas binding it would go on writing into a filesystem that no longer has a name.
+        const apps = new Set<string>();
+        for (const pool of replicas.pools()) {
+          const { projectId, appId, config } = pool.build;
+          if (projectId !== event.projectId) continue;
+          if (volumesOf(config).some((v) => v.name === event.volume)) apps.add(appId);
+        }
+        for (const appId of apps)
+          deps.stopApp?.(event.projectId, appId, `volume ${event.volume} was deleted (force=true)`);
+        return;
+      }
       case 'resync': {
         auth.invalidate();
         // Apps with replicas here switch if their active build changed; run targets of other apps

@@ -72,8 +72,19 @@ export interface BuildDeleted {
   buildId: string;
 }
 
+/**
+ * A volume was deleted with `force=true` while active builds mounted it: every process stops the replicas
+ * of the project's apps that mount it (their next replica fails to start, naming the volume).
+ */
+export interface VolumeDeleted {
+  type: 'volume.deleted';
+  projectId: string;
+  volume: string;
+}
+
 /** What a process announces. */
 export type ChangeEvent =
+  | VolumeDeleted
   | ServiceAccountChanged
   | SecretsChanged
   | BuildActivated
@@ -186,6 +197,10 @@ export function parseChangeEvent(value: unknown): ChangeEvent | undefined {
       const appId = id('appId');
       const runId = id('runId');
       return appId && runId ? { type: v.type, projectId, appId, runId } : undefined;
+    }
+    case 'volume.deleted': {
+      const volume = id('volume');
+      return volume ? { type: v.type, projectId, volume } : undefined;
     }
     case 'build.queued':
     case 'build.deleted':

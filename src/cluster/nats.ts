@@ -18,6 +18,8 @@ export interface ClusterNames {
   runsSubjects: string;
   /** The object-store bucket of uploaded archives and build outputs. */
   artifactsBucket: string;
+  /** The object-store bucket of images by digest (images/image-shelf.ts). */
+  imagesBucket: string;
   /** The KV bucket in which workers and gateways announce themselves. */
   nodesBucket: string;
   /** The subject of the change feed (cache invalidation). */
@@ -37,6 +39,7 @@ export function clusterNames(cluster: string): ClusterNames {
     runsSubject: (projectId, appId) => `${cluster}.runs.${projectId}.${appId}`,
     runsSubjects: `${cluster}.runs.>`,
     artifactsBucket: `${cluster}_artifacts`,
+    imagesBucket: `${cluster}_images`,
     nodesBucket: `${cluster}_nodes`,
     changesSubject: `${cluster}.changes`,
     finishedSubject: `${cluster}.finished`,

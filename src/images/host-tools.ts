@@ -4,9 +4,10 @@
  *
  * The design (docs/operations.md, "Images"): Ferry pulls and unpacks images itself (`pull.ts`,
  * `unpack.ts`, no tool needed); a build's `apt`/`run`/`RUN` steps run in Ferry's own bwrap sandbox with
- * the unpacked root as `/`, and umoci (rootless) turns each step's changes into a layer; replicas run in
- * the same sandbox on the image's root. So: running needs bubblewrap, building needs bubblewrap and umoci.
- * skopeo is optional, for operators who push or mirror images into a local registry.
+ * the unpacked root as `/`, and Ferry writes each step's changes as a layer itself (image-builder.ts);
+ * replicas run in the same sandbox on the image's root. So running and building need bubblewrap; a
+ * build's user namespace gets 65,536 ids (what dpkg's chowns need) only when Ferry is root. umoci and
+ * skopeo are optional, for operators who make, push or mirror images into a local registry.
  */
 import { execFile } from 'node:child_process';
 import fs from 'node:fs/promises';
@@ -16,7 +17,7 @@ import { findTool } from '../sandbox/find-tool.js';
 export interface ImageHostReport {
   canRun: boolean;
   canBuild: boolean;
-  /** `umoci 0.4.7` or null when missing. */
+  /** `umoci 0.4.7` or null when missing (optional). */
   umoci: string | null;
   skopeo: string | null;
   /** What is missing, with the package to install, one line each. */
@@ -25,8 +26,7 @@ export interface ImageHostReport {
 
 /** Probes the tools (their versions, so a broken binary counts as missing). `sandbox`: bwrap works here. */
 export async function probeImageHost(sandbox: boolean): Promise<ImageHostReport> {
-  const reasons: string[] = [];
-  const umociPath = findTool('umoci', 'umoci', reasons);
+  const umociPath = findTool('umoci', 'umoci', []);
   const skopeoPath = findTool('skopeo', 'skopeo', []);
   const [umoci, skopeo] = await Promise.all([
     umociPath ? version(umociPath, ['--version']) : Promise.resolve(null),
@@ -34,9 +34,12 @@ export async function probeImageHost(sandbox: boolean): Promise<ImageHostReport>
   ]);
   const missing: string[] = [];
   if (!sandbox) missing.push('a working bubblewrap sandbox (images run and build only sandboxed; see Sandbox above)');
-  if (umociPath && !umoci) missing.push(`umoci at ${umociPath} does not run (reinstall: apt-get install umoci)`);
-  missing.push(...reasons);
-  return { canRun: sandbox, canBuild: sandbox && umoci !== null, umoci, skopeo, missing };
+  if (sandbox && process.getuid?.() !== 0) {
+    missing.push(
+      'root, for image builds whose steps change file owners (apt/dpkg): not root, a build step has one id mapped and such chowns fail',
+    );
+  }
+  return { canRun: sandbox, canBuild: sandbox, umoci, skopeo, missing };
 }
 
 /** The images folder of a data directory (`createImageStore`'s `dir`: `unpacked/` and `pulls/` in it). */

@@ -18,6 +18,10 @@
  *   format says; an opaque folder keeps what this same layer writes into it.
  *
  * Folder modes are applied at the end, so a read-only folder can still be filled by a later layer.
+ *
+ * An image build's scratch root (image-builder.ts) passes `owner`: each entry then belongs to the tar's
+ * uid/gid shifted into the sandbox's id range (ids outside the range become the range's first, its root),
+ * and folders keep their sticky bit (`/tmp`), so the build's steps see the ownership the image says.
  */
 
 import fs from 'node:fs/promises';
@@ -32,6 +36,11 @@ export interface UnpackLimits {
   maxBytes: number;
   /** Bound of the entries of all layers together. */
   maxEntries: number;
+}
+
+export interface UnpackOptions {
+  /** Host ids of the build sandbox's user namespace: entry uid/gid N becomes `first + N` (N < count). */
+  owner?: { first: number; count: number };
 }
 
 export interface UnpackResult {
@@ -95,8 +104,10 @@ export async function unpackLayers(
   root: string,
   layers: Array<() => Readable>,
   limits: UnpackLimits,
+  options: UnpackOptions = {},
 ): Promise<UnpackResult> {
-  const state = { bytes: 0, entries: 0, dirModes: new Map<string, number>() };
+  const state = { bytes: 0, entries: 0, dirModes: new Map<string, number>(), owner: options.owner };
+  if (options.owner) await fs.lchown(root, options.owner.first, options.owner.first);
   for (const [i, open] of layers.entries()) {
     await applyLayer(root, await layerStream(open(), i + 1), i + 1, limits, state);
   }
@@ -111,8 +122,20 @@ async function applyLayer(
   stream: Readable,
   layer: number,
   limits: UnpackLimits,
-  state: { bytes: number; entries: number; dirModes: Map<string, number> },
+  state: {
+    bytes: number;
+    entries: number;
+    dirModes: Map<string, number>;
+    owner: UnpackOptions['owner'];
+  },
 ): Promise<void> {
+  const { owner } = state;
+  const shift = (id: number | undefined) =>
+    owner === undefined ? 0 : owner.first + (id !== undefined && id >= 0 && id < owner.count ? id : 0);
+  /** With `owner`: the entry belongs to its (shifted) uid/gid; a link is changed, never followed. */
+  const own = async (target: string, header: tar.Header) => {
+    if (owner) await fs.lchown(target, shift(header.uid), shift(header.gid));
+  };
   const extract = tar.extract();
   // Folders known to be real folders inside the root, cleared whenever something is removed or replaced.
   const safeDirs = new Set<string>([root]);
@@ -132,6 +155,7 @@ async function applyLayer(
         });
         if (st === undefined) {
           await fs.mkdir(next, { mode: 0o755 });
+          if (owner) await fs.lchown(next, owner.first, owner.first);
           state.dirModes.set(next, 0o755);
         } else if (st.isSymbolicLink()) {
           throw unsafe(
@@ -193,7 +217,8 @@ async function applyLayer(
           if (st && !st.isDirectory()) await remove(target);
           if (!st?.isDirectory()) await fs.mkdir(target, { mode: 0o755 });
           safeDirs.add(target);
-          state.dirModes.set(target, mode);
+          await own(target, header);
+          state.dirModes.set(target, owner ? mode | ((header.mode ?? 0) & 0o1000) : mode);
           entry.resume();
           break;
         }
@@ -214,7 +239,9 @@ async function applyLayer(
           } finally {
             await handle.close();
           }
-          // chmod after writing: a file without its owner's write bit is still filled.
+          // chmod after writing: a file without its owner's write bit is still filled; after chown, which
+          // would clear set-id bits (none are kept anyway).
+          await own(target, header);
           await fs.chmod(target, mode);
           break;
         }
@@ -224,6 +251,7 @@ async function applyLayer(
             throw unsafe(layer, `link ${quote(header.name)} has no target`);
           await remove(target);
           await fs.symlink(linkname, target);
+          await own(target, header);
           entry.resume();
           break;
         }

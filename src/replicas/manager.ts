@@ -66,6 +66,11 @@ export interface ReplicaManager {
    * the response grace period); calls naming its builds are refused from now on.
    */
   remove(projectId: string, appId: string): void;
+  /**
+   * Stops the app's current replicas (they take no new runs and stop once their runs are done), keeping
+   * the app: its next call or min_replicas starts new ones. `reason` goes to the log.
+   */
+  stop(projectId: string, appId: string, reason: string): void;
   /** Build ids any pool here runs (a build in use keeps its files). */
   buildsInUse(): Set<string>;
   close(graceMs?: number): Promise<void>;
@@ -287,6 +292,16 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
       if (current.has(key) || wanted) pool(build).ensureMinimum();
     },
     pools: () => [...current.values(), ...draining],
+    stop(projectId, appId, reason) {
+      const key = `${projectId}/${appId}`;
+      const p = current.get(key);
+      if (!p) return;
+      current.delete(key);
+      p.drain();
+      draining.add(p);
+      deps.logger.info({ app: appId, reason }, 'the app’s replicas stop once their runs are done');
+      changed();
+    },
     remove(projectId, appId) {
       const key = `${projectId}/${appId}`;
       activeIds.delete(key);

@@ -91,6 +91,9 @@ export interface RunServiceDeps {
   secretsKey?: Uint8Array;
 }
 
+/** A new async run as `commitAsync` takes it: `newRunRow`'s fields, without the mode and owner it decides. */
+export type AsyncRunFields = Omit<Parameters<typeof newRunRow>[0], 'mode' | 'owner'>;
+
 export interface RunService {
   /** Finds the app's active build, authenticating unless the build turns auth off. */
   resolveTarget(projectId: string, appName: string, authorization: string | undefined): Promise<RunTarget>;
@@ -106,6 +109,17 @@ export interface RunService {
    * nothing; the key reused for another function of the app answers FERRY_IDEMPOTENCY_KEY_REUSED.
    */
   acceptAsync(call: CallParts, idempotencyKey: string | undefined): Promise<string>;
+  /**
+   * The one admission rule of new async runs (calls, `runs retry`, schedules' ticks): resolves when this
+   * node's backlog (FERRY_MAX_ASYNC_BACKLOG) and the project's (FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT) have
+   * room for one more; throws 503 FERRY_ASYNC_BACKLOG_FULL or FERRY_PROJECT_BACKLOG_FULL (Retry-After: 5).
+   */
+  admitAsync(projectId: string): Promise<void>;
+  /**
+   * Commits a new async run (durably, before it resolves) and hands it to the run queue. Resolves with the
+   * id of the run holding its idempotency key: its own, or the earlier run's (then nothing is queued).
+   */
+  commitAsync(fields: AsyncRunFields): Promise<string>;
   /** Performs a sync or streaming run of a cortex function (the invoker records it). */
   invoke: Invoker['invoke'];
   /** Performs one HTTP call of a custom app. */
@@ -203,6 +217,24 @@ export function createRunService(deps: RunServiceDeps): RunService {
     return undefined;
   }
 
+  async function admitAsync(projectId: string): Promise<void> {
+    if (runQueue.backlog >= deps.maxAsyncBacklog) {
+      throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
+    }
+    if (!(await deps.projectBacklog.admit(projectId))) {
+      throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
+    }
+  }
+
+  async function commitAsync(fields: AsyncRunFields): Promise<string> {
+    // Held by this node when it has room to run it soon; otherwise free for whichever node has room first.
+    const owner = runQueue.ownerFor(fields.build.projectId, fields.build.appId);
+    const row = newRunRow({ ...fields, mode: 'async', owner });
+    const holder = await recorder.insertNow(row);
+    if (holder === row.id) runQueue.accepted(acceptedRun(row), owner);
+    return holder;
+  }
+
   async function detail(run: Run): Promise<RunDetail> {
     return { ...viewRun(run, true), webhook: await webhookView(store, run.id) };
   }
@@ -235,29 +267,19 @@ export function createRunService(deps: RunServiceDeps): RunService {
       const { build } = call.target;
       const earlier = idempotencyKey ? await replayKey(call.target, call.fn, idempotencyKey) : undefined;
       if (earlier) return earlier;
-      if (runQueue.backlog >= deps.maxAsyncBacklog) {
-        throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
-      }
-      if (!(await deps.projectBacklog.admit(build.projectId))) {
-        throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
-      }
-      // Held by this node when it has room to run it soon; otherwise free for whichever node has room first.
-      const owner = runQueue.ownerFor(build.projectId, build.appId);
+      await admitAsync(build.projectId);
       // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
-      const row = newRunRow({
+      const runId = await commitAsync({
         id: call.runId,
         build,
         fn: call.fn,
-        mode: 'async',
         // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
         input: call.input !== undefined ? call.input : call.body.toString('utf8'),
         httpRequest: call.httpRequest,
         webhookUrl: call.webhookUrl,
         webhookSecret: call.webhookSecret,
         idempotencyKey,
-        owner,
       });
-      const runId = await recorder.insertNow(row);
       if (runId !== call.runId) {
         // Another call took the key in the same group commit (or just before): the same function, or refused.
         const winner = await store
@@ -267,9 +289,11 @@ export function createRunService(deps: RunServiceDeps): RunService {
           .executeTakeFirst();
         return winner ? sameFunctionOrRefuse(winner, call.fn) : runId;
       }
-      runQueue.accepted(acceptedRun(row), owner);
       return call.runId;
     },
+
+    admitAsync,
+    commitAsync,
 
     invoke: (request) => deps.invoker.invoke(request),
     invokeHttp: (request) => deps.invoker.invokeHttp(request),
@@ -306,14 +330,8 @@ export function createRunService(deps: RunServiceDeps): RunService {
             : `Run ${runId} was a call of the app's other runtime: it cannot be retried on the active build`,
         );
       }
-      if (runQueue.backlog >= deps.maxAsyncBacklog) {
-        throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
-      }
-      if (!(await deps.projectBacklog.admit(projectId))) {
-        throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
-      }
+      await admitAsync(projectId);
       const build = { projectId, appId: target.appId, buildId: target.buildId };
-      const owner = runQueue.ownerFor(projectId, target.appId);
       const id = uuidv7();
       let webhookSecret: string | undefined;
       if (old.webhook_endpoint && old.webhook_secret && deps.secretsKey) {
@@ -324,21 +342,16 @@ export function createRunService(deps: RunServiceDeps): RunService {
           // Erased (the delivery ended over 7 days ago) or unreadable: the new run's webhook is signed as without one.
         }
       }
-      const row = newRunRow({
+      return commitAsync({
         id,
         build,
         fn: old.function_name,
-        mode: 'async',
         input: old.input,
         httpRequest: old.http_request ?? undefined,
         webhookUrl: old.webhook_endpoint ?? undefined,
         webhookSecret,
-        owner,
         origin: { trigger: 'retry', retryOf: old.id },
       });
-      await recorder.insertNow(row);
-      runQueue.accepted(acceptedRun(row), owner);
-      return id;
     },
 
     async get(projectId, appId, runId, wait) {

@@ -1,33 +1,37 @@
 /**
- * How a schedule's tick becomes an async run: the run record is inserted durably (as for a 202), with the
- * tick's idempotency key, and handed to the run queue like any accepted async run; the app's backlog
- * limits apply as to a call.
+ * How a schedule's tick becomes an async run: through the run service, like a call (runs/run-service.ts
+ * `admitAsync` and `commitAsync`: the same backlog limits, the same durable insert before anything else,
+ * the same hand-over to the run queue), with the tick's idempotency key, so two nodes that see the same
+ * tick get one run.
  *
  * Cortex apps: the tick calls `function` with `args` as its JSON body. Custom apps: the tick is
  * `POST /<function>` (default `POST /run`) with `args` as a JSON body.
  */
+import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
-import { newRunRow, type RunRow } from '../runs/recorder.js';
-import { type AcceptedRun, acceptedRun } from '../runs/run-queue.js';
+import type { RunService } from '../runs/run-service.js';
 import type { Schedule } from '../store/schema.js';
 import type { ScheduleRunStarter } from './ticker.js';
 
 export function createScheduleRunStarter(deps: {
-  /** The recorder's durable insert: resolves with the id of the run holding the row's idempotency key. */
-  insertNow(row: RunRow): Promise<string>;
-  /** The run queue's owner for a new run of the app (this node, or null: free). */
-  ownerFor(projectId: string, appId: string): string | null;
-  /** Told once the run is committed. */
-  accepted(run: AcceptedRun, owner: string | null): void;
-  /** Whether the async backlog (node and project) has room for one more run now. */
-  admit(projectId: string): Promise<boolean>;
+  runs: Pick<RunService, 'admitAsync' | 'commitAsync'>;
   /** The runtime of a build (`custom` or `cortex`). */
-  runtimeOf(buildId: string): Promise<'custom' | 'cortex'>;
+  runtimeOf(projectId: string, appId: string, buildId: string): Promise<'custom' | 'cortex'>;
 }): ScheduleRunStarter {
   return {
     async startScheduled(schedule: Schedule, tick: string, key: string | null): Promise<string | 'busy'> {
-      if (!(await deps.admit(schedule.project_id))) return 'busy';
-      const custom = (await deps.runtimeOf(schedule.build_id)) === 'custom';
+      try {
+        await deps.runs.admitAsync(schedule.project_id);
+      } catch (err) {
+        // A full backlog skips the tick (counted by the ticker), as it refuses a call.
+        if (
+          err instanceof FerryError &&
+          (err.code === 'FERRY_ASYNC_BACKLOG_FULL' || err.code === 'FERRY_PROJECT_BACKLOG_FULL')
+        )
+          return 'busy';
+        throw err;
+      }
+      const custom = (await deps.runtimeOf(schedule.project_id, schedule.app_id, schedule.build_id)) === 'custom';
       const fn = custom ? `POST /${schedule.function_name}` : schedule.function_name;
       const id = uuidv7();
       const httpRequest = custom
@@ -38,22 +42,16 @@ export function createScheduleRunStarter(deps: {
             body_base64: Buffer.from(schedule.args).toString('base64'),
           })
         : undefined;
-      const owner = deps.ownerFor(schedule.project_id, schedule.app_id);
-      const row = newRunRow({
+      return deps.runs.commitAsync({
         id,
         build: { projectId: schedule.project_id, appId: schedule.app_id, buildId: schedule.build_id },
         fn,
-        mode: 'async',
         input: schedule.args,
         httpRequest,
         webhookUrl: schedule.webhook_endpoint ?? undefined,
         idempotencyKey: key ?? undefined,
-        owner,
         origin: { trigger: 'schedule', schedule: schedule.name, tick },
       });
-      const holder = await deps.insertNow(row);
-      if (holder === row.id) deps.accepted(acceptedRun(row), owner);
-      return holder;
     },
   };
 }

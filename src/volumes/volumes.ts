@@ -20,9 +20,11 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { Logger } from 'pino';
 import { type AppConfig, VOLUME_NAME_PATTERN, volumesOf } from '../apps/app-config.js';
+import type { ChangeFeed } from '../cluster/change-feed.js';
 import type { ServerConfig } from '../config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
+import { lockBudget } from '../store/budget-lock.js';
 import type { Store } from '../store/index.js';
 import {
   createImage,
@@ -89,6 +91,8 @@ export interface VolumesDeps {
   /** Replicas run under bwrap: volumes are bound into the sandbox. */
   sandboxed: boolean;
   logger: Logger;
+  /** Where a forced delete is announced, so every process stops the replicas mounting the volume. */
+  changes?: Pick<ChangeFeed, 'publish'>;
   /** Tests: what probeVolumeSupport would find. */
   support?: VolumeSupport;
   /** This node's id: its marker in the volumes folder tells `ferry doctor` the folder is shared (markers.ts). */
@@ -184,10 +188,11 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
       }
       if (!support.available) throw unavailable(support);
       const at = nowIso();
-      // The row first, in one transaction with the check of the total (on PostgreSQL two creations at the
-      // same moment could both pass it: the total is a budget, not a guarantee; each image is bounded anyway).
+      // The row first, in one transaction with the check of the total, under the total's lock: two creations
+      // at the same moment (on PostgreSQL, from two nodes or two connections) check one after the other.
       let gid = 0;
       await store.transaction().execute(async (trx) => {
+        await lockBudget(trx, 'volumes_total');
         const existing = await trx
           .selectFrom('volumes')
           .select('name')
@@ -271,6 +276,9 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
           { details: { apps: users.join(',') } },
         );
       }
+      // Replicas still binding it stop first (here at once, elsewhere as the change arrives): they would go
+      // on writing into a filesystem that no longer has a name.
+      if (users.length > 0) await deps.changes?.publish({ type: 'volume.deleted', projectId, volume: name });
       if (support.tools) await destroyImage(support, paths(projectId, name));
       await store.deleteFrom('volumes').where('project_id', '=', projectId).where('name', '=', name).execute();
       logger.info({ project: projectId, volume: name, force }, 'volume deleted');

@@ -91,7 +91,7 @@ export function registerVolumeRoutes(app: TypedServer, services: VolumeRouteDeps
       schema: {
         summary: 'Delete a volume and its files',
         description:
-          'Frees its space. Refused with 409 FERRY_VOLUME_IN_USE while the active build of an app mounts it, unless force=true (running replicas keep their mount until they stop). Deleting an app never deletes volumes.',
+          'Frees its space. Refused with 409 FERRY_VOLUME_IN_USE while the active build of an app mounts it, unless force=true (then the replicas that mount it are stopped, and new ones fail to start). Deleting an app never deletes volumes.',
         params: VolumeParams,
         querystring: Type.Object({ force: Type.Optional(Type.Boolean({ default: false })) }),
         response: { 204: Type.Null({ description: 'Deleted' }), ...errors(400, 401, 403, 404, 409, 503) },
