@@ -77,6 +77,11 @@ export const ERRORS = {
     status: 503,
     message: 'The images in use on this node leave no room for this image in FERRY_IMAGE_CACHE_MIB',
   },
+  FERRY_IMAGE_NO_PYTHON: { status: 422, message: 'The image has no usable python3 (3.9 or newer) for a Python app' },
+  FERRY_IMAGE_NO_SANDBOX: {
+    status: 422,
+    message: 'Apps with [image] need the sandbox (bubblewrap), which this server does not have',
+  },
   // Image builds (apt/run steps and Dockerfiles, src/images/image-builder.ts)
   FERRY_IMAGE_STEP_FAILED: { status: 422, message: 'A step of the image build failed' },
   FERRY_IMAGE_BUILD_TIMEOUT: { status: 422, message: 'The image build took longer than the server allows' },

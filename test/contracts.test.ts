@@ -8,9 +8,10 @@
  * - change feed (`cluster/change-feed.ts`): in process, and PostgreSQL LISTEN/NOTIFY (a fresh database,
  *   test/helpers/store.ts).
  *
- * The other seams have theirs elsewhere: the store runs every suite of test/postgres/ on both SQLite and
- * PostgreSQL; the run queue's two implementations (the store's claims, JetStream) in test/async.test.ts and
- * test/nats-queue.test.ts; the invoker's remote side in test/cluster-roles.test.ts.
+ * The other seams have theirs in files of their own (each a few seconds, run beside this one):
+ * test/contract-run-queue.test.ts (the store queue, JetStream), test/contract-build-output.test.ts (the
+ * artifacts folder, the object store), test/contract-invoker.test.ts (local, remote through a worker's
+ * listener); the store runs every suite of test/postgres/ on both SQLite and PostgreSQL.
  */
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';

@@ -10,6 +10,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { parse as parseToml } from 'smol-toml';
+import { AppConfigError, parseAppConfig } from '../src/apps/app-config.js';
 import { resolveServerConfig } from '../src/config.js';
 import { FerryError } from '../src/errors.js';
 import { parseImageTable } from '../src/images/image-spec.js';
@@ -114,6 +115,55 @@ describe('images: the [image] table', () => {
     }
     const many = `[image]\nbase = "python"\nrun = [${Array.from({ length: 101 }, () => '"true"').join(', ')}]\n`;
     coded(() => parseImageTable(table(many)), 'FERRY_IMAGE_CONFIG_INVALID', /image\.run: has more than 100/);
+  });
+});
+
+describe('images: [image] in ferry.toml', () => {
+  it('is part of the app config, with the custom entrypoint and port optional on an image', () => {
+    const plain = parseAppConfig('[app]\nname = "x"\n');
+    assert.equal(plain.image, undefined);
+    const config = parseAppConfig(
+      '[app]\nname = "x"\nruntime = "custom"\n[image]\nbase = "127.0.0.1:5000/x:1"\nenv = { A = "b" }\n[runtime.custom]\n',
+    );
+    assert.ok(config.image?.kind === 'steps');
+    assert.equal(config.image.baseText, '127.0.0.1:5000/x:1');
+    assert.deepEqual(config.image.env, { A: 'b' });
+    assert.equal(config.runtime.custom?.entrypoint, undefined);
+    assert.equal(config.runtime.custom?.port, 8080);
+    assert.equal(config.runtime.custom?.port_given, false);
+    // Survives the JSON a build stores it as.
+    assert.equal(JSON.parse(JSON.stringify(config)).image.baseText, '127.0.0.1:5000/x:1');
+  });
+
+  it("answers the [image] table's own codes, naming the key; an entrypoint is required without an image", () => {
+    const cases: Array<[string, string, RegExp, string]> = [
+      [
+        '[image]\nbase = "python"\nbogus = 1\n',
+        'FERRY_IMAGE_CONFIG_INVALID',
+        /^ferry\.toml: image\.bogus: /,
+        'image.bogus',
+      ],
+      ['[image]\nbase = "Python"\n', 'FERRY_IMAGE_REFERENCE_INVALID', /^ferry\.toml: image\.base: /, 'image.base'],
+      ['[image]\nbase = "x"\napt = ["a b"]\n', 'FERRY_IMAGE_CONFIG_INVALID', /image\.apt\[0\]/, 'image.apt[0]'],
+      [
+        'runtime = "custom"\n[runtime.custom]\nport = 8080\n',
+        'FERRY_CONFIG_INVALID',
+        /runtime\.custom\.entrypoint: is required/,
+        'runtime.custom.entrypoint',
+      ],
+    ];
+    for (const [rest, code, message, key] of cases) {
+      assert.throws(
+        () => parseAppConfig(`[app]\nname = "x"\n${rest}`),
+        (err: unknown) => {
+          assert.ok(err instanceof AppConfigError, String(err));
+          assert.equal(err.code, code);
+          assert.match(err.message, message);
+          assert.equal(err.key, key);
+          return true;
+        },
+      );
+    }
   });
 });
 

@@ -13,7 +13,7 @@ import path from 'node:path';
 import { Readable, Writable } from 'node:stream';
 import { after, before, describe, it } from 'node:test';
 import { jetstreamManager } from '@nats-io/jetstream';
-import { type ObjectStore, Objm } from '@nats-io/obj';
+import { Objm } from '@nats-io/obj';
 import { connect, type NatsConnection } from '@nats-io/transport-node';
 import tar from 'tar-stream';
 import { createNatsArtifactStore, openArtifactsBucket, putObject } from '../src/builds/nats-artifact-store.js';
@@ -24,6 +24,7 @@ import type { FerryError } from '../src/errors.js';
 import { createLogger } from '../src/logger.js';
 import { helloApp } from './helpers/app-zip.js';
 import { deployFiles, http, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
+import { corruptObject } from './helpers/nats.js';
 import { createTestDatabase, type TestDatabase } from './helpers/store.js';
 
 const NATS_URL = process.env.FERRY_TEST_NATS_URL ?? 'nats://127.0.0.1:4222';
@@ -69,23 +70,6 @@ async function deleteBucket(nc: NatsConnection, cluster: string): Promise<void> 
   const bucket = clusterNames(cluster).artifactsBucket;
   const jsm = await jetstreamManager(nc);
   await jsm.streams.delete(`OBJ_${bucket}`).catch(() => false);
-}
-
-/** Replaces the stored bytes of object `name` (same length, one byte flipped), as bit rot on a NATS disk would. */
-async function corruptObject(nc: NatsConnection, os: ObjectStore, bucket: string, name: string): Promise<void> {
-  const info = await os.info(name);
-  assert.ok(info, `${name} is stored`);
-  assert.equal(info.chunks, 1, 'a small object is one chunk');
-  const jsm = await jetstreamManager(nc);
-  const subject = `$O.${bucket}.C.${info.nuid}`;
-  const stored = await jsm.streams.getMessage(`OBJ_${bucket}`, { last_by_subj: subject });
-  assert.ok(stored);
-  const bytes = Buffer.from(stored.data);
-  const middle = Math.floor(bytes.length / 2);
-  bytes.writeUInt8((bytes.readUInt8(middle) ^ 0xff) & 0xff, middle);
-  await jsm.streams.purge(`OBJ_${bucket}`, { filter: subject });
-  const js = jsm.jetstream();
-  await js.publish(subject, bytes);
 }
 
 const helloToml = (name: string) => `[app]\nname = "${name}"\n`;

@@ -157,6 +157,8 @@ describe('the build pipeline with a fake builder', () => {
         created_at: now(),
         started_at: null,
         finished_at: null,
+        image_digest: null,
+        image_json: null,
       };
       await store.insertInto('builds').values(build).execute();
       await fs.mkdir(path.join(dir, 'builds', id, 'source'), { recursive: true });

@@ -4,6 +4,9 @@
  * crashes, timeouts and redeploys that drop nothing.
  */
 import assert from 'node:assert/strict';
+import fs from 'node:fs/promises';
+import os from 'node:os';
+import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
@@ -15,6 +18,33 @@ describe('sync runs', () => {
   const run = (app: string, fn = 'run', body: unknown = {}, headers: Record<string, string> = {}, token = auth.token) =>
     http(`${server.url}/v4/${auth.projectId}/${app}/${fn}`, { method: 'POST', token, body, headers });
   const pool = (app: string) => server.services.replicas.pools().find((p) => p.build.appId === app && !p.isDraining);
+
+  /**
+   * Opens a latch the app's functions wait on: writes the file `name` into every folder that holds the app's
+   * active build where a replica may see it (its folder in the data directory, and the build's view, which
+   * sandboxed replicas bind at /app: sandbox/views.ts, `ferry-view-*` in the temporary folder or beside the
+   * data directory). A bind shows a file added on the host at once.
+   */
+  async function openLatch(app: string, name: string): Promise<void> {
+    const buildId = pool(app)?.build.buildId;
+    assert.ok(buildId, `${app} has a pool`);
+    const folders = [path.join(server.services.dataDir.builds, buildId)];
+    for (const parent of new Set([os.tmpdir(), path.dirname(path.resolve(server.services.dataDir.root))])) {
+      for (const entry of await fs.readdir(parent).catch(() => [] as string[])) {
+        if (entry.startsWith('ferry-view-')) folders.push(path.join(parent, entry, buildId));
+      }
+    }
+    let written = 0;
+    for (const folder of folders) {
+      await fs.writeFile(path.join(folder, name), '', { mode: 0o644 }).then(
+        () => written++,
+        (err: NodeJS.ErrnoException) => {
+          if (err.code !== 'ENOENT') throw err;
+        },
+      );
+    }
+    assert.ok(written > 0, `no folder of build ${buildId} to open the latch in`);
+  }
 
   before(async () => {
     server = await startServer({ env: { FERRY_MAX_BODY_BYTES: String(64 * 1024), FERRY_MAX_QUEUE_PER_APP: '2' } });
@@ -177,16 +207,23 @@ export async function die() { setTimeout(() => process.exit(7), 10); await new P
       await deployFiles(server, auth, 'slow', {
         'ferry.toml': toml(
           'slow',
-          // The grace period covers waiting in the queue and for a cold start too: the last of four 800 ms
-          // runs on two replicas ends about 2 s after it was asked for idle, more on a busy machine. A cooldown
+          // The grace period covers waiting in the queue and for a cold start too: the last of four runs held
+          // until the overflow call is answered ends well within it, more slowly on a busy machine. A cooldown
           // of 3 s keeps a replica between two back-to-back calls however slowly the second one comes.
           '[scaling]\nmax_replicas = 2\nreplica_concurrency = 1\ncooldown = 3\nresponse_grace_period = 6\n',
         ),
         // Each replica has its own PID namespace (every one is pid 2 inside), so it names itself at load.
+        // \`latch\`: the run first waits until a file of that name is in the build's folder (the test writes
+        // it, see \`openLatch\`; at most 30 s), so the test, not a duration, decides when runs end.
         'main.ts': `
+import { existsSync } from 'node:fs';
 const replica = Math.random().toString(36).slice(2);
-export async function run({ ms = 300, tag = '' }: { ms?: number; tag?: string }) {
+export async function run({ ms = 300, tag = '', latch = '' }: { ms?: number; tag?: string; latch?: string }) {
   console.log('start ' + tag);
+  if (/^[a-z0-9-]+$/.test(latch)) {
+    const file = new URL('../' + latch, import.meta.url);
+    for (let i = 0; i < 1500 && !existsSync(file); i++) await new Promise((r) => setTimeout(r, 20));
+  }
   await new Promise((r) => setTimeout(r, ms));
   console.log('end ' + tag);
   return { tag, replica };
@@ -205,9 +242,13 @@ export async function run({ ms = 300, tag = '' }: { ms?: number; tag?: string })
     });
 
     it('scales to max_replicas under parallel load, queues the rest, refuses past the queue, and scales back to zero', async () => {
-      const calls = [1, 2, 3, 4].map((i) => run('slow', 'run', { ms: 800, tag: String(i) }));
-      // Until the first run ends, the four fill both replicas and the queue of 2 (or the queue, while the
-      // replicas start): wait for that, however long the calls take to arrive, rather than a fixed time.
+      // The four runs are held by a latch until the overflow call has been answered: with a fixed duration
+      // (800 ms), a loaded machine let the first run end and free a queue place before the overflow came,
+      // which was then accepted (200, on PostgreSQL under load).
+      const latch = `scale-${Date.now().toString(36)}`;
+      const calls = [1, 2, 3, 4].map((i) => run('slow', 'run', { ms: 100, tag: String(i), latch }));
+      // The four fill both replicas and the queue of 2 (or the queue, while the replicas start): wait for
+      // that, however long the calls take to arrive, rather than a fixed time.
       await waitFor(
         async () => {
           const stats = pool('slow')?.stats;
@@ -229,6 +270,7 @@ export async function run({ ms = 300, tag = '' }: { ms?: number; tag?: string })
       assert.equal(overflow.status, 503, overflow.text);
       assert.equal(overflow.json.error.code, 'FERRY_QUEUE_FULL');
       assert.ok(overflow.headers.get('retry-after'));
+      await openLatch('slow', latch);
       const results = await Promise.all(calls);
       for (const r of results) assert.equal(r.status, 200, r.text);
       await scaledUp;

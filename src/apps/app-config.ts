@@ -8,6 +8,9 @@
 import { parse as parseToml } from 'smol-toml';
 import { type Static, Type } from 'typebox';
 import { Value } from 'typebox/value';
+import type { ErrorCode } from '../errors.js';
+import { FerryError } from '../errors.js';
+import { type ImageSpec, parseImageTable } from '../images/image-spec.js';
 import { MAX_ATTEMPTS_LIMIT, NO_RETRIES, RETRYABLE_ENDINGS, type RetryPolicy } from '../runs/retries.js';
 import { parseTiming, ScheduleSpecError } from '../schedules/spec.js';
 
@@ -37,7 +40,10 @@ const Endpoint = Type.String({ maxLength: 2048, pattern: '^(/[\\x21-\\x7e]*)?$' 
 
 const CustomSection = Type.Object(
   {
-    entrypoint: Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { minItems: 1 })]),
+    // Optional with an [image]: its ENTRYPOINT/CMD runs then (checked in withDefaults).
+    entrypoint: Type.Optional(
+      Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { minItems: 1 })]),
+    ),
     // Replicas run unprivileged: ports below 1024 cannot be bound in the sandbox.
     port: Type.Optional(Type.Integer({ minimum: 1024, maximum: 65535 })),
     healthcheck_endpoint: Type.Optional(Endpoint),
@@ -122,6 +128,8 @@ const RawConfig = Type.Object(
     schedules: Type.Optional(Type.Array(ScheduleEntry, { maxItems: MAX_SCHEDULES })),
     retries: Type.Optional(RetriesSection),
     volumes: Type.Optional(Type.Array(VolumeSection, { maxItems: 16 })),
+    // Checked by images/image-spec.ts (its own coded errors, naming the key).
+    image: Type.Optional(Type.Unknown()),
   },
   { additionalProperties: false },
 );
@@ -145,8 +153,14 @@ export interface AppConfig {
   };
   runtime: {
     custom?: {
-      entrypoint: string | string[];
+      /** Absent only with an `[image]`: the image's ENTRYPOINT/CMD runs (runtimes/custom/builder.ts). */
+      entrypoint?: string | string[];
       port: number;
+      /**
+       * Whether ferry.toml set `port`: on an image without it, the image's last EXPOSEd port is used.
+       * Absent in configs stored before images (they set it or meant the default).
+       */
+      port_given?: boolean;
       healthcheck_endpoint: string;
       readycheck_endpoint: string;
       /** Seconds a replica's server has to pass its readiness check. */
@@ -176,6 +190,11 @@ export interface AppConfig {
    * volumes existed have none stored: read it with `volumesOf(config)`.
    */
   volumes: VolumeMount[];
+  /**
+   * `[image]`: the environment the app runs in, built from a base image (images/image-spec.ts). Absent:
+   * the host runtime, as before images existed.
+   */
+  image?: ImageSpec;
 }
 
 /** One `[[schedules]]` entry with its defaults filled in. */
@@ -250,10 +269,13 @@ export function entryConflict(config: AppConfig, has: (file: string) => boolean)
 
 export class AppConfigError extends Error {
   readonly key: string | undefined;
-  constructor(message: string, key?: string) {
+  /** The coded error the server answers with (FERRY_CONFIG_INVALID unless a part has its own, as `[image]`). */
+  readonly code: ErrorCode;
+  constructor(message: string, key?: string, code: ErrorCode = 'FERRY_CONFIG_INVALID') {
     super(message);
     this.name = 'AppConfigError';
     this.key = key;
+    this.code = code;
   }
 }
 
@@ -325,6 +347,22 @@ function withDefaults(raw: RawConfig): AppConfig {
   if (runtime === 'custom' && raw.app.entry !== undefined) {
     throw new AppConfigError('ferry.toml: app.entry: is only used by the cortex runtime', 'app.entry');
   }
+  let image: ImageSpec | undefined;
+  try {
+    image = parseImageTable(raw.image);
+  } catch (err) {
+    if (err instanceof FerryError) {
+      const key = /^ferry\.toml: (image[^:]*):/.exec(err.message)?.[1] ?? 'image';
+      throw new AppConfigError(err.message, key, err.code);
+    }
+    throw err;
+  }
+  if (runtime === 'custom' && raw.runtime?.custom?.entrypoint === undefined && !image) {
+    throw new AppConfigError(
+      'ferry.toml: runtime.custom.entrypoint: is required (without an [image], whose ENTRYPOINT/CMD would run)',
+      'runtime.custom.entrypoint',
+    );
+  }
   const scaling = {
     min_replicas: raw.scaling?.min_replicas ?? DEFAULT_SCALING.min_replicas,
     max_replicas: raw.scaling?.max_replicas ?? DEFAULT_SCALING.max_replicas,
@@ -377,8 +415,9 @@ function withDefaults(raw: RawConfig): AppConfig {
     runtime: custom
       ? {
           custom: {
-            entrypoint: custom.entrypoint,
+            ...(custom.entrypoint !== undefined ? { entrypoint: custom.entrypoint } : {}),
             port: custom.port ?? 8080,
+            port_given: custom.port !== undefined,
             healthcheck_endpoint: custom.healthcheck_endpoint ?? '',
             readycheck_endpoint: custom.readycheck_endpoint ?? '',
             start_timeout: custom.start_timeout ?? 60,
@@ -397,6 +436,7 @@ function withDefaults(raw: RawConfig): AppConfig {
     schedules: schedulesOf(raw.schedules ?? []),
     retries: retriesOf(raw.retries),
     volumes,
+    ...(image ? { image } : {}),
   };
 }
 

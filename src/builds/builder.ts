@@ -3,6 +3,7 @@
  * One implementation per runtime, beside the rest of that runtime (`runtimes/<name>/builder.ts`).
  */
 import type { AppConfig } from '../apps/app-config.js';
+import type { BuildImageRecord } from '../images/build-image.js';
 import type { BuildSandbox } from '../sandbox/build-step.js';
 
 export interface BuildContext {
@@ -20,6 +21,11 @@ export interface BuildContext {
   log: (line: string) => void;
   /** Aborted when the build is cancelled or the server stops; the builder must stop its child processes. */
   signal: AbortSignal;
+  /**
+   * With `[image]`: the image replicas will run on, pulled and pinned for the build (images/build-image.ts).
+   * `rootfs` is its unpacked root, read-only and shared: look things up with images/rootfs-path.ts.
+   */
+  image?: { record: BuildImageRecord; rootfs: string };
 }
 
 export interface BuildResult {
@@ -33,6 +39,8 @@ export interface BuildResult {
    * Undefined means "unknown": the replica decides.
    */
   functions?: string[];
+  /** With an image: what the runtime found in it for its replicas (stored in the build's image record). */
+  image?: Pick<BuildImageRecord, 'custom' | 'python'>;
 }
 
 export interface Builder {

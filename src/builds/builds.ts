@@ -26,6 +26,8 @@ export interface BuildView {
    * a custom app, or a Python module whose public names only loading it can tell).
    */
   functions: string[] | null;
+  /** With `[image]`: the image replicas run on, pinned by digest; null for the host runtime (or not built yet). */
+  image: { reference: string; digest: string } | null;
   /** Only on `GET .../builds/{build_id}`: the `ferry.toml` the build was made with. */
   config_toml?: string;
   /** Whether it is the app's active build. */
@@ -49,9 +51,22 @@ export function viewBuild(build: Build, withConfig = false, activeBuildId?: stri
     finished_at: build.finished_at,
     duration_ms: duration,
     functions: parseFunctions(build.functions),
+    image: imageOf(build),
     ...(withConfig ? { config_toml: build.config_toml } : {}),
     active: activeBuildId !== undefined && activeBuildId !== null && activeBuildId === build.id,
   };
+}
+
+function imageOf(build: Build): BuildView['image'] {
+  if (!build.image_digest) return null;
+  let reference = build.image_digest;
+  try {
+    const record = JSON.parse(build.image_json ?? '{}') as { reference?: unknown };
+    if (typeof record.reference === 'string') reference = record.reference;
+  } catch {
+    // the digest alone
+  }
+  return { reference, digest: build.image_digest };
 }
 
 function parseFunctions(text: string | null): string[] | null {

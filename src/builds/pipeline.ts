@@ -12,10 +12,14 @@
  * claims free builds and runs them here, from the start.
  */
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
+import { type BuildImage, type BuildImageRecord, prepareBuildImage } from '../images/build-image.js';
+import { DEFAULT_IMAGE_BUILD_LIMITS } from '../images/image-builder.js';
+import type { ImageStore } from '../images/image-store.js';
 import { type Builders, selectBuilder } from '../runtimes/index.js';
 import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from '../sandbox/build-step.js';
 import type { SandboxCapabilities } from '../sandbox/launch.js';
@@ -59,6 +63,13 @@ export interface BuildPipelineDeps {
   builds?: boolean;
   /** A build was received here but is left for another process to build (builds: false). */
   onQueued?: (build: Build) => void;
+  /**
+   * The node's images (images/image-store.ts): an app with `[image]` has its base pulled and pinned here.
+   * Without it such a build fails (FERRY_IMAGE_NO_SANDBOX).
+   */
+  images?: ImageStore;
+  /** `FERRY_IMAGE_BUILD_TIMEOUT_SECONDS` in milliseconds: the image part's own limit (default 30 min). */
+  imageBuildTimeoutMs?: number;
 }
 
 export interface BuildPipeline {
@@ -102,6 +113,8 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     let finalState: BuildState;
     let error: string | null = null;
     let result: { runtime: string; entry: string; functions?: string[] | undefined } | undefined;
+    let image: BuildImage | undefined;
+    let imageRecord: BuildImageRecord | undefined;
     try {
       log(`Building ${build.app_id} (build ${build.id})`);
       if (deps.sandbox.bwrap === null) {
@@ -114,7 +127,30 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       const config = JSON.parse(build.config_json) as AppConfig;
       const builder = selectBuilder(config, folder.source, deps.builders);
       log(`Runtime: ${config.app.runtime} (${builder.name} builder)`);
-      result = await builder.build({
+      if (config.image) {
+        image = await prepareBuildImage({
+          images: deps.images,
+          spec: config.image,
+          projectId: build.project_id,
+          buildId: build.id,
+          sourceDir: folder.source,
+          timeoutMs: deps.imageBuildTimeoutMs ?? 30 * 60_000,
+          sandboxed: deps.sandbox.bwrap !== null,
+          log,
+          signal: controller.signal,
+          steps: {
+            sandbox: { caps: deps.sandbox, network: deps.network },
+            cacheDir: path.join(deps.cacheDir, 'image-steps'),
+            limits: {
+              memoryMiB: limits.memoryMiB,
+              maxProcesses: limits.maxProcesses,
+              cpu: DEFAULT_IMAGE_BUILD_LIMITS.cpu,
+              diskBytes: DEFAULT_IMAGE_BUILD_LIMITS.diskBytes,
+            },
+          },
+        });
+      }
+      const built = await builder.build({
         buildId: build.id,
         sourceDir: folder.source,
         outputDir: folder.out,
@@ -123,7 +159,10 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         config,
         log,
         signal: controller.signal,
+        ...(image ? { image: { record: image.record, rootfs: image.rootfs } } : {}),
       });
+      result = built;
+      if (image) imageRecord = { ...image.record, ...built.image };
       checkScheduledFunctions(config, result.functions);
       await deps.output?.publish(build.id);
       finalState = 'ready';
@@ -163,6 +202,8 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       }
     } finally {
       clearTimeout(timeLimit);
+      // Replicas pin the image again when they start; between the two the cache may evict it (pulled again).
+      image?.release();
       running.delete(build.id);
       await fs.rm(buildCacheDir(deps.cacheDir, build.id), { recursive: true, force: true }).catch(() => {});
     }
@@ -178,6 +219,8 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
           runtime: result?.runtime ?? null,
           entry: result?.entry ?? null,
           functions: result?.functions ? JSON.stringify(result.functions) : null,
+          image_digest: finalState === 'ready' && imageRecord ? imageRecord.digest : null,
+          image_json: finalState === 'ready' && imageRecord ? JSON.stringify(imageRecord) : null,
         })
         .where('id', '=', build.id)
         .where('owner', '=', owner)

@@ -77,7 +77,7 @@ export async function receiveBuild(
     try {
       config = parseAppConfig(toml);
     } catch (err) {
-      if (err instanceof AppConfigError) throw new FerryError('FERRY_CONFIG_INVALID', err.message);
+      if (err instanceof AppConfigError) throw new FerryError(err.code, err.message);
       throw err;
     }
     if (config.app.name !== appId) {
@@ -107,6 +107,8 @@ export async function receiveBuild(
       created_at: now,
       started_at: null,
       finished_at: null,
+      image_digest: null,
+      image_json: null,
     };
     await deps.artifacts.put(buildId, tmpFile);
     await deps.store.transaction().execute(async (trx) => {

@@ -67,18 +67,19 @@ export async function appsListCommand(options: Json): Promise<void> {
 export async function buildsListCommand(app: string, options: Json & { limit?: string }): Promise<void> {
   const client = createClient();
   const limit = options.limit ? `?limit=${encodeURIComponent(options.limit)}` : '';
-  const { builds } = await client.call<{ builds: Array<Record<string, string | number | boolean | null>> }>(
-    'GET',
-    `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/builds${limit}`,
-  );
+  const { builds } = await client.call<{
+    builds: Array<Record<string, string | number | boolean | null | { digest: string }>>;
+  }>('GET', `/v2/projects/${client.project}/apps/${encodeURIComponent(app)}/builds${limit}`);
   if (options.json) return printJson(builds);
   printTable(
     builds.map((b) => ({
       ...b,
       duration: b.duration_ms === null ? null : `${(Number(b.duration_ms) / 1000).toFixed(1)}s`,
       active: b.active === true ? 'yes' : null,
+      // The manifest digest, short as `docker images` shows it (the full one is in --json).
+      image: typeof b.image === 'object' && b.image !== null ? b.image.digest.slice(0, 'sha256:'.length + 12) : null,
     })),
-    ['id', 'state', 'active', 'created_at', 'duration', 'file_count', 'error'],
+    ['id', 'state', 'active', 'created_at', 'duration', 'file_count', 'image', 'error'],
   );
 }
 

@@ -4,12 +4,19 @@
  * local copy of the builds this node runs (builds/local-build-cache.ts).
  */
 import path from 'node:path';
+import type { ObjectStore } from '@nats-io/obj';
 import { type ArtifactStore, createDiskArtifactStore } from '../builds/artifact-store.js';
 import { type BuildOutput, createBuildOutput } from '../builds/build-output.js';
 import { createNatsArtifactStore, lazyArtifactsBucket } from '../builds/nats-artifact-store.js';
 import { createNatsBuildOutput } from '../builds/nats-build-output.js';
 import { requireNats } from '../cluster/nats.js';
 import { prepareArtifactsDir } from '../data-dir.js';
+import {
+  createFolderImageShelf,
+  createNatsImageShelf,
+  type ImageShelf,
+  openImagesBucket,
+} from '../images/image-shelf.js';
 import type { BuildViews } from '../sandbox/views.js';
 import type { ClusterLink } from './cluster-link.js';
 import type { Core } from './core.js';
@@ -17,6 +24,8 @@ import type { Core } from './core.js';
 export interface BuildStorage {
   artifacts: ArtifactStore;
   buildOutput: BuildOutput;
+  /** Images by digest for every node (`[image]` apps): the images bucket, or `<artifacts>/images`. */
+  imageShelf: ImageShelf;
 }
 
 /** `views`: the sandboxed replicas' views of builds, removed with a build's local folder (when present). */
@@ -44,7 +53,20 @@ export async function createBuildStorage(
       views,
       logger,
     });
-    return { artifacts, buildOutput };
+    const images = link.names.imagesBucket;
+    let opened: Promise<ObjectStore> | undefined;
+    // Opened when first needed (start-up does not wait for NATS); a failure is retried at the next use.
+    const imageShelf = createNatsImageShelf(() => {
+      if (!opened) {
+        const opening = openImagesBucket(requireNats(nats), images);
+        opened = opening;
+        opening.catch(() => {
+          if (opened === opening) opened = undefined;
+        });
+      }
+      return opened;
+    });
+    return { artifacts, buildOutput, imageShelf };
   }
   const artifacts = createDiskArtifactStore(prepareArtifactsDir(config.artifactsDir));
   const buildOutput = await createBuildOutput({
@@ -55,5 +77,5 @@ export async function createBuildStorage(
     views,
     logger,
   });
-  return { artifacts, buildOutput };
+  return { artifacts, buildOutput, imageShelf: createFolderImageShelf(path.join(config.artifactsDir, 'images')) };
 }

@@ -9,6 +9,8 @@
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { imagesDir } from '../images/host-tools.js';
+import { createImageStore, type ImageStore } from '../images/image-store.js';
 import { createLauncher } from '../replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from '../replicas/manager.js';
 import { createWarmPool, type WarmPool } from '../replicas/warm-pool.js';
@@ -46,6 +48,11 @@ export interface Executor {
   replicas: ReplicaManager;
   /** Runs calls on this node's replicas. */
   invoker: Invoker;
+  /**
+   * The node's images (`[image]` apps: their builds pull and pin here, their replicas run on them);
+   * undefined without bwrap, where image apps fail their build (FERRY_IMAGE_NO_SANDBOX).
+   */
+  images: ImageStore | undefined;
 }
 
 /**
@@ -89,7 +96,12 @@ export async function createExecutor(
   core.onClose(() => network.close());
   const ensureLocal = (buildId: string) => storage.buildOutput.ensureLocal(buildId);
   const secrets = (projectId: string) => secretEnvironment(store, secretsKey, projectId);
+  const images = sandbox.bwrap
+    ? await createImageStore({ dir: imagesDir(dataDir.root), settings: config.images, shelf: storage.imageShelf })
+    : undefined;
+  core.onClose(() => images?.cache.close());
   const launch = createLauncher({
+    images,
     volumes: parts.volumes,
     store,
     buildsDir: dataDir.builds,
@@ -164,5 +176,5 @@ export async function createExecutor(
     logger: logger.child({ component: 'runs' }),
     onFinished: createRunTally(metrics),
   });
-  return { sandbox, network, warmPool, replicas, invoker };
+  return { sandbox, network, warmPool, replicas, invoker, images };
 }

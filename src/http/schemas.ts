@@ -51,6 +51,15 @@ export const Build = Type.Object({
         'Public functions of the entry, as the build found them; null when unknown (not ready, custom runtime, or a Python module whose public names only loading it can tell)',
     }),
   ),
+  image: Nullable(
+    Type.Object(
+      {
+        reference: Type.String({ description: 'The base image, pinned by digest (`registry/repository@sha256:…`)' }),
+        digest: Type.String({ description: 'The manifest digest of the image replicas run on' }),
+      },
+      { description: 'With `[image]` in ferry.toml: the image the build runs on; null for the host runtime' },
+    ),
+  ),
   config_toml: Type.Optional(
     Type.String({ description: 'The ferry.toml the build was made with (single build only)' }),
   ),

@@ -1,7 +1,8 @@
 /**
  * One call from an image reference to a pinned, unpacked root file system on this node: pull (guarded,
  * verified) into a scratch OCI layout, unpack the layers as untrusted input into the node's cache, and
- * pin the result. What builds and replicas will call once images are wired in; nothing calls it yet.
+ * pin the result: what builds (builds/pipeline.ts, images/build-image.ts) and replicas (replicas/launcher.ts)
+ * call.
  *
  * The cache is keyed by the manifest digest, so a reference pinned by digest that the cache already has
  * needs no registry at all; a tag is always resolved at the registry first (a tag moves), and only the
@@ -11,9 +12,11 @@ import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import type { ImageSettings } from '../config.js';
+import { FerryError } from '../errors.js';
 import { type CachedImage, createImageCache, type ImageCache } from './image-cache.js';
 import { type ImageRunConfig, parseImageConfig } from './image-config.js';
-import { openBlob } from './oci-layout.js';
+import type { ImageShelf } from './image-shelf.js';
+import { openBlob, parseManifest, readJsonBlob } from './oci-layout.js';
 import { pullImage } from './pull.js';
 import { formatImageReference, parseImageReference } from './reference.js';
 import { registryAccess } from './registry-guard.js';
@@ -25,17 +28,41 @@ export interface PinnedImage {
   reference: string;
   config: ImageRunConfig;
   image: CachedImage;
+  /**
+   * The image as an OCI layout (its manifest, config and layers; tagged `image`), kept beside its unpacked
+   * root while the cache has it: what an image build starts from, and what goes on the shelf.
+   */
+  layout: string;
   /** Unpins the image (the cache may evict it after); call once when done. */
   release: () => void;
 }
 
 export interface ImageStore {
   cache: ImageCache;
-  /** Pulls `reference` when needed and returns it unpacked and pinned. Throws FerryError FERRY_IMAGE_*. */
+  /**
+   * Pulls `reference` when needed and returns it unpacked and pinned. A reference pinned by digest that the
+   * cache lacks comes from the shelf when the shelf has it, else from its registry. Throws FerryError
+   * FERRY_IMAGE_*.
+   */
   acquire(
     reference: string,
     options?: { signal?: AbortSignal; onProgress?: (line: string) => void },
   ): Promise<PinnedImage>;
+  /**
+   * An image this cluster built (no registry has it): from the cache, else from the shelf. Throws
+   * FERRY_IMAGE_NOT_FOUND when neither has it.
+   */
+  acquireBuilt(digest: string, reference: string): Promise<PinnedImage>;
+  /** Takes a built image's OCI layout (moved, not copied) into the cache, unpacked and pinned. */
+  adopt(layoutDir: string, digest: string, reference: string): Promise<PinnedImage>;
+  /** Puts a pinned image on the shelf, so other nodes run it without the registry (no shelf: nothing). */
+  publish(image: PinnedImage): Promise<void>;
+  /** Removes the unpinned images whose digest `used` does not list (images of deleted builds); how many. */
+  sweep(used: (digests: string[]) => Promise<Set<string>>): Promise<number>;
+  /** The shelf the store fetches from and publishes to, if any. */
+  shelf: ImageShelf | undefined;
+  /** A scratch folder for a build's output layout (removed at start; `adopt` moves it away). */
+  scratch(): Promise<string>;
 }
 
 const NOT_CACHED = new Error('not cached');
@@ -43,58 +70,175 @@ const NOT_CACHED = new Error('not cached');
 /** Most entries an image may have over all its layers (a full Debian with a toolchain has ~100,000). */
 const MAX_IMAGE_ENTRIES = 2_000_000;
 
-export async function createImageStore(options: { dir: string; settings: ImageSettings }): Promise<ImageStore> {
-  const { dir, settings } = options;
+/** The tag of an image in its kept layout. */
+const LAYOUT_TAG = 'image';
+
+/** Where an entry's layout is kept: beside its `rootfs`, in the cache entry's folder (evicted with it). */
+function layoutOf(image: CachedImage): string {
+  return path.join(path.dirname(image.rootfs), 'layout');
+}
+
+async function folderBytes(dir: string): Promise<number> {
+  let bytes = 0;
+  for (const entry of await fs.readdir(dir, { recursive: true, withFileTypes: true })) {
+    if (entry.isFile()) bytes += (await fs.stat(path.join(entry.parentPath, entry.name))).size;
+  }
+  return bytes;
+}
+
+export async function createImageStore(options: {
+  dir: string;
+  settings: ImageSettings;
+  shelf?: ImageShelf;
+}): Promise<ImageStore> {
+  const { dir, settings, shelf } = options;
   const cache = await createImageCache({ dir: path.join(dir, 'unpacked'), maxBytes: settings.cacheBytes });
   const pulls = path.join(dir, 'pulls');
   await fs.rm(pulls, { recursive: true, force: true }); // scratch layouts of pulls a crash interrupted
   await fs.mkdir(pulls, { recursive: true, mode: 0o700 });
   const access = registryAccess(settings.insecureRegistries, settings.registryAllow);
 
+  /** The cached image `digest`, pinned, when the cache has it (with its layout). */
+  async function fromCache(digest: string, reference: string): Promise<PinnedImage | undefined> {
+    if (!cache.peek(digest)) return undefined;
+    // Evicted between the look and the pin: then it is fetched as if it had never been here.
+    const pinned = await cache
+      .acquire(digest, () => Promise.reject(NOT_CACHED))
+      .catch((err: unknown) => (err === NOT_CACHED ? undefined : Promise.reject(err)));
+    if (!pinned) return undefined;
+    const layout = layoutOf(pinned.image);
+    if (!(await fs.stat(path.join(layout, 'index.json')).catch(() => undefined))) {
+      // An entry unpacked before layouts were kept: dropped, and fetched again whole.
+      pinned.release();
+      await cache.remove(digest);
+      return undefined;
+    }
+    const { image, release } = pinned;
+    return { digest, reference, config: runConfigOf(image), image, layout, release };
+  }
+
+  /** Unpacks the verified layout `layout` (moved into the entry) as the image `digest`, pinned. */
+  async function unpackLayout(layout: string, digest: string, reference: string): Promise<PinnedImage> {
+    const manifest = parseManifest(await readJsonBlob(layout, digest));
+    const config = parseImageConfig(await readJsonBlob(layout, manifest.config.digest));
+    const { image, release } = await cache.acquire(digest, async (rootfs) => {
+      const result = await unpackLayers(
+        rootfs,
+        manifest.layers.map((layer) => () => openBlob(layout, layer.digest)),
+        { maxBytes: settings.cacheBytes, maxEntries: MAX_IMAGE_ENTRIES },
+      );
+      await prepareMountPoints(rootfs);
+      const kept = path.join(path.dirname(rootfs), 'layout');
+      await fs.rename(layout, kept);
+      return { bytes: result.bytes + (await folderBytes(kept)), meta: { config } };
+    });
+    return { digest, reference, config, image, layout: layoutOf(image), release };
+  }
+
+  async function scratch(): Promise<string> {
+    const folder = path.join(pulls, randomBytes(8).toString('hex'));
+    await fs.mkdir(folder, { recursive: true, mode: 0o700 });
+    return folder;
+  }
+
+  async function fromShelf(digest: string, reference: string): Promise<PinnedImage | undefined> {
+    if (!shelf) return undefined;
+    const layout = await scratch();
+    try {
+      if (!(await shelf.fetch(digest, layout, { tag: LAYOUT_TAG, maxBytes: settings.cacheBytes }))) return undefined;
+      return await unpackLayout(layout, digest, reference);
+    } finally {
+      await fs.rm(layout, { recursive: true, force: true });
+    }
+  }
+
   return {
     cache,
+    shelf,
+    scratch,
     async acquire(reference, opts = {}) {
       const ref = parseImageReference(reference);
-      if (ref.digest !== undefined && cache.peek(ref.digest)) {
-        // Evicted between the look and the pin: then it is pulled as if it had never been here.
-        const pinned = await cache
-          .acquire(ref.digest, () => Promise.reject(NOT_CACHED))
-          .catch((err: unknown) => (err === NOT_CACHED ? undefined : Promise.reject(err)));
-        if (pinned) {
-          const { image, release } = pinned;
-          return {
-            digest: ref.digest,
-            reference: formatImageReference(ref),
-            config: runConfigOf(image),
-            image,
-            release,
-          };
-        }
+      const formatted = formatImageReference(ref);
+      if (ref.digest !== undefined) {
+        const found = (await fromCache(ref.digest, formatted)) ?? (await fromShelf(ref.digest, formatted));
+        if (found) return found;
       }
-      const layout = path.join(pulls, randomBytes(8).toString('hex'));
+      const layout = await scratch();
       try {
-        const pulled = await pullImage(ref, layout, 'image', {
+        const pulled = await pullImage(ref, layout, LAYOUT_TAG, {
           access,
           authFile: settings.authFile,
           maxBytes: settings.cacheBytes,
           ...(opts.signal ? { signal: opts.signal } : {}),
           ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
         });
-        const config = parseImageConfig(pulled.config);
-        const { image, release } = await cache.acquire(pulled.digest, async (rootfs) => {
-          const result = await unpackLayers(
-            rootfs,
-            pulled.manifest.layers.map((layer) => () => openBlob(layout, layer.digest)),
-            { maxBytes: settings.cacheBytes, maxEntries: MAX_IMAGE_ENTRIES },
-          );
-          return { bytes: result.bytes, meta: { config } };
-        });
-        return { digest: pulled.digest, reference: formatImageReference(ref), config, image, release };
+        // A tag resolved to a digest the cache has: its blobs were fetched again, but nothing is unpacked.
+        const cached = await fromCache(pulled.digest, formatted);
+        if (cached) return cached;
+        return await unpackLayout(layout, pulled.digest, formatted);
       } finally {
         await fs.rm(layout, { recursive: true, force: true });
       }
     },
+
+    async acquireBuilt(digest, reference) {
+      const found = (await fromCache(digest, reference)) ?? (await fromShelf(digest, reference));
+      if (found) return found;
+      throw new FerryError(
+        'FERRY_IMAGE_NOT_FOUND',
+        `the image ${digest} was built by this cluster but neither this node nor the image shelf has it (removed with its build, or the shelf was emptied): redeploy the app`,
+      );
+    },
+
+    async adopt(layoutDir, digest, reference) {
+      try {
+        return (await fromCache(digest, reference)) ?? (await unpackLayout(layoutDir, digest, reference));
+      } finally {
+        await fs.rm(layoutDir, { recursive: true, force: true });
+      }
+    },
+
+    async publish(image) {
+      await shelf?.put(image.layout, image.digest);
+    },
+
+    async sweep(used) {
+      const unpinned = cache
+        .usage()
+        .images.filter((i) => i.pins === 0)
+        .map((i) => i.digest);
+      if (unpinned.length === 0) return 0;
+      const keep = await used(unpinned);
+      let removed = 0;
+      for (const digest of unpinned) if (!keep.has(digest) && (await cache.remove(digest))) removed++;
+      return removed;
+    },
   };
+}
+
+/**
+ * What the sandbox mounts over inside an image's root must exist there before it is shared read-only:
+ * `/etc/resolv.conf` as a regular file (a replica's DNS settings go over it; a link there, as many images
+ * have, would point bwrap elsewhere). The root is Ferry's own copy, so this changes no image.
+ */
+async function prepareMountPoints(rootfs: string): Promise<void> {
+  const etc = path.join(rootfs, 'etc');
+  let st = await fs.lstat(etc).catch(() => undefined);
+  if (!st) {
+    await fs.mkdir(etc, { mode: 0o755 });
+    st = await fs.lstat(etc);
+  }
+  if (!st.isDirectory()) return; // an image whose /etc is not a folder: replicas get no resolv.conf of Ferry's
+  const file = path.join(etc, 'resolv.conf');
+  if ((await fs.lstat(file).catch(() => undefined))?.isFile()) return;
+  const mode = st.mode & 0o7777;
+  await fs.chmod(etc, mode | 0o700);
+  try {
+    await fs.rm(file, { recursive: true, force: true });
+    await fs.writeFile(file, '', { mode: 0o644 });
+  } finally {
+    await fs.chmod(etc, mode);
+  }
 }
 
 function runConfigOf(image: CachedImage): ImageRunConfig {

@@ -94,7 +94,11 @@ export class LayerWriter {
     };
     if (entry.type !== 'file' || body === undefined || (entry.size ?? 0) === 0) {
       await new Promise<void>((resolve, reject) => {
-        this.pack.entry(header, (err) => (err ? reject(err) : resolve()));
+        const done = (err?: Error | null) => (err ? reject(err) : resolve());
+        // A file entry without a buffer waits for its body to be written and ended, even at size 0
+        // (tar-stream 3): an empty file or a whiteout gets an empty buffer, or it would never complete.
+        if (entry.type === 'file') this.pack.entry(header, Buffer.alloc(0), done);
+        else this.pack.entry(header, done);
       });
       if (body !== undefined && !Buffer.isBuffer(body)) body.destroy();
       return;

@@ -6,8 +6,12 @@
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { FerryError } from '../errors.js';
+import { parseBuildImageRecord } from '../images/build-image.js';
+import type { ImageStore, PinnedImage } from '../images/image-store.js';
+import { createImageViews } from '../images/image-views.js';
 import { runtimeOf } from '../runtimes/index.js';
-import type { LaunchRecipe, Runtime } from '../runtimes/runtime.js';
+import type { LaunchImage, LaunchRecipe, Runtime } from '../runtimes/runtime.js';
 import { prepareLaunch, type SandboxCapabilities, sandboxPaths } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
 import type { BuildViews } from '../sandbox/views.js';
@@ -32,42 +36,88 @@ export interface LauncherDeps {
   secrets(projectId: string): Promise<Record<string, string>>;
   /** The app's `[[volumes]]`, mounted on this machine, as binds and groups (volumes/volumes.ts). */
   volumes?: Pick<Volumes, 'forLaunch'>;
+  /**
+   * The node's images: a replica of an image build pins its image here (pulled by digest when this node
+   * does not have it) for as long as it runs. Absent where replicas are not sandboxed.
+   */
+  images?: Pick<ImageStore, 'acquire' | 'acquireBuilt'>;
 }
 
-/**
- * A recipe's command as the replica sees it (its program where the sandbox copies it). The sandbox shows
- * the host's root filesystem, the only kind it runs today (runtimes/runtime.ts `Rootfs`): the image issue
- * hands an image's root filesystem to sandbox/launch.ts from here.
- */
+/** A recipe's command as the replica sees it (its program where the sandbox copies it). */
 export function recipeCommand(recipe: LaunchRecipe, paths: { runtimeFile(host: string): string }): string[] {
-  if (recipe.rootfs.kind !== 'host') throw new Error(`root filesystem ${recipe.rootfs.kind} is not supported yet`);
   return recipe.command(paths.runtimeFile(recipe.program.host));
 }
 
 export function createLauncher(deps: LauncherDeps) {
+  const imageViews = createImageViews({ dataDir: deps.buildsDir, othersRead: deps.sandbox.identity !== null });
   return async function launch(build: PoolBuild, replicaId: string): Promise<LaunchPlan> {
     const runtime = runtimeOf(build);
     const row = await deps.store
       .selectFrom('builds')
-      .select(['entry'])
+      .select(['entry', 'image_json'])
       .where('id', '=', build.buildId)
-      .executeTakeFirstOrThrow();
+      .executeTakeFirst();
+    // Deleted since the call resolved it (retention, or its app deleted on another node): the caller may try
+    // again and find the app's build as it is now. The answer a worker gives a gateway naming such a build
+    // (cluster/worker-builds.ts); it was a 500 FERRY_INTERNAL (test/contract-invoker.test.ts).
+    if (!row) {
+      throw new FerryError('FERRY_NO_READY_BUILD', 'The build this call was resolved to is not there any more', {
+        headers: { 'retry-after': '1' },
+      });
+    }
     await deps.ensureLocal?.(build.buildId);
     const sandboxed = deps.sandbox.bwrap !== null;
     const buildDir =
       sandboxed && deps.views ? await deps.views.viewOf(build.buildId) : path.join(deps.buildsDir, build.buildId);
+    const record = parseBuildImageRecord(row.image_json);
+    let pinned: PinnedImage | undefined;
+    let view: { dir: string; release: () => Promise<void> } | undefined;
+    try {
+      if (record) {
+        if (!sandboxed || !deps.images) throw new FerryError('FERRY_IMAGE_NO_SANDBOX');
+        // Held until the replica's cleanup: the cache never evicts an image a replica runs on.
+        // A built image comes from this node's cache or the image shelf; a pulled one also from its registry.
+        pinned = record.built
+          ? await deps.images.acquireBuilt(record.digest, record.reference)
+          : await deps.images.acquire(record.reference);
+        view = await imageViews.acquire(pinned.digest, pinned.image.rootfs);
+      }
+      const image = record && view ? { record, rootfs: view.dir } : undefined;
+      const plan = await launchOn(build, replicaId, runtime, row.entry, buildDir, sandboxed, image);
+      const release = async () => {
+        await view?.release();
+        pinned?.release();
+      };
+      return { ...plan, cleanup: () => plan.cleanup().finally(release) };
+    } catch (err) {
+      await view?.release();
+      pinned?.release();
+      throw err;
+    }
+  };
+
+  async function launchOn(
+    build: PoolBuild,
+    replicaId: string,
+    runtime: Runtime,
+    entry: string | null,
+    buildDir: string,
+    sandboxed: boolean,
+    image: LaunchImage | undefined,
+  ): Promise<LaunchPlan> {
     const recipe = await runtime.launchRecipe({
       build,
-      entry: row.entry ?? runtime.defaultEntry,
+      entry: entry ?? runtime.defaultEntry,
       resources: build.config.resources,
       sandboxed,
+      ...(image ? { image } : {}),
     });
     // Used only without bwrap: a sandboxed replica's socket is in its own private tmpfs.
     const socketDir = path.join(deps.runDir, replicaId);
     const layout = { buildDir, socketDir, runtimeFiles: [recipe.program] };
     const paths = sandboxPaths(layout, sandboxed);
     const env: Record<string, string> = {
-      ...replicaEnvironment(build, runtime, recipe, await deps.secrets(build.projectId), paths, row.entry),
+      ...replicaEnvironment(build, runtime, recipe, await deps.secrets(build.projectId), paths, entry),
       ...recipe.overrides,
     };
     // Mounted on this machine before the sandbox starts; refused (never unbounded) without the sandbox.
@@ -87,6 +137,15 @@ export function createLauncher(deps: LauncherDeps) {
           ...(volumes.binds.length > 0 ? { volumes: volumes.binds, groups: volumes.groups } : {}),
           ...(lease ? { network: lease } : {}),
           ...(recipe.cwd !== undefined ? { cwd: recipe.cwd } : {}),
+          ...(recipe.rootfs.kind === 'image'
+            ? {
+                image: {
+                  rootfs: recipe.rootfs.dir,
+                  files: recipe.rootfs.files,
+                  ...(recipe.rootfs.workingDir !== undefined ? { workingDir: recipe.rootfs.workingDir } : {}),
+                },
+              }
+            : {}),
         },
         deps.sandbox,
       );
@@ -104,7 +163,7 @@ export function createLauncher(deps: LauncherDeps) {
         await fs.rm(socketDir, { recursive: true, force: true });
       },
     };
-  };
+  }
 }
 
 /** Ferry's own variables of every replica: the base of a warm sandbox's environment too (warm-pool.ts). */
@@ -132,6 +191,8 @@ export function replicaEnvironment(
 ): Record<string, string> {
   const base = baseEnvironment(recipe, paths.socketPath);
   return {
+    // An image's ENV (with [image].env) is the bottom layer: the project's and the app's settings win.
+    ...(recipe.rootfs.kind === 'image' ? recipe.rootfs.env : {}),
     ...secrets,
     ...build.config.env,
     PATH: base.PATH!,

@@ -262,8 +262,9 @@ export function createWarmPool(deps: WarmPoolDeps): WarmPool {
   return {
     async claim(build, onOutput) {
       const kind = runtimeOf(build);
-      // A warm sandbox started before it knew its app: it has no volume bound, nor the volumes' groups.
-      if (closed || !kind.warm || volumesOf(build.config).length > 0) return undefined;
+      // A warm sandbox started before it knew its app: it has no volume bound, nor the volumes' groups,
+      // and the host's root as `/`: an app on an image (`[image]`) always starts cold, on its image.
+      if (closed || !kind.warm || volumesOf(build.config).length > 0 || build.config.image) return undefined;
       const resources = build.config.resources;
       if (
         resources.memory !== WARM_RESOURCES.memory ||

@@ -279,6 +279,8 @@ export function createAsyncWorker(deps: {
     while (queue.length > 0 && !closed) {
       const head = queue[0]!;
       const build = await target(head);
+      // Closed meanwhile: the head was let go with the rest (close), it is not started here.
+      if (closed) return;
       if (!build) {
         // Failed first: should the store fail, the run stays queued here and is tried again.
         await failRun(head, 'FERRY_NO_READY_BUILD', 'The app has no ready build (it was removed or never built)');

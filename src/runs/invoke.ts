@@ -139,6 +139,10 @@ export interface HttpBodySink {
 }
 
 export interface InvokeResult {
+  /**
+   * The function's result. Undefined when `resultJson` is given by an invoker that did not parse it (the
+   * remote invoker's sync answers carry the worker's bytes as they are): read `resultJson` first.
+   */
   result: unknown;
   /** `result` as JSON, when the invoker made it (for the record): callers send these bytes instead of stringifying again. */
   resultJson?: string | undefined;

@@ -6,7 +6,8 @@
  *   202 and never in its way, to the work-queue stream `<cluster>_runs` on `<cluster>.runs.<project>.<app>`
  *   with the message id `<run id>.0` (JetStream drops a second publish of one id within its duplicate
  *   window). Publishes are pipelined on the one connection; acknowledged ones are recorded
- *   (`published_at`) about once a second, one UPDATE for all of them, on the runs still waiting for a node.
+ *   (`published_at`) about once a second, one UPDATE for all of them, on the runs still waiting for a node
+ *   and never started (a run started and queued again since had that message acknowledged).
  * - **Relay.** Every node republishes queued runs held by nobody with no known message (their publish
  *   failed or was never tried, NATS being down; or recovery freed them, their message gone), once they are
  *   a few seconds old, as `<run id>.<publishes>`: a fresh id, so JetStream never drops a republish as a
@@ -52,6 +53,7 @@ import {
   claimRunsToPublish,
   freeQueuedRunsOf,
   markRunsPublished,
+  releaseQueuedRuns,
   unfinishedRunsOf,
   unmarkRunsPublished,
 } from '../store/claims.js';
@@ -313,7 +315,12 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
           if (heldMessages.has(runId)) settled.add(runId);
         },
         onReleased(runIds) {
-          // Let go in the store already: another node may take them at once.
+          // Let go in the store already (published_at cleared): another node may take them at once. Their
+          // messages are nak'd, but a nak'd message may go to a pull request of this node's still open on the
+          // server, and wait out the ack wait there: the relay publishes them again, so a mark of their
+          // publish not yet written must not be written now.
+          const released = new Set(runIds);
+          toMark = toMark.filter((id) => !released.has(id));
           for (const id of runIds) {
             heldMessages.get(id)?.nak();
             heldMessages.delete(id);
@@ -487,6 +494,21 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       for (const m of messages) m.nak(1000);
       return;
     }
+    if (closed && claimed.length > 0) {
+      // Closed while the claim was answered: the worker takes no more runs; let them go for any node.
+      await releaseQueuedRuns(
+        store,
+        owner,
+        claimed.map((r) => r.id),
+      ).catch((err: unknown) =>
+        logger.warn(
+          { err, runs: claimed.length },
+          'could not let go of claimed runs; they are freed when the lease ends',
+        ),
+      );
+      for (const m of messages) m.nak();
+      return;
+    }
     const claimedIds = new Set(claimed.map((r) => r.id));
     // Not claimed yet free (a race with another statement on the row): asked again shortly, never dropped.
     const unclaimed = ids.filter((id) => !claimedIds.has(id) && !heldMessages.has(id));
@@ -633,21 +655,28 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       closed = true;
       for (const t of timers) clearInterval(t);
       for (const feed of feeds.values()) feed.current?.stop();
-      await relaying;
-      await markPublished();
       if (worker) {
         // Until every held message is settled: runs finishing during the close keep theirs alive.
         const alive = setInterval(keepAlive, Math.max(500, Math.floor(ackWaitMs / 3)));
         const acks = setInterval(() => void ackSettled(), ACK_EVERY_MS);
+        // The worker first, before any await: from here it starts no run it holds (they are let go, their
+        // messages nak'd), and runs running finish; then their messages are acked. Awaiting the relay or the
+        // marks first let it start queued runs meanwhile (test/contract-run-queue.test.ts). A claim answered
+        // after this lets its runs go itself (claimBatch).
+        const stopping = worker.close();
         await Promise.allSettled([...claimsInFlight]);
-        // Queued runs are let go (their messages nak'd), running ones finish; then their messages are acked.
-        await worker.close();
+        await stopping;
+        await relaying;
+        await markPublished();
         for (let i = 0; i < 100 && settled.size > 0; i++) {
           await ackSettled();
           if (settled.size > 0) await new Promise((r) => setTimeout(r, 50));
         }
         clearInterval(alive);
         clearInterval(acks);
+      } else {
+        await relaying;
+        await markPublished();
       }
     },
   };

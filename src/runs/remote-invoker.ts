@@ -171,7 +171,9 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
       });
       if (res.statusCode !== 200) {
         const text = await res.body.text().catch(() => '');
-        throw errorFromWorker(parseLine(text), res.statusCode);
+        // Refused before the answer began: the envelope is the body and its headers (Retry-After of a 503)
+        // are the response's; they were lost here (test/contract-invoker.test.ts).
+        throw errorFromWorker(withHeaders(parseLine(text), res.headers), res.statusCode);
       }
       return res;
     } catch (err) {
@@ -379,6 +381,14 @@ async function* lines(body: AsyncIterable<Buffer>): AsyncGenerator<Record<string
     }
     if (start < text.length) pending.push(text.slice(start));
   }
+}
+
+/** An error envelope with the headers of the response it came in that a caller is answered with. */
+function withHeaders(envelope: unknown, headers: Dispatcher.ResponseData['headers']): unknown {
+  const retryAfter = headers['retry-after'];
+  if (typeof retryAfter !== 'string' || !envelope || typeof envelope !== 'object') return envelope;
+  const own = (envelope as { headers?: Record<string, unknown> }).headers;
+  return { ...envelope, headers: { 'retry-after': retryAfter, ...own } };
 }
 
 /** The worker's coded error as this gateway's own (an unknown code, from another version: internal). */

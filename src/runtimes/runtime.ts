@@ -12,10 +12,14 @@
  *
  * The in-sandbox programs are copied alone into the sandbox: they import nothing of Ferry (not this file).
  */
+import fs from 'node:fs/promises';
 import type { AppConfig } from '../apps/app-config.js';
 import type { Builder } from '../builds/builder.js';
+import type { BuildImageRecord } from '../images/build-image.js';
+import { resolveInRoot } from '../images/rootfs-path.js';
 import type { PoolBuild } from '../replicas/pool.js';
 import { HOST_SYSTEM_ROOTS } from '../sandbox/launch.js';
+import { ferryNodeBinding } from '../sandbox/node-binding.js';
 
 /** The runtimes a build can have (`builds.runtime`, written by the builder). */
 export type RuntimeName = 'node' | 'python' | 'custom';
@@ -23,7 +27,7 @@ export type RuntimeName = 'node' | 'python' | 'custom';
 /**
  * The root filesystem a replica sees as `/`. `host`: the host's system folders, read-only (/usr, /etc,
  * /bin, /lib…, sandbox/launch.ts), with the programs Ferry runs from the host (Node, the system's
- * python3). The image issue adds an image's unpacked root filesystem here, with its own interpreter.
+ * python3). `image`: an image's unpacked root (`[image]` in ferry.toml), with Ferry's Node bound in.
  */
 export interface HostRootfs {
   kind: 'host';
@@ -31,16 +35,69 @@ export interface HostRootfs {
   searchPath: readonly string[];
   /** The host's folders a sandboxed replica sees at their own path (the custom builder's checks). */
   systemRoots: readonly string[];
+  /** The command that runs Ferry's Node (its options and script follow). */
+  node: readonly string[];
 }
 
-export type Rootfs = HostRootfs;
+/**
+ * An image's unpacked root filesystem as `/`, read-only (sandbox/launch.ts `ImageRoot`): one copy per
+ * digest on the node, pinned in the node's image cache while the replica runs. The image's ENV is the
+ * base of the replica's environment, and its WORKDIR its working folder where the image's program runs.
+ */
+export interface ImageRootfs {
+  kind: 'image';
+  /** The unpacked root on the host. */
+  dir: string;
+  digest: string;
+  /** The image's PATH. */
+  searchPath: readonly string[];
+  /** The image's ENV with `[image].env` over it: under the project's secrets and the app's `[env]`. */
+  env: Record<string, string>;
+  /** Ferry's Node inside (sandbox/node-binding.ts): its command prefix, and the host files it needs bound. */
+  node: readonly string[];
+  files: ReadonlyArray<{ host: string; sandbox: string }>;
+  /** Where the replica starts, absolute in the image; undefined: the app folder. */
+  workingDir?: string;
+}
 
-/** The host's root filesystem, as every runtime launches today. */
+export type Rootfs = HostRootfs | ImageRootfs;
+
+/** The host's root filesystem, as every runtime launches without an image. */
 export const HOST_ROOTFS: HostRootfs = {
   kind: 'host',
   searchPath: ['/usr/local/bin', '/usr/bin', '/bin'],
   systemRoots: HOST_SYSTEM_ROOTS,
+  node: [process.execPath],
 };
+
+/** The image of an image build's replica: its record (builds.image_json) and its pinned unpacked root. */
+export interface LaunchImage {
+  record: BuildImageRecord;
+  rootfs: string;
+}
+
+/**
+ * The root filesystem of a replica on `image`; it starts in `workingDir` (absolute in the image) when
+ * given and a folder there, else in the app folder.
+ */
+export async function imageRootfs(image: LaunchImage, workingDir?: string): Promise<ImageRootfs> {
+  const node = await ferryNodeBinding();
+  let start: string | undefined;
+  if (workingDir !== undefined && workingDir !== '/') {
+    const host = await resolveInRoot(image.rootfs, workingDir);
+    if (host && (await fs.stat(host).catch(() => undefined))?.isDirectory()) start = workingDir;
+  }
+  return {
+    kind: 'image',
+    dir: image.rootfs,
+    digest: image.record.digest,
+    searchPath: image.record.searchPath,
+    env: image.record.env,
+    node: node.argv,
+    files: node.files,
+    ...(start !== undefined ? { workingDir: start } : {}),
+  };
+}
 
 /** What a replica of a runtime runs: decided by the runtime, executed by the sandbox. */
 export interface LaunchRecipe {
@@ -67,6 +124,8 @@ export interface LaunchTarget {
   resources: AppConfig['resources'];
   /** Whether the replica gets a sandbox (and so a network namespace of its own). */
   sandboxed: boolean;
+  /** With `[image]`: the image the replica runs on (the warm pool never has one). */
+  image?: LaunchImage;
 }
 
 export interface Runtime {

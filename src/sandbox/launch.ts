@@ -137,7 +137,26 @@ export interface ReplicaLaunch extends SandboxLayout {
   volumes?: ReadonlyArray<{ host: string; sandbox: string; readOnly: boolean }>;
   /** Supplementary host groups the sandbox keeps (as root: the volumes' groups, identity.ts). */
   groups?: readonly number[];
+  /** An image's unpacked root as `/` instead of the host's system folders (see ImageRoot). Needs bwrap. */
+  image?: ImageRoot;
 }
+
+/**
+ * An image's root file system as the sandbox's `/`, read-only: each top-level entry of the unpacked root
+ * is bound (folders and files) or recreated (links) in bwrap's root, except the folders the sandbox makes
+ * itself (/proc, /dev, /tmp, /run, /app, /ferry). Nothing of the host's system folders is visible.
+ */
+export interface ImageRoot {
+  /** The unpacked root on the host (the node's image cache; never written). */
+  rootfs: string;
+  /** Host files bound read-only at sandbox paths under /ferry (Ferry's own Node, sandbox/node-binding.ts). */
+  files: ReadonlyArray<{ host: string; sandbox: string }>;
+  /** The working folder, absolute in the image (its WORKDIR); default: the app folder. */
+  workingDir?: string;
+}
+
+/** Top-level names of an image the sandbox provides itself. */
+const IMAGE_ROOT_SKIPPED = new Set(['proc', 'dev', 'tmp', 'run', 'app', 'ferry']);
 
 /** Paths as the replica sees them: sandbox paths under bwrap, the host paths themselves without it. */
 export interface SandboxPaths {
@@ -401,6 +420,8 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   if (!sandboxed && (launch.volumes?.length ?? 0) > 0) {
     throw new Error('Volumes are mounted into sandboxes only, and replicas are not sandboxed here');
   }
+  if (!sandboxed && launch.image)
+    throw new Error('Images run in the sandbox only, and replicas are not sandboxed here');
   const paths = sandboxPaths(launch, sandboxed);
   const buildDir = path.resolve(launch.buildDir);
   if (!(await fs.stat(buildDir)).isDirectory()) throw new Error(`Build folder ${buildDir} is not a folder`);
@@ -421,7 +442,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
   const maxProcesses = launch.maxProcesses ?? DEFAULT_MAX_PROCESSES;
   const cpu = launch.cpu ?? 1;
 
-  const cwdInside = path.posix.join(paths.appDir, launch.cwd ?? '.');
+  const cwdInside = launch.image?.workingDir ?? path.posix.join(paths.appDir, launch.cwd ?? '.');
   const cwdHost = path.join(buildDir, launch.cwd ?? '.');
 
   let file: string;
@@ -441,9 +462,10 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
         caps.bwrapFeatures,
         typeof network === 'object' ? (netnsPath ? 'host' : 'isolated') : network,
         caps.identity !== null,
+        launch.image,
       )),
       ...(typeof network === 'object' && network.resolvConf
-        ? await resolvConfArgs(FIRST_FILE_FD + launch.runtimeFiles.length)
+        ? await resolvConfArgs(FIRST_FILE_FD + launch.runtimeFiles.length, launch.image?.rootfs)
         : []),
       // bwrap's --dev has no shm mount of its own: /dev/shm would be a folder of the unbounded /dev tmpfs.
       ...size(memoryBytes),
@@ -486,7 +508,12 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
           appBind = path.join(launchView, 'app');
         }
       }
-      const bound = [appBind, path.dirname(process.execPath)];
+      const bound = [
+        appBind,
+        ...(launch.image
+          ? [launch.image.rootfs, ...launch.image.files.map((f) => f.host)]
+          : [path.dirname(process.execPath)]),
+      ];
       for (const host of bound) {
         const blocked = await unreachableByOthers(host);
         if (blocked) {
@@ -761,7 +788,9 @@ function nsenterPath(): Promise<string> {
  * symlink. bwrap copies it into a file of its own (`--ro-bind-data`), so the sandbox's mountinfo names no
  * host folder for it.
  */
-export async function resolvConfArgs(fd: number): Promise<string[]> {
+export async function resolvConfArgs(fd: number, imageRoot?: string): Promise<string[]> {
+  // An image's /etc/resolv.conf is a file the image store made sure of (image-store.ts), never a link.
+  if (imageRoot !== undefined) return ['--ro-bind-data', String(fd), '/etc/resolv.conf'];
   let target = '/etc/resolv.conf';
   const stat = await fs.lstat(target).catch(() => null);
   if (stat?.isSymbolicLink()) target = path.resolve('/etc', await fs.readlink(target));
@@ -774,6 +803,8 @@ export async function baseBwrapArgs(
   network: 'host' | 'isolated',
   /** The sandbox runs as a uid of its own (caps.identity): /etc needs no masks (see etcMasks). */
   ownUid = false,
+  /** An image's root instead of the host's system folders. */
+  image?: Pick<ImageRoot, 'rootfs' | 'files'>,
 ): Promise<string[]> {
   const args = [
     '--unshare-all',
@@ -789,6 +820,12 @@ export async function baseBwrapArgs(
     '--cap-drop',
     'ALL',
   ];
+  if (image) {
+    args.push(...(await imageRootArgs(image)));
+    args.push('--proc', '/proc', '--dev', '/dev', '--ro-bind', '/proc/sys', '/proc/sys');
+    for (const file of await procMasks()) args.push('--ro-bind', '/dev/null', file);
+    return args;
+  }
   const systemRoots: string[] = [];
   for (const dir of SYSTEM_DIRS) {
     args.push('--ro-bind', dir, dir);
@@ -821,6 +858,24 @@ export async function baseBwrapArgs(
   // Files of /proc that tell about the host's kernel and every user's keys: /dev/null over each (binds are
   // nodev, so opening one fails with EACCES), only where the host has it (bwrap cannot bind over nothing).
   for (const file of await procMasks()) args.push('--ro-bind', '/dev/null', file);
+  return args;
+}
+
+/**
+ * The binds that make an image's unpacked root the sandbox's `/` (see ImageRoot). Entries are read with
+ * lstat and never followed: a top-level link is recreated as the same link, resolved inside the sandbox.
+ */
+async function imageRootArgs(image: Pick<ImageRoot, 'rootfs' | 'files'>): Promise<string[]> {
+  const args: string[] = [];
+  const names = (await fs.readdir(image.rootfs)).sort();
+  for (const name of names) {
+    if (IMAGE_ROOT_SKIPPED.has(name)) continue;
+    const host = path.join(image.rootfs, name);
+    const st = await fs.lstat(host);
+    if (st.isSymbolicLink()) args.push('--symlink', await fs.readlink(host), `/${name}`);
+    else if (st.isDirectory() || st.isFile()) args.push('--ro-bind', host, `/${name}`);
+  }
+  for (const file of image.files) args.push('--ro-bind', file.host, file.sandbox);
   return args;
 }
 

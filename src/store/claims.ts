@@ -193,7 +193,13 @@ export async function freeQueuedRunsOf(db: Db, runIds: readonly string[]): Promi
   return new Set(rows.map((r) => r.id));
 }
 
-/** Records that these runs' messages are in the runs stream (the ones still waiting for a node). */
+/**
+ * Records that these runs' messages are in the runs stream (the ones still waiting for a node). Only runs
+ * never started: the marks are written up to a second after the publish, and a run fetched, started and
+ * queued again meanwhile (a retry, its first attempt failing at once) had that message acknowledged; marked
+ * published, the relay would leave it waiting for `republishAfterMs` (ten minutes) instead of publishing it
+ * once due (test/contract-run-queue.test.ts).
+ */
 export async function markRunsPublished(db: Db, runIds: readonly string[], at: string): Promise<void> {
   if (runIds.length === 0) return;
   await db
@@ -203,6 +209,7 @@ export async function markRunsPublished(db: Db, runIds: readonly string[], at: s
     .where('published_at', 'is', null)
     .where('state', '=', 'queued')
     .where('owner', 'is', null)
+    .where('attempts', '=', 0)
     .execute();
 }
 

@@ -1,13 +1,16 @@
 /**
  * NATS for tests: the machine's JetStream server (FERRY_TEST_NATS_URL, default 127.0.0.1:4222), a
  * nats-server of a test's own that it may stop and start again (random loopback port, its own store
- * folder), and removal of everything a test's cluster name made.
+ * folder), removal of everything a test's cluster name made, and an object-store object corrupted as a
+ * NATS disk could corrupt it.
  */
+import assert from 'node:assert/strict';
 import { type ChildProcess, spawn } from 'node:child_process';
 import fs from 'node:fs/promises';
 import net from 'node:net';
 import { jetstreamManager } from '@nats-io/jetstream';
-import { connect } from '@nats-io/transport-node';
+import type { ObjectStore } from '@nats-io/obj';
+import { connect, type NatsConnection } from '@nats-io/transport-node';
 import { tempDir, waitFor } from './ferry.js';
 
 export const NATS_URL = process.env.FERRY_TEST_NATS_URL ?? 'nats://127.0.0.1:4222';
@@ -118,4 +121,21 @@ export async function deleteClusterStreams(cluster: string, url = NATS_URL): Pro
   } finally {
     await nc.close();
   }
+}
+
+/** Replaces the stored bytes of object `name` (same length, one byte flipped), as bit rot on a NATS disk would. */
+export async function corruptObject(nc: NatsConnection, os: ObjectStore, bucket: string, name: string): Promise<void> {
+  const info = await os.info(name);
+  assert.ok(info, `${name} is stored`);
+  assert.equal(info.chunks, 1, 'a small object is one chunk');
+  const jsm = await jetstreamManager(nc);
+  const subject = `$O.${bucket}.C.${info.nuid}`;
+  const stored = await jsm.streams.getMessage(`OBJ_${bucket}`, { last_by_subj: subject });
+  assert.ok(stored);
+  const bytes = Buffer.from(stored.data);
+  const middle = Math.floor(bytes.length / 2);
+  bytes.writeUInt8((bytes.readUInt8(middle) ^ 0xff) & 0xff, middle);
+  await jsm.streams.purge(`OBJ_${bucket}`, { filter: subject });
+  const js = jsm.jetstream();
+  await js.publish(subject, bytes);
 }

@@ -58,13 +58,32 @@ export interface BaseImage {
   source: string;
 }
 
+/** An image config for makeBaseImage; by default Cmd /bin/sh, Env GREETING=hello, WorkingDir /srv, EXPOSE 8080. */
+export interface BaseImageConfig {
+  cmd?: string[];
+  env?: string[];
+  workingdir?: string;
+  exposedPorts?: string[];
+  user?: string;
+}
+
 /**
- * Writes a base image: busybox as /bin/busybox and /bin/sh, `files` (path in the image → content) on
- * top, with `Cmd`, `Env`, `WorkingDir` and `ExposedPorts` set, into a fresh OCI layout under `dir`.
+ * Writes a base image: busybox as /bin/busybox and /bin/sh, `files` (path in the image → content; the
+ * ones in `executable` mode 0755) on top, with `Cmd`, `Env`, `WorkingDir` and `ExposedPorts` set, into a
+ * fresh OCI layout under `dir`.
  */
 export async function makeBaseImage(
   dir: string,
-  options: { files?: Record<string, string>; tag?: string } = {},
+  options: {
+    files?: Record<string, string>;
+    executable?: string[];
+    /** Host files or folders copied in (links followed), with a filter on the host paths of a folder's entries. */
+    copy?: Array<{ from: string; to: string; filter?: (source: string) => boolean }>;
+    /** Symbolic links made in the image: path → target. */
+    links?: Record<string, string>;
+    tag?: string;
+    config?: BaseImageConfig;
+  } = {},
 ): Promise<BaseImage> {
   await fs.mkdir(dir, { recursive: true });
   const layout = path.join(dir, 'oci');
@@ -90,21 +109,30 @@ export async function makeBaseImage(
   for (const [file, content] of Object.entries(options.files ?? {})) {
     const target = path.join(rootfs, file);
     await fs.mkdir(path.dirname(target), { recursive: true });
-    await fs.writeFile(target, content);
+    await fs.writeFile(target, content, { mode: options.executable?.includes(file) ? 0o755 : 0o644 });
+  }
+  for (const { from, to, filter } of options.copy ?? []) {
+    const target = path.join(rootfs, to);
+    await fs.mkdir(path.dirname(target), { recursive: true });
+    await fs.cp(from, target, { recursive: true, dereference: true, ...(filter ? { filter } : {}) });
+  }
+  for (const [file, target] of Object.entries(options.links ?? {})) {
+    await fs.mkdir(path.dirname(path.join(rootfs, file)), { recursive: true });
+    await fs.symlink(target, path.join(rootfs, file));
   }
   await run(TOOLS.umoci, ['repack', '--image', image, bundle]);
+  const config = options.config ?? {};
+  const repeat = (flag: string, values: string[]) => values.flatMap((value) => [flag, value]);
   await run(TOOLS.umoci, [
     'config',
     '--image',
     image,
-    '--config.cmd',
-    '/bin/sh',
-    '--config.env',
-    'GREETING=hello',
+    ...repeat('--config.cmd', config.cmd ?? ['/bin/sh']),
+    ...repeat('--config.env', config.env ?? ['GREETING=hello']),
     '--config.workingdir',
-    '/srv',
-    '--config.exposedports',
-    '8080/tcp',
+    config.workingdir ?? '/srv',
+    ...repeat('--config.exposedports', config.exposedPorts ?? ['8080/tcp']),
+    ...(config.user !== undefined ? ['--config.user', config.user] : []),
   ]);
   await fs.rm(bundle, { recursive: true, force: true });
   return { layout, tag, source: `oci:${layout}:${tag}` };

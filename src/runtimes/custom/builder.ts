@@ -19,6 +19,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from '../../builds/builder.js';
 import { throwIfAborted } from '../../builds/run-child.js';
+import { findInImage, isImageExecutable, resolveInRoot } from '../../images/rootfs-path.js';
 import { HOST_ROOTFS } from '../runtime.js';
 
 /**
@@ -107,8 +108,23 @@ export function createCustomBuilder(): Builder {
       const custom = ctx.config.runtime.custom;
       if (!custom) throw new BuildFailedError('ferry.toml: runtime.custom: is required when app.runtime is "custom"');
       ctx.log('Runtime: custom (your own HTTP server); nothing is installed, replicas run the app folder as uploaded');
-      const checker = new EntrypointChecker(ctx, await fs.realpath(ctx.sourceDir));
-      const { entrypoint } = custom;
+      const image = ctx.image;
+      const fromImage = custom.entrypoint === undefined;
+      const entrypoint = custom.entrypoint ?? imageCommand(image?.record.config);
+      const checker = new EntrypointChecker(
+        ctx,
+        await fs.realpath(ctx.sourceDir),
+        image ? { root: image.rootfs, searchPath: image.record.searchPath, fromImage } : undefined,
+      );
+      if (entrypoint === undefined) {
+        throw new BuildFailedError(
+          image
+            ? 'runtime.custom.entrypoint: is not set, and the image has no ENTRYPOINT or CMD to run instead'
+            : 'runtime.custom.entrypoint: is required (the app has no image to take one from)',
+        );
+      }
+      if (fromImage) ctx.log(`Entrypoint: the image's ENTRYPOINT/CMD ${JSON.stringify(entrypoint)}`);
+      const port = portOf(custom, image?.record.config.exposedPorts ?? []);
       if (typeof entrypoint === 'string') {
         ctx.log(`Entrypoint: ${JSON.stringify(entrypoint)} (run with /bin/sh -c)`);
         await checker.checkShell(entrypoint);
@@ -116,14 +132,42 @@ export function createCustomBuilder(): Builder {
         ctx.log(`Entrypoint: ${JSON.stringify(entrypoint)} (run directly)`);
         await checker.checkArgv(entrypoint);
       }
-      await warnAboutDependencies(ctx);
-      ctx.log(`Port: ${custom.port} (given to your server as PORT)`);
-      ctx.log(`Ready check: ${describeCheck(custom.readycheck_endpoint, custom.port)}`);
-      ctx.log(`Health check: ${describeCheck(custom.healthcheck_endpoint, custom.port)}`);
+      if (!image) await warnAboutDependencies(ctx);
+      ctx.log(`Port: ${port.port} (given to your server as PORT${port.exposed ? "; the image's EXPOSE" : ''})`);
+      ctx.log(`Ready check: ${describeCheck(custom.readycheck_endpoint, port.port)}`);
+      ctx.log(`Health check: ${describeCheck(custom.healthcheck_endpoint, port.port)}`);
       throwIfAborted(ctx.signal);
-      return { runtime: 'custom', entry: path.basename(ctx.sourceDir) };
+      return {
+        runtime: 'custom',
+        entry: path.basename(ctx.sourceDir),
+        ...(image ? { image: { custom: { entrypoint, port: port.port, fromImage } } } : {}),
+      };
     },
   };
+}
+
+/** The image's ENTRYPOINT followed by its CMD, as Docker runs them; undefined when it has neither. */
+function imageCommand(config: { entrypoint: string[] | undefined; cmd: string[] | undefined } | undefined) {
+  const argv = [...(config?.entrypoint ?? []), ...(config?.cmd ?? [])];
+  return argv.length > 0 ? argv : undefined;
+}
+
+/**
+ * `port` from ferry.toml; when it sets none, the image's last EXPOSEd TCP port: the latest declaration, so a
+ * Dockerfile's own EXPOSE wins over its base's (set `port` to choose another). Replicas cannot bind below 1024.
+ */
+function portOf(
+  custom: { port: number; port_given?: boolean },
+  exposed: readonly number[],
+): { port: number; exposed: boolean } {
+  const last = exposed.at(-1);
+  if (custom.port_given !== false || last === undefined) return { port: custom.port, exposed: false };
+  if (last < 1024) {
+    throw new BuildFailedError(
+      `runtime.custom.port: the image EXPOSEs ${last}, below 1024, which replicas (unprivileged) cannot listen on: set port (1024 or more) and have the server listen there`,
+    );
+  }
+  return { port: last, exposed: true };
 }
 
 function describeCheck(endpoint: string, port: number): string {
@@ -135,6 +179,11 @@ class EntrypointChecker {
     private readonly ctx: BuildContext,
     /** The app folder with symlinks resolved, to tell whether a file really is inside it. */
     private readonly realSource: string,
+    /**
+     * The image replicas run on: commands are looked up in it, never on this machine. `fromImage`: the
+     * command is the image's own, run in its WORKDIR, so its relative paths are not the app folder's.
+     */
+    private readonly image?: { root: string; searchPath: readonly string[]; fromImage: boolean },
   ) {}
 
   /** The list form, or the words of the string form's first command. */
@@ -213,6 +262,7 @@ class EntrypointChecker {
 
   /** A program: a file of the app (relative path), a system file (absolute path), or a command on PATH. */
   private async checkCommand(command: string): Promise<void> {
+    if (this.image) return this.checkImageCommand(command, this.image);
     if (command.includes('/')) {
       const file = await this.resolveFile(command, 'command');
       if (path.isAbsolute(command)) {
@@ -245,8 +295,39 @@ class EntrypointChecker {
     );
   }
 
+  /** A command on an image: an absolute path or a PATH lookup in the image; relative ones as the host's. */
+  private async checkImageCommand(
+    command: string,
+    image: { root: string; searchPath: readonly string[]; fromImage: boolean },
+  ): Promise<void> {
+    if (command.startsWith('/')) {
+      if (!(await isImageExecutable(image.root, command))) {
+        throw new BuildFailedError(`runtime.custom.entrypoint: ${command} is not an executable file in the image`);
+      }
+      this.ctx.log(`Command: ${command} (found in the image)`);
+      return;
+    }
+    if (command.includes('/')) {
+      if (image.fromImage) {
+        this.ctx.log(`Command: ${command} (relative to the image's WORKDIR, not checked)`);
+        return;
+      }
+      const file = await this.resolveFile(command, 'command');
+      this.ctx.log(`Command: ${command} (found in the app folder${(await isExecutable(file)) ? ', executable' : ''})`);
+      return;
+    }
+    const found = await findInImage(image.root, command, image.searchPath);
+    if (!found) {
+      throw new BuildFailedError(
+        `runtime.custom.entrypoint: command "${command}" was not found on the image's PATH (${image.searchPath.join(':')})`,
+      );
+    }
+    this.ctx.log(`Command: ${command} (${found} in the image)`);
+  }
+
   /** An interpreter's script: the first argument that does not start with `-` and looks like a file. */
   private async checkScript(interpreter: string, args: readonly string[]): Promise<void> {
+    if (this.image?.fromImage) return; // the image's own command: its files are the image's
     for (const arg of args) {
       if (INLINE_CODE.has(arg)) {
         this.ctx.log(`Script: not checked (${interpreter} ${arg} runs code that is not a file of the app)`);
@@ -269,6 +350,11 @@ class EntrypointChecker {
    */
   private async resolveFile(name: string, what: 'command' | 'script'): Promise<string> {
     const label = `runtime.custom.entrypoint: ${what} ${name}`;
+    if (path.isAbsolute(name) && this.image) {
+      const file = await resolveInRoot(this.image.root, name);
+      if (!file || !(await isFile(file))) throw new BuildFailedError(`${label} is not a file in the image`);
+      return file;
+    }
     if (path.isAbsolute(name)) {
       const roots = [...SYSTEM_ROOTS, path.dirname(process.execPath)];
       if (!roots.some((root) => name === root || name.startsWith(`${root}/`))) {

@@ -8,7 +8,7 @@
 import net from 'node:net';
 import { fileURLToPath } from 'node:url';
 import type { AppConfig } from '../../apps/app-config.js';
-import { HOST_ROOTFS, type Runtime } from '../runtime.js';
+import { HOST_ROOTFS, imageRootfs, type Runtime } from '../runtime.js';
 import { createCustomBuilder } from './builder.js';
 
 /** The compiled supervisor; copied (read-only) into every custom replica's sandbox. */
@@ -21,21 +21,29 @@ export const customRuntime: Runtime = {
   defaultEntry: 'source',
   available: () => Promise.resolve(true),
   createBuilder: () => createCustomBuilder(),
-  async launchRecipe({ build, entry, sandboxed }) {
+  async launchRecipe({ build, entry, sandboxed, image }) {
     if (!build) throw new Error('a custom replica is started for its app only');
     const custom = build.config.runtime.custom;
     if (!custom) throw new Error(`build ${build.buildId} has no [runtime.custom] section`);
+    // On an image, the build settled the command and port (the image's ENTRYPOINT/CMD and EXPOSE when
+    // ferry.toml names none); the image's program starts in its WORKDIR, ferry.toml's in the app folder.
+    const settled = image?.record.custom;
+    const entrypoint = settled?.entrypoint ?? custom.entrypoint;
+    if (entrypoint === undefined) throw new Error(`build ${build.buildId} has no entrypoint`);
     // In its own network namespace every replica has the configured port to itself; without the sandbox
     // replicas share the host's network, so each gets a free port instead (PORT says which).
-    const port = sandboxed ? custom.port : await freePort();
+    const port = sandboxed ? (settled?.port ?? custom.port) : await freePort();
+    const rootfs = image
+      ? await imageRootfs(image, settled?.fromImage ? image.record.config.workingDir : undefined)
+      : HOST_ROOTFS;
     return {
-      rootfs: HOST_ROOTFS,
+      rootfs,
       program: { host: CUSTOM_SUPERVISOR, sandbox: '/ferry/supervisor.mjs' },
       // The supervisor itself needs little; the memory limit covers the whole sandbox, the user's server too.
-      command: (supervisor) => [process.execPath, '--max-old-space-size=64', supervisor],
+      command: (supervisor) => [...rootfs.node, '--max-old-space-size=64', supervisor],
       env: {},
-      overrides: supervisorEnv(custom, port),
-      // The user's server starts in the app folder as uploaded.
+      overrides: supervisorEnv(custom, entrypoint, port),
+      // The user's server starts in the app folder as uploaded (unless the image's WORKDIR, above).
       cwd: entry,
     };
   },
@@ -45,10 +53,14 @@ export const customRuntime: Runtime = {
 };
 
 /** The variables the supervisor reads (and removes before starting the user's server). */
-function supervisorEnv(custom: NonNullable<AppConfig['runtime']['custom']>, port: number): Record<string, string> {
+function supervisorEnv(
+  custom: NonNullable<AppConfig['runtime']['custom']>,
+  entrypoint: string | string[],
+  port: number,
+): Record<string, string> {
   return {
     PORT: String(port),
-    FERRY_CUSTOM_ENTRYPOINT: JSON.stringify(custom.entrypoint),
+    FERRY_CUSTOM_ENTRYPOINT: JSON.stringify(entrypoint),
     FERRY_CUSTOM_READYCHECK: custom.readycheck_endpoint,
     FERRY_CUSTOM_HEALTHCHECK: custom.healthcheck_endpoint,
     FERRY_CUSTOM_START_TIMEOUT_MS: String(custom.start_timeout * 1000),

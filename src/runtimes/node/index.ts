@@ -4,7 +4,7 @@
  * Ferry's own Node, speaking the frame protocol. Kept warm.
  */
 import { fileURLToPath } from 'node:url';
-import { HOST_ROOTFS, type Runtime } from '../runtime.js';
+import { HOST_ROOTFS, imageRootfs, type Runtime } from '../runtime.js';
 import { createNodeBuilder } from './builder.js';
 
 /** The compiled Node bootstrap; copied (read-only) into every Node replica's sandbox. */
@@ -20,14 +20,16 @@ export const nodeRuntime: Runtime = {
   defaultEntry: 'out/main.mjs',
   available: () => Promise.resolve(true),
   createBuilder: () => createNodeBuilder(),
-  async launchRecipe({ resources }) {
+  async launchRecipe({ resources, image }) {
+    // On an image: Ferry's own Node, bound in with its libraries (sandbox/node-binding.ts).
+    const rootfs = image ? await imageRootfs(image, image.record.config.workingDir) : HOST_ROOTFS;
     return {
-      rootfs: HOST_ROOTFS,
+      rootfs,
       // .mjs: alone in the sandbox, with no package.json beside it, the file must say it is an ES module.
       program: { host: NODE_BOOTSTRAP, sandbox: '/ferry/bootstrap.mjs' },
       // The heap size follows the memory limit, so a warm pool keeps one shape of resources.
       command: (bootstrap) => [
-        process.execPath,
+        ...rootfs.node,
         `--max-old-space-size=${Math.max(16, Math.floor(resources.memory * HEAP_SHARE))}`,
         bootstrap,
       ],

@@ -17,8 +17,9 @@ import {
   noEntryError,
 } from '../../builds/builder.js';
 import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
+import { ImageBuildError } from '../../images/image-steps.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from '../../sandbox/build-step.js';
-import { findPython } from './interpreter.js';
+import { findImagePython, findPython } from './interpreter.js';
 import { requirementsProblem } from './requirements.js';
 
 export const PYTHON_ENTRY = 'main.py';
@@ -231,15 +232,19 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
           `Removed ${removed} compiled Python file${removed === 1 ? '' : 's'} (__pycache__, .pyc) from the upload: replicas run the .py files shipped`,
         );
       }
+      const imagePython = ctx.image ? await checkImagePython(ctx, ctx.image) : undefined;
       const python = options.python ?? (await findPython());
       if (python === null) {
         throw new BuildFailedError('Python apps cannot be built on this server: no python3 interpreter was found');
       }
       const analysis = await analyze(ctx, python, entry);
       const version = analysis.version.join('.');
-      ctx.log(`Python ${version} (${python})`);
+      ctx.log(`Python ${version} (${python})${imagePython ? ": the syntax check; replicas run the image's" : ''}`);
       const [major, minor] = MIN_PYTHON_VERSION;
-      if (analysis.version[0] < major || (analysis.version[0] === major && analysis.version[1] < minor)) {
+      if (
+        !imagePython &&
+        (analysis.version[0] < major || (analysis.version[0] === major && analysis.version[1] < minor))
+      ) {
         throw new BuildFailedError(`Python ${major}.${minor} or newer is needed; this server has ${version}`);
       }
       if (analysis.error) {
@@ -254,6 +259,14 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
       }
       const functions = analysis.functions ?? undefined;
       if (await isFile(path.join(ctx.sourceDir, 'requirements.txt'))) {
+        if (imagePython) {
+          // Installed into the image by its build's steps, with the image's own pip: not connected yet.
+          throw new ImageBuildError(
+            'FERRY_IMAGE_UNSUPPORTED',
+            'requirements.txt',
+            "installing requirements into an image is not built yet: put the packages in the image's base",
+          );
+        }
         await installRequirements(ctx, python);
       }
       throwIfAborted(ctx.signal);
@@ -264,9 +277,35 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
       );
       const result: BuildResult = { runtime: 'python', entry: `${path.basename(ctx.sourceDir)}/${entry}` };
       if (functions !== undefined) result.functions = functions;
+      if (imagePython) result.image = { python: imagePython };
       return result;
     },
   };
+}
+
+/** The image's python3 (FERRY_IMAGE_NO_PYTHON when it has none, or one older than MIN_PYTHON_VERSION). */
+async function checkImagePython(ctx: BuildContext, image: NonNullable<BuildContext['image']>): Promise<string> {
+  const step = 'finding python3 in the image';
+  const found = await findImagePython(image.rootfs, image.record.searchPath);
+  if (!found) {
+    throw new ImageBuildError(
+      'FERRY_IMAGE_NO_PYTHON',
+      step,
+      `the image has no python3 on its PATH (${image.record.searchPath.join(':')}); use a base with Python ${MIN_PYTHON_VERSION.join('.')} or newer`,
+    );
+  }
+  const [major, minor] = MIN_PYTHON_VERSION;
+  if (found.version && (found.version[0] < major || (found.version[0] === major && found.version[1] < minor))) {
+    throw new ImageBuildError(
+      'FERRY_IMAGE_NO_PYTHON',
+      step,
+      `the image's python3 is ${found.version.join('.')}; the bootstrap needs ${major}.${minor} or newer`,
+    );
+  }
+  ctx.log(
+    `Image Python: ${found.path}${found.version ? ` (${found.version.join('.')})` : ' (version not told by its files)'}`,
+  );
+  return found.path;
 }
 
 /**

@@ -5,7 +5,7 @@
  */
 import fsSync from 'node:fs';
 import { fileURLToPath } from 'node:url';
-import { HOST_ROOTFS, type Runtime } from '../runtime.js';
+import { HOST_ROOTFS, imageRootfs, type Runtime } from '../runtime.js';
 import { createPythonBuilder } from './builder.js';
 import { findPython } from './interpreter.js';
 
@@ -27,11 +27,12 @@ export const pythonRuntime: Runtime = {
   // Builds and replicas need the same interpreter; without one, Python apps fail to build anyway.
   available: async () => (await findPython()) !== null,
   createBuilder: () => createPythonBuilder(),
-  async launchRecipe() {
-    // The interpreter builds use, so installed packages match.
-    const python = (await findPython()) ?? 'python3';
+  async launchRecipe({ image }) {
+    // On an image: the image's own python3, found by the build (FERRY_IMAGE_NO_PYTHON when it has none).
+    // Else the interpreter builds use, so installed packages match.
+    const python = image ? (image.record.python ?? 'python3') : ((await findPython()) ?? 'python3');
     return {
-      rootfs: HOST_ROOTFS,
+      rootfs: image ? await imageRootfs(image, image.record.config.workingDir) : HOST_ROOTFS,
       program: { host: PYTHON_BOOTSTRAP, sandbox: '/ferry/bootstrap.py' },
       command: (bootstrap) => [python, '-u', bootstrap],
       // The build folder is read-only in the sandbox; pip compiled the dependencies' bytecode at build time.

@@ -6,6 +6,7 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import { findInImage, resolveInRoot } from '../../images/rootfs-path.js';
 
 /**
  * Interpreters tried in order. The system's come first: a replica's sandbox shows `/usr` but not, say, a
@@ -38,4 +39,33 @@ async function lookUpPython(searchPath: string): Promise<string | null> {
     }
   }
   return null;
+}
+
+/**
+ * The `python3` of an image (`[image]`) and its version, found without running anything of the image:
+ * the command on the image's PATH, its version from the file it links to (`python3 -> python3.12`) or,
+ * failing that, from the standard library folder beside it (`/usr/lib/python3.12/os.py`). Null when the
+ * image has no python3.
+ */
+export async function findImagePython(
+  root: string,
+  searchPath: readonly string[],
+): Promise<{ path: string; version: [number, number] | null } | null> {
+  const found = await findInImage(root, 'python3', searchPath);
+  if (!found) return null;
+  const real = await resolveInRoot(root, found);
+  const named = /^python(\d+)\.(\d+)$/.exec(path.basename(real ?? ''));
+  if (named) return { path: found, version: [Number(named[1]), Number(named[2])] };
+  let best: [number, number] | null = null;
+  for (const lib of ['/usr/local/lib', '/usr/lib']) {
+    const dir = await resolveInRoot(root, lib);
+    const names = dir ? await fs.readdir(dir).catch(() => [] as string[]) : [];
+    for (const name of names) {
+      const match = /^python3\.(\d+)$/.exec(name);
+      if (!match || !(await resolveInRoot(root, `${lib}/${name}/os.py`))) continue;
+      const version: [number, number] = [3, Number(match[1])];
+      if (!best || version[1] > best[1]) best = version;
+    }
+  }
+  return { path: found, version: best };
 }
