@@ -145,6 +145,42 @@ describe('batched run writes', () => {
     assert.equal((await startRuns(t.store, OWNER, [ids[0]!], new Date().toISOString())).size, 0);
   });
 
+  it('the recorder commits a group of inserts and the starts that came meanwhile together, keys resolved', async () => {
+    const recorder = createRunRecorder({ store: t.store, logger, owner: OWNER });
+    const row = (id: string, key?: string) =>
+      newRunRow({ id, build, fn: 'work', mode: 'async', input: '{}', owner: OWNER, idempotencyKey: key });
+    const first = Array.from({ length: 10 }, () => uuidv7());
+    const key = `group-key-${uuidv7()}`;
+    assert.deepEqual(
+      await Promise.all(first.map((id, i) => recorder.insertNow(row(id, i === 0 ? key : undefined)))),
+      first,
+    );
+    // In one turn: the first ten start, ten more arrive (one with the first run's key), and one start is
+    // of a run not this node's queued run any more (cancelled meanwhile).
+    await t.store.updateTable('runs').set({ state: 'cancelled' }).where('id', '=', first[9]!).execute();
+    const second = Array.from({ length: 10 }, () => uuidv7());
+    const [starts, inserts] = await Promise.all([
+      Promise.all(first.map((id) => recorder.startNow(id, OWNER))),
+      Promise.all(second.map((id, i) => recorder.insertNow(row(id, i === 3 ? key : undefined)))),
+    ]);
+    assert.deepEqual(starts, [1, 1, 1, 1, 1, 1, 1, 1, 1, undefined]);
+    assert.deepEqual(
+      inserts,
+      second.map((id, i) => (i === 3 ? first[0] : id)),
+      'the key resolves to the run that holds it',
+    );
+    const states = await t.store
+      .selectFrom('runs')
+      .select(['id', 'state'])
+      .where('id', 'in', [...first, ...second])
+      .execute();
+    const byId = new Map(states.map((r) => [r.id, r.state]));
+    assert.ok(first.slice(0, 9).every((id) => byId.get(id) === 'running'));
+    assert.equal(byId.get(first[9]!), 'cancelled');
+    assert.ok(second.every((id, i) => (i === 3 ? !byId.has(id) : byId.get(id) === 'queued')));
+    await recorder.close();
+  });
+
   it('the recorder writes many ends in one flush, counts the refused ones late and reports the rest finished', async () => {
     let late = 0;
     const finished: string[] = [];

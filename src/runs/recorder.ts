@@ -11,7 +11,7 @@ import type { Logger } from 'pino';
 import { isoTime } from '../ids.js';
 import { startRuns } from '../store/claims.js';
 import { type Store, writesOneAtATime } from '../store/index.js';
-import { insertRunsIgnoring } from '../store/run-inserts.js';
+import { insertRunsAndStart, insertRunsIgnoring } from '../store/run-inserts.js';
 import { type RunUpdate, updateRuns, updateShape } from '../store/run-updates.js';
 import type { Run } from '../store/schema.js';
 import { isFinalState, type OutboxEntry, type RunChanges, type RunEnd } from './lifecycle.js';
@@ -98,8 +98,10 @@ export interface RunRecorder {
   /**
    * Marks a queued async run `owner` holds `running` (one more start, store/claims.ts startRuns) and
    * resolves, once that is committed, with the start's number (its `attempts`, the fence of its later
-   * changes), or undefined when it was not: the run is no longer that node's queued run. The starts of a turn of the event loop are one statement; on SQLite (one writer) they share
-   * the transaction of insertNow's group, so under load the inserts and starts are one commit instead of two.
+   * changes), or undefined when it was not: the run is no longer that node's queued run. Starts share the
+   * commit of insertNow's group: on SQLite (one writer) its transaction, the starts of a turn of the event
+   * loop one statement; on PostgreSQL its one statement, with the starts that came while the group before
+   * it was written. Under load the inserts and starts are one commit instead of two.
    */
   startNow(runId: string, owner: string): Promise<number | undefined>;
   update(runId: string, changes: RunChanges): void;
@@ -239,8 +241,6 @@ export function createRunRecorder(deps: {
    */
   const startedAttempts: Record<string, number> = Object.create(null);
   let durableScheduled = false;
-  /** Starts written by themselves, beside the inserts (PostgreSQL: another connection of the pool). */
-  let startsAlone: typeof starts = [];
   // Per run with log lines: a null-prototype object, not a Map (runs/invoke.ts says why: `cancels`).
   const accounts: Record<string, LogAccount> = Object.create(null);
   /** Runs in `accounts`: while none has lines, a run's end does not look itself up there (issue 15). */
@@ -531,21 +531,23 @@ export function createRunRecorder(deps: {
 
   /**
    * Inserts a group of async runs and marks another group started, in one transaction; a row whose
-   * idempotency key another run holds resolves to that run. On PostgreSQL a group without starts is one
-   * statement (store/run-inserts.ts), committed as it is: no BEGIN and COMMIT around it.
+   * idempotency key another run holds resolves to that run. On PostgreSQL both are one statement
+   * (store/run-inserts.ts insertRunsAndStart; or the one of them there is), committed as it is: one round
+   * trip and one commit for the group, no BEGIN and COMMIT.
    */
   async function insertGroup(group: typeof durable, starting: typeof starts): Promise<void> {
     const resolved = new Map<string, string>();
-    const started = new Map<string, number>();
+    let started = new Map<string, number>();
     const rows = group.map((g) => g.row);
     const inserted = new Set<string>();
+    const owners = new Set(starting.map((s) => s.owner));
+    const startedAt = new Date().toISOString();
     const writeIn = async (trx: Store) => {
       // Starts first: they never concern the rows inserted here (a run is started only once its insert
       // resolved), and a node's starts are a single statement.
-      const owners = new Set(starting.map((s) => s.owner));
       for (const by of owners) {
         const ids = starting.filter((s) => s.owner === by).map((s) => s.id);
-        for (const [id, attempt] of await startRuns(trx, by, ids, new Date().toISOString())) started.set(id, attempt);
+        for (const [id, attempt] of await startRuns(trx, by, ids, startedAt)) started.set(id, attempt);
       }
       const chunk = pgStore ? Math.max(1, rows.length) : INSERT_CHUNK;
       for (let i = 0; i < rows.length; i += chunk) {
@@ -554,8 +556,13 @@ export function createRunRecorder(deps: {
         for (const id of ids) inserted.add(id);
       }
     };
-    const alone = pgStore && starting.length === 0;
-    await (alone ? writeIn(store) : store.transaction().execute(writeIn));
+    const [by] = owners;
+    if (pgStore && owners.size <= 1 && (rows.length === 0 || by === undefined)) await writeIn(store);
+    else if (pgStore && by !== undefined && owners.size === 1) {
+      const done = await insertRunsAndStart(store, rows, { owner: by, runIds: starting.map((s) => s.id), startedAt });
+      for (const id of done.ids) inserted.add(id);
+      started = done.started;
+    } else await store.transaction().execute(writeIn);
     for (const row of rows) {
       if (inserted.has(row.id)) {
         resolved.set(row.id, row.id);
@@ -589,7 +596,8 @@ export function createRunRecorder(deps: {
    * On SQLite a group is what arrived in one turn of the event loop (its write blocks the loop anyway). On
    * PostgreSQL a group is everything that arrived while the one before it was being written (group commit:
    * the busier the server, the larger the groups, at one round trip each), so one group at a time is in
-   * flight.
+   * flight. The starts ride along in both (startNow): every commit waits for a WAL flush, and on a busy
+   * disk PostgreSQL's flushes are what a 202 waits for, so each commit fewer shortens the others' wait.
    */
   let durableWriting: Promise<void> = Promise.resolve();
   /** PostgreSQL: a group is being written (the next one is taken when it ends). */
@@ -598,12 +606,15 @@ export function createRunRecorder(deps: {
   function flushDurable(): void {
     durableScheduled = false;
     if (pgStore) {
-      if (durableBusy || durable.length === 0) return;
+      if (durableBusy || (durable.length === 0 && starts.length === 0)) return;
       const group = durable;
+      const starting = starts;
       durable = [];
+      starts = [];
       durableBusy = true;
-      durableWriting = insertGroup(group, [])
+      durableWriting = insertGroup(group, starting)
         .catch((err: unknown) => {
+          for (const s of starting) s.reject(err);
           for (const g of group) g.reject(err);
         })
         .finally(() => {
@@ -621,43 +632,6 @@ export function createRunRecorder(deps: {
       .catch((err: unknown) => {
         for (const s of starting) s.reject(err);
         for (const g of group) g.reject(err);
-      });
-  }
-
-  /**
-   * PostgreSQL: starts go in statements of their own, beside the inserts (another connection of the pool),
-   * one statement at a time: the starts that arrive while one is written are the next one, all of one
-   * owner (a node's worker has one; another owner's wait for a statement of their own).
-   */
-  let startsBusy = false;
-
-  function flushStartsAlone(): void {
-    if (startsBusy) return;
-    const batch = startsAlone;
-    startsAlone = [];
-    const by = batch[0]?.owner;
-    if (by === undefined) return;
-    const mine = batch.filter((s) => s.owner === by);
-    const others = batch.filter((s) => s.owner !== by);
-    if (others.length > 0) startsAlone = others;
-    startsBusy = true;
-    startRuns(
-      store,
-      by,
-      mine.map((s) => s.id),
-      new Date().toISOString(),
-    )
-      .then(
-        (started) => {
-          for (const s of mine) s.resolve(markStarted(s.id, started.get(s.id)));
-        },
-        (err: unknown) => {
-          for (const s of mine) s.reject(err);
-        },
-      )
-      .finally(() => {
-        startsBusy = false;
-        if (startsAlone.length > 0) flushStartsAlone();
       });
   }
 
@@ -740,13 +714,8 @@ export function createRunRecorder(deps: {
     },
     startNow(runId, by) {
       return new Promise<number | undefined>((resolve, reject) => {
-        if (writesOneAtATime(store)) {
-          starts.push({ id: runId, owner: by, resolve, reject });
-          scheduleDurable();
-          return;
-        }
-        if (startsAlone.length === 0) setImmediate(flushStartsAlone);
-        startsAlone.push({ id: runId, owner: by, resolve, reject });
+        starts.push({ id: runId, owner: by, resolve, reject });
+        scheduleDurable();
       });
     },
     finish(end) {

@@ -146,15 +146,56 @@ async function insertShape(
   };
 }
 
+/** Starts to make in the statement of `insertRunsAndStart` (store/claims.ts startRuns says what a start is). */
+export interface RunStarts {
+  owner: string;
+  runIds: readonly string[];
+  startedAt: string;
+}
+
+/**
+ * PostgreSQL: inserts `rows` (ignoring rows already there, as insertRunsIgnoring with `returning`) and
+ * starts `starts` (as store/claims.ts startRuns: this owner's queued runs, one more attempt each) in ONE
+ * statement, so both are one commit and one round trip: the group commit of async runs on PostgreSQL
+ * (runs/recorder.ts), as SQLite puts both in one transaction. The starts never concern the rows inserted
+ * here (a run is started only once its insert was committed), so the two parts cannot see each other's
+ * rows and need not.
+ */
+export async function insertRunsAndStart(
+  db: Kysely<Database>,
+  rows: readonly Run[],
+  starts: RunStarts,
+): Promise<{ ids: string[]; started: Map<string, number> }> {
+  if (dialectOf(db) !== 'postgres') throw new Error('insertRunsAndStart is for PostgreSQL');
+  if (combinedText === '') {
+    const n = COLUMNS.length;
+    combinedText =
+      `with "started" as (update "runs" set "state" = 'running', "started_at" = $${n + 3}, "attempts" = "attempts" + 1` +
+      ` where "id" = any($${n + 2}::text[]) and "owner" = $${n + 1} and "state" = 'queued' returning "id", "attempts"),` +
+      ` "inserted" as (${unnestText(true)})` +
+      ` select "id", "attempts" from "started" union all select "id", null from "inserted"`;
+  }
+  const params: unknown[] = columnArrays(rows);
+  params.push(starts.owner, [...starts.runIds], starts.startedAt);
+  const result = await db.executeQuery<{ id: string; attempts: number | null }>(
+    CompiledQuery.raw(combinedText, params),
+  );
+  const ids: string[] = [];
+  const started = new Map<string, number>();
+  for (const r of result.rows) {
+    if (r.attempts === null) ids.push(r.id);
+    else started.set(r.id, Number(r.attempts));
+  }
+  return { ids, started };
+}
+
+let combinedText = '';
+
 /** The PostgreSQL statement texts, with and without `returning id`. */
 const unnestTexts: Record<'r' | '', string> = { r: '', '': '' };
 
-/** PostgreSQL: every row in one `INSERT … SELECT * FROM unnest(<one array per column>)`. */
-async function insertUnnest(
-  db: Kysely<Database>,
-  rows: readonly Run[],
-  returning: boolean,
-): Promise<{ inserted: number; ids: string[] }> {
+/** The text of the PostgreSQL INSERT of any number of rows (its parameters: columnArrays). */
+function unnestText(returning: boolean): string {
   const key = returning ? 'r' : '';
   let text = unnestTexts[key];
   if (text === '') {
@@ -163,6 +204,11 @@ async function insertUnnest(
     text = `insert into "runs" (${columns}) select * from unnest(${arrays}) on conflict do nothing${returning ? ' returning "id"' : ''}`;
     unnestTexts[key] = text;
   }
+  return text;
+}
+
+/** One array of values per column, in COLUMNS' order. */
+function columnArrays(rows: readonly Run[]): unknown[][] {
   const params = new Array<unknown[]>(COLUMNS.length);
   for (let c = 0; c < COLUMNS.length; c++) {
     const column = COLUMNS[c]!;
@@ -170,6 +216,17 @@ async function insertUnnest(
     for (let r = 0; r < rows.length; r++) values[r] = rows[r]![column] ?? null;
     params[c] = values;
   }
+  return params;
+}
+
+/** PostgreSQL: every row in one `INSERT … SELECT * FROM unnest(<one array per column>)`. */
+async function insertUnnest(
+  db: Kysely<Database>,
+  rows: readonly Run[],
+  returning: boolean,
+): Promise<{ inserted: number; ids: string[] }> {
+  const text = unnestText(returning);
+  const params = columnArrays(rows);
   const result = await db.executeQuery<{ id: string }>(CompiledQuery.raw(text, params));
   return {
     inserted: returning ? result.rows.length : Number(result.numAffectedRows ?? 0n),
