@@ -20,12 +20,11 @@
  * benches time latency after their load phases, on warm processes; this does the same.
  */
 import crypto from 'node:crypto';
-import { jetstreamManager } from '@nats-io/jetstream';
-import { connect } from '@nats-io/transport-node';
 import { Client, Pool } from 'undici';
 import {
   bootstrapProject,
   createDatabase,
+  deleteClusterStreams,
   deployApp,
   envInt,
   fmt,
@@ -63,20 +62,6 @@ const SLEEPY = {
   'ferry.toml': `[app]\nname = "sleepy"\n[scaling]\nmax_replicas = 10\nreplica_concurrency = ${SLOTS_PER_WORKER}\ncooldown = 600\n`,
   'main.ts': 'export async function run() { await new Promise((r) => setTimeout(r, 50)); return { slept: 50 }; }\n',
 };
-
-async function deleteStreams(cluster) {
-  const nc = await connect({ servers: NATS_URL, timeout: 5_000 });
-  try {
-    const jsm = await jetstreamManager(nc);
-    for await (const name of jsm.streams.names()) {
-      if (name.startsWith(cluster) || name.startsWith(`KV_${cluster}`) || name.startsWith(`OBJ_${cluster}`)) {
-        await jsm.streams.delete(name);
-      }
-    }
-  } finally {
-    await nc.close();
-  }
-}
 
 /** Runs of the `sleepy` app created since `since`, per node that ran them, as `a/b/c`. */
 async function runsPerNode(databaseUrl, since) {
@@ -161,7 +146,7 @@ async function main() {
   console.log(machineReport());
   const databaseUrl = await createDatabase(ADMIN_URL, 'ferry_bench_cluster_');
   const cluster = `bench_${crypto.randomBytes(4).toString('hex')}`;
-  onCleanup(() => deleteStreams(cluster));
+  onCleanup(() => deleteClusterStreams(NATS_URL, cluster));
   const keysDir = await tempDir('ferry-bench-cluster-keys-');
   const common = {
     FERRY_DATABASE_URL: databaseUrl,

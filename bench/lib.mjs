@@ -1,9 +1,11 @@
 /**
- * Shared helpers of the benches (bench/run-sync.mjs, cold-start.mjs, async.mjs, stream.mjs, webhooks.mjs):
- * a real `ferry serve` child process on a temp data dir, bootstrap and deploy through the CLI and the HTTP
- * API, cleanup that also runs on Ctrl-C and errors, nginx (installed with apt-get when missing), metrics
- * from GET /metrics, a throwaway PostgreSQL database, and small statistics and table helpers. Plain ESM on
- * node:* built-ins plus yazl, undici and pg (dependencies of Ferry itself).
+ * Shared helpers of the benches (bench/run-sync.mjs, cold-start.mjs, async.mjs, stream.mjs, webhooks.mjs,
+ * cluster.mjs, images.mjs): a real `ferry serve` child process on a temp data dir, bootstrap and deploy
+ * through the CLI and the HTTP API, cleanup that also runs on Ctrl-C and errors, nginx (installed with
+ * apt-get when missing), metrics from GET /metrics, a throwaway PostgreSQL database and NATS cluster
+ * streams, offline base images and a loopback registry (umoci, skopeo, docker-registry), and small
+ * statistics and table helpers. Plain ESM on node:* built-ins plus yazl, undici, pg and the NATS client
+ * (dependencies of Ferry itself).
  */
 import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import crypto from 'node:crypto';
@@ -777,4 +779,180 @@ export function onlyReplicaSocket(dataDir, ferry) {
     throw new Error(`expected one replica socket (under ${dataDir}/run or in a sandbox), found ${sockets.length}`);
   console.log(`replica socket: ${sockets[0].startsWith(dataDir) ? path.relative(dataDir, sockets[0]) : sockets[0]}`);
   return sockets[0];
+}
+
+// ---------------------------------------------------------------------------------------------------
+// NATS
+
+/** Deletes every JetStream stream of the cluster `cluster` (its queues, KV buckets and object stores). */
+export async function deleteClusterStreams(natsUrl, cluster) {
+  const { jetstreamManager } = await import('@nats-io/jetstream');
+  const { connect } = await import('@nats-io/transport-node');
+  const nc = await connect({ servers: natsUrl, timeout: 5_000 });
+  try {
+    const jsm = await jetstreamManager(nc);
+    for await (const name of jsm.streams.names()) {
+      if (name.startsWith(cluster) || name.startsWith(`KV_${cluster}`) || name.startsWith(`OBJ_${cluster}`)) {
+        await jsm.streams.delete(name);
+      }
+    }
+  } finally {
+    await nc.close();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Images (issue 26), offline: base images made from the machine's own bits with umoci, served by Debian's
+// docker-registry on loopback (the same approach as test/helpers/registry.ts, in plain ESM).
+
+const IMAGE_TOOLS = {
+  '/usr/bin/umoci': 'umoci',
+  '/usr/bin/skopeo': 'skopeo',
+  '/usr/bin/docker-registry': 'docker-registry',
+  '/bin/busybox': 'busybox-static',
+};
+
+/** Exits naming the Debian packages when a tool the image benches use is missing. */
+export function requireImageTools() {
+  const missing = Object.entries(IMAGE_TOOLS)
+    .filter(([file]) => !fs.existsSync(file))
+    .map(([, pkg]) => pkg);
+  if (missing.length > 0) {
+    console.error(`this bench needs ${missing.join(', ')}: bash scripts/setup-system.sh installs them`);
+    process.exit(1);
+  }
+}
+
+async function mustRun(file, args, options = {}) {
+  const res = await runCommand(file, args, { timeoutMs: 300_000, ...options });
+  if (res.code !== 0) throw new Error(`${path.basename(file)} ${args[0]} failed (${res.code}): ${res.stderr}`);
+  return res;
+}
+
+/**
+ * Writes an OCI layout with one image under `dir`: busybox-static's binary as /bin/busybox (and /bin/sh),
+ * `files` (path → text) and host folders `copy` ({ from, to }, links followed) on top, in one layer; its
+ * config has `env`, WorkingDir `/` and Cmd /bin/sh. Returns `{ layout, source }` (`oci:<layout>:<tag>`)
+ * and what the root holds (`files`, `bytes`).
+ */
+export async function makeBaseImage(dir, { files = {}, copy = [], env = ['PATH=/bin'], tag = 'base' } = {}) {
+  const layout = path.join(dir, 'oci');
+  const bundle = path.join(dir, `bundle-${tag}`);
+  const image = `${layout}:${tag}`;
+  if (!fs.existsSync(path.join(layout, 'index.json'))) await mustRun('/usr/bin/umoci', ['init', '--layout', layout]);
+  await mustRun('/usr/bin/umoci', ['new', '--image', image]);
+  await mustRun('/usr/bin/umoci', ['unpack', '--rootless', '--image', image, bundle]);
+  const rootfs = path.join(bundle, 'rootfs');
+  await fsp.mkdir(path.join(rootfs, 'bin'), { recursive: true });
+  await fsp.copyFile('/bin/busybox', path.join(rootfs, 'bin', 'busybox'));
+  await fsp.chmod(path.join(rootfs, 'bin', 'busybox'), 0o755);
+  await fsp.symlink('busybox', path.join(rootfs, 'bin', 'sh'));
+  for (const [file, content] of Object.entries(files)) {
+    const target = path.join(rootfs, file);
+    await fsp.mkdir(path.dirname(target), { recursive: true });
+    await fsp.writeFile(target, content);
+  }
+  for (const { from, to } of copy) {
+    const target = path.join(rootfs, to);
+    await fsp.mkdir(path.dirname(target), { recursive: true });
+    await fsp.cp(from, target, { recursive: true, dereference: true });
+  }
+  let count = 0;
+  let bytes = 0;
+  for (const entry of await fsp.readdir(rootfs, { recursive: true, withFileTypes: true })) {
+    if (!entry.isFile()) continue;
+    count++;
+    bytes += (await fsp.stat(path.join(entry.parentPath, entry.name))).size;
+  }
+  await mustRun('/usr/bin/umoci', ['repack', '--image', image, bundle]);
+  const repeat = (flag, values) => values.flatMap((value) => [flag, value]);
+  await mustRun('/usr/bin/umoci', [
+    'config',
+    '--image',
+    image,
+    '--config.cmd',
+    '/bin/sh',
+    ...repeat('--config.env', env),
+    '--config.workingdir',
+    '/',
+  ]);
+  await fsp.rm(bundle, { recursive: true, force: true });
+  return { layout, tag, source: `oci:${layout}:${tag}`, files: count, bytes };
+}
+
+/**
+ * Starts Debian's docker-registry on 127.0.0.1:`port` (a free one when not given), storage in a temp
+ * folder; stopped by the cleanup. It answers with a header carrying a random token, so a registry that lost
+ * its port to another process fails here instead of talking to a stranger. `push(image, name)` copies an
+ * OCI layout into it with skopeo and returns the manifest digest.
+ */
+export async function startRegistry(port) {
+  const dir = await tempDir('ferry-bench-registry-');
+  const storage = path.join(dir, 'data');
+  await fsp.mkdir(storage);
+  const listen = port ?? (await freePort());
+  const token = crypto.randomBytes(8).toString('hex');
+  const config = [
+    'version: 0.1',
+    'log:',
+    '  level: error',
+    '  accesslog:',
+    '    disabled: true',
+    'storage:',
+    '  filesystem:',
+    `    rootdirectory: ${storage}`,
+    'http:',
+    `  addr: 127.0.0.1:${listen}`,
+    '  headers:',
+    `    X-Ferry-Bench-Registry: [${token}]`,
+    '',
+  ].join('\n');
+  await fsp.writeFile(path.join(dir, 'config.yml'), config);
+  const child = spawn('/usr/bin/docker-registry', ['serve', path.join(dir, 'config.yml')], {
+    stdio: ['ignore', 'ignore', 'pipe'],
+    detached: true,
+  });
+  ownedPids.set(child.pid, undefined);
+  let stderr = '';
+  child.stderr.on('data', (d) => {
+    stderr = (stderr + d).slice(-4000);
+  });
+  onCleanup(async () => {
+    await stopChild(child, 'SIGTERM', 5_000);
+    ownedPids.delete(child.pid);
+  });
+  const host = `127.0.0.1:${listen}`;
+  await waitFor(
+    async () => {
+      if (child.exitCode !== null) throw new Error(`docker-registry exited at start: ${stderr}`);
+      const res = await request(`http://${host}/v2/`).catch(() => undefined);
+      if (!res) return false;
+      await res.body.dump();
+      if (res.headers['x-ferry-bench-registry'] !== token)
+        throw new Error(`another server answers on ${host}: the registry lost its port`);
+      return true;
+    },
+    { ms: 20_000, everyMs: 100, what: 'the registry to listen' },
+  );
+  return {
+    host,
+    async push(image, name) {
+      const digestFile = path.join(dir, `digest-${crypto.randomBytes(4).toString('hex')}`);
+      await mustRun(
+        '/usr/bin/skopeo',
+        [
+          '--insecure-policy',
+          'copy',
+          '--quiet',
+          '--dest-tls-verify=false',
+          '--digestfile',
+          digestFile,
+          image.source,
+          `docker://${host}/${name}`,
+        ],
+        { env: { ...process.env, HOME: dir } },
+      );
+      return (await fsp.readFile(digestFile, 'utf8')).trim();
+    },
+  };
 }

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Ferry uses, when they are missing and we are root with apt-get.
 #   --runtime   only what `ferry serve` uses (bubblewrap, the replica sandbox; e2fsprogs and acl, volumes;
+#               xfsprogs and btrfs-progs, volumes in directories with XFS project quotas or btrfs qgroups;
 #               iproute2 and nftables, the sandboxes' own networks; slirp4netns, their egress when Ferry
 #               is not root; umoci, which turns an image build step's changes into a layer, rootless); run
 #               by `npm install`
 #   Also, as root: records the sandboxes' uid range in /etc/subuid and /etc/subgid (ferry-sandbox).
 #   (default)   also what the tests use (Chromium for the dashboard's browser tests; for the image tests,
 #               Debian's docker-registry served on loopback, skopeo to push to it, apache2-utils' htpasswd
-#               for its password file, busybox-static for the base images they make); run by .ci/run
+#               for its password file, busybox-static for the base images they make, dpkg-dev's
+#               dpkg-scanpackages for the apt repository the apt test serves); run by .ci/run
 # Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
 # without these (`ferry doctor` says what is missing), and tests that need one say so.
 set -uo pipefail
@@ -33,6 +35,10 @@ has slirp4netns || need+=(slirp4netns)
 has mkfs.ext4 || need+=(e2fsprogs)
 has setfacl || need+=(acl)
 has flock || need+=(util-linux)
+# Volumes in directories with the filesystem's own quota (FERRY_VOLUMES_BACKEND=quota-dir, src/volumes/quotas.ts):
+# xfs_quota sets XFS project quotas (xfsprogs); btrfs makes subvolumes and limits their qgroups (btrfs-progs).
+has xfs_quota || need+=(xfsprogs)
+has btrfs || need+=(btrfs-progs)
 has umoci || need+=(umoci)
 if [ "${1:-}" != "--runtime" ]; then
   [ -x /usr/bin/chromium ] || need+=(chromium)
@@ -40,6 +46,7 @@ if [ "${1:-}" != "--runtime" ]; then
   has docker-registry || need+=(docker-registry)
   has htpasswd || need+=(apache2-utils)
   dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
+  has dpkg-scanpackages || need+=(dpkg-dev)
 fi
 if [ ${#need[@]} -eq 0 ]; then
   echo "system packages: all present"

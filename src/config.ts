@@ -253,6 +253,12 @@ export interface ServerConfig {
    * cluster, one shared filesystem mounted at the same path on every node (docs/scaling-out.md).
    */
   volumesDir: string;
+  /**
+   * `FERRY_VOLUMES_BACKEND`: what bounds a volume. `image` (default): an ext4 image on a loop device, one
+   * machine at a time. `quota-dir`: a folder bounded by its filesystem's own quota (btrfs simple quotas, XFS
+   * project quotas), shared by every node that mounts the filesystem (src/volumes/quota-dirs.ts).
+   */
+  volumesBackend: VolumesBackendKind;
   /** `FERRY_VOLUME_MAX_MIB`: the largest `size_mib` a project may ask for. */
   volumeMaxMiB: number;
   /** `FERRY_VOLUMES_TOTAL_MIB`: the sizes of all volumes (every project) together. */
@@ -326,6 +332,15 @@ export const DEFAULTS = {
   leaseSeconds: 10,
   warmPool: 1,
 } as const;
+
+export type VolumesBackendKind = 'image' | 'quota-dir';
+
+function checkVolumesBackend(value: string): VolumesBackendKind {
+  if (value !== 'image' && value !== 'quota-dir') {
+    throw new Error(`FERRY_VOLUMES_BACKEND must be image or quota-dir, not "${value}"`);
+  }
+  return value;
+}
 
 function intFrom(value: string | undefined, name: string, min: number, max: number): number | undefined {
   if (value === undefined || value === '') return undefined;
@@ -484,6 +499,7 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
       intFrom(env.FERRY_PROJECT_LOG_BYTES, 'FERRY_PROJECT_LOG_BYTES', 0, 1024 ** 5) ?? DEFAULTS.projectLogBytes,
     egress: resolveEgress(flags, env),
     volumesDir: path.resolve(env.FERRY_VOLUMES_DIR || path.join(dataDir, 'volumes')),
+    volumesBackend: checkVolumesBackend(env.FERRY_VOLUMES_BACKEND || 'image'),
     volumeMaxMiB:
       intFrom(env.FERRY_VOLUME_MAX_MIB, 'FERRY_VOLUME_MAX_MIB', 16, 64 * 1024 * 1024) ?? DEFAULTS.volumeMaxMiB,
     volumesTotalMiB:

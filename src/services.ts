@@ -253,6 +253,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     buildsDir: dataDir.builds,
     buildsInUse: () => replicas.buildsInUse(),
     cancelBuild: (projectId, appId, buildId) => pipeline.cancel(projectId, appId, buildId),
+    async imageGone(digest) {
+      await storage.imageShelf.remove([digest], []);
+      await executor?.images?.cache.remove(digest);
+      logger.info({ digest }, 'image of deleted builds removed from the image shelf');
+    },
     logger: logger.child({ component: 'housekeeping' }),
     onRemoved({ builds = 0, runs = 0, bytes = 0 }) {
       if (builds > 0) metrics.buildsDeleted.inc({ reason: 'deleted' }, builds);
@@ -265,7 +270,24 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       .released(buildId)
       .then((bytes) => bytes > 0 && metrics.bytesFreed.inc({ reason: 'deleted' }, bytes))
       .catch((err: unknown) => logger.warn({ err }, 'removing a deleted build’s folder failed'));
-  events.on('replicas:drained', ({ buildId }) => releaseBuild(buildId));
+  // This node's unpacked images that no build uses any more (their builds deleted here or elsewhere) go;
+  // one in use by a replica stays until the next look after it stops.
+  const sweepImages = () =>
+    void executor?.images
+      ?.sweep(async (digests) => {
+        const rows = await store
+          .selectFrom('builds')
+          .select('image_digest')
+          .where('image_digest', 'in', digests)
+          .execute();
+        return new Set(rows.map((r) => r.image_digest).filter((d): d is string => d !== null));
+      })
+      .then((n) => n > 0 && logger.info({ images: n }, 'removed unpacked images no build uses'))
+      .catch((err: unknown) => logger.warn({ err }, 'removing unpacked images no build uses failed'));
+  events.on('replicas:drained', ({ buildId }) => {
+    releaseBuild(buildId);
+    sweepImages();
+  });
   const sweepLocal = () =>
     void housekeeping
       .sweepLocal()
@@ -285,8 +307,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       sweepLocal();
     },
     stopApp: (projectId, appId, reason) => replicas.stop(projectId, appId, reason),
-    // Its copy here goes now, or when the last replica running it stops (onDrained).
-    buildDeleted: (buildId) => releaseBuild(buildId),
+    // Its copy here goes now, or when the last replica running it stops (onDrained); so does its image.
+    buildDeleted(buildId) {
+      releaseBuild(buildId);
+      sweepImages();
+    },
     ...(executor
       ? {
           claimBuilds: () =>

@@ -2,7 +2,9 @@
  * Volumes in a cluster (issue 27, point 4): a gateway and two workers on one machine sharing one
  * FERRY_VOLUMES_DIR (what an NFS or CephFS mount at the same path gives several machines). A file written
  * by a replica on one worker is read by a replica on the other; `ferry doctor` finds every live node's
- * marker in the shared folder, and warns when pointed at a folder that is not the shared one.
+ * marker in the shared folder, and warns when pointed at a folder that is not the shared one. With
+ * FERRY_VOLUMES_BACKEND=quota-dir (folders on btrfs with simple quotas), replicas on both workers use one
+ * volume at the same time, which an image (one machine's at a time) cannot give several machines.
  */
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
@@ -10,6 +12,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { startCluster, type TestCluster } from './helpers/cluster.js';
 import { http, runCli, tempDir, waitFor } from './helpers/ferry.js';
+import { makeQuotaFs, type QuotaFs } from './helpers/quota-fs.js';
 
 const APP = {
   'ferry.toml':
@@ -107,5 +110,109 @@ describe('volumes in a cluster', () => {
     const elsewhere = await tempDir('ferry-not-shared-');
     const bad = await runCli(['doctor'], { ...env, FERRY_VOLUMES_DIR: elsewhere });
     assert.match(bad.stdout, /is not the folder node\(s\) .+ use: their markers are not in it/);
+  });
+});
+
+/** An app of `name` writing and reading under /data; one replica, kept (min_replicas) on the worker it starts on. */
+function sharedApp(name: string): Record<string, string> {
+  return {
+    'ferry.toml': `[app]\nname = "${name}"\n\n[scaling]\nmin_replicas = 1\nmax_replicas = 1\n\n[[volumes]]\nname = "data"\nmount = "/data"\n`,
+    'main.mjs': `
+import fs from 'node:fs';
+export function write({ file, text }) { fs.writeFileSync(file, text); return { ok: true }; }
+export function read({ file }) { return { text: fs.readFileSync(file, 'utf8') }; }
+export function fill({ file, mib }) {
+  const chunk = Buffer.alloc(1024 * 1024, 1);
+  const fd = fs.openSync(file, 'w');
+  let written = 0;
+  try {
+    for (let i = 0; i < mib; i++) { fs.writeSync(fd, chunk); written++; }
+    fs.fsyncSync(fd);
+    return { ok: true, written };
+  } catch (err) { return { ok: false, code: err.errno === -122 ? 'EDQUOT' : err.code, written }; }
+  finally { fs.closeSync(fd); }
+}
+`,
+  };
+}
+
+describe('quota-dir volumes in a cluster: replicas on two workers at once', () => {
+  let cluster: TestCluster;
+  let qfs: QuotaFs;
+
+  before(async () => {
+    const made = await makeQuotaFs('btrfs');
+    assert.ok(typeof made !== 'string', String(made));
+    qfs = made;
+    // One replica per worker: the second app cannot start on the worker running the first one's.
+    cluster = await startCluster({
+      gateways: 1,
+      workers: 2,
+      env: { FERRY_VOLUMES_DIR: qfs.volumesDir, FERRY_VOLUMES_BACKEND: 'quota-dir', FERRY_WORKER_MAX_REPLICAS: '1' },
+    });
+  });
+
+  after(async () => {
+    await cluster?.close();
+    await qfs?.close();
+  });
+
+  /** The worker URL running replicas of each app, from the cluster view. */
+  async function homes(): Promise<Map<string, string>> {
+    const res = await http(`${cluster.gateways[0]!.url}/v2/cluster`, { token: cluster.auth.token });
+    const out = new Map<string, string>();
+    for (const node of res.json?.nodes ?? []) {
+      for (const a of (node.apps ?? []) as Array<{ app_id: string }>) out.set(a.app_id, node.url);
+    }
+    return out;
+  }
+
+  it('a file written by a replica on one worker is read by a replica on the other while both run', async () => {
+    const gateway = cluster.gateways[0]!;
+    const { projectId, token } = cluster.auth;
+    const created = await http(`${gateway.url}/v2/projects/${projectId}/volumes`, {
+      method: 'POST',
+      token,
+      body: { name: 'data', size_mib: 32 },
+    });
+    assert.equal(created.status, 201, created.text);
+    const call = (app: string, fn: string, body: unknown) =>
+      http(`${gateway.url}/v4/${projectId}/${app}/${fn}`, { method: 'POST', token, body });
+    await cluster.deploy('left', sharedApp('left'));
+    await waitFor(async () => (await homes()).has('left'), 60_000, 'the replica of left');
+    await cluster.deploy('right', sharedApp('right'));
+    // Its home may be the worker that is full: a call starts its replica on the worker with room.
+    const started = await call('right', 'write', { file: '/data/right-started.txt', text: 'x' });
+    assert.equal(started.status, 200, started.text);
+    const placed = await waitFor(
+      async () => {
+        const h = await homes();
+        return h.has('left') && h.has('right') ? h : undefined;
+      },
+      60_000,
+      'a replica of each app',
+    );
+    assert.notEqual(placed.get('left'), placed.get('right'), 'the two apps run on different workers');
+    const wrote = await call('left', 'write', { file: '/data/from-left.txt', text: 'written on the first worker' });
+    assert.equal(wrote.status, 200, wrote.text);
+    const read = await call('right', 'read', { file: '/data/from-left.txt' });
+    assert.equal(read.status, 200, read.text);
+    assert.equal(read.json.result.text, 'written on the first worker');
+    const back = await call('right', 'write', { file: '/data/from-right.txt', text: 'and back' });
+    assert.equal(back.status, 200, back.text);
+    const readBack = await call('left', 'read', { file: '/data/from-right.txt' });
+    assert.equal(readBack.json.result.text, 'and back');
+    // Both replicas ran all along, each on its own worker.
+    const still = await homes();
+    assert.equal(still.get('left'), placed.get('left'));
+    assert.equal(still.get('right'), placed.get('right'));
+    // One bound for both workers' replicas together.
+    const first = await call('left', 'fill', { file: '/data/one.bin', mib: 20 });
+    assert.deepEqual(first.json.result, { ok: true, written: 20 });
+    const second = await call('right', 'fill', { file: '/data/two.bin', mib: 20 });
+    assert.equal(second.json.result.ok, false, JSON.stringify(second.json.result));
+    assert.equal(second.json.result.code, 'EDQUOT');
+    const viaApi = await http(`${gateway.url}/v2/projects/${projectId}/volumes/data`, { token });
+    assert.ok(viaApi.json.used_bytes > 19 * 1024 * 1024, viaApi.text);
   });
 });

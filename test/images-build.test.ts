@@ -3,8 +3,8 @@
  * as /bin/busybox, test/helpers/registry.ts), `[image]` `run`/`env` steps and Dockerfiles built on it in
  * Ferry's real bwrap sandbox, with the layers read back from the built OCI layout.
  *
- * Covered: a `run` step's file ends up in a layer of its own (owned as the step made it); `env` is in the
- * config and seen by the steps; a failing step is FERRY_IMAGE_STEP_FAILED naming the step, its command,
+ * Covered: a `run` step's file ends up in a layer of its own (owned as the step made it), an empty file
+ * and a removed one (a whiteout) too; `env` is in the config and seen by the steps; a failing step is FERRY_IMAGE_STEP_FAILED naming the step, its command,
  * exit code and output tail, and no host path; the build time limit; a second build runs nothing (each
  * step `cached`) while another project's build runs everything; a Dockerfile with COPY/ENV/WORKDIR/CMD/
  * EXPOSE/USER; the `apt` step's command. Attacks (each fails when its defence is switched off):
@@ -194,6 +194,19 @@ describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOU
     assert.equal(manifest.layers[0]!.digest, baseManifest.layers[0]!.digest);
   });
 
+  it('an empty file and a removed file: an empty entry and a whiteout in their layers', {
+    timeout: TIMEOUT,
+  }, async () => {
+    const { promise } = await build({ run: ['touch /empty.txt && echo bye > /gone.txt', 'rm /gone.txt'] });
+    const built = await promise;
+    const { manifest } = await imageOf(built.layoutDir, built.digest);
+    const made = await readLayer(built.layoutDir, manifest.layers[1]!.digest);
+    assert.equal(made.get('empty.txt')?.type, 'file');
+    assert.equal(made.get('empty.txt')?.content, '');
+    const removed = await readLayer(built.layoutDir, manifest.layers[2]!.digest);
+    assert.equal(removed.get('.wh.gone.txt')?.content, '', `a whiteout: ${[...removed.keys()].join(', ')}`);
+  });
+
   it('a failing run step is FERRY_IMAGE_STEP_FAILED naming the step, command, exit code and output, no host path', {
     timeout: TIMEOUT,
   }, async () => {
@@ -254,11 +267,11 @@ describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOU
     assert.ok(Date.now() - started < 60_000, 'the sleeping step was killed, not waited for');
   });
 
-  it('apt becomes one step: apt-get update and install, no recommends, lists removed', () => {
+  it('apt becomes one step: apt-get update and install, no recommends, downloads and lists removed', () => {
     assert.deepEqual(aptCommand(['ffmpeg', 'libgl1']), [
       '/bin/sh',
       '-c',
-      'apt-get update && apt-get install -y --no-install-recommends ffmpeg libgl1 && rm -rf /var/lib/apt/lists/*',
+      'apt-get update && apt-get install -y --no-install-recommends ffmpeg libgl1 && apt-get clean && rm -rf /var/lib/apt/lists/*',
     ]);
   });
 

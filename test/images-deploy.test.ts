@@ -19,6 +19,7 @@
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import fs from 'node:fs/promises';
+import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
@@ -71,6 +72,20 @@ async function sharedLibraries(files: string[]): Promise<string[]> {
     for (const match of stdout.matchAll(/(?:=>\s+)?(\/\S+)\s+\(0x/g)) libs.add(match[1]!);
   }
   return [...libs];
+}
+
+/** The views of the image `hex` that servers keep for their replicas (`ferry-view-*` folders). */
+async function imageViews(hex: string): Promise<string[]> {
+  const found: string[] = [];
+  for (const root of new Set([os.tmpdir(), '/tmp'])) {
+    for (const name of await fs.readdir(root).catch(() => [] as string[])) {
+      if (!name.startsWith('ferry-view-')) continue;
+      for (const view of await fs.readdir(path.join(root, name)).catch(() => [] as string[])) {
+        if (view.startsWith(`image-${hex.slice(0, 12)}-`)) found.push(path.join(root, name, view));
+      }
+    }
+  }
+  return found;
 }
 
 function fields(text: string): Record<string, string> {
@@ -322,6 +337,9 @@ def run():
     assert.match(log2, /step 1\/2: .*: cached/);
     assert.match(log2, /step 2\/2: .*: cached/);
     assert.match(log2, /\(0 steps ran, 2 cached\)/);
+    // The base's tag is resolved at the registry again, but its layers are not fetched: the node has them.
+    assert.match(log2, /layer 1\/1 sha256:\S+ already on this node/);
+    assert.doesNotMatch(log2, /pulling layer/);
     const res2 = await waitFor(
       async () => {
         const r = await call();
@@ -336,6 +354,37 @@ def run():
     const images = list.json.builds.map((b: { image: { digest: string } }) => b.image.digest);
     assert.equal(images.length, 2);
     assert.equal(images[0], images[1]);
+  });
+
+  it('removes the image of deleted builds from the node and the image shelf once no build uses it', async () => {
+    const list = await http(api('/apps/img-steps/builds'), { token: auth.token });
+    const built = list.json.builds[0].image.digest as string;
+    const hex = built.slice('sha256:'.length);
+    const unpacked = path.join(server.dataDir, 'images', 'unpacked', hex);
+    const shelved = path.join(server.services.config.artifactsDir, 'images', 'blobs', 'sha256', hex);
+    await fs.stat(unpacked);
+    await fs.stat(shelved);
+    // The base stays: other apps' builds use it.
+    const baseShelved = path.join(server.services.config.artifactsDir, 'images', 'blobs', 'sha256', digest.slice(7));
+    await fs.stat(baseShelved);
+    // The replicas that ran it have a view of it, kept between replicas (made again at no cold start).
+    assert.ok((await imageViews(hex)).length > 0, 'a view of the image is kept');
+    const deleted = await http(api('/apps/img-steps'), { method: 'DELETE', token: auth.token });
+    assert.equal(deleted.status, 200, deleted.text);
+    await assert.rejects(fs.stat(shelved), { code: 'ENOENT' });
+    // The replica that ran it stops first (after its runs), then the unpacked copy goes.
+    await waitFor(
+      async () =>
+        !(await fs.stat(unpacked).then(
+          () => true,
+          () => false,
+        )),
+      60_000,
+      'the unpacked image removed',
+    );
+    // Its view went with it: no hard link keeps the removed image's files on disk.
+    assert.deepEqual(await imageViews(hex), []);
+    await fs.stat(baseShelved);
   });
 
   it("runs a custom app built from its Dockerfile, with the image's CMD and EXPOSE", async () => {

@@ -7,7 +7,8 @@
  * a loopback registry not listed in FERRY_INSECURE_REGISTRIES is refused by the address guard before
  * anything is sent, by address and by a name resolving to loopback; a registry's Bearer token flow works
  * (anonymous and with credentials), while a token realm or a blob redirect aimed at an internal address or
- * at plain HTTP is refused (SSRF through the registry's answers); the image store pulls once per digest.
+ * at plain HTTP is refused (SSRF through the registry's answers); the image store pulls once per digest
+ * (a tag it has the digest of costs the manifest and config, no layer).
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
@@ -102,6 +103,24 @@ describe('images: pulls from a registry on loopback', () => {
       },
     );
     assert.equal(byDigest.digest, pushed);
+    assert.equal(pulled.layersSkipped, false);
+
+    // A caller that has the image already (the node's cache): the tag is resolved and the manifest and
+    // config checked as always, and no layer is fetched.
+    const knownLayout = path.join(work, 'pull-known');
+    const lines: string[] = [];
+    const known = await pullImage(parseImageReference(`${open.host}/test/base:1`), knownLayout, 'k', {
+      access: registryAccess(open.host, ''),
+      maxBytes: 64 * MiB,
+      known: (digest) => digest === pushed,
+      onProgress: (line) => lines.push(line),
+    });
+    assert.equal(known.digest, pushed);
+    assert.equal(known.layersSkipped, true);
+    assert.deepEqual(parseImageConfig(known.config).cmd, ['/bin/sh']);
+    assert.match(lines.join('\n'), /layer 1\/1 sha256:\S+ already on this node/);
+    assert.doesNotMatch(lines.join('\n'), /pulling layer/);
+    await assert.rejects(fs.stat(blobPath(knownLayout, known.manifest.layers[0]!.digest)), { code: 'ENOENT' });
   });
 
   it('refuses a blob whose bytes do not match its digest, and keeps nothing of it', async () => {
@@ -384,6 +403,14 @@ describe('images: pulls from a registry on loopback', () => {
       'hello from the image\n',
     );
     assert.equal(store.cache.usage().images[0]?.pins, 1);
+
+    // The tag again: resolved at the registry, and its digest is in the cache, so no layer is fetched.
+    const lines: string[] = [];
+    const byTag = await store.acquire(`${own.host}/test/store:1`, { onProgress: (line) => lines.push(line) });
+    assert.equal(byTag.image.rootfs, first.image.rootfs);
+    assert.match(lines.join('\n'), /already on this node/);
+    assert.doesNotMatch(lines.join('\n'), /pulling layer/);
+    byTag.release();
 
     await own.stop(); // the registry is gone: a pinned digest is served from the cache
     const again = await store.acquire(`${own.host}/test/store@${pushed}`);

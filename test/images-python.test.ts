@@ -114,12 +114,13 @@ with zipfile.ZipFile(sys.argv[1], "w") as z:
 }
 
 /**
- * A stand-in for apt-get in the test's image (no Debian mirror is reachable): `update` succeeds, `install`
+ * A stand-in for apt-get in the test's image (no Debian mirror is reachable): `update` and `clean` succeed, `install`
  * knows one package, `file`, which it installs as a script answering like file(1).
  */
 const STAND_IN_APT_GET = `#!/bin/sh
 case "$1" in
   update) echo "stand-in apt-get: update (DEBIAN_FRONTEND=$DEBIAN_FRONTEND)"; exit 0 ;;
+  clean) exit 0 ;;
   install) shift ;;
   *) echo "stand-in apt-get: $1 is not known" >&2; exit 100 ;;
 esac

@@ -3,6 +3,7 @@
  * every blob verified (issue 26, point 4), on both shelves: the JetStream object store of a real NATS
  * (127.0.0.1:4222, a bucket of this test's own) and a shared folder. A blob changed on the shelf is refused
  * (FERRY_IMAGE_DIGEST_MISMATCH) and not kept; a removed image goes with the blobs no kept image needs.
+ * A fetch counts what it did (blobs, bytes, hashing time), for the image store's log line.
  */
 import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
@@ -116,11 +117,18 @@ describe('the image shelf', () => {
         await shelf.put(layout, digest); // idempotent
         assert.equal(await shelf.has(digest), true);
         const target = path.join(dir, `fetched-${randomBytes(3).toString('hex')}`);
-        assert.equal(await shelf.fetch(digest, target, { tag: 'image', maxBytes: MAX }), true);
+        const stats = { blobs: 0, bytes: 0, hashMs: 0 };
+        assert.equal(await shelf.fetch(digest, target, { tag: 'image', maxBytes: MAX, stats }), true);
         assert.equal((await readIndexEntry(target, 'image')).digest, digest);
+        let bytes = (await fs.stat(blobPath(layout, digest))).size;
         for (const blob of await fileBlobs(layout, digest)) {
           assert.deepEqual(await fs.readFile(blobPath(target, blob)), await fs.readFile(blobPath(layout, blob)));
+          bytes += (await fs.stat(blobPath(layout, blob))).size;
         }
+        // What the image store logs when it fetches from the shelf: every blob, the manifest among them.
+        assert.equal(stats.blobs, (await fileBlobs(layout, digest)).length + 1);
+        assert.equal(stats.bytes, bytes);
+        assert.ok(stats.hashMs >= 0 && Number.isFinite(stats.hashMs));
         const unknown = `sha256:${'0'.repeat(64)}`;
         assert.equal(await shelf.fetch(unknown, path.join(dir, 'none'), { tag: 'image', maxBytes: MAX }), false);
       });

@@ -69,6 +69,9 @@ describe('waiting for a run to end', { timeout: 180_000 }, () => {
     const again = await http(`${runs()}/${done}?wait=60`, { token: auth.token });
     assert.equal(again.json.state, 'success');
     assert.ok(Date.now() - t < 30_000);
+    // The 30 s run is not needed any more: cancelled, so closing the server does not wait for it.
+    const cancelled = await http(`${runs()}/${runId}/cancel`, { method: 'POST', token: auth.token });
+    assert.ok([200, 202].includes(cancelled.status), cancelled.text);
   });
 
   it('refuses a wait that is not 0 to 60 seconds', async () => {

@@ -60,6 +60,8 @@ export interface HousekeepingDeps {
   /** Cancels a build being made (the pipeline). */
   cancelBuild(projectId: string, appId: string, buildId: string): Promise<unknown>;
   logger: Logger;
+  /** No build uses the image `digest` any more: it leaves the image shelf and this node's cache. */
+  imageGone?: (digest: string) => Promise<void>;
   /** Told what each delete through the API removed (metrics; retention's passes answer theirs). */
   onRemoved?: (what: { builds?: number; runs?: number; bytes?: number }) => void;
 }
@@ -99,11 +101,26 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
   const kept = new Set<string>();
 
   /**
+   * The image of a deleted build goes with it once no other build (of any app: images are shared by digest)
+   * uses it: from the image shelf and this node's cache (`imageGone`); other nodes drop their copies at
+   * the `build.deleted` change (services.ts).
+   */
+  async function imageOf(digest: string): Promise<void> {
+    try {
+      const still = await store.selectFrom('builds').select('id').where('image_digest', '=', digest).executeTakeFirst();
+      if (!still) await deps.imageGone?.(digest);
+    } catch (err) {
+      logger.warn({ err, digest }, 'removing a deleted build’s image failed');
+    }
+  }
+
+  /**
    * Deletes a build's archive and build output (the published copy, and this process's unless a replica
    * here still runs the build: then once it stops).
    */
-  async function removeFiles(build: Pick<Build, 'id' | 'archive_bytes'>): Promise<number> {
+  async function removeFiles(build: Pick<Build, 'id' | 'archive_bytes' | 'image_digest'>): Promise<number> {
     let bytes = 0;
+    if (build.image_digest) await imageOf(build.image_digest);
     try {
       const keepLocal = deps.buildsInUse().has(build.id);
       if (keepLocal) {
@@ -148,7 +165,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       const result = await store.transaction().execute(async (trx) => {
         const builds = await trx
           .selectFrom('builds')
-          .select(['id', 'archive_bytes'])
+          .select(['id', 'archive_bytes', 'image_digest'])
           .where('project_id', '=', projectId)
           .where('app_id', '=', appId)
           .execute();
@@ -222,7 +239,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       const app = await findApp(store, projectId, appId);
       const build = await store
         .selectFrom('builds')
-        .select(['id', 'state', 'archive_bytes'])
+        .select(['id', 'state', 'archive_bytes', 'image_digest'])
         .where('project_id', '=', projectId)
         .where('app_id', '=', appId)
         .where('id', '=', buildId)
@@ -358,12 +375,12 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
           .orderBy('id', 'desc')
           .limit(keepBuilds)
           .execute();
-        const byId = new Map<string, { id: string; archive_bytes: number }>();
+        const byId = new Map<string, { id: string; archive_bytes: number; image_digest: string | null }>();
         if (ready.length >= keepBuilds) {
           const oldestKept = ready.at(-1)!.id;
           const older = await store
             .selectFrom('builds')
-            .select(['id', 'archive_bytes'])
+            .select(['id', 'archive_bytes', 'image_digest'])
             .where('project_id', '=', app.project_id)
             .where('app_id', '=', app.id)
             .where('id', '<', oldestKept)
@@ -387,7 +404,7 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
         if (unready.length >= keepBuilds) {
           const failedOlder = await store
             .selectFrom('builds')
-            .select(['id', 'archive_bytes'])
+            .select(['id', 'archive_bytes', 'image_digest'])
             .where('project_id', '=', app.project_id)
             .where('app_id', '=', app.id)
             .where('id', '<', unready.at(-1)!.id)

@@ -13,6 +13,7 @@ import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
 import { probeVolumeSupport } from '../volumes/images.js';
 import { localVolumes, nodesWithoutMarker } from '../volumes/markers.js';
+import { localQuotaDirs, probeQuotaDirSupport } from '../volumes/quota-dirs.js';
 import { clusterLines, readCluster } from './cluster.js';
 
 export interface DoctorOptions {
@@ -78,17 +79,16 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
     row(
       'Volumes',
       volumes.available
-        ? `available: ext4 images on loop devices in ${volumes.dir} (writes past a volume's size fail with ENOSPC)`
-        : `NOT AVAILABLE (volumes are refused, never unbounded): ${volumes.reasons.join('; ')}`,
+        ? `available: ${volumes.mechanism} in ${volumes.dir}`
+        : `NOT AVAILABLE (FERRY_VOLUMES_BACKEND=${volumes.backend}; volumes are refused, never unbounded): ${volumes.reasons.join('; ')}`,
     ),
   );
   for (const v of volumes.volumes) {
-    lines.push(
-      row(
-        '',
-        `${v.project_id}/${v.name}: ${formatMiB(v.allocated_bytes)} used of ${formatMiB(v.size_bytes)}${v.mounted_here ? ', mounted here' : ''}`,
-      ),
-    );
+    const use =
+      v.allocated_bytes === null || v.size_bytes === null
+        ? 'use unknown (its quota cannot be read)'
+        : `${formatMiB(v.allocated_bytes)} used of ${formatMiB(v.size_bytes)}`;
+    lines.push(row('', `${v.project_id}/${v.name}: ${use}${v.mounted_here ? ', mounted here' : ''}`));
   }
   const warnings = sandboxWarnings(caps);
   if (network.warning) warnings.push(network.warning);
@@ -247,13 +247,41 @@ function commandVersion(command: string, args: string[]): Promise<string | null>
 
 /** Volumes on this node: the mechanism, the images in FERRY_VOLUMES_DIR, and whether every live node shares it. */
 async function volumesReport(caps: SandboxCapabilities, liveNodes: string[] | undefined) {
-  const dir = resolveServerConfig({}, process.env).volumesDir;
+  const { volumesDir: dir, volumesBackend: backend } = resolveServerConfig({}, process.env);
+  if (backend === 'quota-dir') {
+    const support = await probeQuotaDirSupport(dir, caps.bwrap !== null, false);
+    const volumes = (await localQuotaDirs(dir, support.quota)).map((v) => ({
+      project_id: v.project_id,
+      name: v.name,
+      size_bytes: v.size_bytes,
+      allocated_bytes: v.used_bytes,
+      mounted_here: false,
+    }));
+    return {
+      available: support.available,
+      reasons: support.reasons,
+      backend,
+      mechanism: support.quota?.description ?? null,
+      dir,
+      volumes,
+      not_shared_with: liveNodes ? await nodesWithoutMarker(dir, liveNodes) : [],
+    };
+  }
   const support = await probeVolumeSupport(caps.bwrap !== null);
+  const volumes: Array<{
+    project_id: string;
+    name: string;
+    size_bytes: number | null;
+    allocated_bytes: number | null;
+    mounted_here: boolean;
+  }> = await localVolumes(dir);
   return {
     available: support.available,
     reasons: support.reasons,
+    backend,
+    mechanism: "ext4 images on loop devices (writes past a volume's size fail with ENOSPC)",
     dir,
-    volumes: await localVolumes(dir),
+    volumes,
     /** Live nodes (as the server lists them) whose marker is missing here; [] when none or unknown. */
     not_shared_with: liveNodes ? await nodesWithoutMarker(dir, liveNodes) : [],
   };

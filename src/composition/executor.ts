@@ -97,9 +97,14 @@ export async function createExecutor(
   const ensureLocal = (buildId: string) => storage.buildOutput.ensureLocal(buildId);
   const secrets = (projectId: string) => secretEnvironment(store, secretsKey, projectId);
   const images = sandbox.bwrap
-    ? await createImageStore({ dir: imagesDir(dataDir.root), settings: config.images, shelf: storage.imageShelf })
+    ? await createImageStore({
+        dir: imagesDir(dataDir.root),
+        settings: config.images,
+        shelf: storage.imageShelf,
+        logger: logger.child({ component: 'images' }),
+      })
     : undefined;
-  core.onClose(() => images?.cache.close());
+  core.onClose(() => images?.close());
   const launch = createLauncher({
     images,
     volumes: parts.volumes,

@@ -22,6 +22,10 @@ export function errorHandler(err: unknown, request: FastifyRequest, reply: Fasti
   const runId = request.runId || undefined;
   const answered = answer(err, { runId, request });
   logError(request.log, answered.error, err, runId);
+  // Refused before its body was read (an upload past a volume's size, a body too large): the rest of the
+  // body would come on a connection no request can follow, and the connection would hold the server's
+  // close until the keep-alive timeout (72 s). Closed once the answer is sent.
+  if (!request.raw.complete) reply.header('connection', 'close');
   replyWithAnswer(reply, answered);
 }
 

@@ -571,9 +571,17 @@ function implicitPlanStep(step: ImplicitStep, last: BuildState, finalEnv: Record
   };
 }
 
+/**
+ * `apt` as one step. `apt-get clean` drops the downloaded .debs and apt's package caches from the layer
+ * (Debian's own images do it with a hook, /etc/apt/apt.conf.d/docker-clean; other images have none), and
+ * the package lists go too: the next build's step fetches fresh ones. `apt-get update` keeps apt's own
+ * rule (a source that cannot be fetched is a warning, as in a Dockerfile), so the step fails at the
+ * install, whose output tail (in the error) names both. apt drops to `_apt` for downloads when the image
+ * has that user (inside the build's user namespace); without it apt warns and fetches as root.
+ */
 function aptStep(packages: string[], state: BuildState): PlanStep {
   const list = packages.join(' ');
-  const command = `apt-get update && apt-get install -y --no-install-recommends ${list} && rm -rf /var/lib/apt/lists/*`;
+  const command = `apt-get update && apt-get install -y --no-install-recommends ${list} && apt-get clean && rm -rf /var/lib/apt/lists/*`;
   return {
     kind: 'run',
     label: `apt-get install ${list}`,

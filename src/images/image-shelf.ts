@@ -26,6 +26,7 @@ import { type ObjectStore, Objm, StorageType } from '@nats-io/obj';
 import type { NatsConnection } from '@nats-io/transport-node';
 import { FerryError } from '../errors.js';
 import {
+  type BlobWriteStats,
   blobPath,
   type Descriptor,
   hasBlob,
@@ -45,9 +46,14 @@ export interface ImageShelf {
   put(layout: string, digest: string): Promise<void>;
   /**
    * Fetches the image `digest` into `layout` (created when missing), each blob verified as it arrives, and
-   * tags it `tag` in the layout's index. Resolves false when the shelf has no such image.
+   * tags it `tag` in the layout's index. Resolves false when the shelf has no such image. `stats`, when
+   * given, gets the blobs fetched, their bytes and the time spent hashing them added to it.
    */
-  fetch(digest: string, layout: string, options: { tag: string; maxBytes: number }): Promise<boolean>;
+  fetch(
+    digest: string,
+    layout: string,
+    options: { tag: string; maxBytes: number; stats?: ShelfFetchStats },
+  ): Promise<boolean>;
   /** Whether the shelf has the image's manifest (and so, once `put` ended, every blob of it). */
   has(digest: string): Promise<boolean>;
   /**
@@ -55,6 +61,11 @@ export interface ImageShelf {
    * still in use) needs.
    */
   remove(digests: string[], keep: string[]): Promise<void>;
+}
+
+/** What one `fetch` did: blobs fetched (the manifest among them), their bytes, and their hashing time. */
+export interface ShelfFetchStats extends BlobWriteStats {
+  blobs: number;
 }
 
 /** Where a blob lives in either shelf (the same path as in an OCI layout). */
@@ -117,12 +128,13 @@ function shelfOver(store: BlobStore): ImageShelf {
       if (!(await store.exists(blobName(digest)))) await store.put(blobName(digest), blobPath(layout, digest));
     },
 
-    async fetch(digest, layout, { tag, maxBytes }) {
+    async fetch(digest, layout, { tag, maxBytes, stats }) {
       const manifestBytes = await readManifest(digest);
       if (!manifestBytes) return false;
       await initLayout(layout);
       // The manifest is what was asked for only if it hashes to the digest: writeBlob checks.
-      await writeBlob(layout, { digest, size: manifestBytes.length }, [manifestBytes], MAX_JSON_BLOB_BYTES);
+      await writeBlob(layout, { digest, size: manifestBytes.length }, [manifestBytes], MAX_JSON_BLOB_BYTES, stats);
+      if (stats) stats.blobs += 1;
       let total = 0;
       for (const blob of await manifestBlobs(manifestBytes)) {
         total += blob.size;
@@ -136,7 +148,8 @@ function shelfOver(store: BlobStore): ImageShelf {
             `the image ${digest} on the image shelf lacks its blob ${blob.digest}`,
           );
         }
-        await writeBlob(layout, blob, found.body, maxBytes);
+        await writeBlob(layout, blob, found.body, maxBytes, stats);
+        if (stats) stats.blobs += 1;
       }
       await writeIndex(layout, manifestDescriptor(digest, manifestBytes), tag);
       return true;

@@ -5,17 +5,18 @@
  * call.
  *
  * The cache is keyed by the manifest digest, so a reference pinned by digest that the cache already has
- * needs no registry at all; a tag is always resolved at the registry first (a tag moves), and only the
- * blobs are skipped when the digest is known.
+ * needs no registry at all; a tag is always resolved at the registry first (a tag moves), and when the
+ * cache has the digest it resolves to, no layer is fetched again.
  */
 import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import path from 'node:path';
+import type { Logger } from 'pino';
 import type { ImageSettings } from '../config.js';
 import { FerryError } from '../errors.js';
 import { type CachedImage, createImageCache, type ImageCache } from './image-cache.js';
 import { type ImageRunConfig, parseImageConfig } from './image-config.js';
-import type { ImageShelf } from './image-shelf.js';
+import type { ImageShelf, ShelfFetchStats } from './image-shelf.js';
 import { openBlob, parseManifest, readJsonBlob } from './oci-layout.js';
 import { pullImage } from './pull.js';
 import { formatImageReference, parseImageReference } from './reference.js';
@@ -63,6 +64,13 @@ export interface ImageStore {
   shelf: ImageShelf | undefined;
   /** A scratch folder for a build's output layout (removed at start; `adopt` moves it away). */
   scratch(): Promise<string>;
+  /**
+   * Registers what must let go of an image's files before the cache removes them (the replicas' views);
+   * also told of every image at `close`.
+   */
+  onDiscard(listener: (digest: string) => Promise<void>): void;
+  /** At shutdown (after the replicas): what holds images lets go, and the cache's use stamps are written. */
+  close(): Promise<void>;
 }
 
 const NOT_CACHED = new Error('not cached');
@@ -90,9 +98,18 @@ export async function createImageStore(options: {
   dir: string;
   settings: ImageSettings;
   shelf?: ImageShelf;
+  /** Says, at info level, how long each image fetched from the shelf took, and where the time went. */
+  logger?: Pick<Logger, 'info'>;
 }): Promise<ImageStore> {
-  const { dir, settings, shelf } = options;
-  const cache = await createImageCache({ dir: path.join(dir, 'unpacked'), maxBytes: settings.cacheBytes });
+  const { dir, settings, shelf, logger } = options;
+  const discardListeners: Array<(digest: string) => Promise<void>> = [];
+  const cache = await createImageCache({
+    dir: path.join(dir, 'unpacked'),
+    maxBytes: settings.cacheBytes,
+    async onDiscard(digest) {
+      for (const listener of discardListeners) await listener(digest);
+    },
+  });
   const pulls = path.join(dir, 'pulls');
   await fs.rm(pulls, { recursive: true, force: true }); // scratch layouts of pulls a crash interrupted
   await fs.mkdir(pulls, { recursive: true, mode: 0o700 });
@@ -141,12 +158,36 @@ export async function createImageStore(options: {
     return folder;
   }
 
+  /**
+   * The image from the shelf, unpacked and pinned; undefined when the shelf lacks it. Logs one line with
+   * the three parts of its time: the fetch (each blob streamed into a scratch layout, hashed on the way:
+   * `fetchMs` includes `verifyMs`, the hashing), and the unpacking into the cache (`unpackMs`).
+   */
   async function fromShelf(digest: string, reference: string): Promise<PinnedImage | undefined> {
     if (!shelf) return undefined;
     const layout = await scratch();
     try {
-      if (!(await shelf.fetch(digest, layout, { tag: LAYOUT_TAG, maxBytes: settings.cacheBytes }))) return undefined;
-      return await unpackLayout(layout, digest, reference);
+      const started = performance.now();
+      const stats: ShelfFetchStats = { blobs: 0, bytes: 0, hashMs: 0 };
+      if (!(await shelf.fetch(digest, layout, { tag: LAYOUT_TAG, maxBytes: settings.cacheBytes, stats })))
+        return undefined;
+      const fetched = performance.now();
+      const pinned = await unpackLayout(layout, digest, reference);
+      const unpacked = performance.now();
+      logger?.info(
+        {
+          digest,
+          blobs: stats.blobs,
+          bytes: stats.bytes,
+          fetchMs: Math.round(fetched - started),
+          verifyMs: Math.round(stats.hashMs),
+          unpackMs: Math.round(unpacked - fetched),
+          cacheBytes: pinned.image.bytes,
+          ms: Math.round(unpacked - started),
+        },
+        'fetched the image from the image shelf',
+      );
+      return pinned;
     } finally {
       await fs.rm(layout, { recursive: true, force: true });
     }
@@ -156,6 +197,15 @@ export async function createImageStore(options: {
     cache,
     shelf,
     scratch,
+    onDiscard(listener) {
+      discardListeners.push(listener);
+    },
+    async close() {
+      for (const { digest } of cache.usage().images) {
+        for (const listener of discardListeners) await listener(digest).catch(() => undefined);
+      }
+      await cache.close();
+    },
     async acquire(reference, opts = {}) {
       const ref = parseImageReference(reference);
       const formatted = formatImageReference(ref);
@@ -163,22 +213,28 @@ export async function createImageStore(options: {
         const found = (await fromCache(ref.digest, formatted)) ?? (await fromShelf(ref.digest, formatted));
         if (found) return found;
       }
-      const layout = await scratch();
-      try {
-        const pulled = await pullImage(ref, layout, LAYOUT_TAG, {
-          access,
-          authFile: settings.authFile,
-          maxBytes: settings.cacheBytes,
-          ...(opts.signal ? { signal: opts.signal } : {}),
-          ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
-        });
-        // A tag resolved to a digest the cache has: its blobs were fetched again, but nothing is unpacked.
-        const cached = await fromCache(pulled.digest, formatted);
-        if (cached) return cached;
-        return await unpackLayout(layout, pulled.digest, formatted);
-      } finally {
-        await fs.rm(layout, { recursive: true, force: true });
+      // A tag resolved to a digest the cache has: no layer is fetched, nothing is unpacked. Evicted between
+      // the look and the pin, the image is pulled again, whole.
+      for (const skipKnown of [true, false]) {
+        const layout = await scratch();
+        try {
+          const pulled = await pullImage(ref, layout, LAYOUT_TAG, {
+            access,
+            authFile: settings.authFile,
+            maxBytes: settings.cacheBytes,
+            ...(opts.signal ? { signal: opts.signal } : {}),
+            ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
+            ...(skipKnown ? { known: (digest: string) => cache.peek(digest) !== undefined } : {}),
+          });
+          const cached = await fromCache(pulled.digest, formatted);
+          if (cached) return cached;
+          if (pulled.layersSkipped) continue;
+          return await unpackLayout(layout, pulled.digest, formatted);
+        } finally {
+          await fs.rm(layout, { recursive: true, force: true });
+        }
       }
+      throw new Error('unreachable: the second pull fetches every layer');
     },
 
     async acquireBuilt(digest, reference) {

@@ -95,8 +95,8 @@ export class LayerWriter {
     if (entry.type !== 'file' || body === undefined || (entry.size ?? 0) === 0) {
       await new Promise<void>((resolve, reject) => {
         const done = (err?: Error | null) => (err ? reject(err) : resolve());
-        // A file entry given no buffer waits for its body to be written: an empty one gets an empty buffer
-        // (else the entry, and the whole layer, never ends: an empty file or a whiteout hung the build).
+        // A file entry without a buffer waits for its body to be written and ended, even at size 0
+        // (tar-stream 3): an empty file or a whiteout gets an empty buffer, or it would never complete.
         if (entry.type === 'file') this.pack.entry(header, Buffer.alloc(0), done);
         else this.pack.entry(header, done);
       });

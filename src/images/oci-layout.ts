@@ -103,14 +103,25 @@ export async function hasBlob(layout: string, digest: string): Promise<boolean> 
 }
 
 /**
+ * What `writeBlob` adds up when given: bytes written, and the time spent hashing them (the verification,
+ * done as the bytes stream through, so it is part of the write's own time).
+ */
+export interface BlobWriteStats {
+  bytes: number;
+  hashMs: number;
+}
+
+/**
  * Streams `body` into the layout as the blob `expected`: refused with FERRY_IMAGE_DIGEST_MISMATCH when the
  * bytes' SHA-256 or count differ, FERRY_IMAGE_TOO_LARGE past `maxBytes`. Nothing is left behind on failure.
+ * `stats`, when given, gets the bytes and the hashing time added to it.
  */
 export async function writeBlob(
   layout: string,
   expected: { digest: string; size: number },
   body: Readable | AsyncIterable<Uint8Array> | Iterable<Uint8Array>,
   maxBytes: number,
+  stats?: BlobWriteStats,
 ): Promise<void> {
   const final = blobPath(layout, expected.digest);
   const temp = `${final}.${randomBytes(6).toString('hex')}.part`;
@@ -134,7 +145,12 @@ export async function writeBlob(
               `blob ${expected.digest} is longer than its descriptor's ${expected.size} bytes`,
             );
           }
-          hash.update(chunk);
+          if (stats) {
+            const t0 = performance.now();
+            hash.update(chunk);
+            stats.hashMs += performance.now() - t0;
+            stats.bytes += chunk.length;
+          } else hash.update(chunk);
           yield chunk;
         }
       },

@@ -49,6 +49,11 @@ export interface PullOptions {
   connectTimeoutMs?: number;
   /** Progress lines for the build log (`pulling layer 2/5 sha256:… 31.2 MiB`). */
   onProgress?: (line: string) => void;
+  /**
+   * Whether the caller has the image of this manifest digest already (the node's image cache): then the
+   * manifest and config are fetched and checked as always, and no layer is (`layersSkipped`).
+   */
+  known?: (digest: string) => boolean;
 }
 
 export interface PulledImage {
@@ -59,6 +64,8 @@ export interface PulledImage {
   config: Buffer;
   /** Compressed bytes of config and layers. */
   bytes: number;
+  /** The layers were not fetched (`known` said the caller has the image): the layout lacks them. */
+  layersSkipped: boolean;
 }
 
 const MANIFEST_ACCEPT = [MEDIA.ociManifest, MEDIA.ociIndex, MEDIA.dockerManifest, MEDIA.dockerList].join(', ');
@@ -165,8 +172,13 @@ async function pullWith(
       `the image is ${mib(total)} compressed, over the bound of ${mib(options.maxBytes)}`,
     );
   }
+  const layersSkipped = options.known?.(digest) === true;
   const blobs = [manifest.config, ...manifest.layers];
   for (const [i, blob] of blobs.entries()) {
+    if (i > 0 && layersSkipped) {
+      options.onProgress?.(`layer ${i}/${manifest.layers.length} ${short(blob.digest)} already on this node`);
+      continue;
+    }
     if (await hasBlob(layout, blob.digest)) {
       if (i > 0) options.onProgress?.(`layer ${i}/${manifest.layers.length} ${short(blob.digest)} already here`);
       continue;
@@ -194,7 +206,7 @@ async function pullWith(
   }
   await writeIndex(layout, manifestDescriptor, tag);
   const config = await readJsonBlob(layout, manifest.config.digest);
-  return { digest, manifest, config, bytes: total };
+  return { digest, manifest, config, bytes: total, layersSkipped };
 }
 
 function isIndex(mediaType: string, body: Buffer): boolean {

@@ -400,6 +400,18 @@ const migrations: Record<string, Migration> = {
       }
     },
   },
+  '0015_volume_backends': {
+    async up(db: Kysely<unknown>) {
+      // Which backend made each volume (FERRY_VOLUMES_BACKEND; null: `image`, every volume made before this),
+      // so a server with the other backend refuses it by name rather than looking for what is not there; and
+      // the quota id a `quota-dir` volume's folder is bounded by (its XFS project id, its btrfs qgroup 1/<id>),
+      // chosen like the gid and unique over all volumes.
+      await db.schema.alterTable('volumes').addColumn('backend', 'text').execute();
+      await db.schema.alterTable('volumes').addColumn('quota_id', 'bigint').execute();
+      await db.schema.createIndex('volumes_quota_id').on('volumes').column('quota_id').unique().execute();
+      if (isPostgres(db)) await sql`alter table volumes alter column backend type text collate "C"`.execute(db);
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

@@ -219,11 +219,15 @@ export interface VolumesTable {
   project_id: string;
   /** Same rule as app names. */
   name: string;
-  /** The size of its filesystem image, MiB: writes past it fail with ENOSPC. */
+  /** Its size, MiB: writes past it fail inside the function (ENOSPC or EDQUOT). */
   size_mib: number;
   /** The host group owning the volume's files; replicas mounting it get it as a supplementary group. */
   gid: number;
   created_at: string;
+  /** The backend that made it (migration 0015): null for `image`, or `quota-dir`. */
+  backend: Optional<string>;
+  /** A `quota-dir` volume's quota id (XFS project id, btrfs qgroup 1/<id>); null for an image. */
+  quota_id: Optional<number>;
 }
 
 export interface Database {

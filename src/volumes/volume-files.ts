@@ -21,10 +21,12 @@
 import { randomBytes } from 'node:crypto';
 import fsSync, { constants } from 'node:fs';
 import fs from 'node:fs/promises';
+import os from 'node:os';
 import type { Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { FerryError } from '../errors.js';
 
+const { EDQUOT } = os.constants.errno;
 const { O_RDONLY, O_WRONLY, O_CREAT, O_EXCL, O_DIRECTORY, O_NOFOLLOW, O_NONBLOCK, O_NOCTTY } = constants;
 
 /** Switches for the attack tests only: each one off reproduces the hole it closes. Never set in Ferry. */
@@ -193,7 +195,7 @@ export async function openFileForRead(
 
 /**
  * Writes `body` to `parts` (folders made as needed): to a temporary file first, renamed over the target
- * once complete. ENOSPC (the volume's size) is FERRY_VOLUME_FULL, and the partial file is removed.
+ * once complete. ENOSPC or EDQUOT (the volume's size) is FERRY_VOLUME_FULL, and the partial file is removed.
  */
 export async function writeFile(rootFd: number, parts: string[], body: Readable): Promise<{ bytes: number }> {
   if (parts.length === 0)
@@ -221,7 +223,8 @@ export async function writeFile(rootFd: number, parts: string[], body: Readable)
     } catch (err) {
       await handle.close().catch(() => {});
       if (VOLUME_DEFENCES.renameUploads) await fs.unlink(at(dir.fd, temp)).catch(() => {});
-      if (code(err) === 'ENOSPC' || code(err) === 'EDQUOT') {
+      // EDQUOT: a folder's quota (quota-dirs.ts); Node names it UNKNOWN, so by its number.
+      if (code(err) === 'ENOSPC' || code(err) === 'EDQUOT' || (err as NodeJS.ErrnoException).errno === -EDQUOT) {
         throw new FerryError('FERRY_VOLUME_FULL', `The volume has no room left for /${parts.join('/')}`, {
           cause: err,
         });

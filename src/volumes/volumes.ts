@@ -2,8 +2,10 @@
  * Volumes: a project's persistent folders, bounded in size, mounted into the replicas of the apps that
  * list them in ferry.toml (`[[volumes]]`), and read and written through the API.
  *
- * The rows are in the store (`volumes`, migration 0012); the filesystem images and their mounts are
- * `images.ts`; the host-side file operations are `volume-files.ts`.
+ * The rows are in the store (`volumes`, migrations 0012 and 0015); what bounds a volume on disk is its
+ * backend (`backend.ts`, FERRY_VOLUMES_BACKEND): filesystem images and their mounts (`images.ts`) or
+ * folders with the filesystem's own quota (`quota-dirs.ts`); the host-side file operations are
+ * `volume-files.ts`.
  *
  * API:
  *   const volumes = await createVolumes({ store, config, sandbox, logger });
@@ -16,34 +18,30 @@
  */
 
 import { randomInt } from 'node:crypto';
-import fs from 'node:fs/promises';
-import path from 'node:path';
+import type fs from 'node:fs/promises';
 import type { Logger } from 'pino';
 import { type AppConfig, VOLUME_NAME_PATTERN, volumesOf } from '../apps/app-config.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
-import type { ServerConfig } from '../config.js';
+import type { ServerConfig, VolumesBackendKind } from '../config.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
 import { lockBudget } from '../store/budget-lock.js';
 import type { Store } from '../store/index.js';
+import { imageBackend, type VolumeBackend, type VolumeRef } from './backend.js';
 import {
-  createImage,
-  destroyImage,
-  ensureMounted,
   MIN_VOLUME_MIB,
-  mountedPoints,
-  openMountedRoot,
   probeVolumeSupport,
-  unmountImage,
   VOLUME_GID_COUNT,
   VOLUME_GID_FIRST,
   VolumeMechanismError,
-  type VolumePaths,
   type VolumeSupport,
-  volumePaths,
 } from './images.js';
 import { removeNodeMarker, writeNodeMarker } from './markers.js';
-import { volumeUsage } from './volume-files.js';
+import { probeQuotaDirSupport, type QuotaDirSupport, quotaDirBackend } from './quota-dirs.js';
+
+/** The first quota id of `quota-dir` volumes (XFS project id, btrfs qgroup 1/<id>); one per volume. */
+export const VOLUME_QUOTA_ID_FIRST = 1_879_113_728;
+export const VOLUME_QUOTA_ID_COUNT = 16_777_216;
 
 export interface Volume {
   name: string;
@@ -68,12 +66,21 @@ export interface VolumeBind {
 export interface Volumes {
   readonly support: VolumeSupport;
   readonly dir: string;
+  /** FERRY_VOLUMES_BACKEND: what bounds the volumes, and how it is described (`ferry doctor`, the log). */
+  readonly backend: { kind: VolumesBackendKind; description: string };
   create(projectId: string, name: string, sizeMiB: number): Promise<Volume>;
   list(projectId: string): Promise<Volume[]>;
   get(projectId: string, name: string): Promise<VolumeWithUse>;
   remove(projectId: string, name: string, force: boolean): Promise<void>;
-  /** Runs `fn` with the mounted volume's root folder open (closed after). */
-  withRoot<T>(projectId: string, name: string, fn: (rootFd: number) => Promise<T>): Promise<T>;
+  /**
+   * Runs `fn` with the volume's root folder open (closed after); `usage()` reads its use and room as its
+   * bound counts them (statfs of an image, the quota of a folder).
+   */
+  withRoot<T>(
+    projectId: string,
+    name: string,
+    fn: (rootFd: number, usage: () => Promise<{ used_bytes: number; free_bytes: number }>) => Promise<T>,
+  ): Promise<T>;
   /** Opens the root for a caller that closes it later (a streamed download). */
   openRoot(projectId: string, name: string): Promise<fs.FileHandle>;
   checkMounts(projectId: string, config: AppConfig): Promise<void>;
@@ -87,13 +94,14 @@ const NAME_RE = new RegExp(VOLUME_NAME_PATTERN);
 
 export interface VolumesDeps {
   store: Store;
-  config: Pick<ServerConfig, 'volumesDir' | 'volumeMaxMiB' | 'volumesTotalMiB'>;
+  config: Pick<ServerConfig, 'volumesDir' | 'volumeMaxMiB' | 'volumesTotalMiB'> &
+    Partial<Pick<ServerConfig, 'volumesBackend'>>;
   /** Replicas run under bwrap: volumes are bound into the sandbox. */
   sandboxed: boolean;
   logger: Logger;
   /** Where a forced delete is announced, so every process stops the replicas mounting the volume. */
   changes?: Pick<ChangeFeed, 'publish'>;
-  /** Tests: what probeVolumeSupport would find. */
+  /** Tests: what probeVolumeSupport (or probeQuotaDirSupport) would find. */
   support?: VolumeSupport;
   /** This node's id: its marker in the volumes folder tells `ferry doctor` the folder is shared (markers.ts). */
   nodeId?: string;
@@ -109,14 +117,28 @@ function unavailable(support: VolumeSupport): FerryError {
 export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
   const { store, logger } = deps;
   const dir = deps.config.volumesDir;
-  const support = deps.support ?? (await probeVolumeSupport(deps.sandboxed));
-  if (!support.available) logger.info(`volumes unavailable: ${support.reasons.join('; ')}`);
+  const kind = deps.config.volumesBackend ?? 'image';
+  let backend: VolumeBackend;
+  if (kind === 'quota-dir') {
+    const support =
+      (deps.support as QuotaDirSupport | undefined) ?? (await probeQuotaDirSupport(dir, deps.sandboxed, true));
+    backend = quotaDirBackend(dir, support);
+  } else {
+    backend = imageBackend(dir, deps.support ?? (await probeVolumeSupport(deps.sandboxed)));
+  }
+  const support = backend.support;
+  const description =
+    kind === 'quota-dir'
+      ? ((support as QuotaDirSupport).quota?.description ?? "folders bounded by their filesystem's quota")
+      : "ext4 images on loop devices (writes past a volume's size fail with ENOSPC)";
+  if (!support.available)
+    logger.info(`volumes unavailable (FERRY_VOLUMES_BACKEND=${kind}): ${support.reasons.join('; ')}`);
+  else logger.info(`volumes: ${description} in ${dir}`);
   if (deps.nodeId) {
     await writeNodeMarker(dir, deps.nodeId).catch((err: Error) =>
       logger.warn({ err }, `cannot write this node's marker in FERRY_VOLUMES_DIR (${dir})`),
     );
   }
-  const paths = (projectId: string, name: string): VolumePaths => volumePaths(dir, projectId, name);
 
   async function row(projectId: string, name: string) {
     const found = await store
@@ -129,25 +151,53 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
     return found;
   }
 
-  /** Mounted here (mounting it if needed), with its root open. */
+  /** The row's volume as the backend knows it; refused when another backend made it. */
+  function refOf(r: { project_id: string; name: string; backend: string | null; quota_id: number | null }): VolumeRef {
+    const madeBy = r.backend ?? 'image';
+    if (madeBy !== kind) {
+      throw new FerryError(
+        'FERRY_VOLUMES_UNAVAILABLE',
+        `Volume ${r.name} was made by the ${madeBy} backend, and this server uses FERRY_VOLUMES_BACKEND=${kind}: serve it with FERRY_VOLUMES_BACKEND=${madeBy}`,
+      );
+    }
+    return { projectId: r.project_id, name: r.name, quotaId: r.quota_id === null ? null : Number(r.quota_id) };
+  }
+
+  /** Ready here (an image mounted if needed), with its root open. */
   async function mountedRoot(projectId: string, name: string): Promise<fs.FileHandle> {
+    return (await openRef(projectId, name)).root;
+  }
+
+  async function openRef(projectId: string, name: string): Promise<{ root: fs.FileHandle; ref: VolumeRef }> {
     if (!support.available) throw unavailable(support);
-    await row(projectId, name);
-    const p = paths(projectId, name);
+    const ref = refOf(await row(projectId, name));
     try {
-      // Mounted already (by any process of this machine): its root, checked, without spawning a tool.
-      const mounted = await openMountedRoot(p).catch(() => null);
-      if (mounted) return mounted;
-      await ensureMounted(support, p);
-      return await openMountedRoot(p);
+      return { root: await backend.openRoot(ref), ref };
     } catch (err) {
       if (err instanceof VolumeMechanismError) {
-        throw new FerryError('FERRY_VOLUMES_UNAVAILABLE', `Volume ${name} cannot be mounted here: ${err.message}`, {
-          cause: err,
-        });
+        throw new FerryError(
+          'FERRY_VOLUMES_UNAVAILABLE',
+          `Volume ${name} cannot be ${kind === 'image' ? 'mounted' : 'used'} here: ${err.message}`,
+          {
+            cause: err,
+          },
+        );
       }
       throw err;
     }
+  }
+
+  async function usageOf(ref: VolumeRef, root: fs.FileHandle) {
+    return backend.usage(ref, root).catch((err: unknown) => {
+      if (!(err instanceof VolumeMechanismError)) throw err;
+      throw new FerryError(
+        'FERRY_VOLUMES_UNAVAILABLE',
+        `The use of volume ${ref.name} cannot be read: ${err.message}`,
+        {
+          cause: err,
+        },
+      );
+    });
   }
 
   /** Apps of the project whose active build mounts `name` (each app's config of its active build). */
@@ -169,6 +219,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
   return {
     support,
     dir,
+    backend: { kind, description },
 
     async create(projectId, name, sizeMiB) {
       if (!NAME_RE.test(name)) {
@@ -191,6 +242,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
       // The row first, in one transaction with the check of the total, under the total's lock: two creations
       // at the same moment (on PostgreSQL, from two nodes or two connections) check one after the other.
       let gid = 0;
+      let quotaId: number | null = null;
       await store.transaction().execute(async (trx) => {
         await lockBudget(trx, 'volumes_total');
         const existing = await trx
@@ -216,13 +268,31 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
           if (!taken) break;
           if (attempt > 100) throw new Error('no free volume gid');
         }
+        for (let attempt = 0; kind === 'quota-dir'; attempt++) {
+          quotaId = VOLUME_QUOTA_ID_FIRST + randomInt(VOLUME_QUOTA_ID_COUNT);
+          const taken = await trx
+            .selectFrom('volumes')
+            .select('quota_id')
+            .where('quota_id', '=', quotaId)
+            .executeTakeFirst();
+          if (!taken) break;
+          if (attempt > 100) throw new Error('no free volume quota id');
+        }
         await trx
           .insertInto('volumes')
-          .values({ project_id: projectId, name, size_mib: sizeMiB, gid, created_at: at })
+          .values({
+            project_id: projectId,
+            name,
+            size_mib: sizeMiB,
+            gid,
+            created_at: at,
+            backend: kind === 'image' ? null : kind,
+            quota_id: quotaId,
+          })
           .execute();
       });
       try {
-        await createImage(support, paths(projectId, name), sizeMiB, gid);
+        await backend.create({ projectId, name, quotaId }, sizeMiB, gid);
       } catch (err) {
         await store.deleteFrom('volumes').where('project_id', '=', projectId).where('name', '=', name).execute();
         if (err instanceof VolumeMechanismError || (err as NodeJS.ErrnoException).code === 'EEXIST') {
@@ -251,9 +321,9 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
 
     async get(projectId, name) {
       const r = await row(projectId, name);
-      const root = await mountedRoot(projectId, name);
+      const { root, ref } = await openRef(projectId, name);
       try {
-        const use = await volumeUsage(root.fd);
+        const use = await usageOf(ref, root);
         return {
           name: r.name,
           size_mib: r.size_mib,
@@ -267,7 +337,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
     },
 
     async remove(projectId, name, force) {
-      await row(projectId, name);
+      const ref = refOf(await row(projectId, name));
       const users = (await mountedBy(projectId)).get(name) ?? [];
       if (users.length > 0 && !force) {
         throw new FerryError(
@@ -279,15 +349,20 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
       // Replicas still binding it stop first (here at once, elsewhere as the change arrives): they would go
       // on writing into a filesystem that no longer has a name.
       if (users.length > 0) await deps.changes?.publish({ type: 'volume.deleted', projectId, volume: name });
-      if (support.tools) await destroyImage(support, paths(projectId, name));
+      await backend.destroy(ref).catch((err: unknown) => {
+        if (!(err instanceof VolumeMechanismError)) throw err;
+        throw new FerryError('FERRY_VOLUMES_UNAVAILABLE', `Volume ${name} could not be deleted: ${err.message}`, {
+          cause: err,
+        });
+      });
       await store.deleteFrom('volumes').where('project_id', '=', projectId).where('name', '=', name).execute();
       logger.info({ project: projectId, volume: name, force }, 'volume deleted');
     },
 
     async withRoot(projectId, name, fn) {
-      const root = await mountedRoot(projectId, name);
+      const { root, ref } = await openRef(projectId, name);
       try {
-        return await fn(root.fd);
+        return await fn(root.fd, () => usageOf(ref, root));
       } finally {
         await root.close();
       }
@@ -321,21 +396,28 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
         const r = await row(projectId, v.name);
         const root = await mountedRoot(projectId, v.name);
         await root.close();
-        binds.push({ host: paths(projectId, v.name).mountPoint, sandbox: v.mount, readOnly: v.read_only });
+        binds.push({ host: backend.bindSource(refOf(r)), sandbox: v.mount, readOnly: v.read_only });
         groups.push(Number(r.gid));
       }
       return { binds, groups };
     },
 
     async usageAll() {
-      const rows = await store.selectFrom('volumes').select(['project_id', 'name', 'size_mib']).execute();
+      const rows = await store
+        .selectFrom('volumes')
+        .select(['project_id', 'name', 'size_mib', 'backend', 'quota_id'])
+        .execute();
       const out = [];
-      for (const r of rows) {
+      for (const { backend: _backend, quota_id: _quotaId, ...r } of rows) {
         let used: number | null = null;
-        if (support.available) {
-          const root = await openMountedRoot(paths(r.project_id, r.name)).catch(() => null);
+        if (support.available && (_backend ?? 'image') === kind) {
+          const ref = refOf({ ...r, backend: _backend, quota_id: _quotaId });
+          const root = await backend.peekRoot(ref);
           if (root) {
-            used = (await volumeUsage(root.fd)).used_bytes;
+            used = await backend.usage(ref, root).then(
+              (u) => u.used_bytes,
+              () => null,
+            );
             await root.close();
           }
         }
@@ -346,19 +428,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
 
     async close() {
       if (deps.nodeId) await removeNodeMarker(dir, deps.nodeId).catch(() => {});
-      if (!support.tools) return;
-      // What this server's volumes dir has mounted on this machine: unmounted (lazily: a replica of another
-      // process of this machine keeps its mount until it stops; that process mounts it again on next use).
-      const mounted = await mountedPoints();
-      const projects = await fs.readdir(dir).catch(() => [] as string[]);
-      for (const project of projects) {
-        const files = await fs.readdir(path.join(dir, project)).catch(() => [] as string[]);
-        for (const file of files.filter((f) => f.endsWith('.img'))) {
-          const p = paths(project, file.slice(0, -'.img'.length));
-          if (!mounted.has(p.mountPoint)) continue;
-          await unmountImage(support, p).catch((err: Error) => logger.warn({ err }, 'could not unmount a volume'));
-        }
-      }
+      await backend.close((err) => logger.warn({ err }, 'could not unmount a volume'));
     },
   };
 }

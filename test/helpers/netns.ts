@@ -31,13 +31,16 @@ function ip(args: string[], input?: string): { code: number | null; stderr: stri
   return { code: result.status, stderr: result.stderr ?? String(result.error ?? '') };
 }
 
-/** Makes the namespace and its link; retries another /30 when the random pick is taken. */
-export async function createOutsideNetwork(): Promise<OutsideNetwork> {
+/**
+ * Makes the namespace and its link; retries another /30 when the random pick is taken. `prefix` starts
+ * the namespace's name (`<prefix>-<tag>`), `ferry-test-out` unless given.
+ */
+export async function createOutsideNetwork(options: { prefix?: string } = {}): Promise<OutsideNetwork> {
   for (let attempt = 0; attempt < 20; attempt++) {
     const n = randomInt(256);
     const block = randomInt(64) * 4;
     const tag = `${n.toString(16).padStart(2, '0')}${block.toString(16).padStart(2, '0')}`;
-    const name = `ferry-test-out-${tag}`;
+    const name = `${options.prefix ?? 'ferry-test-out'}-${tag}`;
     const link = `fto${tag}`;
     const base = `10.214.${n}.`;
     const hostAddress = `${base}${block + 1}`;

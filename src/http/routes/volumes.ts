@@ -9,14 +9,7 @@ import type { Readable } from 'node:stream';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import { Type } from 'typebox';
 import { FerryError } from '../../errors.js';
-import {
-  listFolder,
-  openFileForRead,
-  removePath,
-  splitVolumePath,
-  volumeUsage,
-  writeFile,
-} from '../../volumes/volume-files.js';
+import { listFolder, openFileForRead, removePath, splitVolumePath, writeFile } from '../../volumes/volume-files.js';
 import type { Volumes } from '../../volumes/volumes.js';
 import { type AuthDeps, requireScope } from '../auth.js';
 import {
@@ -184,9 +177,9 @@ export function registerVolumeRoutes(app: TypedServer, services: VolumeRouteDeps
         const body = request.body as Readable | undefined;
         if (!body || typeof body.pipe !== 'function') throw new FerryError('FERRY_VALIDATION', 'The body is the file');
         const declared = Number(request.headers['content-length'] ?? Number.NaN);
-        const { bytes } = await volumes.withRoot(request.params.project_id, request.params.name, async (fd) => {
+        const { bytes } = await volumes.withRoot(request.params.project_id, request.params.name, async (fd, usage) => {
           if (Number.isFinite(declared)) {
-            const { free_bytes } = await volumeUsage(fd);
+            const { free_bytes } = await usage();
             if (declared > free_bytes) {
               throw new FerryError(
                 'FERRY_VOLUME_FULL',
