@@ -9,7 +9,7 @@ import assert from 'node:assert/strict';
 import { existsSync } from 'node:fs';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { idBefore, RETENTION_MAX_RUNS } from '../src/apps/housekeeping.js';
+import { idBefore, RETENTION_RUN_BATCH } from '../src/apps/housekeeping.js';
 import { newRunRow } from '../src/runs/recorder.js';
 import { deployFiles, http, runCli, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
@@ -173,7 +173,7 @@ describe('deleting apps and builds, and retention', { timeout: 300_000 }, () => 
     await waitFor(async () => !existsSync(buildDir(build.id)), 30_000, 'its folder to go');
   });
 
-  it('keeps the newest FERRY_KEEP_BUILDS ready builds and the active one, and deletes old runs, bounded per pass', async () => {
+  it('keeps the newest FERRY_KEEP_BUILDS ready builds and the active one, and deletes old runs in batches, bounded per pass', async () => {
     const builds: Array<{ id: string }> = [];
     for (let v = 1; v <= 4; v++) builds.push(await deployFiles(server, auth, 'kept', app('kept', v)));
     // The active build is the oldest (a rollback): retention never deletes it.
@@ -182,9 +182,9 @@ describe('deleting apps and builds, and retention', { timeout: 300_000 }, () => 
       token: auth.token,
     });
     assert.equal(activate.status, 200, activate.text);
-    // Old runs (made 40 days ago: their ids say when), more than one pass takes, and a recent one.
+    // Old runs (made 40 days ago: their ids say when), more than a batch of a pass, and a recent one.
     const base = Date.now() - 40 * 86_400_000;
-    const oldIds = Array.from({ length: RETENTION_MAX_RUNS + 5 }, (_, i) => {
+    const oldIds = Array.from({ length: 3 * RETENTION_RUN_BATCH + 5 }, (_, i) => {
       const id = idBefore(base + i);
       return `${id.slice(0, 24)}${(i + 1).toString(16).padStart(12, '0')}`;
     });
@@ -212,6 +212,31 @@ describe('deleting apps and builds, and retention', { timeout: 300_000 }, () => 
     const recent = await submit('kept', 0);
     await waitFor(async () => (await runRow(recent))?.state === 'success', 30_000, 'a recent run');
 
+    // A pass bounded to fewer runs than are expired takes the oldest first (a batch and 5 more here).
+    const left = () => server.services.store.selectFrom('runs').select('id').where('id', 'in', oldIds).execute();
+    const bounded = await server.services.housekeeping.retain({
+      keepBuilds: 0,
+      runRetentionDays: 30,
+      maxRuns: RETENTION_RUN_BATCH + 5,
+    });
+    assert.equal(bounded.runs, RETENTION_RUN_BATCH + 5);
+    assert.deepEqual(
+      (await left()).map((r) => r.id).sort(),
+      oldIds.slice(RETENTION_RUN_BATCH + 5),
+      'the oldest went first',
+    );
+    assert.equal(
+      (
+        await server.services.store
+          .selectFrom('run_log_lines')
+          .select('run_id')
+          .where('run_id', '=', oldIds[0]!)
+          .execute()
+      ).length,
+      0,
+      'with their logs',
+    );
+
     await server.services.retention();
     const list = (await http(`${appUrl('kept')}/builds`, { token: auth.token })).json.builds.map(
       (b: { id: string }) => b.id,
@@ -226,25 +251,14 @@ describe('deleting apps and builds, and retention', { timeout: 300_000 }, () => 
       body: {},
     });
     assert.equal(call.json.result.version, 1);
-    // One pass took RETENTION_MAX_RUNS old runs (the oldest first) and their logs; the next takes the rest.
-    const left = () => server.services.store.selectFrom('runs').select('id').where('id', 'in', oldIds).execute();
-    assert.equal((await left()).length, 5);
-    assert.equal(
-      (
-        await server.services.store
-          .selectFrom('run_log_lines')
-          .select('run_id')
-          .where('run_id', '=', oldIds[0]!)
-          .execute()
-      ).length,
-      0,
-    );
-    await server.services.retention();
+    // The pass took the rest of the old runs, in more than one batch; a second pass finds none.
     assert.equal((await left()).length, 0);
+    await server.services.retention();
     assert.equal((await runRow(recent))?.state, 'success', 'a recent run stays');
     const metrics = (await http(`${server.url}/metrics`)).text;
     assert.equal(metric(metrics, 'ferry_builds_deleted_total', 'retention'), 1);
-    assert.equal(metric(metrics, 'ferry_runs_deleted_total', 'retention'), RETENTION_MAX_RUNS + 5);
+    // The passes' runs (the bounded call above is not a pass of the process and counts none).
+    assert.equal(metric(metrics, 'ferry_runs_deleted_total', 'retention'), 2 * RETENTION_RUN_BATCH);
     assert.ok(metric(metrics, 'ferry_bytes_freed_total', 'retention') > 0);
     assert.ok(metric(metrics, 'ferry_builds_deleted_total', 'deleted') >= 2);
     // Only the test's two passes ran: with an interval of 0 the process runs none of its own.

@@ -41,7 +41,8 @@ export interface AppReplicas {
 }
 
 export interface AppService {
-  list(projectId: string): Promise<AppView[]>;
+  /** The project's apps by name; with `limit`, a page of them after the name `after`. */
+  list(projectId: string, page?: { limit?: number | undefined; after?: string | undefined }): Promise<AppView[]>;
   get(projectId: string, appId: string): Promise<AppView>;
   /**
    * Merges `scaling` (keys of `[scaling]`, checked as in ferry.toml) into the app's override, or clears it
@@ -64,7 +65,7 @@ export interface AppService {
 export function createAppService(deps: AppServiceDeps): AppService {
   const { store } = deps;
   return {
-    list: (projectId) => listApps(store, projectId),
+    list: (projectId, page) => listApps(store, projectId, page),
     get: (projectId, appId) => getApp(store, projectId, appId),
 
     async scale(projectId, appId, scaling) {

@@ -55,8 +55,21 @@ function view(app: App, latest: { id: string; state: string } | undefined): AppV
   };
 }
 
-export async function listApps(store: Store, projectId: string): Promise<AppView[]> {
-  const apps = await store.selectFrom('apps').selectAll().where('project_id', '=', projectId).orderBy('name').execute();
+/**
+ * A project's apps by name (an app's id is its name); with `limit`, one page of them after the name
+ * `after` (a seek on the apps' primary key, and the newest builds of that page's apps only).
+ */
+export async function listApps(
+  store: Store,
+  projectId: string,
+  page: { limit?: number | undefined; after?: string | undefined } = {},
+): Promise<AppView[]> {
+  let query = store.selectFrom('apps').selectAll().where('project_id', '=', projectId).orderBy('id');
+  if (page.after !== undefined) query = query.where('id', '>', page.after);
+  if (page.limit !== undefined) query = query.limit(page.limit);
+  const apps = await query.execute();
+  if (apps.length === 0) return [];
+  const paged = page.limit !== undefined;
   // Every app's newest build in one query (build ids sort by time), not one query per app.
   const latest = await store
     .selectFrom('builds')
@@ -67,6 +80,13 @@ export async function listApps(store: Store, projectId: string): Promise<AppView
         .selectFrom('builds')
         .select((b) => b.fn.max('id').as('id'))
         .where('project_id', '=', projectId)
+        .$if(paged, (q) =>
+          q.where(
+            'app_id',
+            'in',
+            apps.map((a) => a.id),
+          ),
+        )
         .groupBy('app_id'),
     )
     .execute();

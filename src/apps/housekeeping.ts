@@ -9,8 +9,11 @@
  *   Runs in flight at that moment finish (within the response grace period) and their records stay until
  *   retention removes them.
  * - **Delete a build**: not the active one, nor one still being made; its row, log and files.
- * - **Retention** (`FERRY_KEEP_BUILDS`, `FERRY_RUN_RETENTION_DAYS`): a pass every RETENTION_EVERY_MS on
- *   each process that keeps builds, bounded per pass; idempotent, so several processes may run it.
+ * - **Retention** (`FERRY_KEEP_BUILDS`, `FERRY_RUN_RETENTION_DAYS`): a pass every interval on each process
+ *   that keeps builds, bounded per pass; idempotent, so several processes may run it. Expired runs go in
+ *   small batches of RETENTION_RUN_BATCH, one transaction each, with a pause after each batch as long as
+ *   the batch took: on SQLite, whose one writer every run's record waits for, a batch holds it for a few
+ *   milliseconds and the runs' records get at least half of its time (bench:scale measures the 202s meanwhile).
  * - **The projects' log budget** (`FERRY_PROJECT_LOG_BYTES`, in the same pass): a project whose runs'
  *   stored log lines (run_log_stats.bytes) pass the budget loses the logs of its oldest finished runs until
  *   it is under it again; each such run keeps one line saying what was removed, and its counts.
@@ -41,7 +44,9 @@ import { findApp } from './apps.js';
 const CHUNK = 500;
 /** Builds and runs removed at most per retention pass (the next pass takes the rest). */
 export const RETENTION_MAX_BUILDS = 100;
-export const RETENTION_MAX_RUNS = 1000;
+export const RETENTION_MAX_RUNS = 100_000;
+/** Expired runs removed per transaction of a pass (with their logs and webhook records). */
+export const RETENTION_RUN_BATCH = 200;
 /** Runs whose logs the log budget removes at most per pass (the next pass takes the rest). */
 export const LOG_BUDGET_MAX_RUNS = 20_000;
 /** Local build folders younger than this are left alone by the sweep (an upload may be under way). */
@@ -69,8 +74,20 @@ export interface HousekeepingDeps {
 export interface Housekeeping {
   deleteApp(projectId: string, appId: string): Promise<{ builds: number; cancelledRuns: number; deletedRuns: number }>;
   deleteBuild(projectId: string, appId: string, buildId: string): Promise<void>;
-  /** One retention pass: what it removed (`logRuns`, `logBytes`: the logs the project log budget removed). */
-  retain(settings: { keepBuilds: number; runRetentionDays: number; projectLogBytes?: number; now?: number }): Promise<{
+  /**
+   * One retention pass: what it removed (`logRuns`, `logBytes`: the logs the project log budget removed).
+   * `maxRuns`: expired runs it removes at most (default RETENTION_MAX_RUNS); `signal`: stops it between
+   * two batches (the process is closing); `onRuns`: told of each batch of runs removed, once committed.
+   */
+  retain(settings: {
+    keepBuilds: number;
+    runRetentionDays: number;
+    projectLogBytes?: number;
+    now?: number;
+    maxRuns?: number;
+    signal?: AbortSignal;
+    onRuns?: (count: number) => void;
+  }): Promise<{
     builds: number;
     runs: number;
     bytes: number;
@@ -92,6 +109,40 @@ export interface Housekeeping {
 export function idBefore(ms: number): string {
   const hex = Math.max(0, Math.floor(ms)).toString(16).padStart(12, '0');
   return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-7000-8000-000000000000`;
+}
+
+/** Stats rows summed per statement by storedLogBytes. */
+const LOG_STATS_SLICE = 5000;
+
+/**
+ * The bytes of run logs stored, over every project: run_log_stats summed a slice of LOG_STATS_SLICE rows
+ * at a time in key order, with a turn of the event loop between slices, so no statement is long.
+ */
+export async function storedLogBytes(store: Store): Promise<number> {
+  let total = 0;
+  let after = '';
+  for (;;) {
+    const slice = await store
+      .selectFrom((eb) =>
+        eb
+          .selectFrom('run_log_stats')
+          .select(['run_id', 'bytes'])
+          .where('run_id', '>', after)
+          .orderBy('run_id')
+          .limit(LOG_STATS_SLICE)
+          .as('slice'),
+      )
+      .select((eb) => [
+        eb.fn.countAll<number | string>().as('n'),
+        eb.fn.sum<number | string | null>('slice.bytes').as('bytes'),
+        eb.fn.max('slice.run_id').as('last'),
+      ])
+      .executeTakeFirst();
+    total += Number(slice?.bytes ?? 0);
+    if (!slice?.last || Number(slice.n) < LOG_STATS_SLICE) return total;
+    after = slice.last;
+    await new Promise((resolve) => setImmediate(resolve));
+  }
 }
 
 export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
@@ -273,6 +324,10 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       let runs = 0;
       let bytes = 0;
       if (budget <= 0) return { runs, bytes };
+      // No project is over the budget while all of them together are not: their total first, summed a
+      // slice of the stats at a time (a join of every logged run's stats with its run, in one statement,
+      // held SQLite's writer and Node's event loop for seconds at a million runs: bench:scale).
+      if ((await storedLogBytes(store)) <= budget) return { runs, bytes };
       // Stored log bytes per project, from the runs' stats (one row per run that printed, not per line).
       const totals = await store
         .selectFrom('run_log_stats as s')
@@ -357,15 +412,45 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
       return { runs, bytes };
     },
 
-    async retain({ keepBuilds, runRetentionDays, projectLogBytes = 0, now = Date.now() }) {
+    async retain({
+      keepBuilds,
+      runRetentionDays,
+      projectLogBytes = 0,
+      now = Date.now(),
+      maxRuns = RETENTION_MAX_RUNS,
+      signal,
+      onRuns,
+    }) {
       let builds = 0;
       let bytes = 0;
       // Builds: per app, the newest keepBuilds ready builds and the active one stay; older builds go
       // (failed and cancelled ones older than the oldest kept ready build too).
-      const apps =
-        keepBuilds > 0 ? await store.selectFrom('apps').select(['project_id', 'id', 'active_build_id']).execute() : [];
+      // Only apps with more builds than are kept can have one to delete: one count over the builds finds
+      // them (a pass looked at every app with two queries each, 2,000 queries at 1,000 apps, which on
+      // SQLite ran without a turn of the event loop between them: 0.2-0.4 s of stalled calls, bench:scale).
+      const crowded =
+        keepBuilds > 0
+          ? await store
+              .selectFrom('builds')
+              .select(['project_id', 'app_id'])
+              .groupBy(['project_id', 'app_id'])
+              .having((eb) => eb.fn.countAll(), '>', keepBuilds)
+              .execute()
+          : [];
+      const apps = [];
+      for (const c of crowded) {
+        const app = await store
+          .selectFrom('apps')
+          .select(['project_id', 'id', 'active_build_id'])
+          .where('project_id', '=', c.project_id)
+          .where('id', '=', c.app_id)
+          .executeTakeFirst();
+        if (app) apps.push(app);
+      }
       for (const app of apps) {
         if (builds >= RETENTION_MAX_BUILDS) break;
+        // A turn of the event loop per app: on SQLite an awaited query does not give one.
+        await new Promise((resolve) => setImmediate(resolve));
         const ready = await store
           .selectFrom('builds')
           .select('id')
@@ -435,27 +520,38 @@ export function createHousekeeping(deps: HousekeepingDeps): Housekeeping {
           });
         }
       }
-      // Runs: finished runs made before the retention window, their logs and webhook records with them.
+      // Runs: finished runs made before the retention window, their logs and webhook records with them,
+      // oldest first, a batch per transaction, each followed by a pause as long as it took.
       const cutoff = idBefore(now - runRetentionDays * 86_400_000);
-      const old = (
-        runRetentionDays === 0
-          ? []
-          : await store
-              .selectFrom('runs')
-              .select('id')
-              .where('id', '<', cutoff)
-              .where('state', 'in', [...FINAL_RUN_STATES])
-              .orderBy('id', 'asc')
-              .limit(RETENTION_MAX_RUNS)
-              .execute()
-      ).map((r) => r.id);
-      if (old.length > 0) await store.transaction().execute((trx) => deleteRunHistory(trx, old));
+      let runs = 0;
+      let after = '';
+      while (runRetentionDays > 0 && runs < maxRuns && !signal?.aborted) {
+        const started = performance.now();
+        const batch = (
+          await store
+            .selectFrom('runs')
+            .select('id')
+            .where('id', '<', cutoff)
+            .where('id', '>', after)
+            .where('state', 'in', [...FINAL_RUN_STATES])
+            .orderBy('id', 'asc')
+            .limit(Math.min(RETENTION_RUN_BATCH, maxRuns - runs))
+            .execute()
+        ).map((r) => r.id);
+        if (batch.length === 0) break;
+        await store.transaction().execute((trx) => deleteRunHistory(trx, batch));
+        runs += batch.length;
+        after = batch.at(-1)!;
+        onRuns?.(batch.length);
+        if (batch.length < RETENTION_RUN_BATCH) break;
+        await new Promise((resolve) => setTimeout(resolve, Math.max(1, performance.now() - started)));
+      }
       bytes += await housekeeping.sweepLocal();
-      if (builds > 0 || old.length > 0 || bytes > 0) {
-        logger.info({ builds, runs: old.length, bytes }, 'retention removed old builds and runs');
+      if (builds > 0 || runs > 0 || bytes > 0) {
+        logger.info({ builds, runs, bytes }, 'retention removed old builds and runs');
       }
       const logs = await housekeeping.trimLogs(projectLogBytes);
-      return { builds, runs: old.length, bytes, logRuns: logs.runs, logBytes: logs.bytes };
+      return { builds, runs, bytes, logRuns: logs.runs, logBytes: logs.bytes };
     },
 
     async released(buildId) {

@@ -1,6 +1,7 @@
 /**
  * The timers of retention on a process that keeps builds (not a gateway): a bounded pass soon after start
- * (a process restarted more often than the interval still prunes) and then every interval, and between
+ * (a process restarted more often than the interval still prunes) and then every interval (a pass still
+ * going when the next is due is not joined by another; closing stops it between two batches), and between
  * passes a look every LOG_BUDGET_CHECK_MS at whether the runs logged enough to hold the projects to their
  * log budget now (a tenant printing fast would otherwise pass it by what its runs print in a whole
  * interval). An interval of 0 leaves passes to another process of the fleet (or to none).
@@ -42,18 +43,32 @@ export function startRetentionTimers(deps: {
   logger: Logger;
 }): RetentionTimers {
   const { housekeeping, metrics, settings, logger } = deps;
+  /** Stops a pass in progress between two of its batches when the process closes. */
+  const closing = new AbortController();
   const retention = async (): Promise<void> => {
     metrics.retentionPasses.inc();
     const removed = await housekeeping.retain({
       keepBuilds: settings.keepBuilds,
       runRetentionDays: settings.runRetentionDays,
       projectLogBytes: settings.projectLogBytes,
+      signal: closing.signal,
+      // Counted batch by batch: a pass over a large backlog takes a while.
+      onRuns: (count) => metrics.runsDeleted.inc({ reason: 'retention' }, count),
     });
     if (removed.builds > 0) metrics.buildsDeleted.inc({ reason: 'retention' }, removed.builds);
-    if (removed.runs > 0) metrics.runsDeleted.inc({ reason: 'retention' }, removed.runs);
     if (removed.bytes > 0) metrics.bytesFreed.inc({ reason: 'retention' }, removed.bytes);
   };
-  const retentionPass = () => void retention().catch((err: unknown) => logger.warn({ err }, 'a retention pass failed'));
+  // A pass still going when the next one is due (a large backlog of expired runs) is not joined by another.
+  let passing = false;
+  const retentionPass = () => {
+    if (passing) return;
+    passing = true;
+    void retention()
+      .catch((err: unknown) => logger.warn({ err }, 'a retention pass failed'))
+      .finally(() => {
+        passing = false;
+      });
+  };
   let retentionTimer: NodeJS.Timeout | undefined;
   if (deps.timers && settings.retentionIntervalSeconds > 0) {
     retentionTimer = setTimeout(() => {
@@ -85,6 +100,7 @@ export function startRetentionTimers(deps: {
   return {
     retention,
     close() {
+      closing.abort();
       clearTimeout(retentionTimer); // the first pass's timeout, or the interval after it
       clearInterval(logBudgetTimer);
     },

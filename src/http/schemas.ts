@@ -13,8 +13,10 @@ export const ErrorBody = Type.Object(
 );
 
 export const ProjectId = Type.String({ pattern: '^p-[0-9a-f]{8}$', description: 'Project id, like p-7f3a9c21' });
+/** What an app's name (its id) may be. */
+export const APP_NAME_PATTERN = '^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$';
 export const AppId = Type.String({
-  pattern: '^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$',
+  pattern: APP_NAME_PATTERN,
   description: "The app's id, which is its name from ferry.toml",
 });
 export const BuildId = Type.String({ pattern: '^[0-9a-f-]{36}$', description: 'Build id (a UUIDv7)' });

@@ -6,6 +6,7 @@ import type { ExpressionBuilder } from 'kysely';
 import { ERRORS, FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
 import type { Database, Run, RunMode, RunState } from '../store/schema.js';
+import { deadRun, notSuccessRun } from '../store/unfinished.js';
 import { type AttemptRecord, endRun } from './lifecycle.js';
 
 export interface RunView {
@@ -133,9 +134,14 @@ export async function listRuns(
     .orderBy('runs.id', 'desc')
     .limit(options.limit);
   if (options.before) query = query.where('runs.id', '<', options.before);
-  if (options.state) query = query.where('runs.state', '=', options.state);
+  // Each filter also writes out the condition of the partial index that serves it (store/unfinished.ts), so a
+  // rare state is a seek and not a scan of the app's runs; success, most of them, is found by scanning.
+  if (options.state) {
+    query = query.where('runs.state', '=', options.state);
+    if (options.state !== 'success') query = query.where(notSuccessRun());
+  }
   if (options.mode) query = query.where('runs.mode', '=', options.mode);
-  if (options.dead) query = query.where('runs.dead', '=', 1);
+  if (options.dead) query = query.where(deadRun());
   return query.execute();
 }
 

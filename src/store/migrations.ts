@@ -412,6 +412,24 @@ const migrations: Record<string, Migration> = {
       if (isPostgres(db)) await sql`alter table volumes alter column backend type text collate "C"`.execute(db);
     },
   },
+  '0016_scale_indexes': {
+    async up(db: Kysely<unknown>) {
+      // The list of an app's runs filtered by a state other than success, or by `dead`, scanned the app's
+      // runs newest first until it had a page: with a million runs, an app with no queued run (or whose
+      // runs rarely fail, or never died) was read whole for one page (bench:scale, issue 31). Partial
+      // indexes hold only those runs, so a run that succeeds at once (a sync run is written once, ended)
+      // costs no more to write; a list names their condition (store/unfinished.ts). runs_project_state
+      // (0010) has the unfinished ones, but without the app SQLite prefers to scan runs_app in order.
+      await sql`create index runs_app_state on runs (project_id, app_id, state, id) where state <> 'success'`.execute(
+        db,
+      );
+      await sql`create index runs_app_dead on runs (project_id, app_id, id) where dead = 1`.execute(db);
+      // The webhook deliverer erases the secrets of runs that ended a week ago without a delivery, at start
+      // and every hour: a scan of every run (334 ms of a blocked event loop at a million, on SQLite). Only
+      // runs that still hold a secret are here (its condition is the query's own term).
+      await sql`create index runs_webhook_secret on runs (finished_at) where webhook_secret is not null`.execute(db);
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

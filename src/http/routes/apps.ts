@@ -3,7 +3,7 @@ import { Type } from 'typebox';
 import type { AppService } from '../../apps/app-service.js';
 import { NODE_NAME } from '../../cluster/node-name.js';
 import { type AuthDeps, requireScope } from '../auth.js';
-import { App, AppParams, errors, ProjectParams } from '../schemas.js';
+import { APP_NAME_PATTERN, App, AppParams, errors, Nullable, ProjectParams } from '../schemas.js';
 import type { TypedServer } from '../typed-server.js';
 
 export interface AppRouteDeps extends AuthDeps {
@@ -19,12 +19,40 @@ export function registerAppRoutes(app: TypedServer, services: AppRouteDeps): voi
     {
       onRequest: manage,
       schema: {
-        summary: 'List apps',
+        summary: 'List apps, by name',
+        description:
+          'Every app of the project, or with `limit` one page of them: the next page with `after` = `next_after`.',
         params: ProjectParams,
-        response: { 200: Type.Object({ apps: Type.Array(App) }), ...errors(401, 403, 404) },
+        querystring: Type.Object({
+          limit: Type.Optional(
+            Type.Integer({ minimum: 1, maximum: 1000, description: 'Apps per page (default: all)' }),
+          ),
+          after: Type.Optional(
+            Type.String({
+              pattern: APP_NAME_PATTERN,
+              description: 'Only apps whose name sorts after this one (paging)',
+            }),
+          ),
+        }),
+        response: {
+          200: Type.Object({
+            apps: Type.Array(App),
+            next_after: Nullable(
+              Type.String({ description: 'With `limit`: `after` of the next page; null: the last' }),
+            ),
+          }),
+          ...errors(400, 401, 403, 404),
+        },
       },
     },
-    async (request) => ({ apps: await apps.list(request.params.project_id) }),
+    async (request) => {
+      const { limit, after } = request.query;
+      const found = await apps.list(request.params.project_id, { limit, after });
+      return {
+        apps: found,
+        next_after: limit !== undefined && found.length === limit ? (found.at(-1)?.id ?? null) : null,
+      };
+    },
   );
 
   app.get(
