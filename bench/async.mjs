@@ -43,6 +43,8 @@ const WARMUP = envInt('BENCH_WARMUP', 2, 0);
 const CONNECTIONS = envInt('BENCH_CONNECTIONS', 32);
 const SYNC_DURATION = envInt('BENCH_SYNC_DURATION', 5);
 const DRAIN_TIMEOUT_S = envInt('BENCH_DRAIN_TIMEOUT', 600);
+/** The name of the database the bench creates on PostgreSQL starts with this (several benches on one server). */
+const DATABASE_PREFIX = process.env.BENCH_DATABASE_PREFIX || 'ferry_bench_';
 const SAMPLE_MS = 200;
 /** Far above what the bench can submit, so neither backlog limit (429) caps the accept rate. */
 const MAX_ASYNC_BACKLOG = 10_000_000;
@@ -218,7 +220,7 @@ async function measure(store) {
     FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT: String(MAX_ASYNC_BACKLOG),
   };
   if (store.adminUrl) {
-    env.FERRY_DATABASE_URL = await createDatabase(store.adminUrl, 'ferry_bench_');
+    env.FERRY_DATABASE_URL = await createDatabase(store.adminUrl, DATABASE_PREFIX);
     console.log(
       `database: ${new URL(env.FERRY_DATABASE_URL).pathname.slice(1)} (created for this run, dropped at the end)`,
     );

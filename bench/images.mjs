@@ -12,7 +12,7 @@
  * server. busybox httpd starts in about a millisecond, so the figures are Ferry's own costs, undiluted.
  *
  *   (1) cold start, the image already unpacked on the node: min_replicas 0, cooldown 0; each round waits
- *       until no replica (and no image view) is left, then times one call (a cold start) and one more
+ *       until no replica is left (an image's view is kept between replicas), then times one call (a cold start) and one more
  *       (warm); the host app and the two image apps in turn. Target: image / host at most 1.2 (medians).
  *   (2) a second deploy changing only the source (`www/ping.json`): upload → build ready, for the host app
  *       and for image apps with `[image] base + run` (the `run` step cached), in turn. Target: image / host
@@ -109,19 +109,6 @@ ${SCALING}`,
   };
 }
 
-/** Image views (`image-*`) left in the server's `ferry-view-*` folders under its own TMPDIR. */
-function imageViewsLeft(tmp) {
-  let n = 0;
-  for (const root of fs.readdirSync(tmp).filter((e) => e.startsWith('ferry-view-'))) {
-    try {
-      n += fs.readdirSync(path.join(tmp, root)).filter((e) => e.startsWith('image-')).length;
-    } catch {
-      // removed meanwhile
-    }
-  }
-  return n;
-}
-
 /**
  * A Ferry server for this bench: a fresh data dir, its own TMPDIR (so its image views can be watched), the
  * warm pool off (it serves no custom app, image or host: off, it starts no sandboxes in the background).
@@ -152,17 +139,20 @@ async function runRecord(ferry, auth, app, runId) {
   return res.json;
 }
 
-/** Waits until no replica of `apps` runs on `ferry` and no image view is left (the last replica's cleanup). */
-async function idle(ferry, tmp, apps) {
+/**
+ * Waits until no replica of `apps` runs on `ferry`. An image's view is kept between replicas (until the cache
+ * discards the image), so the next cold start makes none: that is part of what a cold start costs now.
+ */
+async function idle(ferry, apps) {
   await waitFor(
     async () => {
       for (const app of apps) {
         const g = await replicaGauges(ferry, app);
         if (g.ready + g.starting > 0) return false;
       }
-      return ferry.replicaProcesses().length === 0 && imageViewsLeft(tmp) === 0;
+      return ferry.replicaProcesses().length === 0;
     },
-    { ms: 60_000, everyMs: 20, what: 'the replicas to stop (cooldown 0) and their image views to go' },
+    { ms: 60_000, everyMs: 20, what: 'the replicas to stop (cooldown 0)' },
   );
 }
 
@@ -240,7 +230,7 @@ const verdict = (ratio, target) => (!Number.isFinite(ratio) ? 'not judged' : rat
 
 // ---------------------------------------------------------------------------------------------------
 
-async function coldStarts(ferry, auth, tmp, apps) {
+async function coldStarts(ferry, auth, apps) {
   console.log(
     `\n(1) Cold start, the image already unpacked on the node: ${COLD_RUNS} rounds, the apps in turn (the order rotates each round)`,
   );
@@ -260,7 +250,7 @@ async function coldStarts(ferry, auth, tmp, apps) {
     const order = apps.map((_, k) => apps[(k + i) % apps.length]);
     const parts = [];
     for (const a of order) {
-      await idle(ferry, tmp, names);
+      await idle(ferry, names);
       const c = await timedGet(client, `/v4/${auth.projectId}/${a.app}/ping.json`, auth.token);
       const procs = ferry.replicaProcesses();
       if (procs.length > 0) sandboxSeen.add(procs.some((p) => p.comm === 'bwrap') ? 'bwrap' : 'plain');
@@ -431,7 +421,7 @@ async function firstStarts(registry, baseLarge, largeInfo) {
     // The same node again, both apps scaled to zero: a cold start with the build and the image on the node.
     const again = {};
     for (const app of order) {
-      await idle(node, b.tmp, [hostApp, imageApp]);
+      await idle(node, [hostApp, imageApp]);
       again[app] = (await call(app)).ms;
     }
     await client.close();
@@ -526,7 +516,7 @@ async function main() {
     },
   ];
   for (const a of coldApps) await deployApp(ferry, auth, a.app, httpdApp(a.app, a.options));
-  const summary = await coldStarts(ferry, auth, s.tmp, coldApps);
+  const summary = await coldStarts(ferry, auth, coldApps);
 
   const run = ['echo built > /etc/bench-step'];
   const deployApps = [

@@ -9,16 +9,17 @@ import { createHash } from 'node:crypto';
 import fs from 'node:fs/promises';
 import http from 'node:http';
 import type { AddressInfo } from 'node:net';
+import os from 'node:os';
 import path from 'node:path';
 import { describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { BuildFailedError } from '../src/builds/builder.js';
 import { createDefaultBuilders, selectBuilder } from '../src/runtimes/index.js';
-import { createPythonBuilder } from '../src/runtimes/python/builder.js';
+import { createPythonBuilder, requirementsImageSteps } from '../src/runtimes/python/builder.js';
 import { PYTHON_BOOTSTRAP } from '../src/runtimes/python/index.js';
 import { findPython } from '../src/runtimes/python/interpreter.js';
-import { requirementsProblem } from '../src/runtimes/python/requirements.js';
+import { requirementsLocalPaths, requirementsProblem } from '../src/runtimes/python/requirements.js';
 import { detectSandbox } from '../src/sandbox/launch.js';
 import {
   assertFailed,
@@ -565,5 +566,70 @@ describe('python builder: cancellation', () => {
     assert.ok(outcome.error instanceof Error && outcome.error.name === 'AbortError', String(outcome.error));
     assert.deepEqual(outcome.lines, []);
     assert.deepEqual(await fs.readdir(ws.outputDir), []);
+  });
+});
+
+describe('python builder: requirements.txt on an image (issue 26)', () => {
+  it('copies requirements.txt and exactly the paths of the app it names, then runs pip in the image', async () => {
+    const dir = await fs.mkdtemp(path.join(os.tmpdir(), 'pyimg-reqpaths-'));
+    try {
+      for (const file of [
+        'pkgs/a-1.0.tar.gz',
+        'wheels/b-1.0-py3-none-any.whl',
+        'more/c.txt',
+        'more/d-1.whl',
+        'lib/setup.py',
+        'main.py',
+      ]) {
+        await fs.mkdir(path.dirname(path.join(dir, file)), { recursive: true });
+        await fs.writeFile(path.join(dir, file), 'x');
+      }
+      await fs.writeFile(path.join(dir, 'more/c.txt'), './more/d-1.whl\n-f ../wheels\n');
+      const text = [
+        '--no-index',
+        '--find-links ./wheels',
+        './pkgs/a-1.0.tar.gz  # a source archive: fine in an image',
+        'b==1.0',
+        '-r more/c.txt',
+        '-e ./lib',
+        'e @ file:./pkgs/a-1.0.tar.gz',
+        'requests>=2',
+        './missing-1.0.tar.gz',
+        '../outside.tar.gz',
+        '/etc/passwd',
+        '',
+      ].join('\n');
+      await fs.writeFile(path.join(dir, 'requirements.txt'), text);
+      assert.deepEqual(requirementsLocalPaths(Buffer.from(text), dir), [
+        'lib',
+        'more/c.txt',
+        'more/d-1.whl',
+        'pkgs/a-1.0.tar.gz',
+        'wheels',
+      ]);
+      assert.deepEqual(requirementsLocalPaths(Buffer.from('.\nrequests\n'), dir), ['.']);
+      assert.deepEqual(requirementsLocalPaths(Buffer.from('requests\nnumpy==2\n'), dir), []);
+
+      const steps = await requirementsImageSteps(dir);
+      assert.deepEqual(steps.slice(0, -1), [
+        { kind: 'copy', source: 'requirements.txt', dest: '/ferry/requirements/requirements.txt' },
+        { kind: 'copy', source: 'lib', dest: '/ferry/requirements/lib/' },
+        { kind: 'copy', source: 'more/c.txt', dest: '/ferry/requirements/more/c.txt' },
+        { kind: 'copy', source: 'more/d-1.whl', dest: '/ferry/requirements/more/d-1.whl' },
+        { kind: 'copy', source: 'pkgs/a-1.0.tar.gz', dest: '/ferry/requirements/pkgs/a-1.0.tar.gz' },
+        { kind: 'copy', source: 'wheels', dest: '/ferry/requirements/wheels/' },
+      ]);
+      const pip = steps.at(-1)!;
+      assert.equal(pip.kind, 'run');
+      if (pip.kind === 'run') {
+        assert.equal(pip.cwd, '/ferry/requirements');
+        assert.match(pip.command, /exec python3 -m pip install --no-cache-dir -r requirements\.txt$/);
+        assert.equal(pip.env.PIP_BREAK_SYSTEM_PACKAGES, '1');
+      }
+      await fs.rm(path.join(dir, 'requirements.txt'));
+      assert.deepEqual(await requirementsImageSteps(dir), []);
+    } finally {
+      await fs.rm(dir, { recursive: true, force: true });
+    }
   });
 });

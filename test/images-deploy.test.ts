@@ -19,6 +19,7 @@
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import fs from 'node:fs/promises';
+import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
@@ -71,6 +72,20 @@ async function sharedLibraries(files: string[]): Promise<string[]> {
     for (const match of stdout.matchAll(/(?:=>\s+)?(\/\S+)\s+\(0x/g)) libs.add(match[1]!);
   }
   return [...libs];
+}
+
+/** The views of the image `hex` that servers keep for their replicas (`ferry-view-*` folders). */
+async function imageViews(hex: string): Promise<string[]> {
+  const found: string[] = [];
+  for (const root of new Set([os.tmpdir(), '/tmp'])) {
+    for (const name of await fs.readdir(root).catch(() => [] as string[])) {
+      if (!name.startsWith('ferry-view-')) continue;
+      for (const view of await fs.readdir(path.join(root, name)).catch(() => [] as string[])) {
+        if (view.startsWith(`image-${hex.slice(0, 12)}-`)) found.push(path.join(root, name, view));
+      }
+    }
+  }
+  return found;
 }
 
 function fields(text: string): Record<string, string> {
@@ -352,6 +367,8 @@ def run():
     // The base stays: other apps' builds use it.
     const baseShelved = path.join(server.services.config.artifactsDir, 'images', 'blobs', 'sha256', digest.slice(7));
     await fs.stat(baseShelved);
+    // The replicas that ran it have a view of it, kept between replicas (made again at no cold start).
+    assert.ok((await imageViews(hex)).length > 0, 'a view of the image is kept');
     const deleted = await http(api('/apps/img-steps'), { method: 'DELETE', token: auth.token });
     assert.equal(deleted.status, 200, deleted.text);
     await assert.rejects(fs.stat(shelved), { code: 'ENOENT' });
@@ -365,6 +382,8 @@ def run():
       60_000,
       'the unpacked image removed',
     );
+    // Its view went with it: no hard link keeps the removed image's files on disk.
+    assert.deepEqual(await imageViews(hex), []);
     await fs.stat(baseShelved);
   });
 

@@ -4,6 +4,7 @@
  */
 import type { AppConfig } from '../apps/app-config.js';
 import type { BuildImageRecord } from '../images/build-image.js';
+import type { ImplicitStep } from '../images/image-steps.js';
 import type { BuildSandbox } from '../sandbox/build-step.js';
 
 export interface BuildContext {
@@ -46,6 +47,12 @@ export interface BuildResult {
 export interface Builder {
   readonly name: 'node' | 'python' | 'custom';
   build(ctx: BuildContext): Promise<BuildResult>;
+  /**
+   * With `[image]`: steps the runtime adds to the app's image, after the app's own (images/image-steps.ts),
+   * decided from the app folder before the image is built. Python installs `requirements.txt` this way.
+   * Throws BuildFailedError for an app folder it cannot make steps of.
+   */
+  imageSteps?(input: { sourceDir: string; config: AppConfig }): Promise<ImplicitStep[]>;
 }
 
 /** Thrown by a builder for a failure that is the app's fault (bad syntax, failed install); the message goes to the build log. */

@@ -128,9 +128,11 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       const builder = selectBuilder(config, folder.source, deps.builders);
       log(`Runtime: ${config.app.runtime} (${builder.name} builder)`);
       if (config.image) {
+        const implicitSteps = (await builder.imageSteps?.({ sourceDir: folder.source, config })) ?? [];
         image = await prepareBuildImage({
           images: deps.images,
           spec: config.image,
+          implicitSteps,
           projectId: build.project_id,
           buildId: build.id,
           sourceDir: folder.source,

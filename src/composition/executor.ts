@@ -104,7 +104,7 @@ export async function createExecutor(
         logger: logger.child({ component: 'images' }),
       })
     : undefined;
-  core.onClose(() => images?.cache.close());
+  core.onClose(() => images?.close());
   const launch = createLauncher({
     images,
     volumes: parts.volumes,

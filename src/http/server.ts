@@ -3,7 +3,8 @@
  * (`/v4`), `/healthz` and `/metrics`. `buildServer` does not listen, so tests can inject requests or
  * listen on port 0 themselves.
  */
-import { createServer } from 'node:http';
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import type { Socket } from 'node:net';
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { type FastifyBaseLogger, LogController } from 'fastify';
@@ -54,8 +55,37 @@ export type HttpDeps = AppRouteDeps &
     metrics: Pick<Metrics, 'httpRequests' | 'httpDuration'>;
   };
 
+/**
+ * The connections of `server` that carry no request now: closed when the server closes. Node's own
+ * `closeIdleConnections` (Fastify's `forceCloseConnections: 'idle'`) leaves out a connection that was
+ * opened but never sent a request (seen after a caller aborted a call: a second connection of the
+ * client's pool, which held every close for the whole keep-alive timeout, 60 to 72 s). Requests in flight,
+ * and upgraded sockets (WebSocket sessions, which their tunnels end), are left to finish.
+ */
+function trackUnbusyConnections(server: Server): { closeUnbusy(): void } {
+  const sockets = new Map<Socket, number>();
+  server.on('connection', (socket: Socket) => {
+    sockets.set(socket, 0);
+    socket.once('close', () => sockets.delete(socket));
+  });
+  server.prependListener('request', (req: IncomingMessage, res: ServerResponse) => {
+    const socket = req.socket;
+    sockets.set(socket, (sockets.get(socket) ?? 0) + 1);
+    res.once('close', () => {
+      if (sockets.has(socket)) sockets.set(socket, Math.max(0, (sockets.get(socket) ?? 1) - 1));
+    });
+  });
+  server.prependListener('upgrade', (req: IncomingMessage) => sockets.delete(req.socket));
+  return {
+    closeUnbusy() {
+      for (const [socket, busy] of sockets) if (busy === 0) socket.destroy();
+    },
+  };
+}
+
 function createFastify(services: HttpDeps): TypedServer {
   let fastPath: RunFastPath | undefined;
+  let connections: { closeUnbusy(): void } | undefined;
   const app = Fastify({
     // Node's server as Fastify would make it, with the run endpoint's hot case served before Fastify.
     serverFactory: (handler) => {
@@ -64,6 +94,7 @@ function createFastify(services: HttpDeps): TypedServer {
       const server = createServer((req, res) => {
         if (!path.handle(req, res)) handler(req, res);
       });
+      connections = trackUnbusyConnections(server);
       // Fastify's own defaults, which it applies only to a server it makes itself.
       server.keepAliveTimeout = 72_000;
       server.requestTimeout = 0;
@@ -84,8 +115,11 @@ function createFastify(services: HttpDeps): TypedServer {
     return503OnClosing: true,
     forceCloseConnections: 'idle',
   }).withTypeProvider<TypeBoxTypeProvider>();
-  // Closing: every request goes through Fastify, which answers 503.
-  app.addHook('preClose', async () => fastPath?.close());
+  // Closing: every request goes through Fastify, which answers 503; connections without one are closed.
+  app.addHook('preClose', async () => {
+    fastPath?.close();
+    connections?.closeUnbusy();
+  });
   return app;
 }
 

@@ -1,6 +1,7 @@
 /**
  * The image part of a build of an app with `[image]`: the base is pulled (or found in the node's cache)
- * and pinned for the build's time, the steps that need building go through the seam (image-steps.ts),
+ * and pinned for the build's time, the steps that need building (the app's, then its runtime's own, such
+ * as Python's install of requirements.txt) go through the seam (image-steps.ts),
  * and what replicas need of the image is written down once, as the build's `BuildImageRecord`
  * (`builds.image_json`, with the digest in `builds.image_digest`).
  *
@@ -16,7 +17,7 @@ import type { SandboxNetwork } from '../sandbox/network.js';
 import { buildImage, readDockerfileBase } from './image-builder.js';
 import type { ImageRunConfig } from './image-config.js';
 import type { ImageSpec } from './image-spec.js';
-import { ImageBuildError, needsImageBuild } from './image-steps.js';
+import { ImageBuildError, type ImplicitStep, needsImageBuild } from './image-steps.js';
 import type { ImageStore, PinnedImage } from './image-store.js';
 import { formatImageReference, parseImageReference } from './reference.js';
 import type { StepLimits } from './step-sandbox.js';
@@ -59,6 +60,8 @@ export interface PrepareBuildImageOptions {
   /** The node's images; absent where replicas are not sandboxed (images need the sandbox). */
   images: ImageStore | undefined;
   spec: ImageSpec;
+  /** The runtime's own steps after the spec's (builds/builder.ts `imageSteps`): Python's requirements.txt. */
+  implicitSteps?: readonly ImplicitStep[];
   projectId: string;
   buildId: string;
   /** The app folder as uploaded (a Dockerfile's context). */
@@ -119,11 +122,13 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
     }
     let final = pinned;
     try {
-      if (needsImageBuild(spec)) {
+      const implicitSteps = options.implicitSteps ?? [];
+      if (needsImageBuild(spec, implicitSteps)) {
         const out = await images.scratch();
         const built = await imageStep('building the image', () =>
           buildImage({
             spec,
+            implicitSteps,
             baseLayoutDir: pinned.layout,
             baseDigest: pinned.digest,
             contextDir: options.sourceDir,

@@ -14,6 +14,10 @@
  * (context-files.ts); `WORKDIR` makes a one-folder layer. The base's layers are kept as they are; the new
  * image is the base's layers plus one per step, a new config, and a new manifest, in `outDir`.
  *
+ * After the app's steps come its runtime's (`implicitSteps`, image-steps.ts: Python's COPY of
+ * requirements.txt and pip install), built and cached the same way, as the image's root user; they leave
+ * the image's config (ENV, WORKDIR, USER, CMD) as the app's steps made it.
+ *
  * Layer cache, per project: each step's key is the SHA-256 of the project, the parent (the base
  * manifest digest, then the previous step's key), the step's text and the state it runs with (env,
  * workdir, user, build args; for COPY the digest of the files it copies). The layers and keys of a
@@ -37,6 +41,7 @@ import { hashCopySources, writeCopyLayer } from './context-files.js';
 import { type BuildState, dockerfileBase, initialState, type PlanStep, planDockerfile } from './dockerfile.js';
 import { type ImageRunConfig, parseImageConfig } from './image-config.js';
 import type { ImageSpec } from './image-spec.js';
+import type { ImplicitStep } from './image-steps.js';
 import { LayerWriter, type WrittenLayer } from './layer-writer.js';
 import {
   blobPath,
@@ -77,6 +82,8 @@ export const DEFAULT_IMAGE_BUILD_LIMITS: ImageBuildLimits = {
 
 export interface BuildImageOptions {
   spec: ImageSpec;
+  /** The runtime's own steps (image-steps.ts), after the spec's: Python's install of requirements.txt. */
+  implicitSteps?: readonly ImplicitStep[];
   /** An OCI layout holding the pulled base (verified by the pull). */
   baseLayoutDir: string;
   /** The base's manifest digest in that layout. */
@@ -205,7 +212,7 @@ class ImageBuild {
       this.layers.push({ descriptor: layer, diffId: String(baseDiffIds[i]), layout: o.baseLayoutDir });
     }
 
-    const { steps, finalEnv } = await this.plan(baseConfig);
+    const { steps, finalEnv, appSteps } = await this.plan(baseConfig);
     await initLayout(this.projectLayout);
     await fs.mkdir(path.join(this.projectDir, 'steps'), { recursive: true });
 
@@ -217,7 +224,8 @@ class ImageBuild {
     for (const [i, step] of steps.entries()) {
       const label = `step ${i + 1}/${steps.length}: ${step.label}`;
       this.current = `step ${i + 1}/${steps.length} (${step.label.slice(0, 200)})`;
-      state = step.state;
+      // A runtime's steps leave the image's config as the app's steps made it.
+      if (i < appSteps) state = step.state;
       if (step.kind === 'config') {
         o.log(step.note ? `${label} (${step.note})` : label);
         history.push({ created_by: step.label, empty_layer: true });
@@ -245,24 +253,37 @@ class ImageBuild {
     return this.writeImage(baseJson, state, finalEnv, history, ran, cached);
   }
 
-  private async plan(base: ImageRunConfig): Promise<{ steps: PlanStep[]; finalEnv: Record<string, string> }> {
+  /** The steps in order: the app's (`appSteps` of them), then the runtime's (implicitSteps). */
+  private async plan(
+    base: ImageRunConfig,
+  ): Promise<{ steps: PlanStep[]; finalEnv: Record<string, string>; appSteps: number }> {
     const { spec } = this.o;
+    let steps: PlanStep[];
+    let finalEnv: Record<string, string>;
+    let last: BuildState;
     if (spec.kind === 'dockerfile') {
       const text = await readDockerfile(this.o.contextDir, spec.dockerfile);
-      return { steps: planDockerfile(text, base).steps, finalEnv: spec.env };
+      steps = planDockerfile(text, base).steps;
+      finalEnv = spec.env;
+      last = steps.at(-1)?.state ?? initialState(base);
+    } else {
+      const state = initialState(base);
+      for (const [k, v] of Object.entries(spec.env)) {
+        const at = state.env.findIndex(([name]) => name === k);
+        if (at >= 0) state.env[at] = [k, v];
+        else state.env.push([k, v]);
+      }
+      steps = [];
+      if (spec.apt.length > 0) steps.push(aptStep(spec.apt, state));
+      for (const command of spec.run) {
+        steps.push({ kind: 'run', label: command, argv: ['/bin/sh', '-c', command], state, buildArgs: [] });
+      }
+      finalEnv = {};
+      last = state;
     }
-    const state = initialState(base);
-    for (const [k, v] of Object.entries(spec.env)) {
-      const at = state.env.findIndex(([name]) => name === k);
-      if (at >= 0) state.env[at] = [k, v];
-      else state.env.push([k, v]);
-    }
-    const steps: PlanStep[] = [];
-    if (spec.apt.length > 0) steps.push(aptStep(spec.apt, state));
-    for (const command of spec.run) {
-      steps.push({ kind: 'run', label: command, argv: ['/bin/sh', '-c', command], state, buildArgs: [] });
-    }
-    return { steps, finalEnv: {} };
+    const appSteps = steps.length;
+    for (const step of this.o.implicitSteps ?? []) steps.push(implicitPlanStep(step, last, finalEnv));
+    return { steps, finalEnv, appSteps };
   }
 
   private async keyOf(parent: string, step: Exclude<PlanStep, { kind: 'config' }>): Promise<string> {
@@ -516,6 +537,38 @@ class ImageBuild {
     if (this.idSlot !== null) slotsInUse.delete(this.idSlot);
     this.idSlot = null;
   }
+}
+
+/**
+ * A runtime's step as the plan runs it: with the app's final ENV (and `[image].env`), as the image's root
+ * user (what installs into the image need, whatever USER the app's steps left), in its own folder.
+ */
+function implicitPlanStep(step: ImplicitStep, last: BuildState, finalEnv: Record<string, string>): PlanStep {
+  const env = last.env.map(([k, v]) => [k, v] as [string, string]);
+  for (const [k, v] of Object.entries(finalEnv)) {
+    const at = env.findIndex(([name]) => name === k);
+    if (at >= 0) env[at] = [k, v];
+    else env.push([k, v]);
+  }
+  if (step.kind === 'copy') {
+    const state: BuildState = { ...last, env, user: undefined };
+    return {
+      kind: 'copy',
+      label: `COPY ${step.source} ${step.dest}`,
+      sources: [step.source],
+      dest: step.dest,
+      uid: 0,
+      gid: 0,
+      state,
+    };
+  }
+  return {
+    kind: 'run',
+    label: step.label,
+    argv: ['/bin/sh', '-c', step.command],
+    state: { ...last, env, user: undefined, workdir: step.cwd },
+    buildArgs: Object.entries(step.env),
+  };
 }
 
 /**

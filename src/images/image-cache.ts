@@ -66,6 +66,8 @@ export async function createImageCache(options: {
   dir: string;
   maxBytes: number;
   now?: () => number;
+  /** Told before an image's folder is removed (eviction or `remove`): what links to its files lets go. */
+  onDiscard?: (digest: string) => Promise<void>;
 }): Promise<ImageCache> {
   const { dir, maxBytes } = options;
   const now = options.now ?? Date.now;
@@ -103,6 +105,7 @@ export async function createImageCache(options: {
 
   async function discard(entry: Entry): Promise<void> {
     entries.delete(entry.digest);
+    await options.onDiscard?.(entry.digest).catch(() => undefined);
     // Renamed first, so a crash halfway through leaves no entry that looks complete.
     const doomed = path.join(dir, `.removing-${randomBytes(6).toString('hex')}`);
     await fs.rename(path.dirname(entry.rootfs), doomed);

@@ -64,6 +64,13 @@ export interface ImageStore {
   shelf: ImageShelf | undefined;
   /** A scratch folder for a build's output layout (removed at start; `adopt` moves it away). */
   scratch(): Promise<string>;
+  /**
+   * Registers what must let go of an image's files before the cache removes them (the replicas' views);
+   * also told of every image at `close`.
+   */
+  onDiscard(listener: (digest: string) => Promise<void>): void;
+  /** At shutdown (after the replicas): what holds images lets go, and the cache's use stamps are written. */
+  close(): Promise<void>;
 }
 
 const NOT_CACHED = new Error('not cached');
@@ -95,7 +102,14 @@ export async function createImageStore(options: {
   logger?: Pick<Logger, 'info'>;
 }): Promise<ImageStore> {
   const { dir, settings, shelf, logger } = options;
-  const cache = await createImageCache({ dir: path.join(dir, 'unpacked'), maxBytes: settings.cacheBytes });
+  const discardListeners: Array<(digest: string) => Promise<void>> = [];
+  const cache = await createImageCache({
+    dir: path.join(dir, 'unpacked'),
+    maxBytes: settings.cacheBytes,
+    async onDiscard(digest) {
+      for (const listener of discardListeners) await listener(digest);
+    },
+  });
   const pulls = path.join(dir, 'pulls');
   await fs.rm(pulls, { recursive: true, force: true }); // scratch layouts of pulls a crash interrupted
   await fs.mkdir(pulls, { recursive: true, mode: 0o700 });
@@ -183,6 +197,15 @@ export async function createImageStore(options: {
     cache,
     shelf,
     scratch,
+    onDiscard(listener) {
+      discardListeners.push(listener);
+    },
+    async close() {
+      for (const { digest } of cache.usage().images) {
+        for (const listener of discardListeners) await listener(digest).catch(() => undefined);
+      }
+      await cache.close();
+    },
     async acquire(reference, opts = {}) {
       const ref = parseImageReference(reference);
       const formatted = formatImageReference(ref);

@@ -40,7 +40,7 @@ export interface LauncherDeps {
    * The node's images: a replica of an image build pins its image here (pulled by digest when this node
    * does not have it) for as long as it runs. Absent where replicas are not sandboxed.
    */
-  images?: Pick<ImageStore, 'acquire' | 'acquireBuilt'>;
+  images?: Pick<ImageStore, 'acquire' | 'acquireBuilt' | 'onDiscard'>;
 }
 
 /** A recipe's command as the replica sees it (its program where the sandbox copies it). */
@@ -50,6 +50,9 @@ export function recipeCommand(recipe: LaunchRecipe, paths: { runtimeFile(host: s
 
 export function createLauncher(deps: LauncherDeps) {
   const imageViews = createImageViews({ dataDir: deps.buildsDir, othersRead: deps.sandbox.identity !== null });
+  // A view is kept between replicas (no view to make at the next cold start) until the cache lets go of
+  // the image: its hard links would keep the evicted files on disk.
+  deps.images?.onDiscard((digest) => imageViews.drop(digest));
   return async function launch(build: PoolBuild, replicaId: string): Promise<LaunchPlan> {
     const runtime = runtimeOf(build);
     const row = await deps.store

@@ -238,7 +238,7 @@ export function createAsyncWorker(deps: {
 
   /**
    * Marks a run started. The runs that take a replica slot in one turn of the event loop share one UPDATE
-   * (one write per run would cost the run endpoint a fifth of its async throughput); on SQLite that UPDATE
+   * (one write per run would cost the run endpoint a fifth of its async throughput), and that UPDATE
    * shares its commit with the async runs accepted meanwhile (recorder.startNow).
    */
   function start(id: string): Promise<number | undefined> {

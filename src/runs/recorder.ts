@@ -11,8 +11,8 @@ import type { Logger } from 'pino';
 import { isoTime } from '../ids.js';
 import { startRuns } from '../store/claims.js';
 import { type Store, writesOneAtATime } from '../store/index.js';
-import { insertRunsIgnoring } from '../store/run-inserts.js';
-import { updateRun } from '../store/run-updates.js';
+import { insertRunsAndStart, insertRunsIgnoring } from '../store/run-inserts.js';
+import { type RunUpdate, updateRuns, updateShape } from '../store/run-updates.js';
 import type { Run } from '../store/schema.js';
 import { isFinalState, type OutboxEntry, type RunChanges, type RunEnd } from './lifecycle.js';
 
@@ -98,8 +98,10 @@ export interface RunRecorder {
   /**
    * Marks a queued async run `owner` holds `running` (one more start, store/claims.ts startRuns) and
    * resolves, once that is committed, with the start's number (its `attempts`, the fence of its later
-   * changes), or undefined when it was not: the run is no longer that node's queued run. The starts of a turn of the event loop are one statement; on SQLite (one writer) they share
-   * the transaction of insertNow's group, so under load the inserts and starts are one commit instead of two.
+   * changes), or undefined when it was not: the run is no longer that node's queued run. Starts share the
+   * commit of insertNow's group: on SQLite (one writer) its transaction, the starts of a turn of the event
+   * loop one statement; on PostgreSQL its one statement, with the starts that came while the group before
+   * it was written. Under load the inserts and starts are one commit instead of two.
    */
   startNow(runId: string, owner: string): Promise<number | undefined>;
   update(runId: string, changes: RunChanges): void;
@@ -220,6 +222,8 @@ export function createRunRecorder(deps: {
   const { store, logger, owner } = deps;
   const every = deps.flushEveryMs ?? 5;
   const limits = { ...DEFAULT_RECORDER_LIMITS, ...deps.limits };
+  /** PostgreSQL underneath (several connections, a round trip per statement), not SQLite (one writer, in process). */
+  const pgStore = !writesOneAtATime(store);
   let pending = new Map<string, Pending>();
   let logs: LogRow[] = [];
   let logBytes = 0;
@@ -237,8 +241,6 @@ export function createRunRecorder(deps: {
    */
   const startedAttempts: Record<string, number> = Object.create(null);
   let durableScheduled = false;
-  /** Starts written by themselves, beside the inserts (PostgreSQL: another connection of the pool). */
-  let startsAlone: typeof starts = [];
   // Per run with log lines: a null-prototype object, not a Map (runs/invoke.ts says why: `cancels`).
   const accounts: Record<string, LogAccount> = Object.create(null);
   /** Runs in `accounts`: while none has lines, a run's end does not look itself up there (issue 15). */
@@ -269,7 +271,11 @@ export function createRunRecorder(deps: {
     return Math.min(limits.retryMaxMs, limits.retryFirstMs * 2 ** Math.min(failures - 1, 20));
   }
 
-  /** Writes a batch in one transaction; resolves with the ids of the runs whose final state it committed. */
+  /**
+   * Writes a batch in one transaction (on PostgreSQL, a batch that is one statement is written without
+   * one: it is atomic as it is, and BEGIN and COMMIT would be two more round trips); resolves with the ids
+   * of the runs whose final state it committed.
+   */
   async function write(
     batch: Map<string, Pending>,
     lines: LogRow[],
@@ -277,21 +283,28 @@ export function createRunRecorder(deps: {
     stats: StatsRow[],
   ): Promise<string[]> {
     const inserts: RunRow[] = [];
-    const updates: Array<[string, RunChanges]> = [];
+    const updates: RunUpdate[] = [];
     for (const [id, p] of batch) {
       if (!p.inserted) inserts.push(isEmpty(p.changes) ? p.row : { ...p.row, ...p.changes });
-      else if (Object.keys(p.changes).length > 0) updates.push([id, p.changes]);
+      else if (!isEmpty(p.changes)) updates.push({ id, changes: p.changes, attempt: startedAttempts[id] });
     }
+    // PostgreSQL inserts any number of rows in one statement (store/run-inserts.ts); SQLite in chunks.
+    const insertChunk = pgStore ? Math.max(1, inserts.length) : INSERT_CHUNK;
+    const oneStatement =
+      pgStore &&
+      lines.length === 0 &&
+      stats.length === 0 &&
+      deliveries.length === 0 &&
+      (inserts.length === 0 ? updates.length > 0 && sameShape(updates) : updates.length === 0);
     // Every INSERT ignores rows already there: a retried batch whose earlier commit did happen (a lost
     // connection after COMMIT) writes nothing twice and does not fail on its own rows.
-    const fenced = new Set<string>();
-    await store.transaction().execute(async (trx) => {
-      for (let i = 0; i < inserts.length; i += INSERT_CHUNK) {
-        await insertRunsIgnoring(trx, inserts.slice(i, i + INSERT_CHUNK));
+    let fenced = new Set<string>();
+    const writeIn = async (trx: Store) => {
+      for (let i = 0; i < inserts.length; i += insertChunk) {
+        await insertRunsIgnoring(trx, inserts.slice(i, i + insertChunk));
       }
-      for (const [id, changes] of updates) {
-        if ((await updateRun(trx, id, changes, owner, startedAttempts[id])) === 0) fenced.add(id);
-      }
+      // Fenced per run (store/run-updates.ts): on PostgreSQL one statement per shape of change.
+      if (updates.length > 0) fenced = await updateRuns(trx, updates, owner);
       for (let i = 0; i < lines.length; i += INSERT_CHUNK) {
         await trx
           .insertInto('run_log_lines')
@@ -336,7 +349,9 @@ export function createRunRecorder(deps: {
             .execute();
         }
       }
-    });
+    };
+    if (oneStatement) await writeIn(store);
+    else await store.transaction().execute(writeIn);
     const finished: string[] = [];
     let late = 0;
     for (const [id, p] of batch) {
@@ -516,42 +531,55 @@ export function createRunRecorder(deps: {
 
   /**
    * Inserts a group of async runs and marks another group started, in one transaction; a row whose
-   * idempotency key another run holds resolves to that run.
+   * idempotency key another run holds resolves to that run. On PostgreSQL both are one statement
+   * (store/run-inserts.ts insertRunsAndStart; or the one of them there is), committed as it is: one round
+   * trip and one commit for the group, no BEGIN and COMMIT.
    */
   async function insertGroup(group: typeof durable, starting: typeof starts): Promise<void> {
     const resolved = new Map<string, string>();
-    const started = new Map<string, number>();
-    await store.transaction().execute(async (trx) => {
+    let started = new Map<string, number>();
+    const rows = group.map((g) => g.row);
+    const inserted = new Set<string>();
+    const owners = new Set(starting.map((s) => s.owner));
+    const startedAt = new Date().toISOString();
+    const writeIn = async (trx: Store) => {
       // Starts first: they never concern the rows inserted here (a run is started only once its insert
       // resolved), and a node's starts are a single statement.
-      const owners = new Set(starting.map((s) => s.owner));
       for (const by of owners) {
         const ids = starting.filter((s) => s.owner === by).map((s) => s.id);
-        for (const [id, attempt] of await startRuns(trx, by, ids, new Date().toISOString())) started.set(id, attempt);
+        for (const [id, attempt] of await startRuns(trx, by, ids, startedAt)) started.set(id, attempt);
       }
-      const inserted = new Set<string>();
-      const rows = group.map((g) => g.row);
-      for (let i = 0; i < rows.length; i += INSERT_CHUNK) {
+      const chunk = pgStore ? Math.max(1, rows.length) : INSERT_CHUNK;
+      for (let i = 0; i < rows.length; i += chunk) {
         // Per row, not per group: one clash on the idempotency key must not roll back the others.
-        const { ids } = await insertRunsIgnoring(trx, rows.slice(i, i + INSERT_CHUNK), true);
+        const { ids } = await insertRunsIgnoring(trx, rows.slice(i, i + chunk), true);
         for (const id of ids) inserted.add(id);
       }
-      for (const row of rows) {
-        if (inserted.has(row.id)) {
-          resolved.set(row.id, row.id);
-          continue;
-        }
-        if (row.idempotency_key === null) continue;
-        const winner = await trx
-          .selectFrom('runs')
-          .select('id')
-          .where('project_id', '=', row.project_id)
-          .where('app_id', '=', row.app_id)
-          .where('idempotency_key', '=', row.idempotency_key)
-          .executeTakeFirst();
-        if (winner) resolved.set(row.id, winner.id);
+    };
+    const [by] = owners;
+    if (pgStore && owners.size <= 1 && (rows.length === 0 || by === undefined)) await writeIn(store);
+    else if (pgStore && by !== undefined && owners.size === 1) {
+      const done = await insertRunsAndStart(store, rows, { owner: by, runIds: starting.map((s) => s.id), startedAt });
+      for (const id of done.ids) inserted.add(id);
+      started = done.started;
+    } else await store.transaction().execute(writeIn);
+    for (const row of rows) {
+      if (inserted.has(row.id)) {
+        resolved.set(row.id, row.id);
+        continue;
       }
-    });
+      if (row.idempotency_key === null) continue;
+      // The run that holds the key is committed: an insert that meets a key of a transaction in progress
+      // waits for it to end, and skips the row only once it committed.
+      const winner = await store
+        .selectFrom('runs')
+        .select('id')
+        .where('project_id', '=', row.project_id)
+        .where('app_id', '=', row.app_id)
+        .where('idempotency_key', '=', row.idempotency_key)
+        .executeTakeFirst();
+      if (winner) resolved.set(row.id, winner.id);
+    }
     for (const s of starting) s.resolve(markStarted(s.id, started.get(s.id)));
     for (const g of group) {
       const id = resolved.get(g.row.id);
@@ -564,11 +592,37 @@ export function createRunRecorder(deps: {
    * Async runs' inserts go one group after another, but not behind the flushes of run changes: nothing of
    * a run is written before its insert (its changes only start once the insert resolved), and an async
    * call's 202 should wait for its own commit only. On PostgreSQL the two then use two connections.
+   *
+   * On SQLite a group is what arrived in one turn of the event loop (its write blocks the loop anyway). On
+   * PostgreSQL a group is everything that arrived while the one before it was being written (group commit:
+   * the busier the server, the larger the groups, at one round trip each), so one group at a time is in
+   * flight. The starts ride along in both (startNow): every commit waits for a WAL flush, and on a busy
+   * disk PostgreSQL's flushes are what a 202 waits for, so each commit fewer shortens the others' wait.
    */
   let durableWriting: Promise<void> = Promise.resolve();
+  /** PostgreSQL: a group is being written (the next one is taken when it ends). */
+  let durableBusy = false;
 
   function flushDurable(): void {
     durableScheduled = false;
+    if (pgStore) {
+      if (durableBusy || (durable.length === 0 && starts.length === 0)) return;
+      const group = durable;
+      const starting = starts;
+      durable = [];
+      starts = [];
+      durableBusy = true;
+      durableWriting = insertGroup(group, starting)
+        .catch((err: unknown) => {
+          for (const s of starting) s.reject(err);
+          for (const g of group) g.reject(err);
+        })
+        .finally(() => {
+          durableBusy = false;
+          flushDurable();
+        });
+      return;
+    }
     const group = durable;
     const starting = starts;
     durable = [];
@@ -579,33 +633,6 @@ export function createRunRecorder(deps: {
         for (const s of starting) s.reject(err);
         for (const g of group) g.reject(err);
       });
-  }
-
-  function flushStartsAlone(): void {
-    const batch = startsAlone;
-    startsAlone = [];
-    const by = batch[0]?.owner;
-    if (by === undefined) return;
-    // One node's worker: one owner (any other owner's starts go in their own statement).
-    const mine = batch.filter((s) => s.owner === by);
-    const others = batch.filter((s) => s.owner !== by);
-    if (others.length > 0) {
-      startsAlone = others;
-      setImmediate(flushStartsAlone);
-    }
-    startRuns(
-      store,
-      by,
-      mine.map((s) => s.id),
-      new Date().toISOString(),
-    ).then(
-      (started) => {
-        for (const s of mine) s.resolve(markStarted(s.id, started.get(s.id)));
-      },
-      (err: unknown) => {
-        for (const s of mine) s.reject(err);
-      },
-    );
   }
 
   /** A start committed (attempt known) or refused (undefined): its number when the run is this node's to run now. */
@@ -687,13 +714,8 @@ export function createRunRecorder(deps: {
     },
     startNow(runId, by) {
       return new Promise<number | undefined>((resolve, reject) => {
-        if (writesOneAtATime(store)) {
-          starts.push({ id: runId, owner: by, resolve, reject });
-          scheduleDurable();
-          return;
-        }
-        if (startsAlone.length === 0) setImmediate(flushStartsAlone);
-        startsAlone.push({ id: runId, owner: by, resolve, reject });
+        starts.push({ id: runId, owner: by, resolve, reject });
+        scheduleDurable();
       });
     },
     finish(end) {
@@ -773,7 +795,11 @@ export function createRunRecorder(deps: {
     flush,
     async close() {
       const end = Date.now() + limits.closeRetryMs;
-      await durableWriting;
+      // A group written on PostgreSQL starts the next one when it ends: wait for the last.
+      for (let last = durableWriting; ; last = durableWriting) {
+        await last;
+        if (durableWriting === last) break;
+      }
       await flush(true, true);
       await writing;
       while (failures > 0 && Date.now() < end) {
@@ -792,6 +818,15 @@ export function createRunRecorder(deps: {
     },
   };
   return recorder;
+}
+
+/** Whether every update goes into the same statement (store/run-updates.ts updateRuns). */
+function sameShape(updates: readonly RunUpdate[]): boolean {
+  const first = updates[0];
+  if (first === undefined) return true;
+  const shape = updateShape(first);
+  for (let i = 1; i < updates.length; i++) if (updateShape(updates[i]!) !== shape) return false;
+  return true;
 }
 
 function isEmpty(changes: RunChanges): boolean {

@@ -8,7 +8,8 @@
  *   /app/cache    this build's own scratch cache (HOME, npm's cache), writable; removed after the build
  *   /tmp          a private tmpfs
  *   /usr, /etc (unreadable entries masked), the system links, Node's own folder, and the extra files a
- *   step names (Ferry's esbuild agent), read-only.
+ *   step names (Ferry's esbuild agent), read-only; or, for a step on an image (`imageRoot`), the image's
+ *   unpacked root instead of all the host's system folders, read-only.
  * Nothing else of the host: not the data folder, its keys or database, nor any other build. The network
  * is a lease from the server's SandboxNetwork (sandbox/network.ts): a namespace to join with nsenter, or
  * bwrap's own empty one (loopback only). Memory and processes are bounded by cgroups; the pipeline
@@ -131,6 +132,12 @@ export interface BuildStep {
   readOnly?: StepMount[];
   /** Extra writable folders, bound over a path inside /app (node_modules). */
   writable?: StepMount[];
+  /**
+   * An image's unpacked root as the step's `/` (read-only, as replicas have it: sandbox/launch.ts
+   * ImageRoot) instead of the host's system folders: a check run with the image's own tools (Python's
+   * syntax check with the image's python3). Needs bwrap.
+   */
+  imageRoot?: string;
   onLine: (stream: 'stdout' | 'stderr', line: string) => void;
 }
 
@@ -149,6 +156,7 @@ export async function runBuildStep(ctx: BuildStepContext, step: BuildStep): Prom
   await fs.mkdir(cacheHost, { recursive: true });
   const { caps, network, limits } = ctx.sandbox;
   if (caps.bwrap === null) {
+    if (step.imageRoot !== undefined) throw new Error(`${step.label} runs on an image, which needs the sandbox`);
     const exit = await runChild(step.command[0]!, step.command.slice(1), {
       cwd: step.cwd,
       env: step.env,
@@ -176,6 +184,7 @@ export async function runBuildStep(ctx: BuildStepContext, step: BuildStep): Prom
         caps.bwrapFeatures,
         lease.netnsPath === null ? 'isolated' : 'host',
         caps.identity !== null,
+        stage.imageRoot !== null ? { rootfs: stage.imageRoot, files: [] } : undefined,
       )),
       ...(caps.bwrapFeatures.tmpfsSize ? ['--size', String(memoryBytes)] : []),
       '--tmpfs',
@@ -191,7 +200,7 @@ export async function runBuildStep(ctx: BuildStepContext, step: BuildStep): Prom
       STEP_CACHE_DIR,
     ];
     // fd 5, the first after bwrap's status (3) and arguments (4): see spawnReplica.
-    if (lease.resolvConf !== null) options.push(...(await resolvConfArgs(5)));
+    if (lease.resolvConf !== null) options.push(...(await resolvConfArgs(5, stage.imageRoot ?? undefined)));
     for (const [i, mount] of (step.writable ?? []).entries()) options.push('--bind', stage.writable[i]!, mount.sandbox);
     for (const [i, mount] of (step.readOnly ?? []).entries())
       options.push('--ro-bind', stage.readOnly[i]!, mount.sandbox);
@@ -291,6 +300,8 @@ export async function runBuildStep(ctx: BuildStepContext, step: BuildStep): Prom
 class StepStage {
   readonly writable: string[] = [];
   readonly readOnly: string[] = [];
+  /** The image root the step binds as `/` (a mirror in the stage when there is one), or null. */
+  imageRoot: string | null = null;
   private readonly moved: Array<{ from: string; to: string }> = [];
 
   private constructor(
@@ -320,6 +331,7 @@ class StepStage {
       );
       for (const mount of step.writable ?? []) stage.writable.push(path.resolve(mount.host));
       for (const mount of step.readOnly ?? []) stage.readOnly.push(path.resolve(mount.host));
+      if (step.imageRoot !== undefined) stage.imageRoot = path.resolve(step.imageRoot);
       return stage;
     }
     const dir = await fs.mkdtemp(path.join(root, 'step-'));
@@ -335,6 +347,13 @@ class StepStage {
         stage.writable.push(to);
       }
       await mirror(path.resolve(ctx.sourceDir), stage.source, othersRead);
+      if (step.imageRoot !== undefined) {
+        // The image's unpacked root lives in the data directory, which the step's uid cannot enter and
+        // whose path a bind would show in mountinfo: the step binds a mirror of hard links instead, as
+        // replicas bind an image view (images/image-views.ts).
+        stage.imageRoot = path.join(dir, 'image');
+        await mirror(path.resolve(step.imageRoot), stage.imageRoot, othersRead);
+      }
       // Writable folders bound inside the (read-only) source need a folder to be mounted on.
       for (const mount of step.writable ?? []) {
         const inside = path.posix.relative(STEP_SOURCE_DIR, mount.sandbox);

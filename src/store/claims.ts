@@ -33,6 +33,17 @@ function picked<TB extends keyof Database, O>(
 }
 
 /**
+ * `column` is one of `values`. On PostgreSQL one array parameter (`= any($1::text[])`), so the statement's
+ * text is the same whatever the number of values (one text for the server to parse, and for pg_stat_statements
+ * to count); SQLite binds no arrays, so there it is `in (?, ?, …)`.
+ */
+function anyOf(db: Db, column: string, values: readonly string[]): RawBuilder<SqlBool> {
+  return dialectOf(db) === 'postgres'
+    ? sql<SqlBool>`${sql.ref(column)} = any(${[...values]}::text[])`
+    : sql<SqlBool>`${sql.ref(column)} in (${sql.join(values.map((v) => sql`${v}`))})`;
+}
+
+/**
  * A queued run is due: not waiting out its retry policy's delay (`not_before`, runs/lifecycle.ts), an ISO
  * time compared by bytes on both stores.
  */
@@ -101,7 +112,7 @@ export async function startRuns(
   const rows = await db
     .updateTable('runs')
     .set((eb) => ({ state: 'running', started_at: startedAt, attempts: eb('attempts', '+', 1) }))
-    .where('id', 'in', runIds)
+    .where(anyOf(db, 'id', runIds))
     .where('owner', '=', owner)
     .where('state', '=', 'queued')
     .returning(['id', 'attempts'])

@@ -5,6 +5,14 @@
  * dialect, the number of rows and whether ids are returned, so it is compiled by Kysely once per shape and
  * kept: later batches of that shape pass only their parameters (and the SQLite driver's statement cache,
  * keyed by the text, keeps the prepared statement too).
+ *
+ * On PostgreSQL a batch of any size is one statement of one text: each column's values go as one array
+ * parameter and `unnest` turns them back into rows (graphile-worker's `add_jobs` does the same with a
+ * JSON array). One statement needs no transaction around it to be atomic, so a group of async runs is one
+ * round trip to the server instead of a BEGIN, a few INSERTs of the fixed shapes and a COMMIT, and the
+ * server parses one text whatever the group's size (issue 31). Arrays, not JSON: the driver encodes each
+ * string as it encodes a plain parameter (a lone UTF-16 surrogate becomes U+FFFD), where PostgreSQL's JSON
+ * parser would refuse the whole statement for one bad escape.
  */
 import { CompiledQuery, type Kysely } from 'kysely';
 import { dialectOf } from './index.js';
@@ -47,6 +55,21 @@ const COLUMNS = [
   'attempt_log',
 ] as const satisfies ReadonlyArray<keyof Run>;
 
+/** The run columns PostgreSQL holds as `integer`; every other column of runs is `text`. */
+const INTEGER_COLUMNS: ReadonlySet<keyof Run> = new Set([
+  'status_code',
+  'cold_start',
+  'attempts',
+  'publishes',
+  'run_time_ms',
+  'dead',
+] satisfies Array<keyof Run>);
+
+/** The PostgreSQL array type of a run column's values (`unnest` parameters). */
+export function pgArrayType(column: keyof Run): 'int4[]' | 'text[]' {
+  return INTEGER_COLUMNS.has(column) ? 'int4[]' : 'text[]';
+}
+
 // A column added to runs and not here would not be written: the type check fails instead.
 type Missing = Exclude<keyof Run, (typeof COLUMNS)[number]>;
 const complete: Missing extends never ? true : Missing = true;
@@ -80,6 +103,8 @@ export async function insertRunsIgnoring(
   rows: readonly Run[],
   returning = false,
 ): Promise<{ inserted: number; ids: string[] }> {
+  if (rows.length === 0) return { inserted: 0, ids: [] };
+  if (dialectOf(db) === 'postgres') return insertUnnest(db, rows, returning);
   let inserted = 0;
   const ids: string[] = [];
   let at = 0;
@@ -115,6 +140,94 @@ async function insertShape(
     if (same) texts.set(key, query.sql);
   }
   const result = await db.executeQuery<{ id: string }>(query);
+  return {
+    inserted: returning ? result.rows.length : Number(result.numAffectedRows ?? 0n),
+    ids: result.rows.map((r) => r.id),
+  };
+}
+
+/** Starts to make in the statement of `insertRunsAndStart` (store/claims.ts startRuns says what a start is). */
+export interface RunStarts {
+  owner: string;
+  runIds: readonly string[];
+  startedAt: string;
+}
+
+/**
+ * PostgreSQL: inserts `rows` (ignoring rows already there, as insertRunsIgnoring with `returning`) and
+ * starts `starts` (as store/claims.ts startRuns: this owner's queued runs, one more attempt each) in ONE
+ * statement, so both are one commit and one round trip: the group commit of async runs on PostgreSQL
+ * (runs/recorder.ts), as SQLite puts both in one transaction. The starts never concern the rows inserted
+ * here (a run is started only once its insert was committed), so the two parts cannot see each other's
+ * rows and need not.
+ */
+export async function insertRunsAndStart(
+  db: Kysely<Database>,
+  rows: readonly Run[],
+  starts: RunStarts,
+): Promise<{ ids: string[]; started: Map<string, number> }> {
+  if (dialectOf(db) !== 'postgres') throw new Error('insertRunsAndStart is for PostgreSQL');
+  if (combinedText === '') {
+    const n = COLUMNS.length;
+    combinedText =
+      `with "started" as (update "runs" set "state" = 'running', "started_at" = $${n + 3}, "attempts" = "attempts" + 1` +
+      ` where "id" = any($${n + 2}::text[]) and "owner" = $${n + 1} and "state" = 'queued' returning "id", "attempts"),` +
+      ` "inserted" as (${unnestText(true)})` +
+      ` select "id", "attempts" from "started" union all select "id", null from "inserted"`;
+  }
+  const params: unknown[] = columnArrays(rows);
+  params.push(starts.owner, [...starts.runIds], starts.startedAt);
+  const result = await db.executeQuery<{ id: string; attempts: number | null }>(
+    CompiledQuery.raw(combinedText, params),
+  );
+  const ids: string[] = [];
+  const started = new Map<string, number>();
+  for (const r of result.rows) {
+    if (r.attempts === null) ids.push(r.id);
+    else started.set(r.id, Number(r.attempts));
+  }
+  return { ids, started };
+}
+
+let combinedText = '';
+
+/** The PostgreSQL statement texts, with and without `returning id`. */
+const unnestTexts: Record<'r' | '', string> = { r: '', '': '' };
+
+/** The text of the PostgreSQL INSERT of any number of rows (its parameters: columnArrays). */
+function unnestText(returning: boolean): string {
+  const key = returning ? 'r' : '';
+  let text = unnestTexts[key];
+  if (text === '') {
+    const columns = COLUMNS.map((c) => `"${c}"`).join(', ');
+    const arrays = COLUMNS.map((c, i) => `$${i + 1}::${pgArrayType(c)}`).join(', ');
+    text = `insert into "runs" (${columns}) select * from unnest(${arrays}) on conflict do nothing${returning ? ' returning "id"' : ''}`;
+    unnestTexts[key] = text;
+  }
+  return text;
+}
+
+/** One array of values per column, in COLUMNS' order. */
+function columnArrays(rows: readonly Run[]): unknown[][] {
+  const params = new Array<unknown[]>(COLUMNS.length);
+  for (let c = 0; c < COLUMNS.length; c++) {
+    const column = COLUMNS[c]!;
+    const values = new Array<unknown>(rows.length);
+    for (let r = 0; r < rows.length; r++) values[r] = rows[r]![column] ?? null;
+    params[c] = values;
+  }
+  return params;
+}
+
+/** PostgreSQL: every row in one `INSERT … SELECT * FROM unnest(<one array per column>)`. */
+async function insertUnnest(
+  db: Kysely<Database>,
+  rows: readonly Run[],
+  returning: boolean,
+): Promise<{ inserted: number; ids: string[] }> {
+  const text = unnestText(returning);
+  const params = columnArrays(rows);
+  const result = await db.executeQuery<{ id: string }>(CompiledQuery.raw(text, params));
   return {
     inserted: returning ? result.rows.length : Number(result.numAffectedRows ?? 0n),
     ids: result.rows.map((r) => r.id),

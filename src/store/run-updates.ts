@@ -10,9 +10,16 @@
  * the very start it made (`running` with `attempts` = that start). Recovery (cluster/recovery.ts) ends a
  * dead node's running run (a final state) or queues it again (not `running`; its next start counts one
  * more attempt), so a node that was frozen past its lease and comes back changes nothing of it.
+ *
+ * `updateRuns` writes a batch of such updates (the recorder's flush: the ends of every run that finished
+ * in the last few milliseconds). On SQLite it is one `updateRun` per run (in-process calls, one writer);
+ * on PostgreSQL the updates that change the same columns under the same fence are one statement, `UPDATE
+ * runs … FROM unnest(<one array per column>)`, one round trip for them all instead of one per run (issue
+ * 31: the single-row UPDATEs and their round trips were most of the CPU PostgreSQL cost Ferry per run).
  */
 import { CompiledQuery, type Kysely, type SqlBool, sql } from 'kysely';
 import { dialectOf } from './index.js';
+import { pgArrayType } from './run-inserts.js';
 import type { Database, Run } from './schema.js';
 import { unfinishedRun } from './unfinished.js';
 
@@ -61,4 +68,104 @@ export async function updateRun(
   }
   const result = await db.executeQuery(query);
   return Number(result.numAffectedRows ?? 0n);
+}
+
+/** One run's changes in a batch of `updateRuns`, fenced by `attempt` when given (see updateRun). */
+export interface RunUpdate {
+  id: string;
+  changes: Partial<Omit<Run, 'id'>>;
+  attempt?: number | undefined;
+}
+
+/**
+ * The statement an update of `updateRuns` goes into on PostgreSQL (updates of one shape share one): the
+ * columns it changes and whether it is fenced by an attempt.
+ */
+export function updateShape(u: RunUpdate): string {
+  return `${u.attempt !== undefined ? 'a' : ''}:${changedColumns(u.changes).join(',')}`;
+}
+
+/** The changed columns of an update (those with a value), sorted: the shape of its statement. */
+function changedColumns(changes: Partial<Omit<Run, 'id'>>): Array<keyof Omit<Run, 'id'>> {
+  return (Object.keys(changes) as Array<keyof typeof changes>).filter((c) => changes[c] !== undefined).sort();
+}
+
+/**
+ * Applies a batch of updates, each fenced as `updateRun` fences it (by `owner` for all, by its `attempt`
+ * when it has one); resolves with the ids of the runs the fence refused (or that do not exist). An update
+ * with no column to set is left out, as `updateRun` leaves it. The ids must be distinct.
+ */
+export async function updateRuns(
+  db: Kysely<Database>,
+  updates: readonly RunUpdate[],
+  owner?: string,
+): Promise<Set<string>> {
+  const refused = new Set<string>();
+  if (dialectOf(db) !== 'postgres') {
+    for (const u of updates) {
+      if ((await updateRun(db, u.id, u.changes, owner, u.attempt)) === 0) refused.add(u.id);
+    }
+    return refused;
+  }
+  const shapes = new Map<string, { columns: Array<keyof Omit<Run, 'id'>>; fenced: boolean; rows: RunUpdate[] }>();
+  for (const u of updates) {
+    const columns = changedColumns(u.changes);
+    if (columns.length === 0) continue;
+    const fenced = u.attempt !== undefined;
+    const key = `${fenced ? 'a' : ''}:${columns.join(',')}`;
+    const shape = shapes.get(key);
+    if (shape) shape.rows.push(u);
+    else shapes.set(key, { columns, fenced, rows: [u] });
+  }
+  for (const [key, { columns, fenced, rows }] of shapes) {
+    const changed = await updateUnnest(db, key, columns, fenced, rows, owner);
+    for (const u of rows) if (!changed.has(u.id)) refused.add(u.id);
+  }
+  return refused;
+}
+
+/** PostgreSQL statement texts of updateRuns, by owner fence and shape. */
+const unnestTexts = new Map<string, string>();
+
+/**
+ * `UPDATE runs AS r SET c = v.c, … FROM unnest($1::text[] (ids), [$2::int4[] (attempts),] …) AS v(…)
+ * WHERE r.id = v.id AND <fence>`: the ids it changed.
+ */
+async function updateUnnest(
+  db: Kysely<Database>,
+  shapeKey: string,
+  columns: ReadonlyArray<keyof Omit<Run, 'id'>>,
+  fenced: boolean,
+  rows: readonly RunUpdate[],
+  owner: string | undefined,
+): Promise<Set<string>> {
+  const key = `${owner !== undefined ? 'o' : ''}:${shapeKey}`;
+  let text = unnestTexts.get(key);
+  if (text === undefined) {
+    let n = 0;
+    const arrays = [`$${++n}::text[]`];
+    const names = ['"id"'];
+    if (fenced) {
+      arrays.push(`$${++n}::int4[]`);
+      names.push('"fence_attempt"');
+    }
+    for (const c of columns) {
+      arrays.push(`$${++n}::${pgArrayType(c)}`);
+      names.push(`"${c}"`);
+    }
+    const set = columns.map((c) => `"${c}" = v."${c}"`).join(', ');
+    const where = ['r."id" = v."id"'];
+    if (owner !== undefined) where.push(`r."owner" = $${++n}`);
+    where.push(
+      fenced ? `r."state" = 'running' and r."attempts" = v."fence_attempt"` : `r."state" in ('queued', 'running')`,
+    );
+    text = `update "runs" as r set ${set} from unnest(${arrays.join(', ')}) as v(${names.join(', ')}) where ${where.join(' and ')} returning r."id"`;
+    if (unnestTexts.size < MAX_SHAPES) unnestTexts.set(key, text);
+  }
+  const params: unknown[] = [rows.map((u) => u.id)];
+  if (fenced) params.push(rows.map((u) => u.attempt));
+  for (const c of columns) params.push(rows.map((u) => u.changes[c] ?? null));
+  if (owner !== undefined) params.push(owner);
+  const result = await db.executeQuery<{ id: string }>(CompiledQuery.raw(text, params));
+  return new Set(result.rows.map((r) => r.id));
 }

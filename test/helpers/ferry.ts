@@ -291,8 +291,9 @@ export async function deployFiles(
   server: { url: string },
   auth: { projectId: string; token: string },
   name: string,
-  files: Record<string, string>,
-  options: { expect?: 'ready' | 'failed' } = {},
+  files: Record<string, string | Buffer>,
+  /** `timeoutMs`: how long the build may take (default 60 s). */
+  options: { expect?: 'ready' | 'failed'; timeoutMs?: number } = {},
 ): Promise<{ id: string; state: string }> {
   const { zipFiles } = await import('./app-zip.js');
   const zip = await zipFiles(files);
@@ -310,7 +311,7 @@ export async function deployFiles(
       });
       return ['ready', 'failed', 'cancelled'].includes(b.json.state) ? b.json : undefined;
     },
-    60_000,
+    options.timeoutMs ?? 60_000,
     `build of ${name}`,
   );
   if (build.state !== (options.expect ?? 'ready'))

@@ -6,6 +6,13 @@
  *
  * Builds use the interpreter replicas run (`findPython()`), so compiled extensions and the bytecode pip
  * writes match it.
+ *
+ * On an image (`[image]`) both use the image's python3 instead, never the server's: `requirements.txt` is
+ * installed into the image itself by two steps of the image's build (`imageSteps`: a COPY of the file and
+ * of the app's files it names, then `python3 -m pip install -r requirements.txt` as the image's root, in the
+ * image build sandbox, cached like the app's own steps), where source distributions are allowed (that
+ * sandbox runs the app's code anyway); and the syntax check runs the image's python3 in the build sandbox
+ * with the image's root as `/`.
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
@@ -17,16 +24,18 @@ import {
   noEntryError,
 } from '../../builds/builder.js';
 import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
-import { ImageBuildError } from '../../images/image-steps.js';
+import { ImageBuildError, type ImplicitStep } from '../../images/image-steps.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from '../../sandbox/build-step.js';
 import { findImagePython, findPython } from './interpreter.js';
-import { requirementsProblem } from './requirements.js';
+import { requirementsLocalPaths, requirementsProblem } from './requirements.js';
 
 export const PYTHON_ENTRY = 'main.py';
 /** The oldest Python the bootstrap runs on. */
 export const MIN_PYTHON_VERSION: readonly [number, number] = [3, 9];
 /** Where pip installs the app's dependencies, inside the build's output folder. */
 export const SITE_PACKAGES_DIR = 'site-packages';
+/** Where the image steps copy requirements.txt and what it names, and run pip (hidden from replicas: /ferry is Ferry's). */
+export const IMAGE_REQUIREMENTS_DIR = '/ferry/requirements';
 
 /** pip's network timeout in seconds, per attempt. */
 const PIP_TIMEOUT_SECONDS = 15;
@@ -222,6 +231,7 @@ export interface PythonBuilderOptions {
 export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder {
   return {
     name: 'python',
+    imageSteps: ({ sourceDir }) => requirementsImageSteps(sourceDir),
     async build(ctx: BuildContext): Promise<BuildResult> {
       throwIfAborted(ctx.signal);
       const entry = await findEntry(ctx);
@@ -233,18 +243,23 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
         );
       }
       const imagePython = ctx.image ? await checkImagePython(ctx, ctx.image) : undefined;
-      const python = options.python ?? (await findPython());
+      // On an image, the image's python3 checks the source, in the build sandbox on the image's root.
+      const python = imagePython ?? options.python ?? (await findPython());
       if (python === null) {
         throw new BuildFailedError('Python apps cannot be built on this server: no python3 interpreter was found');
       }
-      const analysis = await analyze(ctx, python, entry);
+      const analysis = await analyze(ctx, python, entry, ctx.image && imagePython ? ctx.image : undefined);
       const version = analysis.version.join('.');
-      ctx.log(`Python ${version} (${python})${imagePython ? ": the syntax check; replicas run the image's" : ''}`);
+      ctx.log(`Python ${version} (${python}${imagePython ? ', the image’s' : ''})`);
       const [major, minor] = MIN_PYTHON_VERSION;
-      if (
-        !imagePython &&
-        (analysis.version[0] < major || (analysis.version[0] === major && analysis.version[1] < minor))
-      ) {
+      if (analysis.version[0] < major || (analysis.version[0] === major && analysis.version[1] < minor)) {
+        if (imagePython) {
+          throw new ImageBuildError(
+            'FERRY_IMAGE_NO_PYTHON',
+            'checking main.py with the image’s python3',
+            `the image's python3 is ${version}; the bootstrap needs ${major}.${minor} or newer`,
+          );
+        }
         throw new BuildFailedError(`Python ${major}.${minor} or newer is needed; this server has ${version}`);
       }
       if (analysis.error) {
@@ -259,15 +274,9 @@ export function createPythonBuilder(options: PythonBuilderOptions = {}): Builder
       }
       const functions = analysis.functions ?? undefined;
       if (await isFile(path.join(ctx.sourceDir, 'requirements.txt'))) {
-        if (imagePython) {
-          // Installed into the image by its build's steps, with the image's own pip: not connected yet.
-          throw new ImageBuildError(
-            'FERRY_IMAGE_UNSUPPORTED',
-            'requirements.txt',
-            "installing requirements into an image is not built yet: put the packages in the image's base",
-          );
-        }
-        await installRequirements(ctx, python);
+        // On an image, the image's build installed it (imageSteps, in the log above).
+        if (imagePython) ctx.log("requirements.txt: installed into the image by its build, with the image's pip");
+        else await installRequirements(ctx, python);
       }
       throwIfAborted(ctx.signal);
       ctx.log(
@@ -347,17 +356,25 @@ async function findEntry(ctx: BuildContext): Promise<string> {
   return PYTHON_ENTRY;
 }
 
-/** The syntax check, in the sandbox: Python's own compiler reads the app's file, so it is app input. */
-async function analyze(ctx: BuildContext, python: string, entry: string): Promise<Analysis> {
+/**
+ * The syntax check, in the sandbox: Python's own compiler reads the app's file, so it is app input. With
+ * `image`, `python` is the image's and runs on the image's root (its PATH, none of the host's folders).
+ */
+async function analyze(
+  ctx: BuildContext,
+  python: string,
+  entry: string,
+  image?: NonNullable<BuildContext['image']>,
+): Promise<Analysis> {
   const stdout: string[] = [];
   const stderr: string[] = [];
   const paths = stepPaths(ctx);
   const exit = await runBuildStep(ctx, {
     label: 'syntax check',
     command: [python, '-I', '-c', ANALYZE_SCRIPT, path.posix.join(paths.source, entry)],
-    env: { PATH: paths.searchPath, PYTHONDONTWRITEBYTECODE: '1' },
+    env: { PATH: image ? image.record.searchPath.join(':') : paths.searchPath, PYTHONDONTWRITEBYTECODE: '1' },
     cwd: paths.out,
-    readOnly: toolMounts(paths, python),
+    ...(image ? { imageRoot: image.rootfs } : { readOnly: toolMounts(paths, python) }),
     onLine: (stream, line) => (stream === 'stdout' ? stdout : stderr).push(line),
   });
   const last = stdout.at(-1);
@@ -368,6 +385,56 @@ async function analyze(ctx: BuildContext, python: string, entry: string): Promis
     throw new Error(`Checking ${entry} with ${python} ${how}`);
   }
   return JSON.parse(last) as Analysis;
+}
+
+/**
+ * The image steps that install `requirements.txt` into the image (none without one): a COPY of the file
+ * and of each path of the app it names (wheels, source archives, `--find-links` folders, nested files; the
+ * whole folder for `.`), keeping their places relative to it, then pip with the image's python3 in that
+ * folder. Only what is copied is visible to pip, so the step's cache key (the copies' digests) covers every
+ * input: a deploy that changes only main.py re-runs none of it. Source distributions are allowed: the
+ * image build sandbox runs the app's code anyway.
+ */
+export async function requirementsImageSteps(sourceDir: string): Promise<ImplicitStep[]> {
+  const file = path.join(sourceDir, 'requirements.txt');
+  if (!(await isFile(file))) return [];
+  const named = requirementsLocalPaths(await fs.readFile(file), sourceDir);
+  const steps: ImplicitStep[] = [];
+  if (named.includes('.')) steps.push({ kind: 'copy', source: '.', dest: `${IMAGE_REQUIREMENTS_DIR}/` });
+  else {
+    for (const source of ['requirements.txt', ...named.filter((p) => p !== 'requirements.txt')]) {
+      const folder = await fs
+        .stat(path.join(sourceDir, source))
+        .then((st) => st.isDirectory())
+        .catch(() => false);
+      steps.push({ kind: 'copy', source, dest: `${IMAGE_REQUIREMENTS_DIR}/${source}${folder ? '/' : ''}` });
+    }
+  }
+  const env: Record<string, string> = {
+    PIP_DISABLE_PIP_VERSION_CHECK: '1',
+    PIP_NO_INPUT: '1',
+    PIP_ROOT_USER_ACTION: 'ignore',
+    // A Debian or Ubuntu python3 is "externally managed" (PEP 668): this image is the app's own.
+    PIP_BREAK_SYSTEM_PACKAGES: '1',
+    PYTHONUNBUFFERED: '1',
+  };
+  for (const name of PASSED_ENV) {
+    const value = process.env[name];
+    if (value !== undefined) env[name] = value;
+  }
+  const command = [
+    'command -v python3 >/dev/null 2>&1 || { echo "the image has no python3 on its PATH ($PATH): requirements.txt is installed with the image’s python3" >&2; exit 127; }',
+    'python3 -m pip --version >/dev/null 2>&1 || { echo "the image’s python3 has no pip (python3 -m pip): add it to the image (apt = [python3-pip]) or use a base that has it" >&2; exit 1; }',
+    'exec python3 -m pip install --no-cache-dir -r requirements.txt',
+  ].join('\n');
+  steps.push({
+    kind: 'run',
+    label: 'python3 -m pip install --no-cache-dir -r requirements.txt',
+    command,
+    cwd: IMAGE_REQUIREMENTS_DIR,
+    env,
+  });
+  return steps;
 }
 
 async function installRequirements(ctx: BuildContext, python: string): Promise<void> {

@@ -122,6 +122,76 @@ export function requirementsProblem(data: Buffer, sourceDir: string): Requiremen
   return undefined;
 }
 
+/** How deep nested `-r`/`-c` files are followed when listing the local paths of a requirements file. */
+const MAX_NESTING = 10;
+
+/**
+ * The paths of the app folder a requirements file names, relative to the app folder (`.` for the whole
+ * folder), for an install into an image (runtimes/python/builder.ts): local requirements (`./pkgs/x.tar.gz`,
+ * `x.whl`, `file:` URLs, `name @ file:...`, `-e ./lib`), `--find-links` folders, and nested `-r`/`-c` files
+ * with what they name in turn. pip resolves them the way it does when run in the app folder: requirement
+ * paths against the working folder, option values against the file that names them. Only what exists inside
+ * the app is listed; a path nested in a listed folder is left out. Lines this reading cannot split are
+ * skipped (pip then says what is wrong with them, in the build log).
+ */
+export function requirementsLocalPaths(data: Buffer, sourceDir: string, file = 'requirements.txt'): string[] {
+  const root = path.resolve(sourceDir);
+  const found = new Set<string>();
+  const seen = new Set<string>();
+  const add = (candidate: string | null) => {
+    if (candidate === null || !insideApp(candidate, root) || !fs.existsSync(candidate)) return;
+    found.add(path.relative(root, candidate) || '.');
+  };
+  const read = (text: string, fileDir: string, depth: number) => {
+    for (const [, line] of logicalLines(text)) {
+      const words = line.split(' ');
+      const firstOption = words.findIndex((word) => word.startsWith('-'));
+      const args = (firstOption === -1 ? words : words.slice(0, firstOption)).join(' ');
+      const tokens = shlexSplit(firstOption === -1 ? '' : words.slice(firstOption).join(' '));
+      const options = tokens === null ? [] : parseOptions(tokens);
+      for (const { name, value } of typeof options === 'string' ? [] : options) {
+        if (value === undefined) continue;
+        if (name === '--requirement' || name === '--constraint') {
+          const nested = localPath(value, fileDir);
+          add(nested);
+          if (nested !== null && depth < MAX_NESTING && insideApp(nested, root) && !seen.has(nested)) {
+            seen.add(nested);
+            let body: Buffer | null = null;
+            try {
+              body = fs.readFileSync(nested);
+            } catch {
+              // pip says so
+            }
+            const decoded = body === null ? null : decode(body);
+            if (typeof decoded === 'string') read(decoded, path.dirname(nested), depth + 1);
+          }
+        } else if (name === '--find-links') {
+          add(localPath(value, fileDir));
+          add(localPath(value, root));
+        } else if (name === '--editable') {
+          add(localPath(stripExtras(value), root));
+        }
+      }
+      const markerAt = args.indexOf(';');
+      const requirement = (markerAt === -1 ? args : args.slice(0, markerAt)).replace(STRIP, '');
+      if (requirement === '') continue;
+      const at = requirement.indexOf('@');
+      if (at !== -1 && urlScheme(requirement) !== 'file') {
+        add(localPath(requirement.slice(at + 1).replace(STRIP, ''), root));
+      }
+      add(localPath(stripExtras(requirement), root));
+    }
+  };
+  const decoded = decode(data);
+  if (typeof decoded === 'string') {
+    seen.add(path.resolve(root, file));
+    read(decoded, root, 0);
+  }
+  const sorted = [...found].sort();
+  if (sorted.includes('.')) return ['.'];
+  return sorted.filter((p) => !sorted.some((other) => other !== p && p.startsWith(`${other}/`)));
+}
+
 /** The text as pip decodes it, when that is UTF-8 (what this check reads). */
 function decode(data: Buffer): string | RequirementProblem {
   const whole = (reason: string): RequirementProblem => ({ line: 1, text: '', reason });
