@@ -422,12 +422,13 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       await node.refresh();
       if (announcer && link) {
         await announcer.start();
-        // The app's home worker keeps its min_replicas: when workers come or go, homes move.
+        // The app's home worker keeps its min_replicas: when workers come or go, or one fills up or gets
+        // room (placement.ts homeOf), homes move.
         let members = '';
         const homeTimer = setInterval(() => {
           const now = link.workers
             .live()
-            .map((w) => w.id)
+            .map((w) => `${w.id}${w.load.capacity > 0 && w.load.replicas >= w.load.capacity ? ':full' : ''}`)
             .sort()
             .join(',');
           if (now === members) return;

@@ -2,7 +2,7 @@
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import { createCallerTally } from '../src/cluster/caller-tally.js';
-import { isFull, placeCall, rankWorkers, withOwnCalls } from '../src/cluster/placement.js';
+import { homeOf, isFull, placeCall, rankWorkers, withOwnCalls } from '../src/cluster/placement.js';
 import type { WorkerAnnouncement, WorkerLoad } from '../src/cluster/workers.js';
 
 function worker(id: string, load: Partial<WorkerLoad> = {}): WorkerAnnouncement {
@@ -46,6 +46,35 @@ describe('placement', () => {
       else moved += 1;
     }
     assert.equal(moved, counts.get('w-c'));
+  });
+
+  it('keeps an app’s minimum on the first worker that runs it, else the first with room under its cap', () => {
+    const app = apps[1]!;
+    const [first, second, third] = rankWorkers(
+      app,
+      ['w-a', 'w-b', 'w-c'].map((id) => worker(id)),
+    ).map((w) => w.id) as [string, string, string];
+    // Nobody runs it and nobody is capped: the first in rendezvous order.
+    assert.equal(homeOf(app, [worker(first), worker(second), worker(third)])?.id, first);
+    // The first is at its cap with other apps (FERRY_WORKER_MAX_REPLICAS): the next with room. The regression
+    // of 2026-11-26: both workers' single slots went to one worker, over its cap.
+    const full = worker(first, {
+      capacity: 1,
+      replicas: 1,
+      apps: { 'p/other': { replicas: 1, inflight: 0, capacity: 1 } },
+    });
+    assert.equal(homeOf(app, [full, worker(second), worker(third)])?.id, second);
+    // A worker that runs the app stays its home, even full, even behind a better-ranked one with room.
+    const runs = worker(third, {
+      capacity: 1,
+      replicas: 1,
+      apps: { [app]: { replicas: 1, inflight: 0, capacity: 1 } },
+    });
+    assert.equal(homeOf(app, [worker(first), worker(second), runs])?.id, third);
+    // Every worker full and none runs it: the first, as before (its minimum waits for room there).
+    const capped = (id: string) => worker(id, { capacity: 1, replicas: 1 });
+    assert.equal(homeOf(app, [capped(first), capped(second), capped(third)])?.id, first);
+    assert.equal(homeOf(app, []), undefined);
   });
 
   it('moves a worker without room for the app behind those with room, keeping rendezvous order otherwise', () => {

@@ -283,3 +283,51 @@ describe('roll back and scale without a build', { timeout: 300_000 }, () => {
     assert.equal(after.scaling.replica_concurrency, 4);
   });
 });
+
+describe('min_replicas under the node’s cap (FERRY_WORKER_MAX_REPLICAS)', { timeout: 300_000 }, () => {
+  let server: TestServer;
+  let auth: { projectId: string; token: string };
+  const app = (name: string) => ({
+    'ferry.toml': `[app]\nname = "${name}"\n\n[scaling]\nmin_replicas = 1\nmax_replicas = 1\ncooldown = 1\n`,
+    'main.ts': `export function run() { return { app: ${JSON.stringify(name)} }; }\n`,
+  });
+  const live = (name?: string) =>
+    server.services.replicas
+      .pools()
+      .filter((p) => name === undefined || p.build.appId === name)
+      .reduce((n, p) => n + p.liveReplicas, 0);
+
+  before(async () => {
+    server = await startServer({ env: { FERRY_WORKER_MAX_REPLICAS: '1' } });
+    auth = await server.bootstrap();
+  });
+
+  after(async () => {
+    await server?.close();
+  });
+
+  it('keeps the cap over two apps’ minimums, and starts the waiting minimum once the slot frees', async () => {
+    await deployFiles(server, auth, 'first', app('first'));
+    await waitFor(async () => live('first') === 1, 60_000, 'the minimum of first');
+    // The second app's minimum finds the node full: it waits, and the cap holds.
+    await deployFiles(server, auth, 'second', app('second'));
+    const pool = await waitFor(
+      async () => server.services.replicas.pools().find((p) => p.build.appId === 'second'),
+      60_000,
+      'the pool of second',
+    );
+    assert.equal(pool.liveReplicas, 0);
+    assert.equal(live(), 1, 'one replica over all apps, as FERRY_WORKER_MAX_REPLICAS says');
+    // The first app's minimum goes to 0: its idle replica stops after its cooldown, and the second app's
+    // minimum starts in the freed slot with no call.
+    const down = await http(`${server.url}/v2/projects/${auth.projectId}/apps/first`, {
+      method: 'PATCH',
+      token: auth.token,
+      body: { scaling: { min_replicas: 0 } },
+    });
+    assert.equal(down.status, 200, down.text);
+    await waitFor(async () => live('second') === 1, 60_000, 'the minimum of second in the freed slot');
+    assert.equal(live('first'), 0);
+    assert.equal(live(), 1);
+  });
+});

@@ -30,6 +30,22 @@ export function rankWorkers<T extends { id: string }>(appKey: string, workers: r
 }
 
 /**
+ * The worker that keeps an app's `min_replicas` (its home for that purpose): the first in rendezvous order
+ * that runs replicas of the app; failing that, the first with room for one more replica (below its
+ * FERRY_WORKER_MAX_REPLICAS); failing that, the first. Every worker reads the same announcements, so they
+ * agree on one home; a full worker's new apps go to the next worker with room, and a home that runs the
+ * app's replicas stays home while it does (no churn when a worker with a better rank comes back).
+ */
+export function homeOf(appKey: string, workers: readonly WorkerAnnouncement[]): WorkerAnnouncement | undefined {
+  const ranked = rankWorkers(appKey, workers);
+  return (
+    ranked.find((w) => (w.load.apps[appKey]?.replicas ?? 0) > 0) ??
+    ranked.find((w) => w.load.capacity <= 0 || w.load.replicas < w.load.capacity) ??
+    ranked[0]
+  );
+}
+
+/**
  * Whether a worker, as last announced, has no free slot for the app: every slot it has or could start for
  * the app is taken (or, without replicas of it, it is at its cap of replicas over all apps).
  */

@@ -9,7 +9,7 @@
 import { createFinishedRelay } from '../cluster/finished-relay.js';
 import { type ClusterNames, clusterNames, createNatsLink, type NatsLink } from '../cluster/nats.js';
 import { FERRY_VERSION } from '../cluster/node-info.js';
-import { rankWorkers } from '../cluster/placement.js';
+import { homeOf } from '../cluster/placement.js';
 import { workerLoad } from '../cluster/worker-load.js';
 import {
   createWorkerAnnouncer,
@@ -90,7 +90,7 @@ export async function createClusterLink(core: Core): Promise<ClusterLink | undef
           isHome(projectId: string, appId: string): boolean {
             const live = workers.live();
             if (live.length === 0) return true;
-            return rankWorkers(`${projectId}/${appId}`, live)[0]?.id === node.id;
+            return homeOf(`${projectId}/${appId}`, live)?.id === node.id;
           },
           elsewhere,
         }

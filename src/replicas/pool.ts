@@ -90,6 +90,8 @@ export class ReplicaPool {
   /** Crashes and failed starts in a row (reset by a replica that becomes ready and stays up). */
   private failuresInRow = 0;
   private restartTimer: NodeJS.Timeout | undefined;
+  /** ensureMinimum() stopped short at the node's cap: rescale() tries again when another replica stops. */
+  private minimumHeldByCap = false;
 
   constructor(deps: PoolDeps) {
     this.deps = deps;
@@ -144,9 +146,11 @@ export class ReplicaPool {
     return this.live();
   }
 
-  /** Starts replicas for waiting runs again (another pool stopped a replica: the node's cap has room). */
+  /** Another pool started or stopped a replica (the node's cap may have room): the minimum, then waiting runs. */
   rescale(): void {
-    if (!this.draining && this.waiters.length > 0) this.scale();
+    if (this.draining) return;
+    if (this.minimumHeldByCap) this.ensureMinimum();
+    if (this.waiters.length > 0) this.scale();
   }
 
   get queueDepth(): number {
@@ -273,8 +277,16 @@ export class ReplicaPool {
   /** Keeps at least min_replicas running (called at activation and after a replica exits). */
   ensureMinimum(): void {
     if (this.draining) return;
-    const missing = this.minReplicas - this.live();
-    for (let i = 0; i < missing; i++) void this.addReplica();
+    // The node's cap (FERRY_WORKER_MAX_REPLICAS) holds for the minimum too; rescale() tops it up once room
+    // frees (and only then: a minimum waiting on its restart back-off is not hurried by other pools' changes).
+    this.minimumHeldByCap = false;
+    while (this.live() < this.minReplicas) {
+      if (!(this.deps.mayStart?.() ?? true)) {
+        this.minimumHeldByCap = true;
+        break;
+      }
+      void this.addReplica();
+    }
   }
 
   private async addReplica(): Promise<void> {
