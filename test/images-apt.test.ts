@@ -41,9 +41,10 @@ import {
   requireAptTools,
   STATIC_SERVER_SCRIPT,
 } from './helpers/debian-image.js';
-import { tempDir } from './helpers/ferry.js';
+import { deployFiles, http, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 import { createOutsideNetwork, type OutsideNetwork } from './helpers/netns.js';
-import type { BaseImage } from './helpers/registry.js';
+import { hostPythonFiles } from './helpers/python-image.js';
+import { type BaseImage, requireImageTools, startRegistry, type TestRegistry } from './helpers/registry.js';
 
 const TIMEOUT = 300_000;
 /** Where the repository's server listens, inside the test's own namespace. */
@@ -238,5 +239,98 @@ describe('images: apt installs a package from a repository the test serves', { t
     } finally {
       await denied.close();
     }
+  });
+});
+
+describe('images: a deployed Python function calls a program apt installed from the test’s repository', {
+  timeout: TIMEOUT * 2,
+}, () => {
+  const PY_MARKER = 'ferry-hello-py says hi to a Python function';
+  let work: string;
+  let outside: OutsideNetwork;
+  let repo: AptRepository;
+  let served: string[];
+  let registry: TestRegistry;
+  let server: TestServer;
+  let auth: { projectId: string; token: string };
+
+  before(async () => {
+    await requireAptTools();
+    await requireImageTools();
+    work = await tempDir('apt-deploy-');
+    repo = await makeAptRepository(path.join(work, 'apt'), 'ferry-hello-py', PY_MARKER);
+    outside = await createOutsideNetwork({ prefix: 'fapd' });
+    served = (
+      await outside.start([process.execPath, '-e', STATIC_SERVER_SCRIPT, repo.dir, outside.address, String(REPO_PORT)])
+    ).lines;
+    // Debian's apt and dpkg with the machine's own python3 beside them.
+    const python = await hostPythonFiles(['lib2to3', 'distutils']);
+    const image = await makeDebianBaseImage(path.join(work, 'base'), {
+      sourcesList: `deb [trusted=yes] http://${outside.address}:${REPO_PORT}/ ./\n`,
+      copy: python.copy,
+      links: python.links,
+    });
+    registry = await startRegistry();
+    await registry.push(image, 'ferry-test/debian-python:1');
+    // The repository's address is private: the egress policy drops it unless the operator allows it.
+    server = await startServer({
+      env: { FERRY_INSECURE_REGISTRIES: registry.host, FERRY_EGRESS_ALLOW: outside.cidr },
+    });
+    auth = await server.bootstrap();
+  });
+  after(async () => {
+    await server?.close();
+    await registry?.stop();
+    await outside?.close();
+    if (work) await fs.rm(work, { recursive: true, force: true });
+  });
+
+  it('builds the image with the package, and the function runs its binary', { timeout: TIMEOUT }, async () => {
+    const app = 'py-apt';
+    const build = await deployFiles(
+      server,
+      auth,
+      app,
+      {
+        'ferry.toml': `[app]\nname = "${app}"\n\n[image]\nbase = "${registry.host}/ferry-test/debian-python:1"\napt = ["ferry-hello-py"]\n`,
+        'main.py': `import shutil, subprocess
+
+def run():
+    done = subprocess.run(["ferry-hello-py"], capture_output=True, text=True, check=True)
+    return {"out": done.stdout.strip(), "where": shutil.which("ferry-hello-py")}
+`,
+      },
+      { timeoutMs: TIMEOUT },
+    ).catch(async (err: Error) => {
+      const list = await http(`${server.url}/v2/projects/${auth.projectId}/apps/${app}/builds`, { token: auth.token });
+      const id = list.json.builds?.[0]?.id;
+      const log = id
+        ? (
+            await http(`${server.url}/v2/projects/${auth.projectId}/apps/${app}/builds/${id}/logs`, {
+              token: auth.token,
+            })
+          ).text
+        : '';
+      throw new Error(`${err.message}\n--- log:\n${log}\n--- served:\n${served.join('\n')}`);
+    });
+    const log = (
+      await http(`${server.url}/v2/projects/${auth.projectId}/apps/${app}/builds/${build.id}/logs`, {
+        token: auth.token,
+      })
+    ).json.lines.map((l: { line: string }) => l.line) as string[];
+    assert.ok(log.includes('step 1/1: apt-get install ferry-hello-py'), log.join('\n'));
+    assert.ok(log.includes('installed ferry-hello-py'), `the package's postinst ran:\n${log.join('\n')}`);
+    assert.ok(
+      log.some((l) => /Python 3\.\d+\.\d+ \(\/usr\/bin\/python3, the image’s\)/.test(l)),
+      log.join('\n'),
+    );
+    assert.ok(served.includes(`GET /${repo.debFile} 200`), `apt fetched the .deb:\n${served.join('\n')}`);
+    const res = await http(`${server.url}/v4/${auth.projectId}/${app}/run`, {
+      method: 'POST',
+      token: auth.token,
+      body: {},
+    });
+    assert.equal(res.status, 200, res.text);
+    assert.deepEqual(res.json.result, { out: PY_MARKER, where: '/usr/bin/ferry-hello-py' });
   });
 });

@@ -17,14 +17,13 @@
  *   WORKDIR, ENV, EXPOSE, CMD) serves from what its steps made.
  */
 import assert from 'node:assert/strict';
-import { execFile } from 'node:child_process';
 import fs from 'node:fs/promises';
 import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { promisify } from 'node:util';
 import { zipFiles } from './helpers/app-zip.js';
 import { deployFiles, http, runCli, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
+import { hostPythonFiles } from './helpers/python-image.js';
 import { makeBaseImage, requireImageTools, startRegistry, type TestRegistry } from './helpers/registry.js';
 
 // A body of known length: Ferry's proxy wants a framed answer, and httpd frames CGI output by closing.
@@ -44,35 +43,6 @@ tmp=$tmp
 "
 printf 'Content-Type: text/plain\\r\\nContent-Length: %s\\r\\n\\r\\n%s' "\${#body}" "$body"
 `;
-
-/** The machine's own Python (Debian's), for an image that has one. */
-const HOST_PYTHON = '/usr/bin/python3';
-/** Parts of the standard library a function's replica never needs: left out of the test's image. */
-const STDLIB_LEFT_OUT = new Set([
-  '__pycache__',
-  'test',
-  'tests',
-  'idle_test',
-  'site-packages',
-  'dist-packages',
-  'idlelib',
-  'tkinter',
-  'turtledemo',
-  'lib2to3',
-  'ensurepip',
-  'pydoc_data',
-  'distutils',
-]);
-
-/** The shared libraries `files` link (ldd), each with the path the loader finds it at. */
-async function sharedLibraries(files: string[]): Promise<string[]> {
-  const libs = new Set<string>();
-  for (const file of files) {
-    const { stdout } = await promisify(execFile)('ldd', [file]).catch(() => ({ stdout: '' }));
-    for (const match of stdout.matchAll(/(?:=>\s+)?(\/\S+)\s+\(0x/g)) libs.add(match[1]!);
-  }
-  return [...libs];
-}
 
 /** The views of the image `hex` that servers keep for their replicas (`ferry-view-*` folders). */
 async function imageViews(hex: string): Promise<string[]> {
@@ -222,25 +192,13 @@ export function run() {
   });
 
   it("runs a Python function with the image's python3", async () => {
-    const real = await fs.realpath(HOST_PYTHON);
-    const version = path.basename(real); // python3.11
-    const stdlib = `/usr/lib/${version}`;
-    const dynload = path.join(stdlib, 'lib-dynload');
-    const extensions = (await fs.readdir(dynload)).map((name) => path.join(dynload, name));
-    const libs = await sharedLibraries([real, ...extensions]);
+    const python = await hostPythonFiles(['lib2to3', 'distutils']);
+    const version = python.version; // python3.11
     const work = await scratch('imgrun-python-');
     const image = await makeBaseImage(work, {
       files: { 'etc/os-release': 'ID=ferry-python-image' },
-      copy: [
-        { from: real, to: `usr/bin/${version}` },
-        {
-          from: stdlib,
-          to: stdlib.slice(1),
-          filter: (source) => !STDLIB_LEFT_OUT.has(path.basename(source)) && !source.includes('/config-3'),
-        },
-        ...libs.map((lib) => ({ from: lib, to: lib.slice(1) })),
-      ],
-      links: { 'usr/bin/python3': version },
+      copy: python.copy,
+      links: python.links,
       config: { cmd: ['/usr/bin/python3'], env: ['PATH=/usr/bin:/bin', 'GREETING=hello from ENV'], workingdir: '/' },
     });
     await registry.push(image, 'ferry-test/py:1');
@@ -337,6 +295,8 @@ def run():
     assert.match(log2, /step 1\/2: .*: cached/);
     assert.match(log2, /step 2\/2: .*: cached/);
     assert.match(log2, /\(0 steps ran, 2 cached\)/);
+    // Nothing ran, and the node has the image those layers make: it is not written or unpacked again.
+    assert.match(log2, /2 cached; already on this node\)/);
     // The base's tag is resolved at the registry again, but its layers are not fetched: the node has them.
     assert.match(log2, /layer 1\/1 sha256:\S+ already on this node/);
     assert.doesNotMatch(log2, /pulling layer/);

@@ -26,41 +26,16 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { deployFiles, http, REPO_ROOT, startServer, type TestServer, tempDir } from './helpers/ferry.js';
+import { HOST_PYTHON, hostPythonFiles } from './helpers/python-image.js';
 import { makeBaseImage, requireImageTools, startRegistry, type TestRegistry } from './helpers/registry.js';
 
 const run = promisify(execFile);
 
-/** The machine's own Python (Debian's), with pip, setuptools and wheel beside it. */
-const HOST_PYTHON = '/usr/bin/python3';
+/** Debian's pip, setuptools and wheel, beside the machine's own Python. */
 const DIST_PACKAGES = '/usr/lib/python3/dist-packages';
 /** What of dist-packages the image gets: pip and what it builds a setup.py source distribution with. */
 const DIST_PACKAGES_KEPT =
   /^(pip|setuptools|pkg_resources|wheel|_distutils_hack)([-.].*)?$|^distutils-precedence\.pth$/;
-/** Parts of the standard library an install and a function never need: left out of the test's image. */
-const STDLIB_LEFT_OUT = new Set([
-  '__pycache__',
-  'test',
-  'tests',
-  'idle_test',
-  'site-packages',
-  'dist-packages',
-  'idlelib',
-  'tkinter',
-  'turtledemo',
-  'ensurepip',
-  'pydoc_data',
-]);
-
-/** The shared libraries `files` link (ldd), each with the path the loader finds it at. */
-async function sharedLibraries(files: string[]): Promise<string[]> {
-  const libs = new Set<string>();
-  for (const file of files) {
-    const { stdout } = await run('ldd', [file]).catch(() => ({ stdout: '' }));
-    for (const match of stdout.matchAll(/(?:=>\s+)?(\/\S+)\s+\(0x/g)) libs.add(match[1]!);
-  }
-  return [...libs];
-}
-
 /** A source distribution whose setup.py writes a module at build time (so the import proves it was built). */
 async function makeSdist(dir: string, greeting: string): Promise<Buffer> {
   const top = path.join(dir, 'hello-0.1');
@@ -167,12 +142,8 @@ describe('images: Python apps with requirements.txt installed into their image',
   before(async () => {
     await requireImageTools();
     work = await tempDir('pyimg-images-');
-    const real = await fs.realpath(HOST_PYTHON);
-    version = path.basename(real); // python3.11
-    const stdlib = `/usr/lib/${version}`;
-    const dynload = path.join(stdlib, 'lib-dynload');
-    const extensions = (await fs.readdir(dynload)).map((name) => path.join(dynload, name));
-    const libs = await sharedLibraries([real, ...extensions]);
+    const python = await hostPythonFiles();
+    version = python.version; // python3.11
     const kept = (await fs.readdir(DIST_PACKAGES)).filter((name) => DIST_PACKAGES_KEPT.test(name));
     assert.ok(
       kept.some((n) => n === 'pip') && kept.some((n) => n === 'setuptools'),
@@ -182,20 +153,14 @@ describe('images: Python apps with requirements.txt installed into their image',
       files: { 'etc/os-release': 'ID=ferry-python-pip-image', 'usr/bin/apt-get': STAND_IN_APT_GET },
       executable: ['usr/bin/apt-get'],
       copy: [
-        { from: real, to: `usr/bin/${version}` },
-        {
-          from: stdlib,
-          to: stdlib.slice(1),
-          filter: (source) => !STDLIB_LEFT_OUT.has(path.basename(source)) && !source.includes('/config-3'),
-        },
+        ...python.copy,
         ...kept.map((name) => ({
           from: path.join(DIST_PACKAGES, name),
           to: path.join(DIST_PACKAGES, name).slice(1),
           filter: (source: string) => path.basename(source) !== '__pycache__',
         })),
-        ...libs.map((lib) => ({ from: lib, to: lib.slice(1) })),
       ],
-      links: { 'usr/bin/python3': version },
+      links: python.links,
       config: { cmd: ['/usr/bin/python3'], env: ['PATH=/usr/local/bin:/usr/bin:/bin'], workingdir: '/' },
     });
     // An image whose python3 is a script answering the syntax check for it: what the build reports must

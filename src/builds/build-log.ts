@@ -25,8 +25,13 @@ export interface BuildLog {
    */
   flush(buildId: string): Promise<void>;
   read(buildId: string, afterSeq: number, limit?: number): Promise<LogLine[]>;
-  /** Waits until a line is appended for the build here, or `ms` passes. */
+  /** Waits until a line is appended for the build here (or it ended: `ended`), or `ms` passes. */
   waitForLines(buildId: string, ms: number, signal?: AbortSignal): Promise<void>;
+  /**
+   * The build's final state is in the store: followers here look again now (its last line was written
+   * before the state, so without this they would wait out their poll to see the end).
+   */
+  ended(buildId: string): void;
 }
 
 const MAX_LINE = 8192;
@@ -125,6 +130,9 @@ export function createBuildLog(deps: { store: Store; maxBytes?: number }): Build
         .orderBy('seq')
         .limit(limit)
         .execute();
+    },
+    ended(buildId) {
+      wake.emit(buildId);
     },
     waitForLines(buildId, ms, signal) {
       return new Promise((resolve) => {

@@ -240,6 +240,7 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
       );
       return;
     }
+    buildLog.ended(build.id);
     if (finalState !== 'ready') await fs.rm(folder.out, { recursive: true, force: true }).catch(() => {});
     logger.info(
       { buildId: build.id, app: build.app_id, state: finalState, ms: Date.now() - started },

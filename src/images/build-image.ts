@@ -124,29 +124,44 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
     try {
       const implicitSteps = options.implicitSteps ?? [];
       if (needsImageBuild(spec, implicitSteps)) {
-        const out = await images.scratch();
-        const built = await imageStep('building the image', () =>
-          buildImage({
-            spec,
-            implicitSteps,
-            baseLayoutDir: pinned.layout,
-            baseDigest: pinned.digest,
-            contextDir: options.sourceDir,
-            projectId: options.projectId,
-            cacheDir: options.steps.cacheDir,
-            outDir: path.join(out, 'layout'),
-            sandbox: options.steps.sandbox,
-            limits: { ...options.steps.limits, timeoutMs: options.timeoutMs },
-            log,
-            signal,
-          }),
-        ).catch(async (err: unknown) => {
-          await fs.rm(out, { recursive: true, force: true });
-          throw err;
-        });
-        log(`Image: built ${built.digest} (${built.ran} steps ran, ${built.cached} cached)`);
-        final = await images.adopt(built.layoutDir, built.digest, `built from ${pinned.reference}`);
-        await fs.rm(out, { recursive: true, force: true });
+        const reference = `built from ${pinned.reference}`;
+        let adopted: PinnedImage | undefined;
+        // Twice at most: an image the node had when the build looked, evicted before it was pinned, is
+        // written out after all.
+        for (const known of [(digest: string) => images.cache.peek(digest) !== undefined, undefined]) {
+          const out = await images.scratch();
+          try {
+            const built = await imageStep('building the image', () =>
+              buildImage({
+                spec,
+                implicitSteps,
+                baseLayoutDir: pinned.layout,
+                baseDigest: pinned.digest,
+                contextDir: options.sourceDir,
+                projectId: options.projectId,
+                cacheDir: options.steps.cacheDir,
+                outDir: path.join(out, 'layout'),
+                sandbox: options.steps.sandbox,
+                limits: { ...options.steps.limits, timeoutMs: options.timeoutMs },
+                log,
+                signal,
+                ...(known ? { known } : {}),
+              }),
+            );
+            if (built.known) {
+              adopted = await images.pinCached(built.digest, reference);
+              if (!adopted) continue;
+            } else {
+              adopted = await images.adopt(built.layoutDir, built.digest, reference);
+            }
+            log(`Image: built ${built.digest} (${built.ran} steps ran, ${built.cached} cached)`);
+            break;
+          } finally {
+            await fs.rm(out, { recursive: true, force: true });
+          }
+        }
+        if (!adopted) throw new Error('unreachable: the second build writes the image');
+        final = adopted;
         pinned.release();
         // The cluster's other nodes have no registry to pull it from: the shelf must have it.
         await imageStep('putting the image on the image shelf', () => images.publish(final));

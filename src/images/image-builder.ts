@@ -99,11 +99,21 @@ export interface BuildImageOptions {
   limits: ImageBuildLimits;
   log: (line: string) => void;
   signal: AbortSignal;
+  /**
+   * Whether the node already has the image of this manifest digest (its image cache). When every step was
+   * cached, the image's digest is known before anything is written: one the node has is not written again
+   * (`BuiltImage.known`), and the caller pins the node's copy.
+   */
+  known?: (digest: string) => boolean;
 }
 
 export interface BuiltImage {
-  /** = outDir: an OCI layout with the image tagged `image`. */
+  /**
+   * = outDir: an OCI layout with the image tagged `image`; nothing (and outDir not made) when `known`.
+   */
   layoutDir: string;
+  /** The node already had this image (`BuildImageOptions.known`): no layout was written. */
+  known?: boolean;
   /** The manifest digest. */
   digest: string;
   config: ImageRunConfig;
@@ -465,9 +475,6 @@ class ImageBuild {
     cached: number,
   ): Promise<BuiltImage> {
     const o = this.o;
-    await fs.mkdir(o.outDir, { recursive: true });
-    await initLayout(o.outDir);
-    for (const layer of this.layers) await linkBlob(layer.layout, o.outDir, layer.descriptor.digest);
     const env = state.env.map(([k, v]) => [k, v] as [string, string]);
     for (const [k, v] of Object.entries(finalEnv)) {
       const at = env.findIndex(([name]) => name === k);
@@ -500,7 +507,6 @@ class ImageBuild {
       digest: sha256(configBytes),
       size: configBytes.length,
     };
-    await writeBlob(o.outDir, configDesc, [configBytes], configBytes.length);
     const manifest = {
       schemaVersion: 2,
       mediaType: MEDIA.ociManifest,
@@ -517,12 +523,25 @@ class ImageBuild {
       digest: sha256(manifestBytes),
       size: manifestBytes.length,
     };
+    const config = parseImageConfig(configBytes);
+    // Nothing ran and the node has the result (a second deploy that changed only the source): the same
+    // layers and config make the same digest, so the node's copy is this image.
+    if (ran === 0 && o.known?.(manifestDesc.digest)) {
+      o.log(
+        `image ${manifestDesc.digest}: ${this.layers.length} layers (0 steps ran, ${cached} cached; already on this node)`,
+      );
+      return { layoutDir: o.outDir, known: true, digest: manifestDesc.digest, config, ran, cached };
+    }
+    await fs.mkdir(o.outDir, { recursive: true });
+    await initLayout(o.outDir);
+    for (const layer of this.layers) await linkBlob(layer.layout, o.outDir, layer.descriptor.digest);
+    await writeBlob(o.outDir, configDesc, [configBytes], configBytes.length);
     if (!(await hasBlob(o.outDir, manifestDesc.digest))) {
       await writeBlob(o.outDir, manifestDesc, [manifestBytes], manifestBytes.length);
     }
     await writeIndex(o.outDir, manifestDesc, BUILT_IMAGE_TAG);
     o.log(`image ${manifestDesc.digest}: ${this.layers.length} layers (${ran} steps ran, ${cached} cached)`);
-    return { layoutDir: o.outDir, digest: manifestDesc.digest, config: parseImageConfig(configBytes), ran, cached };
+    return { layoutDir: o.outDir, digest: manifestDesc.digest, config, ran, cached };
   }
 
   private async dropScratch(): Promise<void> {

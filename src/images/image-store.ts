@@ -54,6 +54,8 @@ export interface ImageStore {
    * FERRY_IMAGE_NOT_FOUND when neither has it.
    */
   acquireBuilt(digest: string, reference: string): Promise<PinnedImage>;
+  /** The image `digest` pinned when this node's cache has it (with its layout), else undefined. */
+  pinCached(digest: string, reference: string): Promise<PinnedImage | undefined>;
   /** Takes a built image's OCI layout (moved, not copied) into the cache, unpacked and pinned. */
   adopt(layoutDir: string, digest: string, reference: string): Promise<PinnedImage>;
   /** Puts a pinned image on the shelf, so other nodes run it without the registry (no shelf: nothing). */
@@ -246,6 +248,8 @@ export async function createImageStore(options: {
       );
     },
 
+    pinCached: fromCache,
+
     async adopt(layoutDir, digest, reference) {
       try {
         return (await fromCache(digest, reference)) ?? (await unpackLayout(layoutDir, digest, reference));
@@ -255,7 +259,9 @@ export async function createImageStore(options: {
     },
 
     async publish(image) {
-      await shelf?.put(image.layout, image.digest);
+      // The manifest goes on last, so a shelf that has it has the whole image: one look, not one per blob.
+      if (!shelf || (await shelf.has(image.digest))) return;
+      await shelf.put(image.layout, image.digest);
     },
 
     async sweep(used) {

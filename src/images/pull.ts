@@ -60,11 +60,14 @@ export interface PulledImage {
   /** The digest of the image manifest (the platform's, for a multi-platform index). */
   digest: string;
   manifest: ImageManifest;
-  /** The config blob's bytes (parse with image-config.ts). */
-  config: Buffer;
+  /** The config blob's bytes (parse with image-config.ts); none when `layersSkipped`. */
+  config?: Buffer;
   /** Compressed bytes of config and layers. */
   bytes: number;
-  /** The layers were not fetched (`known` said the caller has the image): the layout lacks them. */
+  /**
+   * `known` said the caller has the image: only its manifest was fetched, and nothing was written to the
+   * layout.
+   */
   layersSkipped: boolean;
 }
 
@@ -123,8 +126,6 @@ async function pullWith(
     credentials,
     options,
   );
-  await initLayout(layout);
-
   const first = await session.manifest(ref.digest ?? ref.tag ?? 'latest');
   let manifestBytes = first.body;
   let digest = sha256(first.body);
@@ -172,13 +173,17 @@ async function pullWith(
       `the image is ${mib(total)} compressed, over the bound of ${mib(options.maxBytes)}`,
     );
   }
-  const layersSkipped = options.known?.(digest) === true;
+  if (options.known?.(digest) === true) {
+    // The caller has this manifest's image (the node's cache, keyed by the digest just checked), so it has
+    // the config and layers the manifest names: nothing more is fetched or written.
+    for (const [i, layer] of manifest.layers.entries()) {
+      options.onProgress?.(`layer ${i + 1}/${manifest.layers.length} ${short(layer.digest)} already on this node`);
+    }
+    return { digest, manifest, bytes: total, layersSkipped: true };
+  }
+  await initLayout(layout);
   const blobs = [manifest.config, ...manifest.layers];
   for (const [i, blob] of blobs.entries()) {
-    if (i > 0 && layersSkipped) {
-      options.onProgress?.(`layer ${i}/${manifest.layers.length} ${short(blob.digest)} already on this node`);
-      continue;
-    }
     if (await hasBlob(layout, blob.digest)) {
       if (i > 0) options.onProgress?.(`layer ${i}/${manifest.layers.length} ${short(blob.digest)} already here`);
       continue;
@@ -206,7 +211,7 @@ async function pullWith(
   }
   await writeIndex(layout, manifestDescriptor, tag);
   const config = await readJsonBlob(layout, manifest.config.digest);
-  return { digest, manifest, config, bytes: total, layersSkipped };
+  return { digest, manifest, config, bytes: total, layersSkipped: false };
 }
 
 function isIndex(mediaType: string, body: Buffer): boolean {

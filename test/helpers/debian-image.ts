@@ -103,9 +103,17 @@ async function write(rootfs: string, file: string, content: string, mode = 0o644
 
 /**
  * Writes the Debian base image into a fresh OCI layout under `dir` (tag `debian`); `sourcesList` is its
- * `/etc/apt/sources.list` (none by default).
+ * `/etc/apt/sources.list` (none by default); `copy` and `links` add host files and links as makeBaseImage's
+ * do (test/helpers/python-image.ts gives the host's python3 this way).
  */
-export async function makeDebianBaseImage(dir: string, options: { sourcesList?: string } = {}): Promise<BaseImage> {
+export async function makeDebianBaseImage(
+  dir: string,
+  options: {
+    sourcesList?: string;
+    copy?: Array<{ from: string; to: string; filter?: (source: string) => boolean }>;
+    links?: Record<string, string>;
+  } = {},
+): Promise<BaseImage> {
   await fs.mkdir(dir, { recursive: true });
   const layout = path.join(dir, 'oci');
   const bundle = path.join(dir, `bundle-${randomBytes(4).toString('hex')}`);
@@ -132,6 +140,14 @@ export async function makeDebianBaseImage(dir: string, options: { sourcesList?: 
   }
   for (const lib of libraries) await copyIn(rootfs, lib);
   for (const file of DATA_FILES) await copyIn(rootfs, file);
+  for (const { from, to, filter } of options.copy ?? []) {
+    await fs.mkdir(path.dirname(path.join(rootfs, to)), { recursive: true });
+    await fs.cp(from, path.join(rootfs, to), { recursive: true, dereference: true, ...(filter ? { filter } : {}) });
+  }
+  for (const [file, target] of Object.entries(options.links ?? {})) {
+    await fs.mkdir(path.dirname(path.join(rootfs, file)), { recursive: true });
+    await fs.symlink(target, path.join(rootfs, file));
+  }
 
   await fs.mkdir(path.join(rootfs, 'bin'), { recursive: true });
   await fs.copyFile('/bin/busybox', path.join(rootfs, 'bin', 'busybox'));
