@@ -61,7 +61,7 @@ import {
 } from './lib.mjs';
 
 const COLD_RUNS = envInt('BENCH_IMAGE_COLD_RUNS', 10);
-const DEPLOYS = envInt('BENCH_IMAGE_DEPLOYS', 5);
+const DEPLOYS = envInt('BENCH_IMAGE_DEPLOYS', 15);
 const NODES = envInt('BENCH_IMAGE_NODES', 3);
 const REGISTRY_PORT = process.env.BENCH_REGISTRY_PORT ? envInt('BENCH_REGISTRY_PORT', 5000) : undefined;
 const ADMIN_URL = process.env.BENCH_DATABASE_URL ?? 'postgres://postgres@127.0.0.1:5432/postgres';

@@ -165,6 +165,34 @@ describe('run log bounds and the CLI’s terminal safety', { timeout: 300_000 },
     assert.equal(lines.at(-1)!.line, '… 90 lines (90000 bytes) of build output dropped');
   });
 
+  it('writes a burst of build log lines together, in order, past one write’s 500 lines, and flush waits for all', async () => {
+    const buildLog = createBuildLog({ store: server.services.store });
+    const id = '0190a0a0-0000-7000-8000-00000000b10d';
+    const followed = buildLog.waitForLines(id, 60_000);
+    for (let i = 0; i < 1234; i++) buildLog.append(id, `line ${i}`);
+    await followed; // woken by the first write
+    await buildLog.flush(id);
+    const lines = await buildLog.read(id, 0);
+    assert.equal(lines.length, 1234);
+    assert.deepEqual(
+      lines.map((l) => l.line),
+      Array.from({ length: 1234 }, (_, i) => `line ${i}`),
+    );
+    assert.deepEqual(
+      lines.map((l) => l.seq),
+      Array.from({ length: 1234 }, (_, i) => i + 1),
+    );
+    // Appended in one go, before any write ran: three writes (500, 500 and 234 lines), each line stamped
+    // with its write's time; one write per line would give up to 1,234 times.
+    assert.ok(new Set(lines.map((l) => l.at)).size <= 3, `${new Set(lines.map((l) => l.at)).size} write times`);
+    buildLog.append(id, 'after the flush');
+    await buildLog.flush(id);
+    assert.deepEqual(
+      (await buildLog.read(id, 1234)).map((l) => [l.seq, l.line]),
+      [[1235, 'after the flush']],
+    );
+  });
+
   it('keeps the newest FERRY_KEEP_BUILDS failed builds of an app that has no ready one', async () => {
     const broken = { 'ferry.toml': '[app]\nname = "broken"\n', 'main.ts': 'export function run( {\n' };
     const failed: string[] = [];

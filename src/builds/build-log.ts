@@ -35,12 +35,16 @@ export interface BuildLog {
 }
 
 const MAX_LINE = 8192;
+/** Lines one INSERT writes at most (4 columns each: far below SQLite's and PostgreSQL's parameter limits). */
+const MAX_LINES_PER_WRITE = 500;
 /** UTF-8 bytes of lines stored per build by default (FERRY_BUILD_LOG_BYTES). */
 export const DEFAULT_BUILD_LOG_BYTES = 4 * 1024 * 1024;
 
 interface BuildLogState {
   seq: number;
   chain: Promise<void>;
+  /** Lines appended and not yet given to a write: the next write takes them all, in one statement. */
+  queued: string[];
   /** Bytes of the lines appended (and stored) by this process for the build. */
   bytes: number;
   droppedLines: number;
@@ -63,16 +67,26 @@ export function createBuildLog(deps: { store: Store; maxBytes?: number }): Build
     return Number(row?.max ?? 0);
   }
 
+  /**
+   * Queues a line; lines appended while a write is under way go together in the next one (one multi-row
+   * INSERT, one commit), in order.
+   */
   function appendLine(buildId: string, s: BuildLogState, line: string): void {
+    s.queued.push(line);
+    if (s.queued.length > 1) return; // a write is already chained for the queue
     s.chain = s.chain
       .then(async () => {
         // A rebuilt build (after a restart) continues its log rather than clashing with old lines.
         if (s.seq < 0) s.seq = await nextSeq(buildId);
-        s.seq += 1;
-        await store
-          .insertInto('build_log_lines')
-          .values({ build_id: buildId, seq: s.seq, at: new Date().toISOString(), line })
-          .execute();
+        const lines = s.queued.splice(0, MAX_LINES_PER_WRITE);
+        const at = new Date().toISOString();
+        const rows = lines.map((text) => ({ build_id: buildId, seq: ++s.seq, at, line: text }));
+        if (s.queued.length > 0) {
+          // More than one write's worth: the rest go in the writes chained after this one.
+          const rest = s.queued.splice(0);
+          for (const text of rest) appendLine(buildId, s, text);
+        }
+        await store.insertInto('build_log_lines').values(rows).execute();
         wake.emit(buildId);
       })
       .catch(() => {
@@ -85,7 +99,7 @@ export function createBuildLog(deps: { store: Store; maxBytes?: number }): Build
       const line = text.length > MAX_LINE ? `${text.slice(0, MAX_LINE)}… (line cut)` : text;
       let state = pending.get(buildId);
       if (!state) {
-        state = { seq: -1, chain: Promise.resolve(), bytes: 0, droppedLines: 0, droppedBytes: 0 };
+        state = { seq: -1, chain: Promise.resolve(), queued: [], bytes: 0, droppedLines: 0, droppedBytes: 0 };
         pending.set(buildId, state);
       }
       const size = Buffer.byteLength(line);
@@ -117,9 +131,13 @@ export function createBuildLog(deps: { store: Store; maxBytes?: number }): Build
         state.droppedLines = 0;
         state.droppedBytes = 0;
       }
-      const chain = state.chain;
-      await chain;
-      if (state.chain === chain) pending.delete(buildId); // nothing appended meanwhile: forget the counter
+      // Until the chain stops growing: a write that found more queued than it takes chains another.
+      let chain: Promise<void>;
+      do {
+        chain = state.chain;
+        await chain;
+      } while (state.chain !== chain);
+      pending.delete(buildId); // nothing appended meanwhile: forget the counter
     },
     async read(buildId, afterSeq, limit = 10_000) {
       return store

@@ -130,6 +130,7 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
         // written out after all.
         for (const known of [(digest: string) => images.cache.peek(digest) !== undefined, undefined]) {
           const out = await images.scratch();
+          let wrote = true;
           try {
             const built = await imageStep('building the image', () =>
               buildImage({
@@ -149,6 +150,7 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
               }),
             );
             if (built.known) {
+              wrote = false; // nothing was written to `out`
               adopted = await images.pinCached(built.digest, reference);
               if (!adopted) continue;
             } else {
@@ -157,7 +159,7 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
             log(`Image: built ${built.digest} (${built.ran} steps ran, ${built.cached} cached)`);
             break;
           } finally {
-            await fs.rm(out, { recursive: true, force: true });
+            if (wrote) await fs.rm(out, { recursive: true, force: true });
           }
         }
         if (!adopted) throw new Error('unreachable: the second build writes the image');

@@ -161,6 +161,25 @@ export async function buildImage(options: BuildImageOptions): Promise<BuiltImage
   }
 }
 
+/**
+ * Manifests and configs of bases read lately, by digest: content-addressed (and checked against the digest
+ * when read), so a copy is never stale; a few KiB each, the newest 64 kept.
+ */
+const jsonBlobs = new Map<string, Buffer>();
+
+async function readJsonBlobOnce(layout: string, digest: string): Promise<Buffer> {
+  const known = jsonBlobs.get(digest);
+  if (known) {
+    jsonBlobs.delete(digest);
+    jsonBlobs.set(digest, known);
+    return known;
+  }
+  const bytes = await readJsonBlob(layout, digest);
+  jsonBlobs.set(digest, bytes);
+  if (jsonBlobs.size > 64) jsonBlobs.delete(jsonBlobs.keys().next().value!);
+  return bytes;
+}
+
 interface CachedStep {
   layer: Descriptor;
   diffId: string;
@@ -210,8 +229,8 @@ class ImageBuild {
 
   async run(): Promise<BuiltImage> {
     const o = this.o;
-    const manifest = parseManifest(await readJsonBlob(o.baseLayoutDir, o.baseDigest));
-    const baseConfigBytes = await readJsonBlob(o.baseLayoutDir, manifest.config.digest);
+    const manifest = parseManifest(await readJsonBlobOnce(o.baseLayoutDir, o.baseDigest));
+    const baseConfigBytes = await readJsonBlobOnce(o.baseLayoutDir, manifest.config.digest);
     const baseConfig = parseImageConfig(baseConfigBytes);
     const baseJson = JSON.parse(baseConfigBytes.toString('utf8')) as Record<string, unknown>;
     const baseDiffIds = ((baseJson.rootfs as { diff_ids?: unknown } | undefined)?.diff_ids ?? []) as unknown[];
@@ -223,8 +242,6 @@ class ImageBuild {
     }
 
     const { steps, finalEnv, appSteps } = await this.plan(baseConfig);
-    await initLayout(this.projectLayout);
-    await fs.mkdir(path.join(this.projectDir, 'steps'), { recursive: true });
 
     let parent = createHash('sha256').update(`${CACHE_VERSION}\0${o.projectId}\0${o.baseDigest}`).digest('hex');
     let state = initialState(baseConfig);
@@ -251,6 +268,9 @@ class ImageBuild {
         cached += 1;
       } else {
         o.log(label);
+        // Made when a step first runs (a build whose steps are all cached writes nothing here).
+        await initLayout(this.projectLayout);
+        await fs.mkdir(path.join(this.projectDir, 'steps'), { recursive: true });
         const written = await this.execute(step, i, steps.length);
         await this.remember(key, { layer: written.descriptor, diffId: written.diffId });
         this.layers.push({ descriptor: written.descriptor, diffId: written.diffId, layout: this.projectLayout });

@@ -20,7 +20,7 @@ import type { ImageShelf, ShelfFetchStats } from './image-shelf.js';
 import { openBlob, parseManifest, readJsonBlob } from './oci-layout.js';
 import { pullImage } from './pull.js';
 import { formatImageReference, parseImageReference } from './reference.js';
-import { registryAccess } from './registry-guard.js';
+import { createRegistryAgent, registryAccess } from './registry-guard.js';
 import { unpackLayers } from './unpack.js';
 
 export interface PinnedImage {
@@ -64,7 +64,7 @@ export interface ImageStore {
   sweep(used: (digests: string[]) => Promise<Set<string>>): Promise<number>;
   /** The shelf the store fetches from and publishes to, if any. */
   shelf: ImageShelf | undefined;
-  /** A scratch folder for a build's output layout (removed at start; `adopt` moves it away). */
+  /** A scratch path for a build's output layout, not made yet (removed at start; `adopt` moves it away). */
   scratch(): Promise<string>;
   /**
    * Registers what must let go of an image's files before the cache removes them (the replicas' views);
@@ -109,6 +109,7 @@ export async function createImageStore(options: {
     dir: path.join(dir, 'unpacked'),
     maxBytes: settings.cacheBytes,
     async onDiscard(digest) {
+      withLayout.delete(digest);
       for (const listener of discardListeners) await listener(digest);
     },
   });
@@ -116,6 +117,11 @@ export async function createImageStore(options: {
   await fs.rm(pulls, { recursive: true, force: true }); // scratch layouts of pulls a crash interrupted
   await fs.mkdir(pulls, { recursive: true, mode: 0o700 });
   const access = registryAccess(settings.insecureRegistries, settings.registryAllow);
+  // One agent for every pull of this node: a registry's connection is reused from one deploy to the next
+  // (each new connection still passes the address guard when it is made).
+  const agent = createRegistryAgent(access, { connectTimeoutMs: 10_000 });
+  /** Cache entries whose kept layout was seen (entries unpacked before layouts were kept have none). */
+  const withLayout = new Set<string>();
 
   /** The cached image `digest`, pinned, when the cache has it (with its layout). */
   async function fromCache(digest: string, reference: string): Promise<PinnedImage | undefined> {
@@ -126,11 +132,14 @@ export async function createImageStore(options: {
       .catch((err: unknown) => (err === NOT_CACHED ? undefined : Promise.reject(err)));
     if (!pinned) return undefined;
     const layout = layoutOf(pinned.image);
-    if (!(await fs.stat(path.join(layout, 'index.json')).catch(() => undefined))) {
-      // An entry unpacked before layouts were kept: dropped, and fetched again whole.
-      pinned.release();
-      await cache.remove(digest);
-      return undefined;
+    if (!withLayout.has(digest)) {
+      if (!(await fs.stat(path.join(layout, 'index.json')).catch(() => undefined))) {
+        // An entry unpacked before layouts were kept: dropped, and fetched again whole.
+        pinned.release();
+        await cache.remove(digest);
+        return undefined;
+      }
+      withLayout.add(digest);
     }
     const { image, release } = pinned;
     return { digest, reference, config: runConfigOf(image), image, layout, release };
@@ -154,10 +163,9 @@ export async function createImageStore(options: {
     return { digest, reference, config, image, layout: layoutOf(image), release };
   }
 
+  /** A fresh path in the pulls folder (0700), not made: what writes there makes it (initLayout does). */
   async function scratch(): Promise<string> {
-    const folder = path.join(pulls, randomBytes(8).toString('hex'));
-    await fs.mkdir(folder, { recursive: true, mode: 0o700 });
-    return folder;
+    return path.join(pulls, randomBytes(8).toString('hex'));
   }
 
   /**
@@ -207,6 +215,7 @@ export async function createImageStore(options: {
         for (const listener of discardListeners) await listener(digest).catch(() => undefined);
       }
       await cache.close();
+      await agent.close().catch(() => undefined);
     },
     async acquire(reference, opts = {}) {
       const ref = parseImageReference(reference);
@@ -219,21 +228,24 @@ export async function createImageStore(options: {
       // the look and the pin, the image is pulled again, whole.
       for (const skipKnown of [true, false]) {
         const layout = await scratch();
+        let wrote = true;
         try {
           const pulled = await pullImage(ref, layout, LAYOUT_TAG, {
             access,
+            agent,
             authFile: settings.authFile,
             maxBytes: settings.cacheBytes,
             ...(opts.signal ? { signal: opts.signal } : {}),
             ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
             ...(skipKnown ? { known: (digest: string) => cache.peek(digest) !== undefined } : {}),
           });
+          wrote = !pulled.layersSkipped; // a pull that skipped the layers writes nothing
           const cached = await fromCache(pulled.digest, formatted);
           if (cached) return cached;
           if (pulled.layersSkipped) continue;
           return await unpackLayout(layout, pulled.digest, formatted);
         } finally {
-          await fs.rm(layout, { recursive: true, force: true });
+          if (wrote) await fs.rm(layout, { recursive: true, force: true });
         }
       }
       throw new Error('unreachable: the second pull fetches every layer');

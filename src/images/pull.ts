@@ -51,9 +51,14 @@ export interface PullOptions {
   onProgress?: (line: string) => void;
   /**
    * Whether the caller has the image of this manifest digest already (the node's image cache): then the
-   * manifest and config are fetched and checked as always, and no layer is (`layersSkipped`).
+   * manifest is fetched and checked as always, and nothing else is (`layersSkipped`).
    */
   known?: (digest: string) => boolean;
+  /**
+   * The caller's registry agent (createRegistryAgent over the same `access`), kept across its pulls so a
+   * registry's connection is reused; not closed here. Without it, the pull makes and closes its own.
+   */
+  agent?: Agent;
 }
 
 export interface PulledImage {
@@ -94,13 +99,14 @@ export async function pullImage(
   tag: string,
   options: PullOptions,
 ): Promise<PulledImage> {
-  const agent = createRegistryAgent(options.access, { connectTimeoutMs: options.connectTimeoutMs ?? 10_000 });
+  const agent =
+    options.agent ?? createRegistryAgent(options.access, { connectTimeoutMs: options.connectTimeoutMs ?? 10_000 });
   try {
     return await pullWith(agent, ref, layout, tag, options);
   } catch (err) {
     throw asImageError(err, ref);
   } finally {
-    await agent.close().catch(() => {});
+    if (!options.agent) await agent.close().catch(() => {});
   }
 }
 
