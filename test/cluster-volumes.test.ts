@@ -13,6 +13,7 @@ import { after, before, describe, it } from 'node:test';
 import { startCluster, type TestCluster } from './helpers/cluster.js';
 import { http, runCli, tempDir, waitFor } from './helpers/ferry.js';
 import { makeQuotaFs, type QuotaFs } from './helpers/quota-fs.js';
+import { volumeApp } from './helpers/volume-app.js';
 
 const APP = {
   'ferry.toml':
@@ -115,25 +116,10 @@ describe('volumes in a cluster', () => {
 
 /** An app of `name` writing and reading under /data; one replica, kept (min_replicas) on the worker it starts on. */
 function sharedApp(name: string): Record<string, string> {
-  return {
-    'ferry.toml': `[app]\nname = "${name}"\n\n[scaling]\nmin_replicas = 1\nmax_replicas = 1\n\n[[volumes]]\nname = "data"\nmount = "/data"\n`,
-    'main.mjs': `
-import fs from 'node:fs';
-export function write({ file, text }) { fs.writeFileSync(file, text); return { ok: true }; }
-export function read({ file }) { return { text: fs.readFileSync(file, 'utf8') }; }
-export function fill({ file, mib }) {
-  const chunk = Buffer.alloc(1024 * 1024, 1);
-  const fd = fs.openSync(file, 'w');
-  let written = 0;
-  try {
-    for (let i = 0; i < mib; i++) { fs.writeSync(fd, chunk); written++; }
-    fs.fsyncSync(fd);
-    return { ok: true, written };
-  } catch (err) { return { ok: false, code: err.errno === -122 ? 'EDQUOT' : err.code, written }; }
-  finally { fs.closeSync(fd); }
-}
-`,
-  };
+  return volumeApp(
+    name,
+    '[scaling]\nmin_replicas = 1\nmax_replicas = 1\n\n[[volumes]]\nname = "data"\nmount = "/data"\n',
+  );
 }
 
 describe('quota-dir volumes in a cluster: replicas on two workers at once', () => {

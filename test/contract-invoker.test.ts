@@ -40,7 +40,6 @@ import { parseAppConfig } from '../src/apps/app-config.js';
 import { createClusterAuth } from '../src/cluster/cluster-auth.js';
 import { createWorkerBuilds } from '../src/cluster/worker-builds.js';
 import type { WorkerAnnouncement, WorkerDirectory } from '../src/cluster/workers.js';
-import { FerryError } from '../src/errors.js';
 import { createWorkerApi, type WorkerApi } from '../src/http/worker-api.js';
 import { isoTime, uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
@@ -54,6 +53,7 @@ import { createRemoteInvoker, type RemoteInvoker } from '../src/runs/remote-invo
 import { detectSandbox } from '../src/sandbox/launch.js';
 import { createLoopbackOnlyNetwork } from '../src/sandbox/network.js';
 import { openSqliteStore, probeStore, type Store } from '../src/store/index.js';
+import { rejectsWithCode } from './helpers/coded-error.js';
 import { REPO_ROOT, tempDir } from './helpers/ferry.js';
 
 const logger = createLogger({ level: process.env.FERRY_TEST_LOG ?? 'silent', pretty: false });
@@ -167,20 +167,6 @@ function invokerContract(impl: InvokerImplementation): void {
       }
     }
 
-    /** Asserts `promise` rejects with the coded error `code` and returns it. */
-    async function rejectsWith(promise: Promise<unknown>, code: string): Promise<FerryError> {
-      let caught: unknown;
-      await promise.then(
-        (value) => assert.fail(`resolved with ${JSON.stringify(value)}, expected ${code}`),
-        (err: unknown) => {
-          caught = err;
-        },
-      );
-      assert.ok(caught instanceof FerryError, `not a coded error: ${String(caught)}`);
-      assert.equal(caught.code, code, caught.message);
-      return caught;
-    }
-
     it('answers a sync call with the function’s result, and records it', async () => {
       const req = request('hello', { name: 'contract' });
       const answer = await opened.invoker.invoke(req);
@@ -218,7 +204,7 @@ function invokerContract(impl: InvokerImplementation): void {
 
     it('answers a function that throws with FERRY_FUNCTION_ERROR, its type and message, and records a failure', async () => {
       const req = request('fail', {});
-      const err = await rejectsWith(opened.invoker.invoke(req), 'FERRY_FUNCTION_ERROR');
+      const err = await rejectsWithCode(opened.invoker.invoke(req), 'FERRY_FUNCTION_ERROR');
       assert.equal(err.status, 500);
       assert.equal(err.details?.type, 'TypeError');
       assert.match(err.message, /bad input/);
@@ -230,7 +216,7 @@ function invokerContract(impl: InvokerImplementation): void {
 
     it('answers an unknown function with FERRY_FUNCTION_NOT_FOUND, and records it', async () => {
       const req = request('missing', {});
-      const err = await rejectsWith(opened.invoker.invoke(req), 'FERRY_FUNCTION_NOT_FOUND');
+      const err = await rejectsWithCode(opened.invoker.invoke(req), 'FERRY_FUNCTION_NOT_FOUND');
       assert.equal(err.status, 404);
       assert.match(err.message, /"missing"/);
       const row = await finalRecord(req.runId);
@@ -240,7 +226,7 @@ function invokerContract(impl: InvokerImplementation): void {
 
     it('refuses a build that is not there any more (deleted since the call resolved it): 503 FERRY_NO_READY_BUILD', async () => {
       const gone: PoolBuild = { ...ground.build, appId: 'deleted', buildId: uuidv7() };
-      const err = await rejectsWith(
+      const err = await rejectsWithCode(
         opened.invoker.invoke(request('hello', {}, { build: gone })),
         'FERRY_NO_READY_BUILD',
       );
@@ -250,7 +236,7 @@ function invokerContract(impl: InvokerImplementation): void {
 
     it('answers a run past response_grace_period with FERRY_RUN_TIMEOUT, and records a timeout', async () => {
       const req = request('sleep', { ms: 60_000 }, { build: ground.short });
-      const err = await rejectsWith(opened.invoker.invoke(req), 'FERRY_RUN_TIMEOUT');
+      const err = await rejectsWithCode(opened.invoker.invoke(req), 'FERRY_RUN_TIMEOUT');
       assert.equal(err.status, 504);
       const row = await finalRecord(req.runId);
       assert.equal(row.state, 'timeout');
@@ -268,7 +254,7 @@ function invokerContract(impl: InvokerImplementation): void {
         assert.ok(Date.now() < end, 'the run to be in progress where it is performed');
         await new Promise((resolve) => setTimeout(resolve, 10));
       }
-      await rejectsWith(running, 'FERRY_RUN_CANCELLED');
+      await rejectsWithCode(running, 'FERRY_RUN_CANCELLED');
       const row = await finalRecord(req.runId);
       assert.equal(row.state, 'cancelled');
       assert.equal(row.reason, 'cancelled');
@@ -288,7 +274,7 @@ function invokerContract(impl: InvokerImplementation): void {
       }
       assert.equal(opened.invoker.cancel(req.runId), impl.cancelsItself);
       if (!impl.cancelsItself) assert.equal(opened.performer.cancel(req.runId), true, 'the worker cancels it');
-      await rejectsWith(running, 'FERRY_RUN_CANCELLED');
+      await rejectsWithCode(running, 'FERRY_RUN_CANCELLED');
       assert.equal((await finalRecord(req.runId)).state, 'cancelled');
     });
 

@@ -25,7 +25,6 @@ import { after, before, describe, it } from 'node:test';
 import { gunzipSync } from 'node:zlib';
 import pino from 'pino';
 import tar from 'tar-stream';
-import { FerryError } from '../src/errors.js';
 import { type BuildImageOptions, buildImage, DEFAULT_IMAGE_BUILD_LIMITS } from '../src/images/image-builder.js';
 import { parseImageTable } from '../src/images/image-spec.js';
 import { blobPath, parseManifest, readIndexEntry, readJsonBlob } from '../src/images/oci-layout.js';
@@ -34,6 +33,7 @@ import { DEFAULT_EGRESS_POOL, parseEgressPolicy } from '../src/sandbox/egress-po
 import { detectSandbox, type SandboxCapabilities } from '../src/sandbox/launch.js';
 import type { SandboxNetwork } from '../src/sandbox/network.js';
 import { createVethNetwork, findVethTools, type VethTools } from '../src/sandbox/veth-network.js';
+import { rejectsWithCode } from './helpers/coded-error.js';
 import {
   type AptRepository,
   makeAptRepository,
@@ -77,17 +77,6 @@ async function readLayer(layout: string, digest: string): Promise<Map<string, La
   Readable.from([bytes]).pipe(extract);
   await done;
   return out;
-}
-
-async function rejectsWith(promise: Promise<unknown>, code: string): Promise<FerryError> {
-  try {
-    await promise;
-  } catch (err) {
-    assert.ok(err instanceof FerryError, `expected a FerryError ${code}, got ${String((err as Error)?.stack ?? err)}`);
-    assert.equal(err.code, code, err.message);
-    return err;
-  }
-  assert.fail(`expected ${code}, but the build succeeded`);
 }
 
 describe('images: apt installs a package from a repository the test serves', { timeout: TIMEOUT * 4 }, () => {
@@ -216,7 +205,7 @@ describe('images: apt installs a package from a repository the test serves', { t
     timeout: TIMEOUT,
   }, async () => {
     const { promise } = build({ apt: ['no-such-package'] });
-    const err = await rejectsWith(promise, 'FERRY_IMAGE_STEP_FAILED');
+    const err = await rejectsWithCode(promise, 'FERRY_IMAGE_STEP_FAILED');
     assert.match(err.message, /^step 1\/1 \(apt-get install no-such-package\) failed with exit code 100/);
     assert.match(err.message, /Unable to locate package no-such-package/);
     assert.doesNotMatch(err.message, /\/tmp\//, 'no host path');
@@ -229,7 +218,7 @@ describe('images: apt installs a package from a repository the test serves', { t
     try {
       const requests = served.length;
       const { promise } = build({ apt: ['ferry-hello'] }, { projectId: 'proj-denied', network: denied });
-      const err = await rejectsWith(promise, 'FERRY_IMAGE_STEP_FAILED');
+      const err = await rejectsWithCode(promise, 'FERRY_IMAGE_STEP_FAILED');
       assert.match(err.message, /^step 1\/1 \(apt-get install ferry-hello\) failed/);
       assert.equal(served.length, requests, `no request reached the repository:\n${served.join('\n')}`);
       // apt-get update only warns about a source it cannot fetch (as in a Dockerfile); the install then

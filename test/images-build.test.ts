@@ -24,7 +24,6 @@ import { after, before, describe, it } from 'node:test';
 import { gunzipSync } from 'node:zlib';
 import pino from 'pino';
 import tar from 'tar-stream';
-import { FerryError } from '../src/errors.js';
 import {
   aptCommand,
   type BuildImageOptions,
@@ -39,6 +38,7 @@ import { DEFAULT_EGRESS_POOL, parseEgressPolicy } from '../src/sandbox/egress-po
 import { detectSandbox, type SandboxCapabilities } from '../src/sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from '../src/sandbox/network.js';
 import { createVethNetwork, findVethTools } from '../src/sandbox/veth-network.js';
+import { rejectsWithCode } from './helpers/coded-error.js';
 import { tempDir } from './helpers/ferry.js';
 import { hostIpv4Addresses, startHostListener } from './helpers/netns.js';
 import { type BaseImage, makeBaseImage, requireImageTools } from './helpers/registry.js';
@@ -83,17 +83,6 @@ async function imageOf(layout: string, digest: string) {
   const manifest = parseManifest(await readJsonBlob(layout, digest));
   const config = JSON.parse((await readJsonBlob(layout, manifest.config.digest)).toString('utf8'));
   return { manifest, config };
-}
-
-async function rejectsWith(promise: Promise<unknown>, code: string): Promise<FerryError> {
-  try {
-    await promise;
-  } catch (err) {
-    assert.ok(err instanceof FerryError, `expected a FerryError ${code}, got ${String((err as Error)?.stack ?? err)}`);
-    assert.equal(err.code, code, err.message);
-    return err;
-  }
-  assert.fail(`expected ${code}, but the build succeeded`);
 }
 
 describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOUT * 4 }, () => {
@@ -211,7 +200,7 @@ describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOU
     timeout: TIMEOUT,
   }, async () => {
     const { promise } = await build({ run: ['echo fine', 'echo "about to fail" >&2; exit 7', 'echo never'] });
-    const err = await rejectsWith(promise, 'FERRY_IMAGE_STEP_FAILED');
+    const err = await rejectsWithCode(promise, 'FERRY_IMAGE_STEP_FAILED');
     assert.match(err.message, /^step 2\/3 \(echo "about to fail" >&2; exit 7\) failed with exit code 7/);
     assert.match(err.message, /about to fail/);
     assert.doesNotMatch(err.message, new RegExp(work.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')));
@@ -262,7 +251,7 @@ describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOU
   it('the build time limit stops a step: FERRY_IMAGE_BUILD_TIMEOUT naming it', { timeout: TIMEOUT }, async () => {
     const started = Date.now();
     const { promise } = await build({ run: ['sleep 120'] }, { timeoutMs: 3000 });
-    const err = await rejectsWith(promise, 'FERRY_IMAGE_BUILD_TIMEOUT');
+    const err = await rejectsWithCode(promise, 'FERRY_IMAGE_BUILD_TIMEOUT');
     assert.match(err.message, /step 1\/1 \(sleep 120\)/);
     assert.ok(Date.now() - started < 60_000, 'the sleeping step was killed, not waited for');
   });
@@ -337,21 +326,21 @@ describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOU
     timeout: TIMEOUT,
   }, async () => {
     const missing = await build({ dockerfile: 'Dockerfile' }, { files: { 'main.py': '' } });
-    await rejectsWith(missing.promise, 'FERRY_IMAGE_DOCKERFILE_NOT_FOUND');
+    await rejectsWithCode(missing.promise, 'FERRY_IMAGE_DOCKERFILE_NOT_FOUND');
     const context = path.join(work, 'df-link');
     await fs.mkdir(context, { recursive: true });
     await fs.writeFile(path.join(work, 'elsewhere-Dockerfile'), 'FROM example.org/base:1\n');
     await fs.symlink(path.join(work, 'elsewhere-Dockerfile'), path.join(context, 'Dockerfile'));
     const linked = await build({ dockerfile: 'Dockerfile' }, { context });
-    await rejectsWith(linked.promise, 'FERRY_IMAGE_DOCKERFILE_NOT_FOUND');
+    await rejectsWithCode(linked.promise, 'FERRY_IMAGE_DOCKERFILE_NOT_FOUND');
     const bad = await build(
       { dockerfile: 'Dockerfile' },
       { files: { Dockerfile: 'FROM example.org/base:1\nFROBNICATE x\n' } },
     );
-    const err = await rejectsWith(bad.promise, 'FERRY_IMAGE_DOCKERFILE_INVALID');
+    const err = await rejectsWithCode(bad.promise, 'FERRY_IMAGE_DOCKERFILE_INVALID');
     assert.match(err.message, /line 2: unknown instruction FROBNICATE/);
     const multi = await build({ dockerfile: 'Dockerfile' }, { files: { Dockerfile: 'FROM a:1 AS x\nFROM b:2\n' } });
-    assert.match((await rejectsWith(multi.promise, 'FERRY_IMAGE_DOCKERFILE_INVALID')).message, /multi-stage/);
+    assert.match((await rejectsWithCode(multi.promise, 'FERRY_IMAGE_DOCKERFILE_INVALID')).message, /multi-stage/);
   });
 
   describe('attacks on the build', () => {
@@ -380,22 +369,22 @@ describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOU
 
     it('COPY /etc/shadow is refused: FERRY_IMAGE_CONTEXT_ESCAPE', { timeout: TIMEOUT }, async () => {
       const { promise } = await attack('FROM example.org/base:1\nCOPY /etc/shadow /stolen\n');
-      const err = await rejectsWith(promise, 'FERRY_IMAGE_CONTEXT_ESCAPE');
+      const err = await rejectsWithCode(promise, 'FERRY_IMAGE_CONTEXT_ESCAPE');
       assert.match(err.message, /absolute path/);
     });
 
     it('COPY ../outside.txt is refused: FERRY_IMAGE_CONTEXT_ESCAPE', { timeout: TIMEOUT }, async () => {
       const { promise } = await attack('FROM example.org/base:1\nCOPY ../outside.txt /stolen\n');
-      await rejectsWith(promise, 'FERRY_IMAGE_CONTEXT_ESCAPE');
+      await rejectsWithCode(promise, 'FERRY_IMAGE_CONTEXT_ESCAPE');
     });
 
     it('a context symlink to /etc/shadow, named or on the way, is refused; inside a copied folder it stays a link', {
       timeout: TIMEOUT,
     }, async () => {
       const named = await attack('FROM example.org/base:1\nCOPY shadow /stolen\n');
-      assert.match((await rejectsWith(named.promise, 'FERRY_IMAGE_CONTEXT_ESCAPE')).message, /symbolic link/);
+      assert.match((await rejectsWithCode(named.promise, 'FERRY_IMAGE_CONTEXT_ESCAPE')).message, /symbolic link/);
       const through = await attack('FROM example.org/base:1\nCOPY etc-link/shadow /stolen\n');
-      await rejectsWith(through.promise, 'FERRY_IMAGE_CONTEXT_ESCAPE');
+      await rejectsWithCode(through.promise, 'FERRY_IMAGE_CONTEXT_ESCAPE');
       const whole = await attack('FROM example.org/base:1\nCOPY . /app/\n');
       const built = await whole.promise;
       const { manifest } = await imageOf(built.layoutDir, built.digest);
@@ -419,7 +408,7 @@ describe('images: building apt/run/env steps and Dockerfiles', { timeout: TIMEOU
       const port = (server.address() as AddressInfo).port;
       try {
         const { promise } = await attack(`FROM example.org/base:1\nADD http://127.0.0.1:${port}/x /x\n`);
-        const err = await rejectsWith(promise, 'FERRY_IMAGE_ADD_URL_REFUSED');
+        const err = await rejectsWithCode(promise, 'FERRY_IMAGE_ADD_URL_REFUSED');
         assert.match(err.message, /RUN step/);
         assert.equal(requests, 0);
       } finally {

@@ -17,34 +17,7 @@ import { after, before, describe, it } from 'node:test';
 import { probeQuotaDirSupport } from '../src/volumes/quota-dirs.js';
 import { deployFiles, http, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 import { makeQuotaFs, type QuotaFs } from './helpers/quota-fs.js';
-
-/** A Node app whose functions write, read and fill files under its mount. */
-function volumeApp(name: string, volumes: string): Record<string, string> {
-  return {
-    'ferry.toml': `[app]\nname = "${name}"\n\n${volumes}`,
-    'main.mjs': `
-import fs from 'node:fs';
-import path from 'node:path';
-export function write({ file, text }) { fs.mkdirSync(path.dirname(file), { recursive: true }); fs.writeFileSync(file, text); return { ok: true }; }
-export function read({ file }) { return { text: fs.readFileSync(file, 'utf8') }; }
-export function tryWrite({ file, text }) {
-  try { fs.writeFileSync(file, text); return { ok: true }; } catch (err) { return { ok: false, code: err.code }; }
-}
-export function fill({ file, mib }) {
-  const chunk = Buffer.alloc(1024 * 1024, 1);
-  const fd = fs.openSync(file, 'w');
-  let written = 0;
-  try {
-    for (let i = 0; i < mib; i++) { fs.writeSync(fd, chunk); written++; }
-    fs.fsyncSync(fd);
-    return { ok: true, written };
-  } catch (err) { return { ok: false, code: err.errno === -122 ? 'EDQUOT' : err.code, written }; }
-  finally { fs.closeSync(fd); }
-}
-export function remove({ file }) { fs.rmSync(file, { force: true }); return { ok: true }; }
-`,
-  };
-}
+import { volumeApp } from './helpers/volume-app.js';
 
 const filesystems = {
   btrfs: await makeQuotaFs('btrfs'),

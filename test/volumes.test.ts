@@ -13,40 +13,13 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { MOUNT_ROOT, probeVolumeSupport } from '../src/volumes/images.js';
 import { deployFiles, http, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+import { volumeApp } from './helpers/volume-app.js';
 
 const support = await probeVolumeSupport(true);
 assert.ok(
   support.available,
   `volumes unavailable here (scripts/setup-system.sh installs what they need): ${support.reasons.join('; ')}`,
 );
-
-/** A Node app whose functions write, read, fill and list files under its mount. */
-function volumeApp(name: string, volumes: string): Record<string, string> {
-  return {
-    'ferry.toml': `[app]\nname = "${name}"\n\n${volumes}`,
-    'main.mjs': `
-import fs from 'node:fs';
-import path from 'node:path';
-export function write({ file, text }) { fs.mkdirSync(path.dirname(file), { recursive: true }); fs.writeFileSync(file, text); return { ok: true }; }
-export function read({ file }) { return { text: fs.readFileSync(file, 'utf8') }; }
-export function tryWrite({ file, text }) {
-  try { fs.writeFileSync(file, text); return { ok: true }; } catch (err) { return { ok: false, code: err.code }; }
-}
-export function fill({ file, mib }) {
-  const chunk = Buffer.alloc(1024 * 1024, 1);
-  const fd = fs.openSync(file, 'w');
-  let written = 0;
-  try {
-    for (let i = 0; i < mib; i++) { fs.writeSync(fd, chunk); written++; }
-    return { ok: true, written };
-  } catch (err) { return { ok: false, code: err.code, written }; }
-  finally { fs.closeSync(fd); }
-}
-export function remove({ file }) { fs.rmSync(file, { force: true }); return { ok: true }; }
-export function ids() { return { uid: process.getuid(), groups: process.getgroups() }; }
-`,
-  };
-}
 
 function losetupLines(pattern: string): string[] {
   const out = execFileSync('losetup', ['-a'], { encoding: 'utf8' });
