@@ -40,6 +40,7 @@ import {
   http,
   loadAverage,
   machineReport,
+  metricSum,
   onCleanup,
   pgDatabaseStats,
   requireDist,
@@ -243,20 +244,23 @@ async function queueEmpty(ferry, auth) {
   return true;
 }
 
-/** Waits until at least `accepted` runs since `sinceIso` have ended and the runs list shows none unfinished. */
-async function drainRuns(target, sinceIso, accepted) {
-  return waitFor(
-    async () => {
-      const { rows } = await target.pg.query(
-        "SELECT count(*)::int AS n, count(*) FILTER (WHERE state IN ('success', 'failure', 'timeout', 'cancelled'))::int AS ended FROM runs WHERE app_id = 'noop' AND mode = 'async' AND created_at >= $1",
-        [sinceIso],
-      );
-      const { n, ended } = rows[0];
-      if (n < accepted || ended < n) return undefined;
-      return (await queueEmpty(target.entry, target.auth)) ? roundRuns(target.pg, sinceIso) : undefined;
-    },
+/** Runs of `noop` that have ended, summed over the target's processes (ferry_runs_total, every state). */
+async function endedCount(target) {
+  const texts = await Promise.all(target.nodes.map((n) => fetchMetrics(n)));
+  return texts.reduce((sum, text) => sum + metricSum(text, 'ferry_runs_total', { app: 'noop' }), 0);
+}
+
+/**
+ * Waits until `accepted` more runs than `base` have ended (the processes' counters, every 200 ms: cheap, so
+ * the wait takes little from the target) and the runs list shows none unfinished; then reads the round's
+ * runs from the database once.
+ */
+async function drainRuns(target, sinceIso, base, accepted) {
+  await waitFor(
+    async () => (await endedCount(target)) - base >= accepted && (await queueEmpty(target.entry, target.auth)),
     { ms: DRAIN_TIMEOUT_S * 1000, everyMs: 200, what: `${accepted} async runs to end (${target.name})` },
   );
+  return roundRuns(target.pg, sinceIso);
 }
 
 /** ferry_async_stage_seconds buckets summed over `nodes`: { stage: [[le, cumulative count], ...] }. */
@@ -346,7 +350,10 @@ async function cpuSnapshot(t, natsPid) {
       ),
     ),
     nats: natsPid ? cpuMs(natsPid) : Number.NaN,
-    postgres: pgStats.backendCpuMs,
+    postgres: pgStats.backendCpuMs - (cpuMs(t.pgPid) || 0),
+    commits: pgStats.commits,
+    updated: pgStats.updated,
+    fetched: pgStats.fetched,
     loadgen: (self.user + self.system) / 1000,
   };
 }
@@ -435,6 +442,8 @@ async function asyncEndToEnd() {
     t.pg = new pg.Client({ connectionString: t.databaseUrl });
     t.pg.on('error', () => {});
     await t.pg.connect();
+    // The bench's own backend, left out of the database's CPU figures.
+    t.pgPid = (await t.pg.query('SELECT pg_backend_pid() AS pid')).rows[0].pid;
     onCleanup(() => t.pg.end().catch(() => {}));
     t.path = `/v4/${t.auth.projectId}/noop/run?async=true`;
     t.headers = { 'content-type': 'application/json', authorization: `Bearer ${t.auth.token}` };
@@ -457,8 +466,9 @@ async function asyncEndToEnd() {
     }
     if (ASYNC_WARMUP > 0) {
       const since = new Date().toISOString();
+      const base = await endedCount(t);
       const w = await asyncLoad(t.urls, t.path, t.headers, ASYNC_CONCURRENCY, ASYNC_WARMUP);
-      await drainRuns(t, since, w.accepted);
+      await drainRuns(t, since, base, w.accepted);
     }
   }
   console.log(`  warm-up: ${ASYNC_WARMUP} s of the same load per target, drained`);
@@ -490,12 +500,13 @@ async function asyncEndToEnd() {
       const before = t.name === 'cluster' ? await stageBuckets(t.nodes) : undefined;
       const cpu0 = await cpuSnapshot(t, natsPid);
       const since = new Date(Date.now() - 1).toISOString();
+      const base = await endedCount(t);
       const t0 = Date.now();
       const r = await asyncLoad(t.urls, t.path, t.headers, ASYNC_CONCURRENCY, ASYNC_DURATION);
       let runs;
       let drainError;
       try {
-        runs = await drainRuns(t, since, r.accepted);
+        runs = await drainRuns(t, since, base, r.accepted);
       } catch (err) {
         drainError = err;
         runs = await roundRuns(t.pg, since);
@@ -512,6 +523,9 @@ async function asyncEndToEnd() {
         stagesTotal = stagesTotal ? bucketAdd(stagesTotal, delta) : delta;
       }
       const cpuPerRun = Object.fromEntries(CPU_GROUPS.map((g) => [g, ((cpu1[g] - cpu0[g]) / ended.length) * 1000]));
+      const pgPerRun = Object.fromEntries(
+        ['commits', 'updated', 'fetched'].map((k) => [k, (cpu1[k] - cpu0[k]) / ended.length]),
+      );
       const cpuPct = Object.fromEntries(
         CPU_GROUPS.map((g) => [g, ((cpu1[g] - cpu0[g]) / Math.max(1, Date.now() - t0)) * 100]),
       );
@@ -523,6 +537,7 @@ async function asyncEndToEnd() {
         valid,
         cpuPerRun,
         cpuPct,
+        pgPerRun,
       });
       t.runs.push(...ended);
       t.intake ??= [];
@@ -581,7 +596,7 @@ async function asyncEndToEnd() {
     fmt(median(t.rounds.map((x) => x.cpuPct[g])), 0),
   ];
   console.log(
-    "\nCPU per completed run (µs) and % of one core, load start -> queue empty (median of rounds); nats: the machine's nats-server, postgres: the backends connected to the target's database\n",
+    "\nCPU per completed run (µs) and % of one core, load start -> queue empty (median of rounds); nats: the machine's nats-server, postgres: the backends connected to the target's database but the bench's own\n",
   );
   console.log(
     table([
@@ -629,6 +644,20 @@ async function asyncEndToEnd() {
         ),
       ],
     ]),
+  );
+
+  console.log(
+    `\nPostgreSQL per completed run (pg_stat_database, median of rounds; the bench's one read of the round's runs included): ${targets
+      .map(
+        (t) =>
+          `${t.name} ${['commits', 'updated', 'fetched']
+            .map(
+              (k) =>
+                `${k === 'commits' ? 'transactions' : `rows ${k}`} ${fmt(median(t.rounds.map((x) => x.pgPerRun[k])))}`,
+            )
+            .join(', ')}`,
+      )
+      .join('; ')}`,
   );
 
   // Where a run's time goes.
