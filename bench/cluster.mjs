@@ -322,6 +322,14 @@ function bucketQuantile(buckets, q) {
   return Number.NaN;
 }
 
+/** Rows read so far from the runs table: by each of its indexes, and by sequential scans ('seq'). */
+async function tableScans(pg) {
+  const { rows } = await pg.query(
+    "SELECT indexrelname AS name, idx_tup_read::float8 AS n FROM pg_stat_user_indexes WHERE relname = 'runs' UNION ALL SELECT 'seq', seq_tup_read::float8 FROM pg_stat_user_tables WHERE relname = 'runs'",
+  );
+  return new Map(rows.map((r) => [r.name, r.n]));
+}
+
 /** The pid of the machine's nats-server (read-only: its CPU time), or undefined. */
 function natsServerPid() {
   for (const pid of fs.readdirSync('/proc')) {
@@ -477,6 +485,7 @@ async function asyncEndToEnd() {
   console.log(`  sandbox: ${sandbox.observed}; ferry doctor: ${sandbox.doctor}`);
   console.log('  (the target not being measured stays up, idle)\n');
 
+  for (const t of targets) t.scans0 = await tableScans(t.pg);
   let stagesTotal;
   const lines = [
     [
@@ -588,6 +597,18 @@ async function asyncEndToEnd() {
       valid ? (ratio >= TARGET_ASYNC_RATIO ? 'met' : 'NOT met') : 'not judged (errors, or runs not ended success)'
     }`,
   );
+
+  // Which scans of the runs table read the most rows (pg_stat_user_tables and _indexes, over all rounds).
+  for (const t of targets) {
+    const after = await tableScans(t.pg);
+    const runs = t.rounds.reduce((a, x) => a + x.accepted, 0);
+    const rows = [...after]
+      .map(([name, n]) => [name, (n - (t.scans0.get(name) ?? 0)) / runs])
+      .filter(([, n]) => n >= 0.05)
+      .sort((a, b) => b[1] - a[1])
+      .map(([name, n]) => `${name} ${fmt(n, 1)}`);
+    console.log(`rows read per run on runs, by index (seq: sequential scans), ${t.name}: ${rows.join(', ') || 'none'}`);
+  }
 
   // Where the CPU goes.
   const cpuRow = (t, g) => [
