@@ -31,6 +31,8 @@ export interface Metrics {
   asyncPublishFailures: Counter;
   /** With --nats-url: messages fetched from the runs stream, by what became of them. */
   asyncFetched: Counter<'outcome'>;
+  /** With --nats-url: seconds an async run spent in each stage of the JetStream queue (runs/jetstream-queue.ts). */
+  asyncStage: Histogram<'stage'>;
   /** Builds deleted (files and rows), by why: `retention`, `deleted` (a build or its app, through the API). */
   buildsDeleted: Counter<'reason'>;
   /** Run records deleted with their logs, by why: `retention`, `deleted` (with their app). */
@@ -199,6 +201,13 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
       name: 'ferry_async_fetched_total',
       help: "Messages fetched from the JetStream runs stream: run claimed here (claimed), or not this node's to run (skipped)",
       labelNames: ['outcome'],
+      registers: [registry],
+    }),
+    asyncStage: new Histogram({
+      name: 'ferry_async_stage_seconds',
+      help: "Seconds an async run spent in a stage of the JetStream queue: publish (committed -> stored in the stream, on the accepting node), claim (stored -> claimed here; the NATS server's clock against this node's), start (claimed -> its start written), ack (done here -> its message acknowledged)",
+      labelNames: ['stage'],
+      buckets: [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30],
       registers: [registry],
     }),
   };

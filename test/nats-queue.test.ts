@@ -126,6 +126,30 @@ describe('the async queue on JetStream', () => {
       (await metric(b, 'ferry_async_fetched_total{outcome="claimed"'));
     assert.ok(published >= ids.length, `published ${published}`);
     assert.equal(claimed, ids.length, 'every run claimed from a fetched message, once');
+    // Each run's steps through the queue were timed (ferry_async_stage_seconds): its publish at acceptance,
+    // its claim and its start once each, and its message's ack once its end was committed.
+    const stage = async (name: string, part: 'count' | 'sum') => {
+      let sum = 0;
+      for (const s of [a, b]) {
+        const text = await (await fetch(`${s.url}/metrics`)).text();
+        for (const l of text.split('\n'))
+          if (l.startsWith(`ferry_async_stage_seconds_${part}{`) && l.includes(`stage="${name}"`))
+            sum += Number(l.split(' ').pop());
+      }
+      return sum;
+    };
+    const publishedAtAccept =
+      (await metric(a, 'ferry_async_published_total{via="accept"')) +
+      (await metric(b, 'ferry_async_published_total{via="accept"'));
+    assert.ok(publishedAtAccept > 0, 'runs published at acceptance');
+    assert.equal(await stage('publish', 'count'), publishedAtAccept, 'each publish at acceptance timed');
+    assert.equal(await stage('claim', 'count'), ids.length, 'each claim timed once');
+    assert.equal(await stage('start', 'count'), ids.length, 'each start timed once');
+    await waitFor(async () => (await stage('ack', 'count')) === ids.length, 10_000, 'each ack timed once');
+    for (const name of ['publish', 'claim', 'start', 'ack']) {
+      const [sum, count] = [await stage(name, 'sum'), await stage(name, 'count')];
+      assert.ok(sum >= 0 && sum / count < 60, `${name}: ${sum} s over ${count} runs`);
+    }
   });
 
   it('starts with NATS down, accepts async calls, and runs them once NATS is up', async () => {

@@ -119,6 +119,7 @@ export async function createClusterLink(core: Core): Promise<ClusterLink | undef
           published: (via, n) => metrics.asyncPublished.inc({ via }, n),
           publishFailed: (n) => metrics.asyncPublishFailures.inc(n),
           fetched: (outcome, n) => metrics.asyncFetched.inc({ outcome }, n),
+          stage: (stage, seconds) => metrics.asyncStage.observe({ stage }, seconds),
         },
       });
       return queue;

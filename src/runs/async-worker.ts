@@ -122,6 +122,8 @@ export function createAsyncWorker(deps: {
   onReleased?: (runIds: string[]) => void;
   /** Told when room was made (a run ended): more may be taken. */
   onRoom?: () => void;
+  /** Told when a held run's start is written (a replica slot taken, the run marked running here). */
+  onStarted?: (runId: string) => void;
   /** How often the held-runs sweep looks for runs this node holds in the store but not in hand. Default 10 s. */
   heldSweepMs?: number;
 }): AsyncWorker {
@@ -187,7 +189,7 @@ export function createAsyncWorker(deps: {
       recorded: true,
       webhookUrl: run.webhook_endpoint ?? undefined,
       signal: abort.signal,
-      claim: () => start(q.id),
+      claim: deps.onStarted ? () => startTold(q.id) : () => start(q.id),
       retries: retriesOf(build, run),
     };
     try {
@@ -243,6 +245,13 @@ export function createAsyncWorker(deps: {
    */
   function start(id: string): Promise<number | undefined> {
     return recorder.startNow(id, owner);
+  }
+
+  /** start, then onStarted when the run was this node's to start. */
+  async function startTold(id: string): Promise<number | undefined> {
+    const attempt = await recorder.startNow(id, owner);
+    if (attempt !== undefined) deps.onStarted?.(id);
+    return attempt;
   }
 
   const pumping = new Set<string>();

@@ -30,6 +30,11 @@
  *   acknowledged when the store says the run is no longer this node's unfinished run (its final state is
  *   written by the recorder a few milliseconds later). A node that dies stops sending in-progress acks: its
  *   messages are redelivered after the ack wait, and its lease runs out; the record decides again.
+ * - **Stages** (`metrics.stage`, the histogram `ferry_async_stage_seconds`): how long a run spent in each
+ *   step above: `publish` (committed -> its publish acknowledged by JetStream, on the accepting node),
+ *   `claim` (stored in the stream -> claimed here: the NATS server's clock against this node's), `start`
+ *   (claimed -> its start written, a replica slot taken) and `ack` (the worker done with it -> its message
+ *   acknowledged). Its run time is the record's `started_at` -> `finished_at`.
  */
 import {
   AckPolicy,
@@ -68,7 +73,12 @@ export interface JetStreamQueueMetrics {
   publishFailed(count: number): void;
   /** Messages fetched: their run claimed here (`claimed`), or not this node's to run (`skipped`). */
   fetched(outcome: 'claimed' | 'skipped', count: number): void;
+  /** Seconds one run spent in a stage of the queue (see the module comment). */
+  stage?(stage: AsyncStage, seconds: number): void;
 }
+
+/** The stages of an async run through the queue that `JetStreamQueueMetrics.stage` times. */
+export type AsyncStage = 'publish' | 'claim' | 'start' | 'ack';
 
 export interface JetStreamQueueOptions {
   link: NatsLink;
@@ -88,6 +98,7 @@ export interface JetStreamQueueOptions {
     onSettled(runId: string): void;
     onReleased(runIds: string[]): void;
     onRoom(): void;
+    onStarted?(runId: string): void;
   }): AsyncWorker;
   metrics?: JetStreamQueueMetrics;
   /** How long a delivered message may go without an ack or in-progress ack before it is redelivered. Default 30 s. */
@@ -129,6 +140,7 @@ interface AppFeed {
 
 export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueue {
   const { link, names, store, logger, owner, metrics } = options;
+  const stage = metrics?.stage?.bind(metrics);
   const ackWaitMs = options.ackWaitMs ?? 30_000;
   const relayIntervalMs = options.relayIntervalMs ?? 1_000;
   const relayAfterMs = options.relayAfterMs ?? 3_000;
@@ -190,22 +202,28 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
 
   // ---- publishing ----
   let toPublish: AcceptedRun[] = [];
+  /** When each run of `toPublish` was handed over (committed), by performance.now(): with `stage` only. */
+  let acceptedAt: number[] = [];
   let publishScheduled = false;
   let toMark: string[] = [];
 
   function publishAccepted(): void {
     publishScheduled = false;
     const batch = toPublish;
+    const batchAt = acceptedAt;
     toPublish = [];
+    acceptedAt = [];
     const jsc = client();
     // NATS is down: the runs are in the store, unpublished; the relay publishes them once it is back.
     if (!jsc || !link.connected || closed) return;
     void ensureStream().then(
       () => {
-        for (const run of batch) {
+        for (const [i, run] of batch.entries()) {
           jsc.publish(names.runsSubject(run.projectId, run.appId), run.id, { msgID: `${run.id}.0` }).then(
             () => {
               metrics?.published('accept', 1);
+              const at = batchAt[i];
+              if (stage && at !== undefined) stage('publish', (performance.now() - at) / 1000);
               toMark.push(run.id);
             },
             (err: unknown) => {
@@ -305,6 +323,9 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
   /** Runs the worker is done with, whose message waits for the store to say so. */
   const settled = new Set<string>();
   const claimsInFlight = new Set<Promise<void>>();
+  /** With `stage`: when each held run was claimed here, until it starts; when each settled run was settled. */
+  const claimedAt = new Map<string, number>();
+  const settledAt = new Map<string, number>();
   let projectTurn = 0;
   let reservedTotal = 0;
 
@@ -312,7 +333,11 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     ? options.createWorker({
         claimFromStore: false,
         onSettled(runId) {
-          if (heldMessages.has(runId)) settled.add(runId);
+          claimedAt.delete(runId);
+          if (heldMessages.has(runId)) {
+            settled.add(runId);
+            if (stage) settledAt.set(runId, performance.now());
+          }
         },
         onReleased(runIds) {
           // Let go in the store already (published_at cleared): another node may take them at once. Their
@@ -324,9 +349,21 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
           for (const id of runIds) {
             heldMessages.get(id)?.nak();
             heldMessages.delete(id);
+            claimedAt.delete(id);
+            settledAt.delete(id);
           }
         },
         onRoom: () => kick(),
+        ...(stage
+          ? {
+              onStarted(runId: string) {
+                const at = claimedAt.get(runId);
+                if (at === undefined) return;
+                claimedAt.delete(runId);
+                stage('start', (performance.now() - at) / 1000);
+              },
+            }
+          : {}),
       })
     : undefined;
 
@@ -541,9 +578,16 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     if (skipped > 0) metrics?.fetched('skipped', skipped);
     if (claimed.length > 0) metrics?.fetched('claimed', claimed.length);
     const byId = new Map(messages.map((m) => [m.string(), m]));
+    const claimedNow = performance.now();
+    const wallNow = Date.now();
     for (const run of claimed) {
       const m = byId.get(run.id);
       if (m) heldMessages.set(run.id, m);
+      if (stage) {
+        claimedAt.set(run.id, claimedNow);
+        // Since the stream stored the message (the server's clock); a clock ahead of this node's reads 0.
+        if (m) stage('claim', Math.max(0, wallNow - Number(m.timestampNanos / 1_000_000n)) / 1000);
+      }
       worker.enqueue({ id: run.id, projectId: run.project_id, appId: run.app_id });
     }
   }
@@ -561,6 +605,11 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         settled.delete(id);
         heldMessages.get(id)?.ack();
         heldMessages.delete(id);
+        const at = settledAt.get(id);
+        if (at !== undefined) {
+          settledAt.delete(id);
+          stage?.('ack', (performance.now() - at) / 1000);
+        }
       }
     } catch (err) {
       logger.debug({ err }, 'checking finished runs failed; trying again');
@@ -604,6 +653,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     },
     accepted(run) {
       toPublish.push(run);
+      if (stage) acceptedAt.push(performance.now());
       if (!publishScheduled) {
         publishScheduled = true;
         setImmediate(publishAccepted);
