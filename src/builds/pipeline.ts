@@ -196,6 +196,13 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
         finalState = 'failed';
         error = err.message;
         note(`Build failed: ${err.message}`);
+      } else if (err instanceof FerryError) {
+        // A coded failure of a part the build uses (the artifacts store out of reach, say): its code and
+        // message are meant for users, so the build says them rather than only "internal error".
+        finalState = 'failed';
+        error = `${err.code}: ${err.message}`;
+        logger.warn({ err, buildId: build.id }, 'build failed on a coded error');
+        note(`Build failed: ${error}`);
       } else {
         finalState = 'failed';
         error = 'internal error while building';

@@ -125,7 +125,23 @@ export async function startCluster(options: ClusterOptions = {}): Promise<TestCl
         120_000,
         `build of ${app}`,
       );
-      assert.equal(build.state, 'ready', `build of ${app} ended ${build.state}: ${build.error}`);
+      if (build.state !== 'ready') {
+        // What to read after a failure on CI: the build's log, and every process's lines about the build
+        // (the data dirs, with their logs, are gone once the test ends).
+        const log = await http(`${g.url}/v2/projects/${projectId}/apps/${app}/builds/${build.id}/logs`, { token });
+        const lines = (log.json?.lines ?? []).map((l: { line: string }) => l.line).join('\n');
+        const said = procs
+          .map(
+            (p) =>
+              `--- ${p.label}:\n${p
+                .output()
+                .split('\n')
+                .filter((l) => l.includes(build.id))
+                .join('\n')}`,
+          )
+          .join('\n');
+        assert.fail(`build of ${app} ended ${build.state}: ${build.error}\n--- build log:\n${lines}\n${said}`);
+      }
       return build as { id: string; state: string };
     };
     return { name, root, db, gateways, workers, auth, start, deploy, close };
