@@ -5,7 +5,7 @@ import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
 import { AppConfigError, parseAppConfig } from '../src/apps/app-config.js';
 import { nextAttempt, retryDelayMs } from '../src/runs/retries.js';
-import { dueTicks, MAX_COUNTED_TICKS, parseDuration, parseTiming } from '../src/schedules/spec.js';
+import { dueTicks, LATE_GRACE_MS, MAX_COUNTED_TICKS, parseDuration, parseTiming } from '../src/schedules/spec.js';
 
 const at = (iso: string) => new Date(iso);
 const iso = (d: Date | null) => d?.toISOString() ?? null;
@@ -88,6 +88,20 @@ describe('schedule timing', () => {
     assert.deepEqual(
       [iso(late.tick), late.skipped, late.skippedAtLeast, iso(late.next)],
       ['2026-01-01T01:10:00.000Z', 60, false, '2026-01-01T01:11:00.000Z'],
+    );
+    // A look that came a few seconds late (every node busy): each tick within LATE_GRACE_MS gets its own
+    // run, the earliest first; its next is due as well, and the ticker runs it next.
+    const slow = dueTicks(parseTiming('@every 2s'), at('2026-01-01T00:00:00Z'), at('2026-01-01T00:00:04.500Z'));
+    assert.deepEqual(
+      [iso(slow.tick), slow.skipped, iso(slow.next)],
+      ['2026-01-01T00:00:00.000Z', 0, '2026-01-01T00:00:02.000Z'],
+    );
+    // Ticks older than LATE_GRACE_MS are downtime: skipped, up to the first one within it.
+    const mixed = dueTicks(parseTiming('@every 10s'), at('2026-01-01T00:00:00Z'), at('2026-01-01T00:01:00Z'));
+    assert.equal(LATE_GRACE_MS, 30_000);
+    assert.deepEqual(
+      [iso(mixed.tick), mixed.skipped, iso(mixed.next)],
+      ['2026-01-01T00:00:30.000Z', 3, '2026-01-01T00:00:40.000Z'],
     );
     // Years of one-second ticks: counting stops, the latest due tick is still found exactly.
     const years = dueTicks(parseTiming('@every 1s'), at('2020-01-01T00:00:00Z'), at('2026-01-01T00:00:00.500Z'));

@@ -131,15 +131,26 @@ export interface DueTicks {
 }
 
 /**
- * The ticks due at `now` for a schedule whose next tick was stored as `nextDue`: at most one runs (the
- * latest due one, the catch-up after downtime), the others are counted as skipped.
+ * How late a tick may be and still get a run of its own: a look that came late (every node busy, or the
+ * one looking stalled for a few seconds) runs each tick it finds due within this window, one after the
+ * other. Ticks due longer ago than this count as downtime: only the latest of them runs (the catch-up).
+ */
+export const LATE_GRACE_MS = 30_000;
+
+/**
+ * The tick to run at `now` for a schedule whose next tick was stored as `nextDue`: the earliest due tick
+ * late by at most LATE_GRACE_MS (its `next` may be due as well: the ticker runs it next); or, when every due
+ * tick is older than that (downtime), the latest due one, the catch-up. Ticks passed over are counted as
+ * skipped.
  */
 export function dueTicks(timing: ScheduleTiming, nextDue: Date, now: Date): DueTicks {
   if (nextDue.getTime() > now.getTime()) return { tick: null, skipped: 0, skippedAtLeast: false, next: nextDue };
+  const cutoff = now.getTime() - LATE_GRACE_MS;
   let tick = nextDue;
   let skipped = 0;
   for (;;) {
     const after = timing.next(tick);
+    if (tick.getTime() >= cutoff) return { tick, skipped, skippedAtLeast: false, next: after };
     if (after === null || after.getTime() > now.getTime()) return { tick, skipped, skippedAtLeast: false, next: after };
     skipped += 1;
     tick = after;

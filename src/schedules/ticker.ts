@@ -9,8 +9,9 @@
  * tick due: the next look (by any node) inserts it again, gets the run already there, and advances. A tick
  * is never lost while one node still looks; it is never doubled, whatever dies when.
  *
- * After downtime one catch-up run starts (the latest due tick); the ticks passed over are logged and
- * counted (`ferry_schedule_ticks_skipped_total{reason="downtime"}`). With `overlap = "skip"`, a tick due
+ * A tick found late by at most LATE_GRACE_MS (spec.ts: every node busy or stalled for a few seconds) still
+ * gets its own run. After longer downtime one catch-up run starts (the latest due tick); the ticks passed
+ * over are logged and counted (`ferry_schedule_ticks_skipped_total{reason="downtime"}`). With `overlap = "skip"`, a tick due
  * while the schedule's last run is unfinished starts nothing and is counted (`reason="overlap"`).
  */
 import type { Kysely } from 'kysely';
@@ -25,6 +26,8 @@ import { dueTicks, parseTiming } from './spec.js';
 export const TICK_INTERVAL_MS = 1000;
 /** The most due schedules one look handles (the rest wait for the next look). */
 const BATCH = 100;
+/** The most ticks of one schedule one look runs (a schedule a few ticks late catches up over a few looks). */
+const TICKS_PER_LOOK = 10;
 
 /** What the ticker asks of the run service: start a schedule's run. */
 export interface ScheduleRunStarter {
@@ -139,13 +142,28 @@ export function createScheduleTicker(deps: {
       .limit(BATCH)
       .execute();
     let started = 0;
-    for (const row of due) {
-      if (closed) break;
-      try {
-        if (await fire(row, now)) started += 1;
-      } catch (err) {
-        // The store or the run queue failed: the tick stays due and the next look tries again.
-        log.warn({ err, app: row.app_id, schedule: row.name }, 'schedule tick failed; retrying at the next look');
+    for (const first of due) {
+      // A schedule late by several ticks (within LATE_GRACE_MS: a look that came late) runs them one after
+      // the other, a few per look, each from the row as the last one left it.
+      let row: Schedule | undefined = first;
+      for (let n = 0; row && n < TICKS_PER_LOOK && !closed; n++) {
+        try {
+          if (!(await fire(row, now))) break;
+          started += 1;
+        } catch (err) {
+          // The store or the run queue failed: the tick stays due and the next look tries again.
+          log.warn({ err, app: row.app_id, schedule: row.name }, 'schedule tick failed; retrying at the next look');
+          break;
+        }
+        row = await db
+          .selectFrom('schedules')
+          .selectAll()
+          .where('project_id', '=', row.project_id)
+          .where('app_id', '=', row.app_id)
+          .where('name', '=', row.name)
+          .where('paused', '=', 0)
+          .where('next_tick_at', '<=', isoTime(now))
+          .executeTakeFirst();
       }
     }
     return started;
