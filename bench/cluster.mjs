@@ -619,52 +619,23 @@ async function asyncEndToEnd() {
   console.log(
     "\nCPU per completed run (µs) and % of one core, load start -> queue empty (median of rounds); nats: the machine's nats-server, postgres: the backends connected to the target's database but the bench's own\n",
   );
-  console.log(
-    table([
-      ['cluster', 'µs per run', '% of a core'],
-      ...CPU_GROUPS.map((g) => cpuRow(cl, g)),
-      [
-        'total',
-        fmt(
-          median(
-            cl.rounds.map((x) =>
-              CPU_GROUPS.reduce((a, g) => a + (Number.isFinite(x.cpuPerRun[g]) ? x.cpuPerRun[g] : 0), 0),
-            ),
-          ),
-          0,
-        ),
-        fmt(
-          median(
-            cl.rounds.map((x) => CPU_GROUPS.reduce((a, g) => a + (Number.isFinite(x.cpuPct[g]) ? x.cpuPct[g] : 0), 0)),
-          ),
-          0,
-        ),
-      ],
-    ]),
-  );
+  /** A target's CPU table: a row per process group, then the groups' total (medians of the rounds). */
+  const cpuTable = (t, groups) => {
+    const total = (field) =>
+      median(t.rounds.map((x) => groups.reduce((a, g) => a + (Number.isFinite(x[field][g]) ? x[field][g] : 0), 0)));
+    return table([
+      [t.name, 'µs per run', '% of a core'],
+      ...groups.map((g) => cpuRow(t, g)),
+      ['total', fmt(total('cpuPerRun'), 0), fmt(total('cpuPct'), 0)],
+    ]);
+  };
+  console.log(cpuTable(cl, CPU_GROUPS));
   console.log('');
   console.log(
-    table([
-      ['all', 'µs per run', '% of a core'],
-      ...CPU_GROUPS.filter((g) => g !== 'gateways').map((g) => cpuRow(al, g)),
-      [
-        'total',
-        fmt(
-          median(
-            al.rounds.map((x) =>
-              CPU_GROUPS.reduce((a, g) => a + (Number.isFinite(x.cpuPerRun[g]) ? x.cpuPerRun[g] : 0), 0),
-            ),
-          ),
-          0,
-        ),
-        fmt(
-          median(
-            al.rounds.map((x) => CPU_GROUPS.reduce((a, g) => a + (Number.isFinite(x.cpuPct[g]) ? x.cpuPct[g] : 0), 0)),
-          ),
-          0,
-        ),
-      ],
-    ]),
+    cpuTable(
+      al,
+      CPU_GROUPS.filter((g) => g !== 'gateways'),
+    ),
   );
 
   console.log(
