@@ -170,8 +170,9 @@ export async function insertRunsAndStart(
   if (combinedText === '') {
     const n = COLUMNS.length;
     combinedText =
+      // Owner and state hidden from the planner: the runs are found by id (store/claims.ts ownerIs says why).
       `with "started" as (update "runs" set "state" = 'running', "started_at" = $${n + 3}, "attempts" = "attempts" + 1` +
-      ` where "id" = any($${n + 2}::text[]) and "owner" = $${n + 1} and "state" = 'queued' returning "id", "attempts"),` +
+      ` where "id" = any($${n + 2}::text[]) and coalesce("owner", '') = $${n + 1} and coalesce("state", '') = 'queued' returning "id", "attempts"),` +
       ` "inserted" as (${unnestText(true)})` +
       ` select "id", "attempts" from "started" union all select "id", null from "inserted"`;
   }

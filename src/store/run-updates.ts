@@ -155,9 +155,13 @@ async function updateUnnest(
     }
     const set = columns.map((c) => `"${c}" = v."${c}"`).join(', ');
     const where = ['r."id" = v."id"'];
-    if (owner !== undefined) where.push(`r."owner" = $${++n}`);
+    // Owner and state hidden from the planner: the rows are found by id, never by reading every run this
+    // node holds through runs_owner_state or runs_state (store/claims.ts ownerIs says why).
+    if (owner !== undefined) where.push(`coalesce(r."owner", '') = $${++n}`);
     where.push(
-      fenced ? `r."state" = 'running' and r."attempts" = v."fence_attempt"` : `r."state" in ('queued', 'running')`,
+      fenced
+        ? `coalesce(r."state", '') = 'running' and r."attempts" = v."fence_attempt"`
+        : `coalesce(r."state", '') in ('queued', 'running')`,
     );
     text = `update "runs" as r set ${set} from unnest(${arrays.join(', ')}) as v(${names.join(', ')}) where ${where.join(' and ')} returning r."id"`;
     if (unnestTexts.size < MAX_SHAPES) unnestTexts.set(key, text);
