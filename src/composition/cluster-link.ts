@@ -122,6 +122,8 @@ export async function createClusterLink(core: Core): Promise<ClusterLink | undef
           stage: (stage, seconds) => metrics.asyncStage.observe({ stage }, seconds),
         },
       });
+      // Runs this node ended: their messages are acknowledged at once, not at the queue's next look.
+      if (consume) core.events.on('runs:finished', ({ runIds }) => queue.finished?.(runIds));
       return queue;
     },
     announcer({ pools }) {

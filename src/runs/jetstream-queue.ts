@@ -122,6 +122,12 @@ const APP_IDLE_MS = 30_000;
 const RELAY_BATCH = 500;
 const MARK_EVERY_MS = 1_000;
 const ACK_EVERY_MS = 50;
+/**
+ * A settled run's end is looked for in the store only once it is this old: the recorder reports the ends it
+ * commits at once (`finished`), so the store is asked only about runs that ended otherwise (queued again for
+ * a later attempt, let go, settled by another node).
+ */
+const ASK_STORE_AFTER_MS = 1_000;
 const DUPLICATE_WINDOW_MS = 120_000;
 
 interface AppFeed {
@@ -320,8 +326,11 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
   const feeds = new Map<string, AppFeed>();
   /** The message of every run this node holds (queued here or running). */
   const heldMessages = new Map<string, JsMsg>();
-  /** Runs the worker is done with, whose message waits for the store to say so. */
-  const settled = new Set<string>();
+  /**
+   * Runs the worker is done with, whose message waits for their end to be committed: reported by the
+   * recorder (`finished`), or else found in the store (ackSettled), with when the worker was done.
+   */
+  const settled = new Map<string, number>();
   const claimsInFlight = new Set<Promise<void>>();
   /** With `stage`: when each held run was claimed here, until it starts; when each settled run was settled. */
   const claimedAt = new Map<string, number>();
@@ -335,7 +344,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         onSettled(runId) {
           claimedAt.delete(runId);
           if (heldMessages.has(runId)) {
-            settled.add(runId);
+            settled.set(runId, performance.now());
             if (stage) settledAt.set(runId, performance.now());
           }
         },
@@ -592,24 +601,41 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     }
   }
 
-  /** Acknowledges the messages of settled runs the store no longer shows as this node's unfinished runs. */
+  /** Acknowledges a held run's message and forgets it (its run is over here, or another message stands for it). */
+  function ackHeld(id: string): void {
+    settled.delete(id);
+    claimedAt.delete(id);
+    heldMessages.get(id)?.ack();
+    heldMessages.delete(id);
+    if (stage) {
+      // Its end reported by the recorder before the worker settled it: acknowledged as it was done.
+      const at = settledAt.get(id);
+      settledAt.delete(id);
+      stage('ack', at === undefined ? 0 : (performance.now() - at) / 1000);
+    }
+  }
+
+  /**
+   * Acknowledges the messages of settled runs the store no longer shows as this node's unfinished runs: the
+   * runs whose end this node's recorder did not report (`finished`): queued again for a later attempt, let
+   * go, or settled by another node.
+   */
   let acking = false;
-  async function ackSettled(): Promise<void> {
+  async function ackSettled(all = false): Promise<void> {
     if (acking || settled.size === 0) return;
+    // Most runs' ends are reported by the recorder within milliseconds: the store is asked only about the
+    // runs settled longer ago than that (all of them when closing).
+    const before = performance.now() - (all ? 0 : ASK_STORE_AFTER_MS);
+    const ids: string[] = [];
+    for (const [id, at] of settled) if (at <= before) ids.push(id);
+    if (ids.length === 0) return;
     acking = true;
     try {
-      const ids = [...settled];
       const unfinished = await unfinishedRunsOf(store, owner, ids);
       for (const id of ids) {
-        if (unfinished.has(id)) continue;
-        settled.delete(id);
-        heldMessages.get(id)?.ack();
-        heldMessages.delete(id);
-        const at = settledAt.get(id);
-        if (at !== undefined) {
-          settledAt.delete(id);
-          stage?.('ack', (performance.now() - at) / 1000);
-        }
+        // Acknowledged meanwhile (`finished`), or a newer message of the run stands for it now.
+        if (unfinished.has(id) || !settled.has(id)) continue;
+        ackHeld(id);
       }
     } catch (err) {
       logger.debug({ err }, 'checking finished runs failed; trying again');
@@ -650,6 +676,11 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     ownerFor() {
       // Every accepted run goes through the stream, so any consuming node may take it.
       return null;
+    },
+    finished(runIds) {
+      // Their final state is committed with this node's fence: nothing is left to ask the store, and the
+      // message is acknowledged now rather than at the next look (every ACK_EVERY_MS).
+      for (const id of runIds) if (heldMessages.has(id)) ackHeld(id);
     },
     accepted(run) {
       toPublish.push(run);
@@ -708,7 +739,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       if (worker) {
         // Until every held message is settled: runs finishing during the close keep theirs alive.
         const alive = setInterval(keepAlive, Math.max(500, Math.floor(ackWaitMs / 3)));
-        const acks = setInterval(() => void ackSettled(), ACK_EVERY_MS);
+        const acks = setInterval(() => void ackSettled(true), ACK_EVERY_MS);
         // The worker first, before any await: from here it starts no run it holds (they are let go, their
         // messages nak'd), and runs running finish; then their messages are acked. Awaiting the relay or the
         // marks first let it start queued runs meanwhile (test/contract-run-queue.test.ts). A claim answered
@@ -719,7 +750,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         await relaying;
         await markPublished();
         for (let i = 0; i < 100 && settled.size > 0; i++) {
-          await ackSettled();
+          await ackSettled(true);
           if (settled.size > 0) await new Promise((r) => setTimeout(r, 50));
         }
         clearInterval(alive);

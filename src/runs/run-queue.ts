@@ -49,6 +49,11 @@ export interface RunQueue {
   wake(): void;
   /** The app was deleted: drop what the queue keeps for it (JetStream: its consumer and messages). */
   forgetApp?(projectId: string, appId: string): Promise<void>;
+  /**
+   * This node's recorder committed these runs' final states (any mode; most are not the queue's): a queue
+   * lets go at once of what it holds for them (JetStream: acknowledges their messages).
+   */
+  finished?(runIds: readonly string[]): void;
   /** Async runs this node holds and has not finished (queued here or running). */
   readonly backlog: number;
   start(): Promise<void>;
