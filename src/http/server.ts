@@ -3,7 +3,7 @@
  * (`/v4`), `/healthz` and `/metrics`. `buildServer` does not listen, so tests can inject requests or
  * listen on port 0 themselves.
  */
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import { createServer, type IncomingMessage, type Server } from 'node:http';
 import type { Socket } from 'node:net';
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
@@ -56,45 +56,44 @@ export type HttpDeps = AppRouteDeps &
   };
 
 /**
- * The connections of `server` that carry no request now: closed when the server closes. Node's own
- * `closeIdleConnections` (Fastify's `forceCloseConnections: 'idle'`) leaves out a connection that was
- * opened but never sent a request (seen after a caller aborted a call: a second connection of the
- * client's pool, which held every close for the whole keep-alive timeout, 60 to 72 s). Requests in flight,
- * and upgraded sockets (WebSocket sessions, which their tunnels end), are left to finish.
+ * The connections of `server` that never carried a request: closed when the server closes. Node's own
+ * `closeIdleConnections` (Fastify's `forceCloseConnections: 'idle'`) closes the kept-alive connections
+ * between requests, but leaves out a connection that was opened and never sent one (seen after a caller
+ * aborted a call: a second connection of the client's pool, which held every close for the whole
+ * keep-alive timeout, 60 to 72 s). Requests in flight, and upgraded sockets (WebSocket sessions, which their
+ * tunnels end), are left to finish. The request handler calls `used` with each request's socket: a Set's
+ * delete, no listener or closure per request on the run path.
  */
-function trackUnbusyConnections(server: Server): { closeUnbusy(): void } {
-  const sockets = new Map<Socket, number>();
+function trackUnusedConnections(server: Server): { used(socket: Socket): void; closeUnused(): void } {
+  const unused = new Set<Socket>();
   server.on('connection', (socket: Socket) => {
-    sockets.set(socket, 0);
-    socket.once('close', () => sockets.delete(socket));
+    unused.add(socket);
+    socket.once('close', () => unused.delete(socket));
   });
-  server.prependListener('request', (req: IncomingMessage, res: ServerResponse) => {
-    const socket = req.socket;
-    sockets.set(socket, (sockets.get(socket) ?? 0) + 1);
-    res.once('close', () => {
-      if (sockets.has(socket)) sockets.set(socket, Math.max(0, (sockets.get(socket) ?? 1) - 1));
-    });
-  });
-  server.prependListener('upgrade', (req: IncomingMessage) => sockets.delete(req.socket));
+  server.prependListener('upgrade', (req: IncomingMessage) => unused.delete(req.socket));
   return {
-    closeUnbusy() {
-      for (const [socket, busy] of sockets) if (busy === 0) socket.destroy();
+    used(socket) {
+      if (unused.size > 0) unused.delete(socket);
+    },
+    closeUnused() {
+      for (const socket of unused) socket.destroy();
     },
   };
 }
 
 function createFastify(services: HttpDeps): TypedServer {
   let fastPath: RunFastPath | undefined;
-  let connections: { closeUnbusy(): void } | undefined;
+  let connections: ReturnType<typeof trackUnusedConnections> | undefined;
   const app = Fastify({
     // Node's server as Fastify would make it, with the run endpoint's hot case served before Fastify.
     serverFactory: (handler) => {
       const path = createRunFastPath(services, handler);
       fastPath = path;
       const server = createServer((req, res) => {
+        connections?.used(req.socket);
         if (!path.handle(req, res)) handler(req, res);
       });
-      connections = trackUnbusyConnections(server);
+      connections = trackUnusedConnections(server);
       // Fastify's own defaults, which it applies only to a server it makes itself.
       server.keepAliveTimeout = 72_000;
       server.requestTimeout = 0;
@@ -115,10 +114,11 @@ function createFastify(services: HttpDeps): TypedServer {
     return503OnClosing: true,
     forceCloseConnections: 'idle',
   }).withTypeProvider<TypeBoxTypeProvider>();
-  // Closing: every request goes through Fastify, which answers 503; connections without one are closed.
+  // Closing: every request goes through Fastify, which answers 503; connections that never carried one are
+  // closed here, the idle kept-alive ones by Fastify (forceCloseConnections).
   app.addHook('preClose', async () => {
     fastPath?.close();
-    connections?.closeUnbusy();
+    connections?.closeUnused();
   });
   return app;
 }
