@@ -15,7 +15,7 @@
  * succeeds but no notification ever arrives.
  */
 import { randomUUID } from 'node:crypto';
-import pg from 'pg';
+import type pg from 'pg';
 import type { Logger } from 'pino';
 import { type ChangeFeed, createFanOut, parseChangeEvent } from './change-feed.js';
 
@@ -47,7 +47,9 @@ export async function createPgChangeFeed(options: PgChangeFeedOptions): Promise<
   const pingEveryMs = options.pingEveryMs ?? 10_000;
   const origin = randomUUID();
   const fanOut = createFanOut(logger);
-  const publisher = new pg.Pool({
+  // Loaded here: a server on SQLite never loads the PostgreSQL driver.
+  const { default: pgDriver } = await import('pg');
+  const publisher = new pgDriver.Pool({
     connectionString: databaseUrl,
     max: 1,
     idleTimeoutMillis: 30_000,
@@ -109,7 +111,7 @@ export async function createPgChangeFeed(options: PgChangeFeedOptions): Promise<
   }
 
   async function connect(): Promise<void> {
-    const client = new pg.Client({
+    const client = new pgDriver.Client({
       connectionString: databaseUrl,
       application_name: LISTENER_APPLICATION_NAME,
       keepAlive: true,

@@ -5,7 +5,7 @@
  * dialect is underneath.
  */
 import { Kysely, PostgresAdapter, PostgresDialect, sql } from 'kysely';
-import pg from 'pg';
+import type pg from 'pg';
 import { migrate } from './migrate.js';
 import { isStoreUnavailable, reportingOutages, unreachableAt } from './outage.js';
 import type { Database } from './schema.js';
@@ -50,13 +50,15 @@ const INT8_OID = 20;
  * so business code sees the same types on both. Ferry's bigints (byte counts, row counts) stay far below
  * 2^53.
  */
-const pgTypes = {
-  getTypeParser(oid: number, format?: 'text' | 'binary') {
-    if (oid === INT8_OID && format !== 'binary') return (value: string) => Number(value);
-    // biome-ignore lint/suspicious/noExplicitAny: pg's overloads take the format as a union only at runtime
-    return pg.types.getTypeParser(oid, format as any);
-  },
-} as pg.CustomTypesConfig;
+function pgTypes(driver: typeof pg): pg.CustomTypesConfig {
+  return {
+    getTypeParser(oid: number, format?: 'text' | 'binary') {
+      if (oid === INT8_OID && format !== 'binary') return (value: string) => Number(value);
+      // biome-ignore lint/suspicious/noExplicitAny: pg's overloads take the format as a union only at runtime
+      return driver.types.getTypeParser(oid, format as any);
+    },
+  } as pg.CustomTypesConfig;
+}
 
 /**
  * Opens the PostgreSQL store at `databaseUrl` and brings its schema up to date. Several processes may
@@ -69,10 +71,12 @@ const pgTypes = {
 export const PG_IDLE_IN_TRANSACTION_MS = 15_000;
 
 export async function openPostgresStore(options: { databaseUrl: string; poolSize?: number }): Promise<Store> {
-  const pool = new pg.Pool({
+  // Loaded here: a server on SQLite never loads the PostgreSQL driver.
+  const { default: driver } = await import('pg');
+  const pool = new driver.Pool({
     connectionString: options.databaseUrl,
     max: options.poolSize ?? 10,
-    types: pgTypes,
+    types: pgTypes(driver),
     // A server that does not answer is reported (503) rather than waited on forever.
     connectionTimeoutMillis: 10_000,
     application_name: 'ferry',
