@@ -103,7 +103,7 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
   try {
     await removeStaleNamespaces(tools.ip, nsPrefix);
     await removeDeadServers(tools, tag);
-    await fs.writeFile(path.join(resolvDir, OWNER_FILE), await processIdentity(process.pid)).catch(() => {});
+    await writeOwner(resolvDir).catch(() => {});
     await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
     const ruleset = nftRuleset(table, group, options.pool, policy);
     const loaded = await runTool(
@@ -354,13 +354,25 @@ async function removeDeadServers(tools: VethTools, ownTag: string): Promise<void
   for (const tag of tags) {
     if (tag === ownTag || !/^[0-9a-f]{8}$/.test(tag)) continue;
     const owner = await fs.readFile(path.join(RESOLV_ROOT, tag, OWNER_FILE), 'utf8').catch(() => null);
-    if (owner === null) continue; // a server still setting up, or not one of ours
-    const pid = Number(owner.split(' ')[0]);
-    if (Number.isInteger(pid) && pid > 0 && (await processIdentity(pid)) === owner) continue;
+    // No owner, or not one this code writes: a server still setting up, or not one of ours. Never taken
+    // for a dead one: that removed a live server's namespaces and resolv.conf folder mid-build.
+    const match = owner === null ? null : /^([1-9][0-9]*) (\S+)$/.exec(owner);
+    if (!match) continue;
+    if ((await processIdentity(Number(match[1]))) === owner) continue;
     await removeStaleNamespaces(tools.ip, `ferry-${tag}-`);
     await runTool(tools.nft, ['delete', 'table', 'inet', `ferry_${tag}`], '');
     await fs.rm(path.join(RESOLV_ROOT, tag), { recursive: true, force: true });
   }
+}
+
+/**
+ * Writes this process's identity to `<dir>/owner` whole or not at all (a file renamed into place): a
+ * server starting at the same moment reads either no owner or all of it, never an empty file.
+ */
+async function writeOwner(dir: string): Promise<void> {
+  const temporary = path.join(dir, `.${OWNER_FILE}-${process.pid}`);
+  await fs.writeFile(temporary, await processIdentity(process.pid));
+  await fs.rename(temporary, path.join(dir, OWNER_FILE));
 }
 
 /** `<pid> <start time>`: tells a live owner from a new process that got the same pid. */

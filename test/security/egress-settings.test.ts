@@ -119,6 +119,25 @@ describe('egress settings', () => {
     }
   });
 
+  it("leaves alone the folder of a server still writing its owner file (an empty owner is not a dead server's)", {
+    timeout: TIMEOUT,
+  }, async () => {
+    // What another server starting at the same moment shows: its folder made, its owner file not yet
+    // written whole. Taking that for a dead server removed a live server's files mid-build.
+    const tag = createHash('sha256').update(`pending-${process.pid}-${Date.now()}`).digest('hex').slice(0, 8);
+    const folder = `/run/ferry-egress/${tag}`;
+    await fs.mkdir(folder, { recursive: true });
+    await fs.writeFile(path.join(folder, 'owner'), '');
+    await fs.writeFile(path.join(folder, '7.conf'), 'nameserver 10.0.0.1\n');
+    try {
+      const server = await startServer();
+      await server.close();
+      assert.deepEqual((await fs.readdir(folder)).sort(), ['7.conf', 'owner']);
+    } finally {
+      await fs.rm(folder, { recursive: true, force: true });
+    }
+  });
+
   it("falls back to loopback only when the pool holds one of the host's addresses", { timeout: TIMEOUT }, async () => {
     const address = hostIpv4Addresses().find((a) => !a.startsWith('127.') && !a.startsWith('10.21'));
     assert.ok(address, 'the host has a non-loopback address');
