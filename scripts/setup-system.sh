@@ -9,7 +9,9 @@
 #   (default)   also what the tests use (Chromium for the dashboard's browser tests; for the image tests,
 #               Debian's docker-registry served on loopback, skopeo to push to it, apache2-utils' htpasswd
 #               for its password file, busybox-static for the base images they make, dpkg-dev's
-#               dpkg-scanpackages for the apt repository the apt test serves); run by .ci/run
+#               dpkg-scanpackages for the apt repository the apt test serves; glusterfs-server and
+#               glusterfs-client for the GlusterFS volume the shared-volumes test serves and mounts on
+#               loopback); run by .ci/run
 # Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
 # without these (`ferry doctor` says what is missing), and tests that need one say so.
 set -uo pipefail
@@ -47,6 +49,10 @@ if [ "${1:-}" != "--runtime" ]; then
   has htpasswd || need+=(apache2-utils)
   dpkg-query -W -f='${Status}' busybox-static 2>/dev/null | grep -q 'ok installed' || need+=(busybox-static)
   has dpkg-scanpackages || need+=(dpkg-dev)
+  # A GlusterFS volume served and mounted on this machine, for volumes shared by several machines
+  # (test/volumes-gluster.test.ts): glusterd and the gluster CLI, and the FUSE client.
+  has glusterd || need+=(glusterfs-server)
+  has mount.glusterfs || need+=(glusterfs-client)
 fi
 if [ ${#need[@]} -eq 0 ]; then
   echo "system packages: all present"

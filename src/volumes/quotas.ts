@@ -15,11 +15,23 @@
  *   namespace) and a hard block limit; statfs on the folder reports the project's limit and use. Not run on
  *   CI: its kernel lacks XFS quotas (CONFIG_XFS_QUOTA), so only the refusal without `prjquota` is tested.
  *
+ * - `gluster-quota`: a GlusterFS volume mounted (FUSE, `-o acl`) at FERRY_VOLUMES_DIR on every node, the one
+ *   mechanism here shared by several machines. The volume's folder gets a directory quota (`gluster volume
+ *   quota <vol> limit-usage <path> <bytes>`), which every client enforces together (EDQUOT); with
+ *   `quota-deem-statfs` (on with quotas), statfs on the folder reports its limit and use, so any node reads
+ *   the use without the CLI. Setting and removing a quota needs a glusterd of the trusted pool on the node
+ *   (the CLI's --remote-host is read-only): volumes are created and deleted on nodes that are peers of the
+ *   pool (gateways, or every node); the settings are read from the mount's server with --remote-host. The
+ *   volume's quota timeouts must be 0: with the defaults (5 s and 60 s) writes run past the limit by what
+ *   is written in that time (40 MiB into a 20 MiB folder, here); with 0, by the client's write-behind (about
+ *   1.6 MiB here).
+ *
  * Next (not shipped): CephFS (`setfattr -n ceph.quota.max_bytes -v <bytes> <folder>`, use from
  * `ceph.dir.rbytes`) and JuiceFS (`juicefs quota set <meta-url> --path <folder> --capacity <GiB>`), whose
  * quotas any client node can set, unlike XFS and btrfs, whose tools work on the machine that has the disk.
  */
 import fs from 'node:fs/promises';
+import path from 'node:path';
 import { findExecutable } from '../sandbox/launch.js';
 import { runQuiet, WRAPPER_ENV } from '../sandbox/run-quiet.js';
 
@@ -42,7 +54,7 @@ export interface QuotaUse {
 }
 
 export interface QuotaMechanism {
-  readonly name: 'btrfs-squota' | 'xfs-project';
+  readonly name: 'btrfs-squota' | 'xfs-project' | 'gluster-quota';
   /** For `ferry doctor` and the logs: what bounds the volumes, and on which mount. */
   readonly description: string;
   /** Makes `folder` (absent; its parent exists) bounded to `bytes` by quota `id`. Root-owned, mode 0700. */
@@ -73,11 +85,16 @@ interface MountInfo {
   options: string[];
   target: string;
   uuid: string;
+  source: string;
 }
 
 /** The mount `dir` is on (findmnt -T), or null. */
 async function mountOf(findmnt: string, dir: string): Promise<MountInfo | null> {
-  const result = await runQuiet(findmnt, ['-P', '-no', 'FSTYPE,OPTIONS,TARGET,UUID', '-T', dir], TOOL_TIMEOUT_MS);
+  const result = await runQuiet(
+    findmnt,
+    ['-P', '-no', 'FSTYPE,OPTIONS,TARGET,UUID,SOURCE', '-T', dir],
+    TOOL_TIMEOUT_MS,
+  );
   if (result.code !== 0) return null;
   const fields: Record<string, string> = {};
   for (const m of result.stdout.matchAll(/(\w+)="([^"]*)"/g)) {
@@ -89,6 +106,7 @@ async function mountOf(findmnt: string, dir: string): Promise<MountInfo | null> 
     options: (fields.OPTIONS ?? '').split(','),
     target: fields.TARGET,
     uuid: fields.UUID ?? '',
+    source: fields.SOURCE ?? '',
   };
 }
 
@@ -100,10 +118,11 @@ export async function detectQuotaMechanism(dir: string): Promise<QuotaDetection>
   if (!mount) return { mechanism: null, reasons: [`findmnt cannot tell which filesystem ${dir} is on`] };
   if (mount.fstype === 'btrfs') return detectBtrfs(dir, mount);
   if (mount.fstype === 'xfs') return detectXfs(dir, mount);
+  if (mount.fstype === 'fuse.glusterfs') return detectGluster(dir, mount);
   return {
     mechanism: null,
     reasons: [
-      `FERRY_VOLUMES_DIR (${dir}) is on ${mount.fstype} (${mount.target}), which has no folder quota Ferry can set: the quota-dir backend needs btrfs with simple quotas or XFS mounted with prjquota (docs/scaling-out.md, "Volumes")`,
+      `FERRY_VOLUMES_DIR (${dir}) is on ${mount.fstype} (${mount.target}), which has no folder quota Ferry can set: the quota-dir backend needs btrfs with simple quotas, XFS mounted with prjquota, or a GlusterFS volume with quotas (docs/scaling-out.md, "Volumes")`,
     ],
   };
 }
@@ -237,6 +256,134 @@ function xfsProject(xfsQuota: string, target: string): QuotaMechanism {
         if (err.code !== 'ENOENT') throw err;
       });
       await quota([`limit -p bsoft=0 bhard=0 ${id}`], 'xfs_quota');
+    },
+  };
+}
+
+// ---- GlusterFS, directory quotas ----
+
+/** `host:/volume[/subdir]` or `host:volume`, the source of a glusterfs mount; null when it is not one. */
+export function parseGlusterSource(source: string): { host: string; volume: string; subdir: string } | null {
+  const m = /^([A-Za-z0-9_.[\]:-]+?)(?:,[^:/]*)?:\/?([A-Za-z0-9_.-]+)((?:\/[^/\s]+)*)\/?$/.exec(source);
+  if (!m) return null;
+  return { host: m[1]!.replace(/^\[|\]$/g, ''), volume: m[2]!, subdir: m[3] ?? '' };
+}
+
+/** The options a `gluster volume info --xml` answer lists as set, by name. */
+export function glusterOptions(xml: string): Map<string, string> {
+  const out = new Map<string, string>();
+  for (const m of xml.matchAll(/<option>\s*<name>([^<]+)<\/name>\s*<value>([^<]*)<\/value>\s*<\/option>/g)) {
+    out.set(m[1]!, m[2]!);
+  }
+  return out;
+}
+
+async function detectGluster(dir: string, mount: MountInfo): Promise<QuotaDetection> {
+  const where = `FERRY_VOLUMES_DIR (${dir}) is on GlusterFS (${mount.source} at ${mount.target})`;
+  const gluster = await findExecutable('gluster', WRAPPER_ENV);
+  if (!gluster) return { mechanism: null, reasons: ['missing gluster (apt-get install glusterfs-cli)'] };
+  const source = parseGlusterSource(mount.source);
+  if (!source) return { mechanism: null, reasons: [`${where}, whose source Ferry cannot read as host:/volume`] };
+  // The quota CLI takes the folder as one argument; keep it plain.
+  if (/[\s"'\\]/.test(dir)) return { mechanism: null, reasons: [`${where}, whose path has blanks or quotes`] };
+  const reasons: string[] = [];
+  if (!mount.options.includes('allow_other')) {
+    reasons.push(`${where} without allow_other, so sandboxes (other uids) cannot reach it`);
+  }
+  const info = await runQuiet(
+    gluster,
+    ['--mode=script', `--remote-host=${source.host}`, 'volume', 'info', source.volume, '--xml'],
+    TOOL_TIMEOUT_MS,
+  );
+  const failed = /<opRet>0<\/opRet>/.test(info.stdout)
+    ? null
+    : /<opErrstr>([^<]*)<\/opErrstr>/.exec(info.stdout)?.[1] || info.stderr.trim() || info.error || 'no answer';
+  if (info.code !== 0 || failed) {
+    reasons.push(`${where}: cannot read the volume's settings from ${source.host} (gluster volume info): ${failed}`);
+    return { mechanism: null, reasons };
+  }
+  const options = glusterOptions(info.stdout);
+  const v = source.volume;
+  if (options.get('features.quota') !== 'on') {
+    reasons.push(`${where}, whose volume ${v} has quotas off: gluster volume quota ${v} enable`);
+  } else if (options.get('features.quota-deem-statfs') === 'off') {
+    reasons.push(`${where}, whose volume ${v} has quota-deem-statfs off: gluster volume set ${v} quota-deem-statfs on`);
+  }
+  const lax = ['hard-timeout', 'soft-timeout'].filter((o) => options.get(`features.${o}`) !== '0');
+  if (lax.length > 0) {
+    reasons.push(
+      `${where}, whose volume ${v} checks its quotas lazily (${lax.join(', ')} not 0), so writes would run past a volume's size: ${lax.map((o) => `gluster volume quota ${v} ${o} 0`).join('; ')}`,
+    );
+  }
+  const acl = await aclProbe(dir);
+  if (acl) reasons.push(`${where} without ACLs (${acl}): mount it with -o acl`);
+  if (reasons.length > 0) return { mechanism: null, reasons };
+  return { mechanism: glusterQuota(gluster, mount.target, source.host, v, source.subdir), reasons: [] };
+}
+
+/**
+ * Whether a default ACL can be set on a folder in `dir` (a glusterfs mount without `-o acl` cannot): null
+ * when it can, or when it cannot be tried here (no right to make a folder, as `ferry doctor` by a user).
+ */
+async function aclProbe(dir: string): Promise<string | null> {
+  const setfacl = await findExecutable('setfacl', WRAPPER_ENV);
+  if (!setfacl) return null; // said by the caller (quota-dirs.ts)
+  const probe = await fs.mkdtemp(path.join(dir, '.ferry-acl-probe-')).catch(() => null);
+  if (!probe) return null;
+  try {
+    const result = await runQuiet(setfacl, ['-d', '-m', 'u::rwx,g::rwx,m::rwx,o::-', probe], TOOL_TIMEOUT_MS);
+    return result.code === 0 ? null : result.stderr.trim() || `setfacl exit code ${result.code}`;
+  } finally {
+    await fs.rm(probe, { recursive: true, force: true }).catch(() => {});
+  }
+}
+
+function glusterQuota(gluster: string, target: string, host: string, volume: string, subdir: string): QuotaMechanism {
+  /** The folder's path as the volume names it (from its root, through a subdirectory mount). */
+  const inVolume = (folder: string) => `${subdir}/${path.relative(target, folder)}`.replace(/\/+/g, '/');
+  /** A management command; it needs this node's glusterd (the CLI's --remote-host is read-only). */
+  const manage = (args: string[], what: string) =>
+    runTool(gluster, ['--mode=script', 'volume', 'quota', volume, ...args], what).catch((err: QuotaError) => {
+      if (/connection failed|daemon is operational|not connected/i.test(err.message)) {
+        throw new QuotaError(
+          `${what}: this node runs no glusterd of the pool serving ${volume}, and only a peer can set quotas: create and delete volumes through a node that is one (gluster peer probe <this node> from ${host}; docs/scaling-out.md, "Volumes"). ${err.message}`,
+          err.code,
+        );
+      }
+      throw err;
+    });
+  /** With quota-deem-statfs, statfs on a folder with a limit reports the limit and its use. */
+  async function usage(folder: string): Promise<QuotaUse> {
+    const s = await fs.statfs(folder);
+    return { used_bytes: (s.blocks - s.bfree) * s.bsize, limit_bytes: s.blocks * s.bsize };
+  }
+  return {
+    name: 'gluster-quota',
+    description: `GlusterFS directory quotas on volume ${volume} (${host}, mounted at ${target}; a quota per volume folder; writes past the size fail with EDQUOT)`,
+    async make(folder, _id, bytes) {
+      await fs.mkdir(folder, 0o700);
+      await manage(['limit-usage', inVolume(folder), String(bytes)], 'gluster volume quota limit-usage');
+      // The limit is an attribute of the folder on the bricks; statfs through this mount shows it once set.
+      for (let attempt = 0; ; attempt++) {
+        const use = await usage(folder);
+        if (use.limit_bytes === bytes) return;
+        if (attempt >= 20) {
+          throw new QuotaError(
+            `statfs on ${folder} shows ${use.limit_bytes} bytes, not its quota's ${bytes}: the quota is not in force (quota-deem-statfs?)`,
+          );
+        }
+        await new Promise((r) => setTimeout(r, 100));
+      }
+    },
+    usage,
+    async remove(folder) {
+      // The limit first (the CLI finds the folder by path), then the emptied folder.
+      await manage(['remove', inVolume(folder)], 'gluster volume quota remove').catch((err: QuotaError) => {
+        if (!/no such file|not present|no limit|does not exist/i.test(err.message)) throw err;
+      });
+      await fs.rmdir(folder).catch((err: NodeJS.ErrnoException) => {
+        if (err.code !== 'ENOENT') throw err;
+      });
     },
   };
 }

@@ -26,6 +26,8 @@ export interface ClusterOptions {
   workers?: number;
   /** More environment for every process (after the defaults). */
   env?: NodeJS.ProcessEnv;
+  /** More environment for the process of `label` (`gateway-1`, `worker-2`), after `env`. */
+  envOf?: (label: string) => NodeJS.ProcessEnv;
 }
 
 export interface TestCluster {
@@ -63,7 +65,7 @@ export async function startCluster(options: ClusterOptions = {}): Promise<TestCl
   const start = async (label: string, role: 'gateway' | 'worker' | 'all', env: NodeJS.ProcessEnv = {}) => {
     const p = await startFleetProcess(label, path.join(root, label), {
       ...settings,
-      env: { ...settings.env, ...env, FERRY_ROLE: role },
+      env: { ...settings.env, ...options.envOf?.(label), ...env, FERRY_ROLE: role },
     });
     procs.push(p);
     return p;
