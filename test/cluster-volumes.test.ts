@@ -13,7 +13,7 @@ import { after, before, describe, it } from 'node:test';
 import { startCluster, type TestCluster } from './helpers/cluster.js';
 import { http, runCli, tempDir, waitFor } from './helpers/ferry.js';
 import { makeQuotaFs, type QuotaFs } from './helpers/quota-fs.js';
-import { volumeApp } from './helpers/volume-app.js';
+import { assertStillPlaced, callApp, fillFromBothWorkers, placeOnTwoWorkers } from './helpers/two-workers.js';
 
 const APP = {
   'ferry.toml':
@@ -114,14 +114,6 @@ describe('volumes in a cluster', () => {
   });
 });
 
-/** An app of `name` writing and reading under /data; one replica, kept (min_replicas) on the worker it starts on. */
-function sharedApp(name: string): Record<string, string> {
-  return volumeApp(
-    name,
-    '[scaling]\nmin_replicas = 1\nmax_replicas = 1\n\n[[volumes]]\nname = "data"\nmount = "/data"\n',
-  );
-}
-
 describe('quota-dir volumes in a cluster: replicas on two workers at once', () => {
   let cluster: TestCluster;
   let qfs: QuotaFs;
@@ -143,16 +135,6 @@ describe('quota-dir volumes in a cluster: replicas on two workers at once', () =
     await qfs?.close();
   });
 
-  /** The worker URL running replicas of each app, from the cluster view. */
-  async function homes(): Promise<Map<string, string>> {
-    const res = await http(`${cluster.gateways[0]!.url}/v2/cluster`, { token: cluster.auth.token });
-    const out = new Map<string, string>();
-    for (const node of res.json?.nodes ?? []) {
-      for (const a of (node.apps ?? []) as Array<{ app_id: string }>) out.set(a.app_id, node.url);
-    }
-    return out;
-  }
-
   it('a file written by a replica on one worker is read by a replica on the other while both run', async () => {
     const gateway = cluster.gateways[0]!;
     const { projectId, token } = cluster.auth;
@@ -162,23 +144,8 @@ describe('quota-dir volumes in a cluster: replicas on two workers at once', () =
       body: { name: 'data', size_mib: 32 },
     });
     assert.equal(created.status, 201, created.text);
-    const call = (app: string, fn: string, body: unknown) =>
-      http(`${gateway.url}/v4/${projectId}/${app}/${fn}`, { method: 'POST', token, body });
-    await cluster.deploy('left', sharedApp('left'));
-    await waitFor(async () => (await homes()).has('left'), 60_000, 'the replica of left');
-    await cluster.deploy('right', sharedApp('right'));
-    // Its home may be the worker that is full: a call starts its replica on the worker with room.
-    const started = await call('right', 'write', { file: '/data/right-started.txt', text: 'x' });
-    assert.equal(started.status, 200, started.text);
-    const placed = await waitFor(
-      async () => {
-        const h = await homes();
-        return h.has('left') && h.has('right') ? h : undefined;
-      },
-      60_000,
-      'a replica of each app',
-    );
-    assert.notEqual(placed.get('left'), placed.get('right'), 'the two apps run on different workers');
+    const call = (app: string, fn: string, body: unknown) => callApp(cluster, app, fn, body);
+    const placed = await placeOnTwoWorkers(cluster);
     const wrote = await call('left', 'write', { file: '/data/from-left.txt', text: 'written on the first worker' });
     assert.equal(wrote.status, 200, wrote.text);
     const read = await call('right', 'read', { file: '/data/from-left.txt' });
@@ -189,15 +156,9 @@ describe('quota-dir volumes in a cluster: replicas on two workers at once', () =
     const readBack = await call('left', 'read', { file: '/data/from-right.txt' });
     assert.equal(readBack.json.result.text, 'and back');
     // Both replicas ran all along, each on its own worker.
-    const still = await homes();
-    assert.equal(still.get('left'), placed.get('left'));
-    assert.equal(still.get('right'), placed.get('right'));
+    await assertStillPlaced(cluster, placed);
     // One bound for both workers' replicas together.
-    const first = await call('left', 'fill', { file: '/data/one.bin', mib: 20 });
-    assert.deepEqual(first.json.result, { ok: true, written: 20 });
-    const second = await call('right', 'fill', { file: '/data/two.bin', mib: 20 });
-    assert.equal(second.json.result.ok, false, JSON.stringify(second.json.result));
-    assert.equal(second.json.result.code, 'EDQUOT');
+    await fillFromBothWorkers(cluster);
     const viaApi = await http(`${gateway.url}/v2/projects/${projectId}/volumes/data`, { token });
     assert.ok(viaApi.json.used_bytes > 19 * 1024 * 1024, viaApi.text);
   });

@@ -18,30 +18,17 @@ import { probeQuotaDirSupport } from '../src/volumes/quota-dirs.js';
 import { startCluster, type TestCluster } from './helpers/cluster.js';
 import { http, runCli, tempDir, waitFor } from './helpers/ferry.js';
 import { type GlusterVolume, makeGlusterVolume } from './helpers/gluster.js';
-import { volumeApp } from './helpers/volume-app.js';
+import { assertStillPlaced, callApp, fillFromBothWorkers, placeOnTwoWorkers } from './helpers/two-workers.js';
 
 const made = await makeGlusterVolume();
 assert.ok(typeof made !== 'string', `a GlusterFS volume: ${made}`);
 const volume = made as GlusterVolume;
 const dirs = volume.mounts.map((m) => path.join(m, 'volumes')) as [string, string];
 
-/** An app of `name` writing and reading under /data; one replica, kept (min_replicas) on the worker it starts on. */
-function sharedApp(name: string): Record<string, string> {
-  return volumeApp(
-    name,
-    '[scaling]\nmin_replicas = 1\nmax_replicas = 1\n\n[[volumes]]\nname = "data"\nmount = "/data"\n',
-  );
-}
-
 describe('volumes on GlusterFS, shared by workers on two mounts', () => {
   let cluster: TestCluster;
   const api = (p: string) => `${cluster.gateways[0]!.url}/v2/projects/${cluster.auth.projectId}${p}`;
-  const call = (app: string, fn: string, body: unknown) =>
-    http(`${cluster.gateways[0]!.url}/v4/${cluster.auth.projectId}/${app}/${fn}`, {
-      method: 'POST',
-      token: cluster.auth.token,
-      body,
-    });
+  const call = (app: string, fn: string, body: unknown) => callApp(cluster, app, fn, body);
 
   before(async () => {
     // One replica per worker: the second app cannot start on the worker running the first one's.
@@ -58,16 +45,6 @@ describe('volumes on GlusterFS, shared by workers on two mounts', () => {
     await volume.close();
   });
 
-  /** The worker URL running replicas of each app, from the cluster view. */
-  async function homes(): Promise<Map<string, string>> {
-    const res = await http(`${cluster.gateways[0]!.url}/v2/cluster`, { token: cluster.auth.token });
-    const out = new Map<string, string>();
-    for (const node of res.json?.nodes ?? []) {
-      for (const a of (node.apps ?? []) as Array<{ app_id: string }>) out.set(a.app_id, node.url);
-    }
-    return out;
-  }
-
   it('replicas on two workers, on two mounts, use one volume at once, bounded together', async () => {
     const token = cluster.auth.token;
     const created = await http(api('/volumes'), { method: 'POST', token, body: { name: 'data', size_mib: 32 } });
@@ -77,20 +54,7 @@ describe('volumes on GlusterFS, shared by workers on two mounts', () => {
     assert.equal((await fs.stat(folderB)).mode & 0o7777, 0o2770);
     assert.equal((await fs.statfs(folderB)).blocks * (await fs.statfs(folderB)).bsize, 32 * 1024 * 1024);
 
-    await cluster.deploy('left', sharedApp('left'));
-    await waitFor(async () => (await homes()).has('left'), 60_000, 'the replica of left');
-    await cluster.deploy('right', sharedApp('right'));
-    const started = await call('right', 'write', { file: '/data/right-started.txt', text: 'x' });
-    assert.equal(started.status, 200, started.text);
-    const placed = await waitFor(
-      async () => {
-        const h = await homes();
-        return h.has('left') && h.has('right') ? h : undefined;
-      },
-      60_000,
-      'a replica of each app',
-    );
-    assert.notEqual(placed.get('left'), placed.get('right'), 'the two apps run on different workers');
+    const placed = await placeOnTwoWorkers(cluster);
 
     const wrote = await call('left', 'write', { file: '/data/from-left.txt', text: 'written on one worker' });
     assert.equal(wrote.status, 200, wrote.text);
@@ -105,17 +69,10 @@ describe('volumes on GlusterFS, shared by workers on two mounts', () => {
     const viaApi = await http(api('/volumes/data/file?path=from-left.txt'), { token });
     assert.equal(viaApi.text, 'overwritten on the other');
     assert.equal(await fs.readFile(path.join(folderB, 'from-left.txt'), 'utf8'), 'overwritten on the other');
-    const still = await homes();
-    assert.equal(still.get('left'), placed.get('left'));
-    assert.equal(still.get('right'), placed.get('right'));
+    await assertStillPlaced(cluster, placed);
 
     // One bound for both workers' replicas together: EDQUOT inside the function.
-    const first = await call('left', 'fill', { file: '/data/one.bin', mib: 20 });
-    assert.deepEqual(first.json.result, { ok: true, written: 20 });
-    const second = await call('right', 'fill', { file: '/data/two.bin', mib: 20 });
-    assert.equal(second.json.result.ok, false, JSON.stringify(second.json.result));
-    assert.equal(second.json.result.code, 'EDQUOT');
-    assert.ok(second.json.result.written < 20, JSON.stringify(second.json.result));
+    await fillFromBothWorkers(cluster);
     // What the volume holds: 12 MiB were left, and GlusterFS lets through what its client's write-behind
     // had taken when the limit was reached (0 to 2.4 MiB here; with performance.write-behind off, 0.1).
     const sizes = await Promise.all(['one.bin', 'two.bin'].map((f) => fs.stat(path.join(folderB, f))));
