@@ -12,7 +12,7 @@
 import { type Kysely, type RawBuilder, type SelectQueryBuilder, type SqlBool, sql } from 'kysely';
 import { dialectOf } from './index.js';
 import type { Build, Database, Run } from './schema.js';
-import { unfinishedRun } from './unfinished.js';
+import { hiddenColumn, unfinishedRun } from './unfinished.js';
 
 type Db = Kysely<Database>;
 
@@ -32,25 +32,15 @@ function picked<TB extends keyof Database, O>(
     : sql<SqlBool>`${sql.ref(column)} in (${pick})`;
 }
 
-/**
- * Conditions on a run's owner and state that no index can serve, for the statements that name their runs by
- * id: those must find the rows by primary key and test owner and state on the rows found, at a cost bounded
- * by the ids asked for. Written plainly (`owner = $owner and state = 'queued'`), PostgreSQL planned them
- * through the small partial indexes over unfinished runs (runs_owner_state, runs_state) whenever its
- * statistics of runs were missing or stale (a young database under load), and read every run the node
- * holds, or the whole backlog of free queued runs, to keep the few asked for (bench/README.md,
- * bench:cluster (c)). `coalesce` hides the column from the planner (a node id is never empty, a state
- * never null); `is not distinct from null` would not, PostgreSQL reads it back as `is null`.
- */
+/** `owner` is `owner` (null: none), hidden from the planner (store/unfinished.ts hiddenColumn says why). */
 function ownerIs(owner: string | null): RawBuilder<SqlBool> {
-  return sql<SqlBool>`coalesce(owner, '') = ${owner ?? ''}`;
+  return sql<SqlBool>`${sql.raw(hiddenColumn('owner'))} = ${owner ?? ''}`;
 }
 
 /** `state` is one of `states`, hidden from the planner as ownerIs is. */
 function stateIs(...states: Run['state'][]): RawBuilder<SqlBool> {
-  return states.length === 1
-    ? sql<SqlBool>`coalesce(state, '') = ${states[0]}`
-    : sql<SqlBool>`coalesce(state, '') in (${sql.join(states)})`;
+  const state = sql.raw(hiddenColumn('state'));
+  return states.length === 1 ? sql<SqlBool>`${state} = ${states[0]}` : sql<SqlBool>`${state} in (${sql.join(states)})`;
 }
 
 /**

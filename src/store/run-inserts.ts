@@ -17,6 +17,7 @@
 import { CompiledQuery, type Kysely } from 'kysely';
 import { dialectOf } from './index.js';
 import type { Database, Run } from './schema.js';
+import { hiddenColumn } from './unfinished.js';
 
 /** Every column of a run record, in the order of the statement's parameters. */
 const COLUMNS = [
@@ -170,9 +171,9 @@ export async function insertRunsAndStart(
   if (combinedText === '') {
     const n = COLUMNS.length;
     combinedText =
-      // Owner and state hidden from the planner: the runs are found by id (store/claims.ts ownerIs says why).
+      // Owner and state hidden from the planner: the runs are found by id (store/unfinished.ts hiddenColumn).
       `with "started" as (update "runs" set "state" = 'running', "started_at" = $${n + 3}, "attempts" = "attempts" + 1` +
-      ` where "id" = any($${n + 2}::text[]) and coalesce("owner", '') = $${n + 1} and coalesce("state", '') = 'queued' returning "id", "attempts"),` +
+      ` where "id" = any($${n + 2}::text[]) and ${hiddenColumn('owner')} = $${n + 1} and ${hiddenColumn('state')} = 'queued' returning "id", "attempts"),` +
       ` "inserted" as (${unnestText(true)})` +
       ` select "id", "attempts" from "started" union all select "id", null from "inserted"`;
   }

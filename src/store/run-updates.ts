@@ -21,7 +21,7 @@ import { CompiledQuery, type Kysely, type SqlBool, sql } from 'kysely';
 import { dialectOf } from './index.js';
 import { pgArrayType } from './run-inserts.js';
 import type { Database, Run } from './schema.js';
-import { unfinishedRun } from './unfinished.js';
+import { hiddenColumn, unfinishedRun } from './unfinished.js';
 
 /** Statement texts by dialect, columns and fencing. */
 const texts = new Map<string, string>();
@@ -156,12 +156,12 @@ async function updateUnnest(
     const set = columns.map((c) => `"${c}" = v."${c}"`).join(', ');
     const where = ['r."id" = v."id"'];
     // Owner and state hidden from the planner: the rows are found by id, never by reading every run this
-    // node holds through runs_owner_state or runs_state (store/claims.ts ownerIs says why).
-    if (owner !== undefined) where.push(`coalesce(r."owner", '') = $${++n}`);
+    // node holds through runs_owner_state or runs_state (store/unfinished.ts hiddenColumn says why).
+    if (owner !== undefined) where.push(`${hiddenColumn('owner', 'r')} = $${++n}`);
     where.push(
       fenced
-        ? `coalesce(r."state", '') = 'running' and r."attempts" = v."fence_attempt"`
-        : `coalesce(r."state", '') in ('queued', 'running')`,
+        ? `${hiddenColumn('state', 'r')} = 'running' and r."attempts" = v."fence_attempt"`
+        : `${hiddenColumn('state', 'r')} in ('queued', 'running')`,
     );
     text = `update "runs" as r set ${set} from unnest(${arrays.join(', ')}) as v(${names.join(', ')}) where ${where.join(' and ')} returning r."id"`;
     if (unnestTexts.size < MAX_SHAPES) unnestTexts.set(key, text);

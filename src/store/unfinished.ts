@@ -23,3 +23,18 @@ export function notSuccessRun(): RawBuilder<SqlBool> {
 export function deadRun(): RawBuilder<SqlBool> {
   return sql<SqlBool>`runs.dead = 1`;
 }
+
+/**
+ * Conditions on a run's owner and state that no index can serve, for the statements that name their runs by
+ * id: those must find the rows by primary key and test owner and state on the rows found, at a cost bounded
+ * by the ids asked for. Written plainly (`owner = $owner and state = 'queued'`), PostgreSQL planned them
+ * through the small partial indexes over unfinished runs (runs_owner_state, runs_state) whenever its
+ * statistics of runs were missing or stale (a young database under load), and read every run the node
+ * holds, or the whole backlog of free queued runs, to keep the few asked for (bench/README.md,
+ * bench:cluster (c)). `coalesce` hides the column from the planner (a node id is never empty, a state
+ * never null); `is not distinct from null` would not, PostgreSQL reads it back as `is null`. Used by
+ * store/claims.ts, and by the raw statements of run-inserts.ts and run-updates.ts.
+ */
+export function hiddenColumn(column: 'owner' | 'state', table?: string): string {
+  return `coalesce(${table ? `${table}.` : ''}"${column}", '')`;
+}
