@@ -357,9 +357,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
           toMark = toMark.filter((id) => !released.has(id));
           for (const id of runIds) {
             heldMessages.get(id)?.nak();
-            heldMessages.delete(id);
-            claimedAt.delete(id);
-            settledAt.delete(id);
+            forgetHeld(id);
           }
         },
         onRoom: () => kick(),
@@ -601,18 +599,21 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     }
   }
 
-  /** Acknowledges a held run's message and forgets it (its run is over here, or another message stands for it). */
-  function ackHeld(id: string): void {
+  /** Forgets all this node holds about run `id`: its message, its settled mark and its stage times. */
+  function forgetHeld(id: string): void {
+    heldMessages.delete(id);
     settled.delete(id);
     claimedAt.delete(id);
+    settledAt.delete(id);
+  }
+
+  /** Acknowledges a held run's message and forgets it (its run is over here, or another message stands for it). */
+  function ackHeld(id: string): void {
     heldMessages.get(id)?.ack();
-    heldMessages.delete(id);
-    if (stage) {
-      // Its end reported by the recorder before the worker settled it: acknowledged as it was done.
-      const at = settledAt.get(id);
-      settledAt.delete(id);
-      stage('ack', at === undefined ? 0 : (performance.now() - at) / 1000);
-    }
+    // Its end reported by the recorder before the worker settled it: acknowledged as it was done.
+    const at = settledAt.get(id);
+    forgetHeld(id);
+    if (stage) stage('ack', at === undefined ? 0 : (performance.now() - at) / 1000);
   }
 
   /**
