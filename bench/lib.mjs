@@ -286,6 +286,8 @@ function ferryEnv(extra = {}) {
   if (process.env.FERRY_EGRESS !== undefined) env.FERRY_EGRESS = process.env.FERRY_EGRESS;
   // FERRY_WARM_POOL=0 compares cold starts without the warm pool (docs/operations.md).
   if (process.env.FERRY_WARM_POOL !== undefined) env.FERRY_WARM_POOL = process.env.FERRY_WARM_POOL;
+  // FERRY_NO_BUNDLE=1 runs Ferry from dist/src instead of its bundle (docs/operations.md).
+  if (process.env.FERRY_NO_BUNDLE !== undefined) env.FERRY_NO_BUNDLE = process.env.FERRY_NO_BUNDLE;
   return env;
 }
 
