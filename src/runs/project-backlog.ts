@@ -16,6 +16,8 @@ export interface ProjectBacklog {
    * when the project already has `limit` runs waiting or running.
    */
   admit(projectId: string): Promise<boolean>;
+  /** `admit` without a Promise when the project's count is fresh; undefined when it must be read (admit). */
+  admitNow(projectId: string): boolean | undefined;
   /** The project's count as this process knows it (tests, diagnostics). */
   count(projectId: string): Promise<number>;
 }
@@ -78,6 +80,13 @@ export function createProjectBacklog(deps: {
   }
 
   return {
+    admitNow(projectId) {
+      const entry = entries.get(projectId);
+      if (!entry || clock() - entry.readAt >= ttlMs) return undefined;
+      if (entry.count >= limit) return false;
+      entry.count += 1;
+      return true;
+    },
     async admit(projectId) {
       const entry = await fresh(projectId);
       if (entry.count >= limit) return false;

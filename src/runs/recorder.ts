@@ -20,22 +20,16 @@ export type { OutboxEntry, RunChanges } from './lifecycle.js';
 export type RunRow = Run;
 
 /** A new run record, state `queued`: what the caller knows at acceptance; the rest starts empty. */
-export function newRunRow(fields: {
-  id: string;
-  build: { projectId: string; appId: string; buildId: string };
-  fn: string;
-  mode: RunRow['mode'];
-  input: string | null;
-  webhookUrl?: string | undefined;
-  webhookSecret?: string | undefined;
-  idempotencyKey?: string | undefined;
-  httpRequest?: string | undefined;
-  /** The node that holds the run (cluster/node.ts); sync and stream runs are stamped by the recorder. */
-  owner?: string | null | undefined;
-  createdAt?: number;
-  /** Where the run comes from, when not a call: a schedule's tick, or `runs retry` of an earlier run. */
-  origin?: { trigger: 'schedule'; schedule: string; tick: string } | { trigger: 'retry'; retryOf: string };
-}): RunRow {
+export function newRunRow(fields: NewRunFields & { mode: RunRow['mode']; owner?: string | null | undefined }): RunRow;
+/** The same with the mode and owner apart: the async path builds no object merging them in. */
+export function newRunRow(fields: NewRunFields, mode: RunRow['mode'], owner?: string | null): RunRow;
+export function newRunRow(
+  fields: NewRunFields & { mode?: RunRow['mode']; owner?: string | null | undefined },
+  modeApart?: RunRow['mode'],
+  ownerApart?: string | null,
+): RunRow {
+  const mode = (modeApart ?? fields.mode) as RunRow['mode'];
+  const owner = modeApart === undefined ? fields.owner : ownerApart;
   const origin = fields.origin;
   return {
     id: fields.id,
@@ -43,7 +37,7 @@ export function newRunRow(fields: {
     app_id: fields.build.appId,
     build_id: fields.build.buildId,
     function_name: fields.fn,
-    mode: fields.mode,
+    mode,
     state: 'queued',
     status_code: null,
     input: fields.input,
@@ -56,9 +50,10 @@ export function newRunRow(fields: {
     webhook_secret: fields.webhookSecret ?? null,
     idempotency_key: fields.idempotencyKey ?? null,
     http_request: fields.httpRequest ?? null,
-    owner: fields.owner ?? null,
+    // The node that holds the run (cluster/node.ts); sync and stream runs are stamped by the recorder.
+    owner: owner ?? null,
     // A sync or stream run starts once, when it is called; an async run counts its starts (startRun).
-    attempts: fields.mode === 'async' ? 0 : 1,
+    attempts: mode === 'async' ? 0 : 1,
     published_at: null,
     publishes: 0,
     created_at: isoTime(fields.createdAt ?? Date.now()),
@@ -74,6 +69,22 @@ export function newRunRow(fields: {
     attempt_log: null,
   };
 }
+
+/** What a new run row is made from (newRunRow), besides its mode and owner. */
+export interface NewRunFields {
+  id: string;
+  build: { projectId: string; appId: string; buildId: string };
+  fn: string;
+  input: string | null;
+  webhookUrl?: string | undefined;
+  webhookSecret?: string | undefined;
+  idempotencyKey?: string | undefined;
+  httpRequest?: string | undefined;
+  createdAt?: number;
+  /** Where the run comes from, when not a call: a schedule's tick, or `runs retry` of an earlier run. */
+  origin?: { trigger: 'schedule'; schedule: string; tick: string } | { trigger: 'retry'; retryOf: string };
+}
+
 interface Pending {
   row: RunRow;
   /** True once the row exists in the store; later changes are UPDATEs. */

@@ -22,7 +22,7 @@ import { type WebhookView, webhookView } from '../webhooks/view.js';
 import type { Invoker } from './invoke.js';
 import { isFinalState } from './lifecycle.js';
 import type { ProjectBacklog } from './project-backlog.js';
-import { newRunRow, type RunRecorder } from './recorder.js';
+import { type NewRunFields, newRunRow, type RunRecorder } from './recorder.js';
 import { acceptedRun, type RunQueue } from './run-queue.js';
 import type { RunWaiters } from './run-waiters.js';
 import { cancelQueuedRun, findRun, listRuns, type RunView, runLogDrops, runLogs, viewRun } from './runs.js';
@@ -79,7 +79,7 @@ export interface RunServiceDeps {
   invoker: Pick<Invoker, 'invoke' | 'invokeHttp' | 'invokeSession'>;
   /** The run queue: its backlog, the owner it chooses, and the hand-over of a committed run. */
   runQueue: Pick<RunQueue, 'backlog' | 'ownerFor' | 'accepted'>;
-  projectBacklog: Pick<ProjectBacklog, 'admit'>;
+  projectBacklog: Pick<ProjectBacklog, 'admit' | 'admitNow'>;
   /** FERRY_MAX_ASYNC_BACKLOG: async runs this node holds at most before it refuses more. */
   maxAsyncBacklog: number;
   runWaiters: Pick<RunWaiters, 'wait' | 'finished'>;
@@ -91,8 +91,8 @@ export interface RunServiceDeps {
   secretsKey?: Uint8Array;
 }
 
-/** A new async run as `commitAsync` takes it: `newRunRow`'s fields, without the mode and owner it decides. */
-export type AsyncRunFields = Omit<Parameters<typeof newRunRow>[0], 'mode' | 'owner'>;
+/** A new async run as `commitAsync` takes it: `newRunRow`'s fields (the mode and owner it decides). */
+export type AsyncRunFields = NewRunFields;
 
 export interface RunService {
   /** Finds the app's active build, authenticating unless the build turns auth off. */
@@ -217,22 +217,36 @@ export function createRunService(deps: RunServiceDeps): RunService {
     return undefined;
   }
 
-  async function admitAsync(projectId: string): Promise<void> {
+  /**
+   * admitAsync without a Promise when the project's count is fresh (nearly every call): true when admitted,
+   * undefined when the count must be read first (then admitAsync); throws as admitAsync does.
+   */
+  function admitAsyncNow(projectId: string): true | undefined {
     if (runQueue.backlog >= deps.maxAsyncBacklog) {
       throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
     }
+    const admitted = deps.projectBacklog.admitNow(projectId);
+    if (admitted === false) {
+      throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
+    }
+    return admitted;
+  }
+
+  async function admitAsync(projectId: string): Promise<void> {
+    if (admitAsyncNow(projectId)) return;
     if (!(await deps.projectBacklog.admit(projectId))) {
       throw new FerryError('FERRY_PROJECT_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
     }
   }
 
-  async function commitAsync(fields: AsyncRunFields): Promise<string> {
+  function commitAsync(fields: AsyncRunFields): Promise<string> {
     // Held by this node when it has room to run it soon; otherwise free for whichever node has room first.
     const owner = runQueue.ownerFor(fields.build.projectId, fields.build.appId);
-    const row = newRunRow({ ...fields, mode: 'async', owner });
-    const holder = await recorder.insertNow(row);
-    if (holder === row.id) runQueue.accepted(acceptedRun(row), owner);
-    return holder;
+    const row = newRunRow(fields, 'async', owner);
+    return recorder.insertNow(row).then((holder) => {
+      if (holder === row.id) runQueue.accepted(acceptedRun(row), owner);
+      return holder;
+    });
   }
 
   async function detail(run: Run): Promise<RunDetail> {
@@ -267,7 +281,8 @@ export function createRunService(deps: RunServiceDeps): RunService {
       const { build } = call.target;
       const earlier = idempotencyKey ? await replayKey(call.target, call.fn, idempotencyKey) : undefined;
       if (earlier) return earlier;
-      await admitAsync(build.projectId);
+      // The hot path: no Promise to wait for when the project's count is fresh.
+      if (!admitAsyncNow(build.projectId)) await admitAsync(build.projectId);
       // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
       const runId = await commitAsync({
         id: call.runId,
