@@ -249,6 +249,40 @@ export function createRunService(deps: RunServiceDeps): RunService {
     });
   }
 
+  /** The fields of an async call's run (`idempotencyKey`: its key, if any). */
+  function asyncFields(call: CallParts, idempotencyKey: string | undefined): AsyncRunFields {
+    return {
+      id: call.runId,
+      build: call.target.build,
+      fn: call.fn,
+      // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
+      input: call.input !== undefined ? call.input : call.body.toString('utf8'),
+      httpRequest: call.httpRequest,
+      webhookUrl: call.webhookUrl,
+      webhookSecret: call.webhookSecret,
+      idempotencyKey,
+    };
+  }
+
+  /** acceptAsync with an Idempotency-Key, or when the project's count must be read first. */
+  async function acceptAsyncWaiting(call: CallParts, idempotencyKey: string | undefined): Promise<string> {
+    const earlier = idempotencyKey ? await replayKey(call.target, call.fn, idempotencyKey) : undefined;
+    if (earlier) return earlier;
+    await admitAsync(call.target.build.projectId);
+    // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
+    const runId = await commitAsync(asyncFields(call, idempotencyKey));
+    if (runId !== call.runId) {
+      // Another call took the key in the same group commit (or just before): the same function, or refused.
+      const winner = await store
+        .selectFrom('runs')
+        .select(['id', 'function_name'])
+        .where('id', '=', runId)
+        .executeTakeFirst();
+      return winner ? sameFunctionOrRefuse(winner, call.fn) : runId;
+    }
+    return call.runId;
+  }
+
   async function detail(run: Run): Promise<RunDetail> {
     return { ...viewRun(run, true), webhook: await webhookView(store, run.id) };
   }
@@ -277,34 +311,17 @@ export function createRunService(deps: RunServiceDeps): RunService {
       };
     },
 
-    async acceptAsync(call, idempotencyKey) {
-      const { build } = call.target;
-      const earlier = idempotencyKey ? await replayKey(call.target, call.fn, idempotencyKey) : undefined;
-      if (earlier) return earlier;
-      // The hot path: no Promise to wait for when the project's count is fresh.
-      if (!admitAsyncNow(build.projectId)) await admitAsync(build.projectId);
-      // Calls sharing a key in one group commit: one row takes the key, the others answer its run id.
-      const runId = await commitAsync({
-        id: call.runId,
-        build,
-        fn: call.fn,
-        // Kept whole whatever its size: the worker runs the call from it (custom apps: from httpRequest).
-        input: call.input !== undefined ? call.input : call.body.toString('utf8'),
-        httpRequest: call.httpRequest,
-        webhookUrl: call.webhookUrl,
-        webhookSecret: call.webhookSecret,
-        idempotencyKey,
-      });
-      if (runId !== call.runId) {
-        // Another call took the key in the same group commit (or just before): the same function, or refused.
-        const winner = await store
-          .selectFrom('runs')
-          .select(['id', 'function_name'])
-          .where('id', '=', runId)
-          .executeTakeFirst();
-        return winner ? sameFunctionOrRefuse(winner, call.fn) : runId;
+    acceptAsync(call, idempotencyKey) {
+      // The hot path (no key, the project's count fresh): the commit's own Promise, nothing around it. A
+      // run without a key always holds its own row, so the commit answers its id.
+      if (idempotencyKey === undefined) {
+        try {
+          if (admitAsyncNow(call.target.build.projectId)) return commitAsync(asyncFields(call, undefined));
+        } catch (err) {
+          return Promise.reject(err);
+        }
       }
-      return call.runId;
+      return acceptAsyncWaiting(call, idempotencyKey);
     },
 
     admitAsync,
