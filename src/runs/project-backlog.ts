@@ -54,6 +54,13 @@ export function createProjectBacklog(deps: {
     return Number(row?.n ?? 0);
   }
 
+  /** Counts one more run in `entry` and answers true, or false when it is at the limit. */
+  function take(entry: Entry): boolean {
+    if (entry.count >= limit) return false;
+    entry.count += 1;
+    return true;
+  }
+
   async function fresh(projectId: string): Promise<Entry> {
     let entry = entries.get(projectId);
     const now = clock();
@@ -82,16 +89,10 @@ export function createProjectBacklog(deps: {
   return {
     admitNow(projectId) {
       const entry = entries.get(projectId);
-      if (!entry || clock() - entry.readAt >= ttlMs) return undefined;
-      if (entry.count >= limit) return false;
-      entry.count += 1;
-      return true;
+      return entry && clock() - entry.readAt < ttlMs ? take(entry) : undefined;
     },
     async admit(projectId) {
-      const entry = await fresh(projectId);
-      if (entry.count >= limit) return false;
-      entry.count += 1;
-      return true;
+      return take(await fresh(projectId));
     },
     async count(projectId) {
       return (await fresh(projectId)).count;

@@ -63,7 +63,7 @@ export async function probeQuotaDirSupport(
         `${hidden} is not searchable by others, and the sandboxes bind volume folders under FERRY_VOLUMES_DIR (${dir}) as their own uids: chmod o+x ${hidden}`,
       );
     }
-    const found = await detectQuotaMechanism(dir);
+    const found = await detectQuotaMechanism(dir, setfacl);
     quota = found.mechanism;
     reasons.push(...found.reasons);
   }

@@ -111,14 +111,14 @@ async function mountOf(findmnt: string, dir: string): Promise<MountInfo | null> 
 }
 
 /** The quota mechanism of the filesystem `dir` (which exists) is on, or why there is none. */
-export async function detectQuotaMechanism(dir: string): Promise<QuotaDetection> {
+export async function detectQuotaMechanism(dir: string, setfacl: string | null): Promise<QuotaDetection> {
   const findmnt = await findExecutable('findmnt', WRAPPER_ENV);
   if (!findmnt) return { mechanism: null, reasons: ['missing findmnt (apt-get install util-linux)'] };
   const mount = await mountOf(findmnt, dir);
   if (!mount) return { mechanism: null, reasons: [`findmnt cannot tell which filesystem ${dir} is on`] };
   if (mount.fstype === 'btrfs') return detectBtrfs(dir, mount);
   if (mount.fstype === 'xfs') return detectXfs(dir, mount);
-  if (mount.fstype === 'fuse.glusterfs') return detectGluster(dir, mount);
+  if (mount.fstype === 'fuse.glusterfs') return detectGluster(dir, mount, setfacl);
   return {
     mechanism: null,
     reasons: [
@@ -278,7 +278,7 @@ export function glusterOptions(xml: string): Map<string, string> {
   return out;
 }
 
-async function detectGluster(dir: string, mount: MountInfo): Promise<QuotaDetection> {
+async function detectGluster(dir: string, mount: MountInfo, setfacl: string | null): Promise<QuotaDetection> {
   const where = `FERRY_VOLUMES_DIR (${dir}) is on GlusterFS (${mount.source} at ${mount.target})`;
   const gluster = await findExecutable('gluster', WRAPPER_ENV);
   if (!gluster) return { mechanism: null, reasons: ['missing gluster (apt-get install glusterfs-cli)'] };
@@ -315,7 +315,7 @@ async function detectGluster(dir: string, mount: MountInfo): Promise<QuotaDetect
       `${where}, whose volume ${v} checks its quotas lazily (${lax.join(', ')} not 0), so writes would run past a volume's size: ${lax.map((o) => `gluster volume quota ${v} ${o} 0`).join('; ')}`,
     );
   }
-  const acl = await aclProbe(dir);
+  const acl = setfacl ? await aclProbe(dir, setfacl) : null; // no setfacl: said by quota-dirs.ts
   if (acl) reasons.push(`${where} without ACLs (${acl}): mount it with -o acl`);
   if (reasons.length > 0) return { mechanism: null, reasons };
   return { mechanism: glusterQuota(gluster, mount.target, source.host, v, source.subdir), reasons: [] };
@@ -325,9 +325,7 @@ async function detectGluster(dir: string, mount: MountInfo): Promise<QuotaDetect
  * Whether a default ACL can be set on a folder in `dir` (a glusterfs mount without `-o acl` cannot): null
  * when it can, or when it cannot be tried here (no right to make a folder, as `ferry doctor` by a user).
  */
-async function aclProbe(dir: string): Promise<string | null> {
-  const setfacl = await findExecutable('setfacl', WRAPPER_ENV);
-  if (!setfacl) return null; // said by the caller (quota-dirs.ts)
+async function aclProbe(dir: string, setfacl: string): Promise<string | null> {
   const probe = await fs.mkdtemp(path.join(dir, '.ferry-acl-probe-')).catch(() => null);
   if (!probe) return null;
   try {
