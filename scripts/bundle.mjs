@@ -2,7 +2,7 @@
 // Bundles the compiled command (dist/src/cli/index.js and all it imports, dependencies included) into
 // dist/bundle/ with esbuild, one chunk per lazily loaded command, so that a `ferry` process loads a few
 // large files instead of about a thousand modules: `ferry serve` is ready in about half the CPU (1.4 s to
-// 0.8 s here), which every worker, gateway and test process started pays. bin/ferry.js runs the bundle
+// 0.6 s here), which every worker, gateway and test process started pays. bin/ferry.js runs the bundle
 // when it is as new as dist/src (see there); `npm run build` makes both.
 //
 // What a bundle changes, and how it is kept the same:
@@ -12,8 +12,8 @@
 //   packages' own files are found where they are.
 // - Packages that start workers or binaries from their own folder (pino's transports, esbuild) and
 //   native ones (better-sqlite3) stay outside, loaded from node_modules as before.
-// - Stack traces: a source map maps the bundle back to src/*.ts (through tsc's maps); bin/ferry.js turns
-//   source maps on.
+// - Stack traces name functions and bundle lines; the source map (through tsc's maps) leads them back to
+//   src/*.ts under NODE_OPTIONS=--enable-source-maps (off by default: it costs memory, bin/ferry.js says).
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
