@@ -6,7 +6,7 @@
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
-import { after, before, describe, it } from 'node:test';
+import { after, afterEach, before, describe, it } from 'node:test';
 import { type Browser, chromium, type Page } from 'playwright-core';
 import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
@@ -22,6 +22,7 @@ describe('dashboard problems in Chromium', { timeout: 180_000 }, () => {
   let browser: Browser;
   let page: Page;
   const problems: string[] = [];
+  const seen: string[] = [];
 
   before(async () => {
     if (!fs.existsSync(CHROMIUM)) throw new Error(`${CHROMIUM} is missing: install Debian's chromium`);
@@ -58,6 +59,15 @@ describe('dashboard problems in Chromium', { timeout: 180_000 }, () => {
     const context = await browser.newContext({ viewport: { width: 1280, height: 900 } });
     page = await context.newPage();
     page.on('pageerror', (err) => problems.push(String(err)));
+    // What the page saw, printed when a test fails (once, on CI with a core kept busy, every test here
+    // timed out waiting for its first heading; not seen since): its console, and requests that failed.
+    page.on('console', (m) => seen.push(`console.${m.type()}: ${m.text()}`));
+    page.on('requestfailed', (r) => seen.push(`request failed: ${r.method()} ${r.url()}: ${r.failure()?.errorText}`));
+    page.on('crash', () => seen.push('the page crashed'));
+  });
+
+  afterEach((t) => {
+    if (t.passed === false) console.log(`what the page saw:\n${seen.slice(-50).join('\n')}`);
   });
 
   after(async () => {
