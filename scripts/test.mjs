@@ -86,6 +86,13 @@ if (files.some((f) => f.includes(`${path.sep}postgres${path.sep}`))) {
 // passing in each. Four keeps most of the gain with half a core per file at the busiest.
 const concurrency = Number(process.env.FERRY_TEST_CONCURRENCY) > 0 ? Number(process.env.FERRY_TEST_CONCURRENCY) : 4;
 
+// Each file must end within this time (FERRY_TEST_FILE_TIMEOUT_S, default 600 s, twelve times the slowest
+// file's quiet figure). A file that does not end (a test waiting forever, or a handle left open so its
+// process never exits) then fails, named, with Node's "test timed out", and the run goes on; without it,
+// one such file held the whole run until CI's limit, with no word of which file it was.
+const fileTimeoutS =
+  Number(process.env.FERRY_TEST_FILE_TIMEOUT_S) > 0 ? Number(process.env.FERRY_TEST_FILE_TIMEOUT_S) : 600;
+
 const result = spawnSync(
   process.execPath,
   [
@@ -95,6 +102,7 @@ const result = spawnSync(
     `--test-reporter=${new URL('./test-reporter.mjs', import.meta.url).href}`,
     '--test-reporter-destination=stdout',
     `--test-concurrency=${concurrency}`,
+    `--test-timeout=${fileTimeoutS * 1000}`,
     ...files,
   ],
   { stdio: 'inherit' },
