@@ -5,27 +5,26 @@
  * hover boxes for an app without runs.
  */
 import assert from 'node:assert/strict';
-import fs from 'node:fs';
 import { after, afterEach, before, describe, it } from 'node:test';
-import { type Browser, chromium, type Page } from 'playwright-core';
+import type { Page } from 'playwright-core';
+import { type ApartBrowser, launchChromiumApart } from './helpers/browser.js';
 import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
 // biome-ignore lint/suspicious/noExplicitAny: browser globals, checked by the browser itself
 declare const document: any, sessionStorage: any;
 
-const CHROMIUM = '/usr/bin/chromium';
-
 describe('dashboard problems in Chromium', { timeout: 180_000 }, () => {
   let server: TestServer;
   let auth: { projectId: string; token: string };
   let second: { projectId: string; token: string };
-  let browser: Browser;
+  let apart: ApartBrowser | undefined;
+  /** The server's address as Chromium reaches it. */
+  let site: string;
   let page: Page;
   const problems: string[] = [];
   const seen: string[] = [];
 
   before(async () => {
-    if (!fs.existsSync(CHROMIUM)) throw new Error(`${CHROMIUM} is missing: install Debian's chromium`);
     server = await startServer();
     auth = await server.bootstrap();
     second = await server.bootstrap('second');
@@ -52,15 +51,16 @@ describe('dashboard problems in Chromium', { timeout: 180_000 }, () => {
       body: {},
     });
     assert.equal(res.status, 502, res.text);
-    browser = await chromium.launch({
-      executablePath: CHROMIUM,
-      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking', '--no-first-run'],
-    });
-    const context = await browser.newContext({ viewport: { width: 1280, height: 900 } });
+    // In a namespace of its own (test/helpers/browser.ts): in the host's, the veths of other files'
+    // sandboxes made Chromium abort the page's module loads with ERR_NETWORK_CHANGED, and every test here
+    // then timed out waiting for its first heading (CI, with other files running alongside).
+    apart = await launchChromiumApart(server.url);
+    site = apart.site;
+    const context = await apart.browser.newContext({ viewport: { width: 1280, height: 900 } });
     page = await context.newPage();
     page.on('pageerror', (err) => problems.push(String(err)));
-    // What the page saw, printed when a test fails (once, on CI with a core kept busy, every test here
-    // timed out waiting for its first heading; not seen since): its console, and requests that failed.
+    // What the page saw, printed when a test fails (it told the ERR_NETWORK_CHANGED above): its console,
+    // and requests that failed.
     page.on('console', (m) => seen.push(`console.${m.type()}: ${m.text()}`));
     page.on('requestfailed', (r) => seen.push(`request failed: ${r.method()} ${r.url()}: ${r.failure()?.errorText}`));
     page.on('crash', () => seen.push('the page crashed'));
@@ -71,12 +71,12 @@ describe('dashboard problems in Chromium', { timeout: 180_000 }, () => {
   });
 
   after(async () => {
-    await browser?.close();
+    await apart?.close();
     await server?.close();
   });
 
   it('shows why an app does not serve: replicas that cannot start, or no public function', async () => {
-    await page.goto(`${server.url}/#token=${auth.token}`);
+    await page.goto(`${site}/#token=${auth.token}`);
     await page.getByRole('heading', { level: 1, name: 'Apps' }).waitFor();
     const boom = page.locator('article[data-app="boom"]');
     await boom.locator('.app-state', { hasText: 'cannot start' }).waitFor({ timeout: 15_000 });
@@ -136,7 +136,7 @@ describe('dashboard problems in Chromium', { timeout: 180_000 }, () => {
     });
     await page.locator('article[data-app="boom"]').waitFor();
     // Same document, new fragment: no reload, only a hashchange.
-    await page.goto(`${server.url}/#token=${second.token}`);
+    await page.goto(`${site}/#token=${second.token}`);
     await waitFor(
       async () => ((await page.locator('#project').textContent()) ?? '').includes(second.projectId),
       15_000,

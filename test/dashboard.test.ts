@@ -8,11 +8,11 @@
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
-import os from 'node:os';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
-import { type Browser, type BrowserContext, chromium, type Page } from 'playwright-core';
+import type { Browser, BrowserContext, Page } from 'playwright-core';
 import { DASHBOARD_HEADERS } from '../src/dashboard/assets.js';
+import { type ApartBrowser, launchChromiumApart } from './helpers/browser.js';
 import {
   deployFiles,
   http,
@@ -24,7 +24,6 @@ import {
   tempDir,
   waitFor,
 } from './helpers/ferry.js';
-import { createOutsideNetwork, forwardTcp, type OutsideNetwork } from './helpers/netns.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
 
 // page.evaluate callbacks run in the browser. This project compiles without the DOM library, so the few
@@ -32,7 +31,6 @@ import { type Receiver, startReceiver } from './helpers/receiver.js';
 // biome-ignore lint/suspicious/noExplicitAny: browser globals, checked by the browser itself
 declare const document: any, navigator: any, sessionStorage: any, localStorage: any;
 
-const CHROMIUM = '/usr/bin/chromium';
 const SHOTS = path.join(REPO_ROOT, 'test-output', 'screenshots');
 /**
  * How long to wait for something to show on a page (Playwright's own default): idle, pages render in well
@@ -142,9 +140,8 @@ describe('dashboard in Chromium', { timeout: 300_000 }, () => {
   let auth: { projectId: string; token: string };
   let receiver: Receiver;
   let browser: Browser;
-  /** Chromium's network namespace, the forwarder into it, and the dashboard's address there. */
-  let outside: OutsideNetwork | undefined;
-  let forward: { port: number; close(): Promise<void> } | undefined;
+  /** Chromium in its network namespace, and the dashboard's address there. */
+  let apart: ApartBrowser | undefined;
   let site: string;
   let context: BrowserContext;
   let page: Page;
@@ -184,12 +181,6 @@ describe('dashboard in Chromium', { timeout: 300_000 }, () => {
   };
 
   before(async () => {
-    if (!fs.existsSync(CHROMIUM)) {
-      throw new Error(
-        `${CHROMIUM} is missing: the dashboard tests need Debian's Chromium. Install it with ` +
-          '`sudo apt-get install -y chromium` (scripts/setup-system.sh does this on CI).',
-      );
-    }
     fs.mkdirSync(SHOTS, { recursive: true });
     receiver = await startReceiver();
     server = await startServer({ env: { FERRY_WEBHOOK_ALLOW: '127.0.0.0/8' } });
@@ -209,30 +200,11 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
       'lib/words.ts': 'export const words = ["ferry"];\n',
     });
     buildId = build.id;
-    // Chromium runs in a network namespace of the test's own, reaching the server through a forwarder on
-    // its link: in the host's namespace every sandbox start and stop adds or removes a veth, and Chromium
-    // aborts requests in flight with ERR_NETWORK_CHANGED when it sees interfaces change (it did, once,
-    // while other test files started replicas).
-    outside = await createOutsideNetwork();
-    forward = await forwardTcp(outside.hostAddress, Number(new URL(server.url).port));
-    site = `http://${outside.hostAddress}:${forward.port}`;
-    const launcher = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'ferry-chromium-')), 'chromium');
-    fs.writeFileSync(launcher, `#!/bin/sh\nexec ip netns exec ${outside.name} ${CHROMIUM} "$@"\n`, { mode: 0o755 });
-    browser = await chromium.launch({
-      executablePath: launcher,
-      args: [
-        '--headless',
-        '--no-sandbox',
-        '--disable-gpu',
-        '--disable-background-networking',
-        '--disable-component-update',
-        '--disable-sync',
-        '--no-first-run',
-        // The dashboard's address in Chromium's namespace is not loopback: make it as trusted as loopback
-        // is (a secure context, for the clipboard).
-        `--unsafely-treat-insecure-origin-as-secure=${site}`,
-      ],
-    });
+    // Chromium runs in a namespace of its own (test/helpers/browser.ts says why), where the site is as
+    // trusted as loopback (a secure context, for the clipboard).
+    apart = await launchChromiumApart(server.url);
+    browser = apart.browser;
+    site = apart.site;
     // A fresh context is a fresh profile: no storage, no cache.
     context = await browser.newContext({ viewport: { width: 1280, height: 860 } });
     await context.grantPermissions(['clipboard-read', 'clipboard-write'], { origin: site });
@@ -249,9 +221,7 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
   });
 
   after(async () => {
-    await browser?.close();
-    await forward?.close();
-    await outside?.close();
+    await apart?.close();
     await server?.close();
     await receiver?.close();
   });
