@@ -4,10 +4,11 @@
  * coded 4xx in Ferry's shape now.
  */
 import assert from 'node:assert/strict';
+import { once } from 'node:events';
 import { connect } from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { zipFiles } from './helpers/app-zip.js';
-import { deployFiles, http, startServer, type TestServer } from './helpers/ferry.js';
+import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
 /** Ferry's error body: exactly `error` {code, message} (and `run_id` on the run endpoint). */
 function assertFerryError(res: { status: number; json: unknown; text: string }, status: number, code: string) {
@@ -124,5 +125,46 @@ describe('bad input answers a coded 4xx', () => {
       assert.equal(json.error.code, code);
       if (status === 431) assert.match(json.error.message, /16384 bytes/);
     }
+  });
+
+  it('reads and drops the rest of a refused body, answering the caller while it sends, and keeps the connection', async () => {
+    // Refused before its body is read (401 here; 413 for an upload past a volume's room). The answer said
+    // `connection: close` and the server closed at once: a caller still sending met a reset and saw EPIPE
+    // instead of the answer (CI, a 16 MiB volume upload). Now the rest is read and dropped, and the
+    // connection serves the caller's next request.
+    const { hostname, port } = new URL(server.url);
+    // Half open, as an HTTP client sending a body is: it goes on sending whatever it reads meanwhile.
+    const socket = connect({ port: Number(port), host: hostname, allowHalfOpen: true });
+    await once(socket, 'connect');
+    const problems: string[] = [];
+    socket.on('error', (err) => problems.push(String(err)));
+    socket.setTimeout(60_000, () => socket.destroy(new Error(`timed out; so far:\n${text}`)));
+    const closed = new Promise<void>((resolve) => socket.once('close', () => resolve()));
+    let text = '';
+    socket.setEncoding('utf8');
+    socket.on('data', (d: string) => (text += d));
+    const total = 32 * 1024 * 1024;
+    socket.write(
+      `PUT /v2/projects/${auth.projectId}/volumes/none/file?path=a.bin HTTP/1.1\r\nhost: ferry\r\n` +
+        `authorization: Bearer not-a-token\r\ncontent-length: ${total}\r\n\r\n`,
+    );
+    socket.write(Buffer.alloc(64 * 1024));
+    await waitFor(async () => text.includes('}'), 30_000, 'the answer');
+    assert.match(text, /^HTTP\/1\.1 401 /);
+    // The caller sends the rest of its body after it has the answer, then its next request.
+    const chunk = Buffer.alloc(1024 * 1024);
+    for (let sent = 64 * 1024; sent < total && problems.length === 0; sent += chunk.length) {
+      if (!socket.write(chunk.subarray(0, Math.min(chunk.length, total - sent)))) {
+        await new Promise<void>((resolve) => {
+          socket.once('drain', resolve);
+          socket.once('close', resolve);
+        });
+      }
+    }
+    socket.write('GET /healthz HTTP/1.1\r\nhost: ferry\r\nconnection: close\r\n\r\n');
+    socket.once('end', () => socket.end());
+    await closed;
+    assert.deepEqual(problems, [], 'sending the rest of the body met no reset');
+    assert.match(text, /\r\n\r\n\{.*\}HTTP\/1\.1 200 /s, 'the next request on the connection was answered');
   });
 });

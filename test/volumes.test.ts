@@ -228,9 +228,9 @@ describe('volumes', () => {
     });
     assert.equal(declared.status, 413);
     assert.equal(declared.json.error.code, 'FERRY_VOLUME_FULL');
-    // Answered before its body was read: the connection closes (it held the server's close for the whole
-    // keep-alive timeout, 72 s, when it stayed open).
-    assert.equal(declared.headers.get('connection'), 'close');
+    // Answered before its body was read: the rest is read and dropped and the connection kept, so a caller
+    // still sending reads this answer (test/bad-input.test.ts shows it on a raw connection).
+    assert.notEqual(declared.headers.get('connection'), 'close');
     // Without a length (chunked): the filesystem's ENOSPC, and the partial file is gone.
     await call('filler', 'remove', { file: '/data/two.bin' });
     const chunked = await fetch(api('/volumes/small/file?path=big.bin'), {
@@ -247,6 +247,7 @@ describe('volumes', () => {
     const body = (await chunked.json()) as { error: { code: string } };
     assert.equal(chunked.status, 413);
     assert.equal(body.error.code, 'FERRY_VOLUME_FULL');
+    // Refused midway, its body torn down with the failed write: that connection closes after the answer.
     assert.equal(chunked.headers.get('connection'), 'close');
     const listing = await http(api('/volumes/small/files'), { token: auth.token });
     assert.deepEqual(

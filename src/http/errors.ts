@@ -3,7 +3,7 @@
  * parser refuses, answered through http/answer.ts (the one error answer); internal errors and a store out
  * of reach are logged here.
  */
-import { maxHeaderSize } from 'node:http';
+import { type IncomingMessage, maxHeaderSize } from 'node:http';
 import type { Socket } from 'node:net';
 import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
 import { FerryError } from '../errors.js';
@@ -22,11 +22,39 @@ export function errorHandler(err: unknown, request: FastifyRequest, reply: Fasti
   const runId = request.runId || undefined;
   const answered = answer(err, { runId, request });
   logError(request.log, answered.error, err, runId);
-  // Refused before its body was read (an upload past a volume's size, a body too large): the rest of the
-  // body would come on a connection no request can follow, and the connection would hold the server's
-  // close until the keep-alive timeout (72 s). Closed once the answer is sent.
-  if (!request.raw.complete) reply.header('connection', 'close');
+  // Refused before its body was read (an upload past a volume's size, a body too large): see drainRefused.
+  // A body the route already destroyed (a write that failed midway tears down its source) cannot be read
+  // to its end: that connection is closed once the answer is sent.
+  if (!request.raw.complete) {
+    if (request.raw.destroyed) reply.header('connection', 'close');
+    else drainRefused(request.raw);
+  }
   replyWithAnswer(reply, answered);
+}
+
+/** How long, at most, the rest of a refused body is read after the answer (as nginx's lingering_time). */
+export const DRAIN_MS = 30_000;
+
+/**
+ * A request answered before its body was read (refused): the rest of the body is read and dropped, and the
+ * connection stays open for the caller's next request, as Fastify and Node do by default. A caller still
+ * sending so reads the answer; closing the connection instead (as Ferry did) reset it under a caller still
+ * sending, which then saw EPIPE rather than the answer (CI: a 16 MiB volume upload refused 413). A caller
+ * that neither sends the rest nor hangs up is cut after DRAIN_MS, so it cannot hold the server's close
+ * longer than that.
+ */
+export function drainRefused(req: IncomingMessage): void {
+  req.resume();
+  const socket = req.socket as (Socket & { server?: { listening?: boolean } }) | null;
+  const timer = setTimeout(() => socket?.destroy(), DRAIN_MS);
+  timer.unref();
+  req.once('end', () => {
+    clearTimeout(timer);
+    // Read to its end after the server began to close: the close has already let its idle connections
+    // go, and this one would otherwise hold it until the keep-alive timeout (72 s).
+    if (socket?.server?.listening === false) socket.destroy();
+  });
+  req.once('close', () => clearTimeout(timer));
 }
 
 /**

@@ -22,7 +22,7 @@ import { checkFunction, type RunService } from '../runs/run-service.js';
 import { runtimeOf } from '../runtimes/index.js';
 import { answer as errorAnswer, writeAnswer } from './answer.js';
 import { bodyTooLarge, JSON_SUFFIX_TYPE, readLimitedBody } from './body-parsers.js';
-import { logError } from './errors.js';
+import { drainRefused, logError } from './errors.js';
 import { parseIdempotencyKey, parseRunBody } from './routes/run.js';
 import { wantsEventStream } from './sse.js';
 
@@ -92,8 +92,8 @@ export function createRunFastPath(
     const answered = errorAnswer(err, { runId });
     logError(services.logger, answered.error, err, runId);
     if (!res.headersSent) writeAnswer(res, answered);
-    // A body the caller is still sending (refused before it was read): read and dropped, as Fastify does.
-    if (!req.complete) req.resume();
+    // A body the caller is still sending (refused before it was read): read and dropped, as for every route.
+    if (!req.complete) drainRefused(req);
   }
 
   async function serve(

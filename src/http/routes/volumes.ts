@@ -181,9 +181,6 @@ export function registerVolumeRoutes(app: TypedServer, services: VolumeRouteDeps
           if (Number.isFinite(declared)) {
             const { free_bytes } = await usage();
             if (declared > free_bytes) {
-              // The rest of the upload is read and dropped, as the run endpoint does with a body it refuses:
-              // a caller still sending would otherwise meet a closed connection (EPIPE), not this answer.
-              body.resume();
               throw new FerryError(
                 'FERRY_VOLUME_FULL',
                 `The file (${declared} bytes) is larger than the room left in volume ${request.params.name} (${free_bytes} bytes)`,
