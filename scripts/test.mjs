@@ -14,7 +14,7 @@ import { spawnSync } from 'node:child_process';
 // over the suite's ~160 files is about a sixth of its CPU. The code tested is the same tsc output,
 // bundled as `ferry` itself is (scripts/bundle.mjs), and failures still point at test/*.ts and src/*.ts
 // through the source maps. FERRY_TEST_UNBUNDLED=1 runs dist/test/ as tsc wrote it.
-import { readdirSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import net from 'node:net';
 import path from 'node:path';
 import { bundleForNode } from './esbuild-node.mjs';
@@ -24,33 +24,22 @@ const compiled = path.join(repo, 'dist', 'test');
 const unbundled = process.env.FERRY_TEST_UNBUNDLED === '1';
 const root = unbundled ? compiled : path.join(repo, 'dist', 'test-bundle');
 const filters = process.argv.slice(2);
-// The files that take longest start first, so that they do not end the run alone while the
-// other slots are idle (the longest of a full run on this 2-core machine, as scripts/test-reporter.mjs printed
-// them on 2026-11-26 six at a time: 30 to 90 s each). The rest follow in name order.
-const SLOW_FIRST = [
-  'images-python.test.js',
-  'backpressure.test.js',
-  'cluster-schedules.test.js',
-  'fleet.test.js',
-  'cluster-roles.test.js',
-  'retention.test.js',
-  'nats-queue.test.js',
-  'cli-first-hour.test.js',
-  'volumes-cli.test.js',
-  'cluster-kill.test.js',
-  'dashboard.test.js',
-  'images-apt.test.js',
-  'log-bounds.test.js',
-  'postgres/webhooks.test.js',
-  'store-restart.test.js',
-  'security/limits.test.js',
-  'leases.test.js',
-  'nats-freeze.test.js',
-];
-const rank = (f) => {
-  const i = SLOW_FIRST.indexOf(f);
-  return i === -1 ? SLOW_FIRST.length : i;
-};
+// The files that take longest start first, so that none of them ends the run alone while the other slots
+// are idle: scripts/test-times.tsv holds each file's own time in a full run (seconds first, the file last;
+// `FERRY_TEST_TIMES=scripts/test-times.tsv npm run test:only` writes it anew). Files it does not name
+// (new ones) follow, in name order.
+const timesFile = path.join(repo, 'scripts', 'test-times.tsv');
+const seconds = new Map(
+  (existsSync(timesFile) ? readFileSync(timesFile, 'utf8') : '')
+    .split('\n')
+    .filter((line) => line.trim() !== '')
+    .map((line) => {
+      const fields = line.split('\t');
+      const file = fields[fields.length - 1].replace(/^(dist\/)?(test\/)?/, '').replace(/\.(ts|js)$/, '.js');
+      return [file, Number(fields[0])];
+    }),
+);
+const rank = (f) => -(seconds.get(f.split(path.sep).join('/')) ?? -1);
 const selected = readdirSync(compiled, { recursive: true })
   .map(String)
   .filter((f) => f.endsWith('.test.js'))
@@ -62,7 +51,7 @@ if (selected.length === 0) {
   process.exit(1);
 }
 // Node's runner starts the files it is given in the order of their names, whatever order they are passed
-// in; so each bundled file's name starts with its place in `selected` (SLOW_FIRST, then the rest by name).
+// in; so each bundled file's name starts with its place in `selected` (longest first, as above).
 // Unbundled, dist/test/ runs in name order.
 const width = String(selected.length).length;
 const bundled = selected.map((f, i) => ({
