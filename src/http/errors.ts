@@ -23,12 +23,7 @@ export function errorHandler(err: unknown, request: FastifyRequest, reply: Fasti
   const answered = answer(err, { runId, request });
   logError(request.log, answered.error, err, runId);
   // Refused before its body was read (an upload past a volume's size, a body too large): see drainRefused.
-  // A body the route already destroyed (a write that failed midway tears down its source) cannot be read
-  // to its end: that connection is closed once the answer is sent.
-  if (!request.raw.complete) {
-    if (request.raw.destroyed) reply.header('connection', 'close');
-    else drainRefused(request.raw);
-  }
+  if (!request.raw.complete && !drainRefused(request.raw)) reply.header('connection', 'close');
   replyWithAnswer(reply, answered);
 }
 
@@ -41,9 +36,11 @@ export const DRAIN_MS = 30_000;
  * sending so reads the answer; closing the connection instead (as Ferry did) reset it under a caller still
  * sending, which then saw EPIPE rather than the answer (CI: a 16 MiB volume upload refused 413). A caller
  * that neither sends the rest nor hangs up is cut after DRAIN_MS, so it cannot hold the server's close
- * longer than that.
+ * longer than that. False when the body cannot be read to its end: the route already tore it down (a write
+ * that failed midway destroys its source); that connection is to be closed once the answer is sent.
  */
-export function drainRefused(req: IncomingMessage): void {
+export function drainRefused(req: IncomingMessage): boolean {
+  if (req.destroyed) return false;
   req.resume();
   const socket = req.socket as (Socket & { server?: { listening?: boolean } }) | null;
   const timer = setTimeout(() => socket?.destroy(), DRAIN_MS);
@@ -55,6 +52,7 @@ export function drainRefused(req: IncomingMessage): void {
     if (socket?.server?.listening === false) socket.destroy();
   });
   req.once('close', () => clearTimeout(timer));
+  return true;
 }
 
 /**

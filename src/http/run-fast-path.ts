@@ -92,7 +92,8 @@ export function createRunFastPath(
     const answered = errorAnswer(err, { runId });
     logError(services.logger, answered.error, err, runId);
     if (!res.headersSent) writeAnswer(res, answered);
-    // A body the caller is still sending (refused before it was read): read and dropped, as for every route.
+    // A body the caller is still sending (refused before it was read): read and dropped, as for every route
+    // (one torn down already cannot be, and its answer is written: Node closes that connection).
     if (!req.complete) drainRefused(req);
   }
 

@@ -36,12 +36,19 @@ export async function launchChromiumApart(serverUrl: string): Promise<ApartBrows
   const outside = await createOutsideNetwork();
   const folder = fs.mkdtempSync(path.join(os.tmpdir(), 'ferry-chromium-'));
   let forward: Awaited<ReturnType<typeof forwardTcp>> | undefined;
+  let browser: Browser | undefined;
+  const close = async () => {
+    await browser?.close();
+    await forward?.close();
+    await outside.close();
+    fs.rmSync(folder, { recursive: true, force: true });
+  };
   try {
     forward = await forwardTcp(outside.hostAddress, Number(new URL(serverUrl).port));
     const site = `http://${outside.hostAddress}:${forward.port}`;
     const launcher = path.join(folder, 'chromium');
     fs.writeFileSync(launcher, `#!/bin/sh\nexec ip netns exec ${outside.name} ${CHROMIUM} "$@"\n`, { mode: 0o755 });
-    const browser = await chromium.launch({
+    browser = await chromium.launch({
       executablePath: launcher,
       args: [
         '--headless',
@@ -54,21 +61,9 @@ export async function launchChromiumApart(serverUrl: string): Promise<ApartBrows
         `--unsafely-treat-insecure-origin-as-secure=${site}`,
       ],
     });
-    const opened = forward;
-    return {
-      browser,
-      site,
-      async close() {
-        await browser.close();
-        await opened.close();
-        await outside.close();
-        fs.rmSync(folder, { recursive: true, force: true });
-      },
-    };
+    return { browser, site, close };
   } catch (err) {
-    await forward?.close();
-    await outside.close();
-    fs.rmSync(folder, { recursive: true, force: true });
+    await close();
     throw err;
   }
 }
