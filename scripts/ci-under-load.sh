@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the test suite while a busy loop occupies one core, as on a shared CI machine, to catch tests that
-# depend on timing. Builds once (`npm run build`: tests run from dist/test), then runs `node scripts/test.mjs`
+# depend on timing. Builds once (`npm run build`; the runner bundles the test files), then runs `node scripts/test.mjs`
 # N times in a row (default 1), stopping at the first failure; type check and lint, which `npm test` adds,
 # do not depend on timing and are left to `npm test`. Prints how long each run took and exits with the
 # suite's exit code.
