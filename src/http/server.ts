@@ -27,6 +27,7 @@ import { registerSystemRoutes, type SystemRouteDeps } from './routes/system.js';
 import { registerVolumeRoutes, type VolumeRouteDeps } from './routes/volumes.js';
 import { registerWebhookRoutes, type WebhookRouteDeps } from './routes/webhooks.js';
 import { createRunFastPath, type RunFastPath, type RunFastPathDeps } from './run-fast-path.js';
+import { sharedCompilers } from './schema-compilers.js';
 import type { TypedServer } from './typed-server.js';
 import { assertFiniteNumbers, formatValidationErrors } from './validation.js';
 
@@ -107,6 +108,9 @@ function createFastify(services: HttpDeps): TypedServer {
     // Secret names may be 128 characters; Fastify's default of 100 would answer its own 414 first.
     routerOptions: { maxParamLength: 256 },
     ajv: { customOptions: { removeAdditional: false, coerceTypes: 'array', allErrors: false } },
+    // Compiled once per process, whatever the number of servers it builds (http/schema-compilers.ts).
+    // No route has a headers schema, the one part Fastify treats differently under custom compilers.
+    schemaController: { compilersFactory: sharedCompilers },
     schemaErrorFormatter: formatValidationErrors,
     // Fastify answers a URL it cannot decode itself, in its own shape, unless told otherwise.
     frameworkErrors: (err, request, reply) => errorHandler(err, request, reply),
