@@ -75,6 +75,8 @@ export async function createCore(config: ServerConfig, logger: Logger): Promise<
     dataDir: dataDir.root,
     databaseUrl: config.databaseUrl,
     busyTimeoutMs: config.storeBusyTimeoutMs,
+    // A server's commits never wait on a checkpoint of the log (store/sqlite-checkpointer.ts).
+    checkpointInThread: { onProblem: (message) => logger.warn(message) },
   });
   const closers: Array<() => unknown> = [];
   const onClose = (close: () => unknown) => void closers.push(close);

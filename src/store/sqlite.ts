@@ -38,6 +38,7 @@ import {
 import { FerryError } from '../errors.js';
 import { migrate } from './migrate.js';
 import type { Database } from './schema.js';
+import { SqliteCheckpointer, type SqliteCheckpointerOptions } from './sqlite-checkpointer.js';
 
 /** FERRY_STORE_BUSY_TIMEOUT_MS's default: how long a statement waits for a locked file before a 503. */
 export const DEFAULT_BUSY_TIMEOUT_MS = 5000;
@@ -51,6 +52,11 @@ export interface OpenSqliteStoreOptions {
   dataDir: string;
   /** How long a statement retries while the file is locked before FERRY_STORE_BUSY (default 5000). */
   busyTimeoutMs?: number | undefined;
+  /**
+   * Checkpoint the write-ahead log in a thread of its own, not in the commits of the server's thread
+   * (sqlite-checkpointer.ts): what a server sets; a short-lived command keeps SQLite's default.
+   */
+  checkpointInThread?: SqliteCheckpointerOptions | undefined;
 }
 
 /**
@@ -71,7 +77,10 @@ export async function openSqliteStore(options: OpenSqliteStoreOptions): Promise<
   sqlite.pragma('foreign_keys = ON');
   // From now on a locked file fails at once; the driver waits, off the event loop.
   sqlite.pragma('busy_timeout = 0');
-  const db = new Kysely<Database>({ dialect: new BusyRetryingSqliteDialect(sqlite, busyTimeoutMs) });
+  const checkpointer = options.checkpointInThread
+    ? new SqliteCheckpointer(sqlite, file, options.checkpointInThread)
+    : undefined;
+  const db = new Kysely<Database>({ dialect: new BusyRetryingSqliteDialect(sqlite, busyTimeoutMs, checkpointer) });
   try {
     await migrate(db);
   } catch (err) {
@@ -99,8 +108,8 @@ export function probeSqlite(db: Kysely<Database>, timeoutMs: number): Promise<Sq
 class BusyRetryingSqliteDialect implements Dialect {
   readonly #driver: BusyRetryingSqliteDriver;
 
-  constructor(sqlite: SqliteDatabase.Database, busyTimeoutMs: number) {
-    this.#driver = new BusyRetryingSqliteDriver(sqlite, busyTimeoutMs);
+  constructor(sqlite: SqliteDatabase.Database, busyTimeoutMs: number, checkpointer?: SqliteCheckpointer) {
+    this.#driver = new BusyRetryingSqliteDriver(sqlite, busyTimeoutMs, checkpointer);
   }
   createDriver(): Driver {
     return this.#driver;
@@ -178,10 +187,12 @@ class BusyRetryingSqliteDriver implements Driver {
   readonly #db: SqliteDatabase.Database;
   readonly #mutex = new Mutex();
   readonly #connection: BusyRetryingConnection;
+  readonly #checkpointer: SqliteCheckpointer | undefined;
 
-  constructor(db: SqliteDatabase.Database, busyTimeoutMs: number) {
+  constructor(db: SqliteDatabase.Database, busyTimeoutMs: number, checkpointer?: SqliteCheckpointer) {
     this.#db = db;
     this.#connection = new BusyRetryingConnection(db, this.#mutex, busyTimeoutMs);
+    this.#checkpointer = checkpointer;
   }
 
   async init(): Promise<void> {}
@@ -209,6 +220,7 @@ class BusyRetryingSqliteDriver implements Driver {
   }
 
   async destroy(): Promise<void> {
+    await this.#checkpointer?.close();
     this.#db.close();
   }
 

@@ -1,0 +1,126 @@
+/**
+ * Checkpoints of the SQLite store's write-ahead log, off the server's thread.
+ *
+ * By default SQLite checkpoints in the connection whose commit brings the log past 1,000 pages: that commit
+ * copies the log's pages into the database file and syncs both before it returns. better-sqlite3 is
+ * synchronous, so the server's event loop waits with it, every route included. On a small store it is a few
+ * milliseconds; on a large one, or after a retention pass deleted rows all over the file, the pages are
+ * scattered and the sync takes hundreds of milliseconds (issue 31's bench:scale: single commits of 220 to
+ * 2,500 ms during retention, each an async call's 202 held that long).
+ *
+ * Here the server's connection never checkpoints (`wal_autocheckpoint = 0`). Once the log has grown past
+ * `startBytes` (the size at which SQLite's default would have checkpointed), a worker thread
+ * (sqlite-checkpoint-worker.ts) with its own connection checkpoints every `intervalMs`, PASSIVE: it waits on
+ * nobody and nobody waits on it (and when the log has grown to four times that, all of it copied, a RESTART
+ * starts it over: see the worker). A store that never writes that much (most tests, a quiet install) never
+ * starts the thread. If the thread fails, the connection checkpoints itself again as SQLite's default does,
+ * and the failure is logged. On close the thread checkpoints once more and ends before the connection closes
+ * (the last connection to close then removes the log, as before).
+ */
+import fs from 'node:fs/promises';
+import { Worker } from 'node:worker_threads';
+import type SqliteDatabase from 'better-sqlite3';
+
+/** SQLite's default `wal_autocheckpoint`, restored when the thread fails. */
+const SQLITE_DEFAULT_AUTOCHECKPOINT_PAGES = 1000;
+
+export interface SqliteCheckpointerOptions {
+  /** The log's size at which the thread starts (default 4 MiB: 1,000 pages of 4 KiB). */
+  startBytes?: number;
+  /** How often the thread starts it looks at the log's size (default 1,000 ms). */
+  lookMs?: number;
+  /** How often the thread checkpoints (default 200 ms). */
+  intervalMs?: number;
+  /** The log's frames (pages) past which the thread starts it over (default 4× `startBytes` in 4 KiB pages). */
+  restartFrames?: number;
+  /** Told of a failed checkpoint or a failed thread (the store has no logger of its own). */
+  onProblem?: (message: string) => void;
+}
+
+export class SqliteCheckpointer {
+  readonly #sqlite: SqliteDatabase.Database;
+  readonly #file: string;
+  readonly #startBytes: number;
+  readonly #intervalMs: number;
+  readonly #restartFrames: number;
+  readonly #onProblem: (message: string) => void;
+  readonly #look: NodeJS.Timeout;
+  #worker: Worker | undefined;
+  #exited: Promise<void> | undefined;
+  #closing = false;
+  #looking = false;
+
+  constructor(sqlite: SqliteDatabase.Database, file: string, options: SqliteCheckpointerOptions = {}) {
+    this.#sqlite = sqlite;
+    this.#file = file;
+    this.#startBytes = options.startBytes ?? 4 * 1024 * 1024;
+    this.#intervalMs = options.intervalMs ?? 200;
+    this.#restartFrames = options.restartFrames ?? (this.#startBytes * 4) / 4096;
+    this.#onProblem = options.onProblem ?? (() => {});
+    sqlite.pragma('wal_autocheckpoint = 0');
+    this.#look = setInterval(() => void this.#lookAtLog(), options.lookMs ?? 1000);
+    this.#look.unref();
+  }
+
+  /** Whether the thread runs (for tests and `ferry doctor`-like reports). */
+  get threadRunning(): boolean {
+    return this.#worker !== undefined;
+  }
+
+  async #lookAtLog(): Promise<void> {
+    if (this.#looking || this.#worker || this.#closing) return;
+    this.#looking = true;
+    try {
+      const { size } = await fs.stat(`${this.#file}-wal`);
+      if (size >= this.#startBytes && !this.#closing) this.#start();
+    } catch {
+      // No log yet (nothing written): look again next time.
+    } finally {
+      this.#looking = false;
+    }
+  }
+
+  #start(): void {
+    clearInterval(this.#look);
+    const worker = new Worker(new URL('./sqlite-checkpoint-worker.js', import.meta.url), {
+      workerData: { file: this.#file, intervalMs: this.#intervalMs, restartFrames: this.#restartFrames },
+    });
+    this.#worker = worker;
+    this.#exited = new Promise((resolve) => worker.once('exit', () => resolve()));
+    worker.on('message', (message: { error?: string }) => {
+      if (message.error) this.#onProblem(`a checkpoint of the SQLite log failed: ${message.error}`);
+    });
+    worker.on('error', (err: Error) => this.#fallBack(`the SQLite checkpoint thread failed: ${err.message}`));
+    worker.once('exit', (code) => {
+      if (!this.#closing) this.#fallBack(`the SQLite checkpoint thread ended (code ${code})`);
+    });
+  }
+
+  #fallBack(message: string): void {
+    if (this.#closing) return;
+    this.#onProblem(`${message}; the server's connection checkpoints the log itself from now on`);
+    this.#worker = undefined;
+    this.#closing = true; // Nothing more to start; close() still waits for the thread's end.
+    try {
+      this.#sqlite.pragma(`wal_autocheckpoint = ${SQLITE_DEFAULT_AUTOCHECKPOINT_PAGES}`);
+    } catch {
+      // The connection is closed already.
+    }
+  }
+
+  /** Stops looking, and ends the thread (after one last checkpoint) before the connection closes. */
+  async close(): Promise<void> {
+    this.#closing = true;
+    clearInterval(this.#look);
+    const worker = this.#worker;
+    this.#worker = undefined;
+    if (worker) worker.postMessage('close');
+    if (!this.#exited) return;
+    const timer = setTimeout(() => void worker?.terminate(), 10_000);
+    try {
+      await this.#exited;
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+}

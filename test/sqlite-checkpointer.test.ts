@@ -1,0 +1,88 @@
+/**
+ * The SQLite store's log is checkpointed by a thread of its own, not by the server's commits
+ * (store/sqlite-checkpointer.ts, issue 31): the server's connection never checkpoints, the thread starts
+ * only once the log has grown past its threshold, keeps the log from growing without bound while writes go
+ * on, and ends before the connection closes, with every row in the database file.
+ */
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import { describe, it } from 'node:test';
+import SqliteDatabase from 'better-sqlite3';
+import { sql } from 'kysely';
+import { openSqliteStore } from '../src/store/index.js';
+import { tempDir, waitFor } from './helpers/ferry.js';
+
+const ROW_BYTES = 4000;
+
+describe('the SQLite checkpoint thread', () => {
+  it('starts past the threshold, keeps the log bounded under writes, and leaves every row in the file', async () => {
+    const dataDir = await tempDir();
+    const file = path.join(dataDir, 'ferry.db');
+    const problems: string[] = [];
+    const db = await openSqliteStore({
+      dataDir,
+      checkpointInThread: {
+        startBytes: 2 * 1024 * 1024,
+        lookMs: 50,
+        intervalMs: 50,
+        onProblem: (message) => problems.push(message),
+      },
+    });
+    const wal = () => fs.statSync(`${file}-wal`).size;
+    let written = 0;
+    try {
+      const { rows } = await sql<{ wal_autocheckpoint: number }>`pragma wal_autocheckpoint`.execute(db);
+      assert.equal(rows[0]?.wal_autocheckpoint, 0, "the server's connection never checkpoints");
+      await sql`create table filler (n integer primary key, body blob not null)`.execute(db);
+      const insert = async (rows: number) => {
+        await db.transaction().execute(async (tx) => {
+          for (let i = 0; i < rows; i++) {
+            written += 1;
+            await sql`insert into filler (n, body) values (${written}, randomblob(${ROW_BYTES}))`.execute(tx);
+          }
+        });
+      };
+      // Below the threshold nothing checkpoints: the log only grows.
+      await insert(100);
+      const before = wal();
+      await new Promise((resolve) => setTimeout(resolve, 200));
+      await insert(10);
+      assert.ok(wal() > before, `the log grew from ${before} bytes, below the threshold`);
+      // Past it, the thread starts and the log stops growing: 48 MB more is written in 240 commits, with
+      // a turn of the event loop between them, and the log stays far below that (SQLite reuses the log
+      // from its start once the thread has copied all of it into the file).
+      let largest = 0;
+      for (let i = 0; i < 240; i++) {
+        await insert(50);
+        largest = Math.max(largest, wal());
+        await new Promise((resolve) => setTimeout(resolve, 5));
+      }
+      assert.ok(largest < 24 * 1024 * 1024, `the log grew to ${largest} bytes while 48 MB was written`);
+      // The rows reach the database file itself while the server's connection is open.
+      await waitFor(async () => fs.statSync(file).size >= written * ROW_BYTES, 60_000, 'the rows in the database file');
+    } finally {
+      await db.destroy();
+    }
+    assert.deepEqual(problems, []);
+    assert.equal(fs.existsSync(`${file}-wal`), false, 'the last connection to close removed the log');
+    const reopened = new SqliteDatabase(file, { readonly: true });
+    try {
+      const { count } = reopened.prepare('select count(*) as count from filler').get() as { count: number };
+      assert.equal(count, written);
+    } finally {
+      reopened.close();
+    }
+  });
+
+  it('is not started by a store that was not asked for it, which checkpoints as SQLite does', async () => {
+    const dataDir = await tempDir();
+    const db = await openSqliteStore({ dataDir });
+    try {
+      const { rows } = await sql<{ wal_autocheckpoint: number }>`pragma wal_autocheckpoint`.execute(db);
+      assert.equal(rows[0]?.wal_autocheckpoint, 1000);
+    } finally {
+      await db.destroy();
+    }
+  });
+});
