@@ -49,9 +49,13 @@ describe('the SQLite checkpoint thread', () => {
       await new Promise((resolve) => setTimeout(resolve, 200));
       await insert(10);
       assert.ok(wal() > before, `the log grew from ${before} bytes, below the threshold`);
-      // Past it, the thread starts and the log stops growing: 48 MB more is written in 240 commits, with
-      // a turn of the event loop between them, and the log stays far below that (SQLite reuses the log
-      // from its start once the thread has copied all of it into the file).
+      // Past it, the thread starts and copies the log into the database file, while the server's
+      // connection stays open and checkpoints nothing itself.
+      await insert(600);
+      const inFile = written * ROW_BYTES;
+      await waitFor(async () => fs.statSync(file).size >= inFile, 60_000, 'the rows copied into the database file');
+      // And the log stops growing: 48 MB more is written in 240 commits, with a turn of the event loop between
+      // them, and the log stays far below that (the thread starts it over once it holds 8 MiB).
       let largest = 0;
       for (let i = 0; i < 240; i++) {
         await insert(50);
@@ -59,8 +63,11 @@ describe('the SQLite checkpoint thread', () => {
         await new Promise((resolve) => setTimeout(resolve, 5));
       }
       assert.ok(largest < 24 * 1024 * 1024, `the log grew to ${largest} bytes while 48 MB was written`);
-      // The rows reach the database file itself while the server's connection is open.
-      await waitFor(async () => fs.statSync(file).size >= written * ROW_BYTES, 60_000, 'the rows in the database file');
+      await waitFor(
+        async () => fs.statSync(file).size >= written * ROW_BYTES,
+        60_000,
+        'every row in the database file',
+      );
     } finally {
       await db.destroy();
     }

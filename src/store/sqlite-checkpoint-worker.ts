@@ -6,9 +6,10 @@
  * A PASSIVE checkpoint copies the log but cannot start it over while writes keep coming (SQLite reuses the
  * log from its start only when a write begins with every frame copied, which a steady stream of commits
  * never leaves time for), so under a long load the log file would keep growing. Once it holds
- * `restartFrames`, all of them copied, the thread asks for a RESTART: it takes the write lock for the few
- * frames written since, and the next write starts the log over. The server's writes that meet that lock
- * wait on a timer, off the event loop (sqlite.ts), for a few milliseconds.
+ * `restartFrames`, the thread follows its PASSIVE checkpoint with a RESTART: that one takes the write lock,
+ * copies the few frames written since the PASSIVE one, syncs, and the next write starts the log over. The
+ * server's writes that meet that lock wait on a timer, off the event loop (sqlite.ts), for as long as that
+ * short copy takes.
  *
  * Messages to the parent: `{ error }` when a checkpoint fails (the parent logs it; the next tick tries
  * again). On `'close'` it checkpoints once more, closes its connection and lets the thread end.
@@ -40,7 +41,7 @@ let lastError = '';
 function checkpoint(): void {
   try {
     const [passive] = db.pragma('wal_checkpoint(PASSIVE)') as CheckpointResult[];
-    if (passive && passive.log >= restartFrames && passive.checkpointed === passive.log) {
+    if (passive && passive.log >= restartFrames) {
       db.pragma('wal_checkpoint(RESTART)');
     }
     lastError = '';

@@ -11,8 +11,8 @@
  * Here the server's connection never checkpoints (`wal_autocheckpoint = 0`). Once the log has grown past
  * `startBytes` (the size at which SQLite's default would have checkpointed), a worker thread
  * (sqlite-checkpoint-worker.ts) with its own connection checkpoints every `intervalMs`, PASSIVE: it waits on
- * nobody and nobody waits on it (and when the log has grown to four times that, all of it copied, a RESTART
- * starts it over: see the worker). A store that never writes that much (most tests, a quiet install) never
+ * nobody and nobody waits on it (and when the log has grown to four times that, a RESTART right after it
+ * starts the log over: see the worker). A store that never writes that much (most tests, a quiet install) never
  * starts the thread. If the thread fails, the connection checkpoints itself again as SQLite's default does,
  * and the failure is logged. On close the thread checkpoints once more and ends before the connection closes
  * (the last connection to close then removes the log, as before).
