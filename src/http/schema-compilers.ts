@@ -18,45 +18,34 @@ type CompilersFactory = NonNullable<NonNullable<FastifyServerOptions['schemaCont
 type BuildValidator = NonNullable<CompilersFactory['buildValidator']>;
 type BuildSerializer = NonNullable<CompilersFactory['buildSerializer']>;
 
-function memoize<F extends (route: { schema: unknown; httpPart?: string }) => unknown>(
-  prefix: string,
-  compile: F,
-  cache: Map<string, unknown>,
-): F {
-  return ((route) => {
-    const key = `${prefix}\u0000${route.httpPart ?? ''}\u0000${JSON.stringify(route.schema)}`;
-    let compiled = cache.get(key);
-    if (compiled === undefined) {
-      compiled = compile(route);
-      cache.set(key, compiled);
-    }
-    return compiled;
-  }) as F;
-}
+/** What Fastify calls with a route's schema part; returns the compiled validator or serializer. */
+type RouteCompiler = (route: { schema: unknown; httpPart?: string }) => unknown;
+/** What Fastify calls once per server (and plugin context) to get a RouteCompiler. */
+type CompilerFactory = (externalSchemas: unknown, options: unknown) => RouteCompiler;
 
-const buildAjvValidator = AjvCompiler() as unknown as BuildValidator;
-const buildFjsSerializer = SerializerSelector() as unknown as BuildSerializer;
-const validators = new Map<string, unknown>();
-const serializers = new Map<string, unknown>();
+/**
+ * Wraps one of Fastify's compiler factories so that what it compiles is kept for the process: the key is
+ * the external schemas and options (what the factory was built with), the request part and the schema.
+ */
+function keepCompiled(factory: CompilerFactory): CompilerFactory {
+  const compiled = new Map<string, unknown>();
+  return (externalSchemas, options) => {
+    const compile = factory(externalSchemas, options);
+    const prefix = JSON.stringify([externalSchemas, options]);
+    return (route) => {
+      const key = `${prefix}\u0000${route.httpPart ?? ''}\u0000${JSON.stringify(route.schema)}`;
+      let done = compiled.get(key);
+      if (done === undefined) {
+        done = compile(route);
+        compiled.set(key, done);
+      }
+      return done;
+    };
+  };
+}
 
 /** The `schemaController.compilersFactory` every Ferry server is built with. */
 export const sharedCompilers: CompilersFactory = {
-  buildValidator: ((externalSchemas: unknown, options: unknown) =>
-    memoize(
-      JSON.stringify([externalSchemas, options]),
-      (buildAjvValidator as (e: unknown, o: unknown) => (route: { schema: unknown }) => unknown)(
-        externalSchemas,
-        options,
-      ),
-      validators,
-    )) as unknown as BuildValidator,
-  buildSerializer: ((externalSchemas: unknown, options: unknown) =>
-    memoize(
-      JSON.stringify([externalSchemas, options]),
-      (buildFjsSerializer as (e: unknown, o: unknown) => (route: { schema: unknown }) => unknown)(
-        externalSchemas,
-        options,
-      ),
-      serializers,
-    )) as unknown as BuildSerializer,
+  buildValidator: keepCompiled(AjvCompiler() as unknown as CompilerFactory) as unknown as BuildValidator,
+  buildSerializer: keepCompiled(SerializerSelector() as unknown as CompilerFactory) as unknown as BuildSerializer,
 };

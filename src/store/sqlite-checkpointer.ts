@@ -11,8 +11,9 @@
  * Here the server's connection never checkpoints (`wal_autocheckpoint = 0`). Once the log has grown past
  * `startBytes` (the size at which SQLite's default would have checkpointed), a worker thread
  * (sqlite-checkpoint-worker.ts) with its own connection checkpoints every `intervalMs`, PASSIVE: it waits on
- * nobody and nobody waits on it (and when the log has grown to four times that, a RESTART right after it
- * starts the log over: see the worker). A store that never writes that much (most tests, a quiet install) never
+ * nobody and nobody waits on it. SQLite starts the log over at the next write that finds all of it copied;
+ * should a steady stream of writes never leave that moment, a RESTART starts it over once it holds 64 MiB
+ * (see the worker). A store that never writes that much (most tests, a quiet install) never
  * starts the thread. If the thread fails, the connection checkpoints itself again as SQLite's default does,
  * and the failure is logged. On close the thread checkpoints once more and ends before the connection closes
  * (the last connection to close then removes the log, as before).
@@ -31,7 +32,7 @@ export interface SqliteCheckpointerOptions {
   lookMs?: number;
   /** How often the thread checkpoints (default 200 ms). */
   intervalMs?: number;
-  /** The log's frames (pages) past which the thread starts it over (default 4× `startBytes` in 4 KiB pages). */
+  /** The log's frames (pages) past which the thread forces it to start over (default 16× `startBytes` in 4 KiB pages). */
   restartFrames?: number;
   /** Told of a failed checkpoint or a failed thread (the store has no logger of its own). */
   onProblem?: (message: string) => void;
@@ -55,7 +56,7 @@ export class SqliteCheckpointer {
     this.#file = file;
     this.#startBytes = options.startBytes ?? 4 * 1024 * 1024;
     this.#intervalMs = options.intervalMs ?? 200;
-    this.#restartFrames = options.restartFrames ?? (this.#startBytes * 4) / 4096;
+    this.#restartFrames = options.restartFrames ?? (this.#startBytes * 16) / 4096;
     this.#onProblem = options.onProblem ?? (() => {});
     sqlite.pragma('wal_autocheckpoint = 0');
     this.#look = setInterval(() => void this.#lookAtLog(), options.lookMs ?? 1000);
