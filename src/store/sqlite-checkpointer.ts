@@ -5,8 +5,8 @@
  * copies the log's pages into the database file and syncs both before it returns. better-sqlite3 is
  * synchronous, so the server's event loop waits with it, every route included. On a small store it is a few
  * milliseconds; on a large one, or after a retention pass deleted rows all over the file, the pages are
- * scattered and the copy and sync take longer. With SQLite's default, issue 31's bench:scale took 89 s to delete
- * 900,000 runs on SQLite; with the thread, 50 to 60 s (bench/README.md).
+ * scattered and the copy and sync take longer. With SQLite's default, issue 31's bench:scale took 89 s to
+ * delete 900,000 runs on SQLite; with the thread, 50 to 60 s (bench/README.md).
  *
  * Here the server's connection never checkpoints (`wal_autocheckpoint = 0`). Once the log has grown past
  * `startBytes` (the size at which SQLite's default would have checkpointed), a worker thread
@@ -32,7 +32,7 @@ export interface SqliteCheckpointerOptions {
   lookMs?: number;
   /** How often the thread checkpoints (default 200 ms). */
   intervalMs?: number;
-  /** The log's frames (pages) past which the thread forces it to start over (default 16× `startBytes` in 4 KiB pages). */
+  /** The log's frames past which the thread forces it to start over (default 16× `startBytes`, 4 KiB pages). */
   restartFrames?: number;
   /** Told of a failed checkpoint or a failed thread (the store has no logger of its own). */
   onProblem?: (message: string) => void;
@@ -63,11 +63,6 @@ export class SqliteCheckpointer {
     this.#look.unref();
   }
 
-  /** Whether the thread runs (for tests and `ferry doctor`-like reports). */
-  get threadRunning(): boolean {
-    return this.#worker !== undefined;
-  }
-
   async #lookAtLog(): Promise<void> {
     if (this.#looking || this.#worker || this.#closing) return;
     this.#looking = true;
@@ -87,18 +82,21 @@ export class SqliteCheckpointer {
       workerData: { file: this.#file, intervalMs: this.#intervalMs, restartFrames: this.#restartFrames },
     });
     this.#worker = worker;
-    this.#exited = new Promise((resolve) => worker.once('exit', () => resolve()));
     worker.on('message', (message: { error?: string }) => {
       if (message.error) this.#onProblem(`a checkpoint of the SQLite log failed: ${message.error}`);
     });
     worker.on('error', (err: Error) => this.#fallBack(`the SQLite checkpoint thread failed: ${err.message}`));
-    worker.once('exit', (code) => {
-      if (!this.#closing) this.#fallBack(`the SQLite checkpoint thread ended (code ${code})`);
-    });
+    this.#exited = new Promise((resolve) =>
+      worker.once('exit', (code) => {
+        this.#fallBack(`the SQLite checkpoint thread ended (code ${code})`);
+        resolve();
+      }),
+    );
   }
 
+  /** The thread failed or ended before close(): the connection checkpoints as SQLite does by default. */
   #fallBack(message: string): void {
-    if (this.#closing) return;
+    if (this.#closing) return; // Closing (or fallen back already, when 'exit' follows 'error').
     this.#onProblem(`${message}; the server's connection checkpoints the log itself from now on`);
     this.#worker = undefined;
     this.#closing = true; // Nothing more to start; close() still waits for the thread's end.
