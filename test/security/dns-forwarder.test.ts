@@ -9,6 +9,7 @@ import dgram from 'node:dgram';
 import net from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { createDnsForwarder, parseNameservers } from '../../src/sandbox/dns-forwarder.js';
+import { listenUdpAndTcp } from '../helpers/dns-upstream.js';
 
 const LISTEN = '127.53.0.1';
 
@@ -18,29 +19,32 @@ const LISTEN = '127.53.0.1';
  */
 async function startUpstream(delayMs = 0): Promise<{ port: number; queries: Buffer[]; close(): Promise<void> }> {
   const queries: Buffer[] = [];
-  const udp = dgram.createSocket('udp4');
-  udp.on('message', (query, client) => {
-    queries.push(query);
-    const reply = Buffer.concat([query, Buffer.from('answer')]);
-    setTimeout(() => udp.send(reply, client.port, client.address, () => {}), delayMs);
-  });
-  await new Promise<void>((resolve) => udp.bind(0, '127.0.0.1', resolve));
-  const port = udp.address().port;
   const sockets = new Set<net.Socket>();
-  const tcp = net.createServer((socket) => {
-    sockets.add(socket);
-    socket.on('error', () => {});
-    socket.on('close', () => sockets.delete(socket));
-    socket.once('data', (framed: Buffer) => {
-      const query = framed.subarray(2);
-      queries.push(query);
-      const reply = Buffer.concat([query, Buffer.from('answer')]);
-      const length = Buffer.alloc(2);
-      length.writeUInt16BE(reply.length);
-      setTimeout(() => socket.end(Buffer.concat([length, reply])), delayMs);
-    });
-  });
-  await new Promise<void>((resolve) => tcp.listen(port, '127.0.0.1', resolve));
+  const { port, udp, tcp } = await listenUdpAndTcp(
+    () => {
+      const udp = dgram.createSocket('udp4');
+      udp.on('message', (query, client) => {
+        queries.push(query);
+        const reply = Buffer.concat([query, Buffer.from('answer')]);
+        setTimeout(() => udp.send(reply, client.port, client.address, () => {}), delayMs);
+      });
+      return udp;
+    },
+    () =>
+      net.createServer((socket) => {
+        sockets.add(socket);
+        socket.on('error', () => {});
+        socket.on('close', () => sockets.delete(socket));
+        socket.once('data', (framed: Buffer) => {
+          const query = framed.subarray(2);
+          queries.push(query);
+          const reply = Buffer.concat([query, Buffer.from('answer')]);
+          const length = Buffer.alloc(2);
+          length.writeUInt16BE(reply.length);
+          setTimeout(() => socket.end(Buffer.concat([length, reply])), delayMs);
+        });
+      }),
+  );
   return {
     port,
     queries,

@@ -27,6 +27,7 @@ import { createDnsForwarder } from '../../src/sandbox/dns-forwarder.js';
 import { DEFAULT_EGRESS_POOL, parseEgressPolicy } from '../../src/sandbox/egress-policy.js';
 import type { SandboxNetwork, SandboxNetworkLease } from '../../src/sandbox/network.js';
 import { createVethNetwork, findVethTools } from '../../src/sandbox/veth-network.js';
+import { listenUdpAndTcp } from '../helpers/dns-upstream.js';
 import { REPO_ROOT, tempDir } from '../helpers/ferry.js';
 
 const CLIENT = path.join(REPO_ROOT, 'test/fixtures/security/dns-client.mjs');
@@ -41,33 +42,36 @@ async function startStubResolver(delayMs: number): Promise<{ port: number; count
     reply.writeUInt16BE(0x8180, 2); // response, recursion desired and available, no error
     return reply;
   };
-  const udp = dgram.createSocket('udp4');
-  udp.on('message', (message, client) => {
-    queries++;
-    setTimeout(() => udp.send(answer(message), client.port, client.address, () => {}), delayMs);
-  });
-  await new Promise<void>((resolve) => udp.bind(0, '127.0.0.1', resolve));
-  const port = udp.address().port;
   const sockets = new Set<net.Socket>();
-  const tcp = net.createServer((socket) => {
-    sockets.add(socket);
-    socket.on('error', () => {});
-    socket.on('close', () => sockets.delete(socket));
-    let buffered = Buffer.alloc(0);
-    socket.on('data', (chunk: Buffer) => {
-      buffered = Buffer.concat([buffered, chunk]);
-      while (buffered.length >= 2 && buffered.length >= 2 + buffered.readUInt16BE(0)) {
-        const message = buffered.subarray(2, 2 + buffered.readUInt16BE(0));
-        buffered = buffered.subarray(2 + message.length);
+  const { port, udp, tcp } = await listenUdpAndTcp(
+    () => {
+      const udp = dgram.createSocket('udp4');
+      udp.on('message', (message, client) => {
         queries++;
-        const reply = answer(message);
-        const length = Buffer.alloc(2);
-        length.writeUInt16BE(reply.length);
-        setTimeout(() => socket.write(Buffer.concat([length, reply])), delayMs);
-      }
-    });
-  });
-  await new Promise<void>((resolve) => tcp.listen(port, '127.0.0.1', resolve));
+        setTimeout(() => udp.send(answer(message), client.port, client.address, () => {}), delayMs);
+      });
+      return udp;
+    },
+    () =>
+      net.createServer((socket) => {
+        sockets.add(socket);
+        socket.on('error', () => {});
+        socket.on('close', () => sockets.delete(socket));
+        let buffered = Buffer.alloc(0);
+        socket.on('data', (chunk: Buffer) => {
+          buffered = Buffer.concat([buffered, chunk]);
+          while (buffered.length >= 2 && buffered.length >= 2 + buffered.readUInt16BE(0)) {
+            const message = buffered.subarray(2, 2 + buffered.readUInt16BE(0));
+            buffered = buffered.subarray(2 + message.length);
+            queries++;
+            const reply = answer(message);
+            const length = Buffer.alloc(2);
+            length.writeUInt16BE(reply.length);
+            setTimeout(() => socket.write(Buffer.concat([length, reply])), delayMs);
+          }
+        });
+      }),
+  );
   return {
     port,
     count: () => queries,

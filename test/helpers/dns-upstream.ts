@@ -1,0 +1,47 @@
+/**
+ * A UDP socket and a TCP server listening on one port of 127.0.0.1, as a DNS upstream needs (the
+ * forwarder is given one port for both). The UDP socket takes a free port and the TCP server then asks
+ * for the same number; that number may already be taken for TCP (another process's connection), so on
+ * EADDRINUSE both are closed and the pair is tried again on a new port, a bounded number of times. Before
+ * this, a taken TCP port left `listen` without its callback and the test's `before` hook waited forever
+ * (the suite of 2026-11-27 lost 600 s to it in test/security/dns-isolation).
+ */
+import type dgram from 'node:dgram';
+import type net from 'node:net';
+
+const ATTEMPTS = 20;
+
+export async function listenUdpAndTcp(
+  makeUdp: () => dgram.Socket,
+  makeTcp: () => net.Server,
+): Promise<{ port: number; udp: dgram.Socket; tcp: net.Server }> {
+  let last: unknown;
+  for (let attempt = 0; attempt < ATTEMPTS; attempt++) {
+    const udp = makeUdp();
+    await new Promise<void>((resolve, reject) => {
+      udp.once('error', reject);
+      udp.bind(0, '127.0.0.1', () => {
+        udp.off('error', reject);
+        resolve();
+      });
+    });
+    const port = udp.address().port;
+    const tcp = makeTcp();
+    try {
+      await new Promise<void>((resolve, reject) => {
+        tcp.once('error', reject);
+        tcp.listen(port, '127.0.0.1', () => {
+          tcp.off('error', reject);
+          resolve();
+        });
+      });
+      return { port, udp, tcp };
+    } catch (err) {
+      last = err;
+      udp.close();
+      tcp.close();
+      if ((err as NodeJS.ErrnoException).code !== 'EADDRINUSE') throw err;
+    }
+  }
+  throw new Error(`no port of 127.0.0.1 was free for both UDP and TCP in ${ATTEMPTS} tries: ${String(last)}`);
+}
