@@ -29,17 +29,31 @@ const filters = process.argv.slice(2);
 // `FERRY_TEST_TIMES=scripts/test-times.tsv npm run test:only` writes it anew). Files it does not name
 // (new ones) follow, in name order.
 const timesFile = path.join(repo, 'scripts', 'test-times.tsv');
+/**
+ * One name for a test file however it is written: `security/limits.test` for test/security/limits.test.ts
+ * (the reporter's source-mapped name), dist/test/security/limits.test.js (tsc's), security/limits.test.js
+ * (as selected below) and dist/test-bundle/042-security--limits.test.js (a bundle's). Until 2026-11-27 the
+ * names in the file (`security/limits.test`) never matched the selected ones (`….test.js`), so no file was
+ * ranked and the suite ran in name order.
+ */
+function testName(file) {
+  return file
+    .split(path.sep)
+    .join('/')
+    .replace(/^(dist\/)?(test-bundle\/\d+-|test\/)?/, '')
+    .replace(/--/g, '/')
+    .replace(/\.(ts|js)$/, '');
+}
 const seconds = new Map(
   (existsSync(timesFile) ? readFileSync(timesFile, 'utf8') : '')
     .split('\n')
     .filter((line) => line.trim() !== '')
     .map((line) => {
       const fields = line.split('\t');
-      const file = fields[fields.length - 1].replace(/^(dist\/)?(test\/)?/, '').replace(/\.(ts|js)$/, '.js');
-      return [file, Number(fields[0])];
+      return [testName(fields[fields.length - 1]), Number(fields[0])];
     }),
 );
-const rank = (f) => -(seconds.get(f.split(path.sep).join('/')) ?? -1);
+const rank = (f) => -(seconds.get(testName(f)) ?? -1);
 const selected = readdirSync(compiled, { recursive: true })
   .map(String)
   .filter((f) => f.endsWith('.test.js'))
