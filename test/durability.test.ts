@@ -117,8 +117,16 @@ describe('durability across SIGKILL', () => {
     // on the machine's load (a run that returned but whose end was not yet committed is in flight too), so
     // the bound is on which runs, not on how many.
     const interrupted = states.filter((r) => r.state === 'failure');
+    // The restarted server's errors and warnings, for a failure's message.
+    const problems = () =>
+      serve
+        .output()
+        .split('\n')
+        .filter((line) => /"level":(40|50|60)/.test(line))
+        .slice(-20)
+        .join('\n');
     for (const r of interrupted) {
-      assert.equal(r.reason, 'interrupted', JSON.stringify(r));
+      assert.equal(r.reason, 'interrupted', `${JSON.stringify(r)}\n${problems()}`);
       assert.ok(r.started_at !== null, `a run that never started was interrupted: ${JSON.stringify(r)}`);
       assert.ok(!deliveredBeforeCrash.has(r.run_id), `a run that had ended was interrupted: ${JSON.stringify(r)}`);
     }

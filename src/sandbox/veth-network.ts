@@ -25,6 +25,7 @@
  * the kernel refuses a second link of the same name, so two servers sharing a pool never share an
  * address; a server that finds a slot taken moves on to the next.
  */
+import { spawn } from 'node:child_process';
 import { createHash, randomInt } from 'node:crypto';
 import fs from 'node:fs/promises';
 import os from 'node:os';
@@ -41,6 +42,8 @@ export interface VethTools {
   ip: string;
   nft: string;
   nsenter: string;
+  /** flock(1): serializes the servers of one host over their tags (withHostLock). */
+  flock: string;
 }
 
 export interface VethNetworkOptions {
@@ -60,6 +63,10 @@ const NETNS_DIR = '/run/netns';
 const RESOLV_ROOT = '/run/ferry-egress';
 /** In /run/ferry-egress/<tag>/: the pid and start time of the server that owns the tag's namespaces. */
 const OWNER_FILE = 'owner';
+/** /run/ferry-egress/.lock: held while a server claims its tag or sweeps dead servers' (withHostLock). */
+const LOCK_FILE = '.lock';
+/** How long a server waits for another to finish claiming or sweeping. */
+const LOCK_WAIT_S = 120;
 
 const TOOL_TIMEOUT_MS = 15_000;
 const SLOT_ATTEMPTS = 32;
@@ -72,7 +79,12 @@ export function findVethTools(): { tools: VethTools } | { reasons: string[] } {
   const reasons: string[] = [];
   if (typeof process.getuid !== 'function' || process.getuid() !== 0) reasons.push('Ferry does not run as root');
   const find = (name: string, pkg: string) => findTool(name, pkg, reasons);
-  const tools = { ip: find('ip', 'iproute2'), nft: find('nft', 'nftables'), nsenter: find('nsenter', 'util-linux') };
+  const tools = {
+    ip: find('ip', 'iproute2'),
+    nft: find('nft', 'nftables'),
+    nsenter: find('nsenter', 'util-linux'),
+    flock: find('flock', 'util-linux'),
+  };
   return reasons.length > 0 ? { reasons } : { tools };
 }
 
@@ -92,18 +104,29 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
   }
   // Outside the data directory: the path shows in the sandbox's own command line (bwrap's argv).
   let resolvDir = path.join(RESOLV_ROOT, tag);
+  // The claim of this tag (its folder made anew with this process as owner, a killed predecessor's
+  // namespaces removed) and the sweep of dead servers' tags happen under one host-wide lock, so another
+  // server's sweep never reads a killed predecessor's owner file and then removes what this one has just
+  // set up (its folder, its nftables table, its namespaces: the egress rules of its sandboxes).
   try {
-    await fs.rm(resolvDir, { recursive: true, force: true });
-    await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
-  } catch {
-    resolvDir = path.join(options.runDir, 'resolv');
-    await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
+    await withHostLock(tools.flock, async () => {
+      try {
+        await fs.rm(resolvDir, { recursive: true, force: true });
+        await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
+      } catch {
+        resolvDir = path.join(options.runDir, 'resolv');
+        await fs.mkdir(resolvDir, { recursive: true, mode: 0o755 });
+      }
+      await removeStaleNamespaces(tools.ip, nsPrefix);
+      await removeDeadServers(tools, tag);
+      await writeOwner(resolvDir).catch(() => {});
+    });
+  } catch (err) {
+    await fs.rm(resolvDir, { recursive: true, force: true }).catch(() => {});
+    throw err;
   }
 
   try {
-    await removeStaleNamespaces(tools.ip, nsPrefix);
-    await removeDeadServers(tools, tag);
-    await writeOwner(resolvDir).catch(() => {});
     await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
     const ruleset = nftRuleset(table, group, options.pool, policy);
     const loaded = await runTool(
@@ -345,9 +368,48 @@ function hostAddressIn(base: number, prefix: number): string | undefined {
 }
 
 /**
+ * Runs `work` holding an exclusive flock(2) on /run/ferry-egress/.lock. The lock is taken by flock(1) on
+ * a descriptor this process opened and passed to it: a flock belongs to the open file, so it stays held
+ * after flock(1) exits, until this process closes the file, or dies (the kernel then releases it: a
+ * killed server never leaves it held). Without /run/ferry-egress (not root), `work` runs unlocked.
+ */
+async function withHostLock<T>(flock: string, work: () => Promise<T>): Promise<T> {
+  let handle: fs.FileHandle;
+  try {
+    await fs.mkdir(RESOLV_ROOT, { recursive: true, mode: 0o755 });
+    handle = await fs.open(path.join(RESOLV_ROOT, LOCK_FILE), 'a', 0o600);
+  } catch {
+    return work();
+  }
+  try {
+    const locked = await new Promise<{ code: number | null; stderr: string }>((resolve, reject) => {
+      const child = spawn(flock, ['--exclusive', '--timeout', String(LOCK_WAIT_S), '3'], {
+        env: WRAPPER_ENV,
+        stdio: ['ignore', 'ignore', 'pipe', handle.fd],
+      });
+      let stderr = '';
+      child.stderr!.setEncoding('utf8').on('data', (chunk: string) => {
+        if (stderr.length < 2000) stderr += chunk;
+      });
+      child.once('error', reject);
+      child.once('close', (code) => resolve({ code, stderr }));
+    });
+    if (locked.code !== 0) {
+      throw new Error(
+        `could not lock ${path.join(RESOLV_ROOT, LOCK_FILE)} within ${LOCK_WAIT_S} s (another Ferry server holds it?): ${locked.stderr.trim() || `flock exited with ${locked.code}`}`,
+      );
+    }
+    return await work();
+  } finally {
+    await handle.close();
+  }
+}
+
+/**
  * What a server killed hard (SIGKILL, a crash) left behind: its namespaces, its nftables table and its
  * folder under /run/ferry-egress, found through the owner file of every other tag whose process is gone.
- * A server restarted on the same data directory cleans its own tag anyway (removeStaleNamespaces).
+ * A server restarted on the same data directory cleans its own tag anyway (removeStaleNamespaces). Called
+ * under withHostLock, as every claim of a tag is: an owner read here is not replaced meanwhile.
  */
 async function removeDeadServers(tools: VethTools, ownTag: string): Promise<void> {
   const tags = await fs.readdir(RESOLV_ROOT).catch(() => [] as string[]);
