@@ -338,7 +338,7 @@ async function pacedLoad(ferry, auth, rate, seconds, until) {
     duration: seconds,
   });
   run.on('response', (_c, status, _b, ms) => {
-    if (status === 202) answers.push({ at: performance.now(), ms });
+    if (status === 202) answers.push({ at: performance.now(), wall: Date.now(), ms });
   });
   let stopped = false;
   const watcher = (async () => {
@@ -504,6 +504,16 @@ async function measure(store) {
     `  deleted ${deleted} of ${loaded.expired} expired runs in ${fmt(retention.seconds, 1)} s ` +
       `(${fmt(deleted / retention.seconds, 0)} runs/s); ${during.length} 202s meanwhile: p50 ${fmt(retention.p50)} ms, ` +
       `p99 ${fmt(retention.p99)} ms, worst ${fmt(retention.worst)} ms${paced.failed ? `; ${paced.failed} failed` : ''}`,
+  );
+  // The slowest 202s, with when they were answered: to line them up with the server's own logs.
+  const slowest = [...during].sort((x, y) => y.ms - x.ms).slice(0, 5);
+  console.log(
+    `  slowest 202s meanwhile: ${slowest
+      .map(
+        (a) =>
+          `${fmt(a.ms)} ms at +${fmt((a.at - firstAt) / 1000, 1)} s (${new Date(a.wall).toISOString().slice(11, 23)})`,
+      )
+      .join(', ')}`,
   );
   await ferry.stop();
 
