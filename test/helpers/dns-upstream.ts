@@ -6,10 +6,43 @@
  * this, a taken TCP port left `listen` without its callback and the test's `before` hook waited forever
  * (the suite of 2026-11-27 lost 600 s to it in test/security/dns-isolation).
  */
-import type dgram from 'node:dgram';
-import type net from 'node:net';
+import dgram from 'node:dgram';
+import net from 'node:net';
 
 const ATTEMPTS = 20;
+
+/**
+ * A DNS upstream stub on one port: `onQuery` gets each UDP message (with the socket and the sender, to
+ * answer), `onConnection` each TCP connection, which the stub tracks so that `close()` ends them all.
+ */
+export async function startUdpAndTcp(
+  onQuery: (udp: dgram.Socket, message: Buffer, client: dgram.RemoteInfo) => void,
+  onConnection: (socket: net.Socket) => void,
+): Promise<{ port: number; close(): Promise<void> }> {
+  const sockets = new Set<net.Socket>();
+  const { port, udp, tcp } = await listenUdpAndTcp(
+    () => {
+      const udp = dgram.createSocket('udp4');
+      udp.on('message', (message, client) => onQuery(udp, message, client));
+      return udp;
+    },
+    () =>
+      net.createServer((socket) => {
+        sockets.add(socket);
+        socket.on('error', () => {});
+        socket.on('close', () => sockets.delete(socket));
+        onConnection(socket);
+      }),
+  );
+  return {
+    port,
+    close: async () => {
+      udp.close();
+      for (const socket of sockets) socket.destroy();
+      await new Promise((resolve) => tcp.close(resolve));
+    },
+  };
+}
 
 export async function listenUdpAndTcp(
   makeUdp: () => dgram.Socket,

@@ -9,7 +9,7 @@ import dgram from 'node:dgram';
 import net from 'node:net';
 import { after, before, describe, it } from 'node:test';
 import { createDnsForwarder, parseNameservers } from '../../src/sandbox/dns-forwarder.js';
-import { listenUdpAndTcp } from '../helpers/dns-upstream.js';
+import { startUdpAndTcp } from '../helpers/dns-upstream.js';
 
 const LISTEN = '127.53.0.1';
 
@@ -19,41 +19,24 @@ const LISTEN = '127.53.0.1';
  */
 async function startUpstream(delayMs = 0): Promise<{ port: number; queries: Buffer[]; close(): Promise<void> }> {
   const queries: Buffer[] = [];
-  const sockets = new Set<net.Socket>();
-  const { port, udp, tcp } = await listenUdpAndTcp(
-    () => {
-      const udp = dgram.createSocket('udp4');
-      udp.on('message', (query, client) => {
+  const stub = await startUdpAndTcp(
+    (udp, query, client) => {
+      queries.push(query);
+      const reply = Buffer.concat([query, Buffer.from('answer')]);
+      setTimeout(() => udp.send(reply, client.port, client.address, () => {}), delayMs);
+    },
+    (socket) => {
+      socket.once('data', (framed: Buffer) => {
+        const query = framed.subarray(2);
         queries.push(query);
         const reply = Buffer.concat([query, Buffer.from('answer')]);
-        setTimeout(() => udp.send(reply, client.port, client.address, () => {}), delayMs);
+        const length = Buffer.alloc(2);
+        length.writeUInt16BE(reply.length);
+        setTimeout(() => socket.end(Buffer.concat([length, reply])), delayMs);
       });
-      return udp;
     },
-    () =>
-      net.createServer((socket) => {
-        sockets.add(socket);
-        socket.on('error', () => {});
-        socket.on('close', () => sockets.delete(socket));
-        socket.once('data', (framed: Buffer) => {
-          const query = framed.subarray(2);
-          queries.push(query);
-          const reply = Buffer.concat([query, Buffer.from('answer')]);
-          const length = Buffer.alloc(2);
-          length.writeUInt16BE(reply.length);
-          setTimeout(() => socket.end(Buffer.concat([length, reply])), delayMs);
-        });
-      }),
   );
-  return {
-    port,
-    queries,
-    close: async () => {
-      udp.close();
-      for (const socket of sockets) socket.destroy();
-      await new Promise((resolve) => tcp.close(resolve));
-    },
-  };
+  return { port: stub.port, queries, close: stub.close };
 }
 
 function udpQuery(message: Buffer, timeoutMs = 3000, to = LISTEN, from?: string): Promise<Buffer | null> {

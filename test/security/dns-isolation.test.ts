@@ -16,7 +16,6 @@
  */
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
-import dgram from 'node:dgram';
 import fs from 'node:fs/promises';
 import net from 'node:net';
 import path from 'node:path';
@@ -27,7 +26,7 @@ import { createDnsForwarder } from '../../src/sandbox/dns-forwarder.js';
 import { DEFAULT_EGRESS_POOL, parseEgressPolicy } from '../../src/sandbox/egress-policy.js';
 import type { SandboxNetwork, SandboxNetworkLease } from '../../src/sandbox/network.js';
 import { createVethNetwork, findVethTools } from '../../src/sandbox/veth-network.js';
-import { listenUdpAndTcp } from '../helpers/dns-upstream.js';
+import { startUdpAndTcp } from '../helpers/dns-upstream.js';
 import { REPO_ROOT, tempDir } from '../helpers/ferry.js';
 
 const CLIENT = path.join(REPO_ROOT, 'test/fixtures/security/dns-client.mjs');
@@ -42,45 +41,28 @@ async function startStubResolver(delayMs: number): Promise<{ port: number; count
     reply.writeUInt16BE(0x8180, 2); // response, recursion desired and available, no error
     return reply;
   };
-  const sockets = new Set<net.Socket>();
-  const { port, udp, tcp } = await listenUdpAndTcp(
-    () => {
-      const udp = dgram.createSocket('udp4');
-      udp.on('message', (message, client) => {
-        queries++;
-        setTimeout(() => udp.send(answer(message), client.port, client.address, () => {}), delayMs);
+  const stub = await startUdpAndTcp(
+    (udp, message, client) => {
+      queries++;
+      setTimeout(() => udp.send(answer(message), client.port, client.address, () => {}), delayMs);
+    },
+    (socket) => {
+      let buffered = Buffer.alloc(0);
+      socket.on('data', (chunk: Buffer) => {
+        buffered = Buffer.concat([buffered, chunk]);
+        while (buffered.length >= 2 && buffered.length >= 2 + buffered.readUInt16BE(0)) {
+          const message = buffered.subarray(2, 2 + buffered.readUInt16BE(0));
+          buffered = buffered.subarray(2 + message.length);
+          queries++;
+          const reply = answer(message);
+          const length = Buffer.alloc(2);
+          length.writeUInt16BE(reply.length);
+          setTimeout(() => socket.write(Buffer.concat([length, reply])), delayMs);
+        }
       });
-      return udp;
     },
-    () =>
-      net.createServer((socket) => {
-        sockets.add(socket);
-        socket.on('error', () => {});
-        socket.on('close', () => sockets.delete(socket));
-        let buffered = Buffer.alloc(0);
-        socket.on('data', (chunk: Buffer) => {
-          buffered = Buffer.concat([buffered, chunk]);
-          while (buffered.length >= 2 && buffered.length >= 2 + buffered.readUInt16BE(0)) {
-            const message = buffered.subarray(2, 2 + buffered.readUInt16BE(0));
-            buffered = buffered.subarray(2 + message.length);
-            queries++;
-            const reply = answer(message);
-            const length = Buffer.alloc(2);
-            length.writeUInt16BE(reply.length);
-            setTimeout(() => socket.write(Buffer.concat([length, reply])), delayMs);
-          }
-        });
-      }),
   );
-  return {
-    port,
-    count: () => queries,
-    close: async () => {
-      udp.close();
-      for (const socket of sockets) socket.destroy();
-      await new Promise((resolve) => tcp.close(resolve));
-    },
-  };
+  return { port: stub.port, count: () => queries, close: stub.close };
 }
 
 /** The host end of a lease's link: the nameserver its resolv.conf names. */
