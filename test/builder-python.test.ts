@@ -14,7 +14,7 @@ import path from 'node:path';
 import { describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { parseAppConfig } from '../src/apps/app-config.js';
-import { BuildFailedError } from '../src/builds/builder.js';
+import { BuildFailedError } from '../src/builds/build-failed.js';
 import { createDefaultBuilders, selectBuilder } from '../src/runtimes/index.js';
 import { createPythonBuilder, requirementsImageSteps } from '../src/runtimes/python/builder.js';
 import { PYTHON_BOOTSTRAP } from '../src/runtimes/python/index.js';

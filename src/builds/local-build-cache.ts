@@ -28,8 +28,8 @@ import type { Logger } from 'pino';
 import { FerryError } from '../errors.js';
 import type { BuildViews } from '../sandbox/views.js';
 import type { Build } from '../store/schema.js';
+import { BuildFailedError } from './build-failed.js';
 import { buildFolder } from './build-folder.js';
-import { BuildFailedError } from './builder.js';
 import { extractZip, type ZipLimits } from './zip-archive.js';
 
 export interface BuildOutput {

@@ -22,8 +22,8 @@ import fs from 'node:fs/promises';
 import type { ObjectStore } from '@nats-io/obj';
 import { FerryError } from '../errors.js';
 import type { ArtifactStore } from './artifact-store.js';
+import { BuildFailedError } from './build-failed.js';
 import { packFolder, unpackTar } from './build-tar.js';
-import { BuildFailedError } from './builder.js';
 import {
   type BuildOutput,
   createLocalBuildCache,

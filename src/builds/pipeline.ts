@@ -28,10 +28,10 @@ import { claimFreeBuilds, startBuild } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
 import type { BuildActivation } from './activation.js';
+import { BuildFailedError } from './build-failed.js';
 import { buildFolder } from './build-folder.js';
 import type { BuildLog } from './build-log.js';
 import type { BuildOutput } from './build-output.js';
-import { BuildFailedError } from './builder.js';
 import { FINAL_BUILD_STATES } from './builds.js';
 
 export interface BuildPipelineDeps {

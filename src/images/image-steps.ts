@@ -5,7 +5,7 @@
  * (`ImageBuildError`, `CODE: step: cause`). The steps themselves are image-builder.ts's `buildImage`,
  * called by images/build-image.ts.
  */
-import { BuildFailedError } from '../builds/builder.js';
+import { BuildFailedError } from '../builds/build-failed.js';
 import type { ErrorCode } from '../errors.js';
 import type { ImageSpec } from './image-spec.js';
 

@@ -7,7 +7,8 @@
 import fs from 'node:fs';
 import path from 'node:path';
 import { type AppConfig, entryConflict } from '../apps/app-config.js';
-import { type Builder, BuildFailedError } from '../builds/builder.js';
+import { BuildFailedError } from '../builds/build-failed.js';
+import type { Builder } from '../builds/builder.js';
 import { customRuntime } from './custom/index.js';
 import { NODE_ENTRIES } from './node/builder.js';
 import { nodeRuntime } from './node/index.js';

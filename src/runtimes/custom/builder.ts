@@ -17,7 +17,8 @@
 import fsSync from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { type BuildContext, type Builder, BuildFailedError, type BuildResult } from '../../builds/builder.js';
+import { BuildFailedError } from '../../builds/build-failed.js';
+import type { BuildContext, Builder, BuildResult } from '../../builds/builder.js';
 import { throwIfAborted } from '../../builds/run-child.js';
 import { findInImage, isImageExecutable, resolveInRoot } from '../../images/rootfs-path.js';
 import { HOST_ROOTFS } from '../runtime.js';

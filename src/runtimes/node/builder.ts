@@ -8,13 +8,8 @@ import fs from 'node:fs/promises';
 import { createRequire } from 'node:module';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
-import {
-  type BuildContext,
-  type Builder,
-  BuildFailedError,
-  type BuildResult,
-  noEntryError,
-} from '../../builds/builder.js';
+import { BuildFailedError, noEntryError } from '../../builds/build-failed.js';
+import type { BuildContext, Builder, BuildResult } from '../../builds/builder.js';
 import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
 import {
   describeStepExit,

@@ -16,13 +16,8 @@
  */
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import {
-  type BuildContext,
-  type Builder,
-  BuildFailedError,
-  type BuildResult,
-  noEntryError,
-} from '../../builds/builder.js';
+import { BuildFailedError, noEntryError } from '../../builds/build-failed.js';
+import type { BuildContext, Builder, BuildResult } from '../../builds/builder.js';
 import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
 import { ImageBuildError, type ImplicitStep } from '../../images/image-steps.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from '../../sandbox/build-step.js';
