@@ -44,31 +44,30 @@ describe('a schedule ticking across a cluster that loses a worker and a gateway'
     return proc;
   }
 
-  async function ticks(): Promise<Array<{ tick: string; state: string; n: number }>> {
+  /** One query on the test's database, on a connection of its own. */
+  async function query<R extends pg.QueryResultRow>(sql: string): Promise<R[]> {
     const client = new pg.Client({ connectionString: db!.url });
     await client.connect();
     try {
-      const { rows } = await client.query<{ tick: string; state: string; n: string }>(
-        `select scheduled_for as tick, min(state) as state, count(*) as n from runs
-         where schedule_name = 'tick' group by scheduled_for order by scheduled_for`,
-      );
-      return rows.map((r) => ({ tick: r.tick, state: r.state, n: Number(r.n) }));
+      return (await client.query<R>(sql)).rows;
     } finally {
       await client.end();
     }
   }
 
+  async function ticks(): Promise<Array<{ tick: string; state: string; n: number }>> {
+    const rows = await query<{ tick: string; state: string; n: string }>(
+      `select scheduled_for as tick, min(state) as state, count(*) as n from runs
+       where schedule_name = 'tick' group by scheduled_for order by scheduled_for`,
+    );
+    return rows.map((r) => ({ tick: r.tick, state: r.state, n: Number(r.n) }));
+  }
+
   async function skippedTicks(): Promise<number> {
-    const client = new pg.Client({ connectionString: db!.url });
-    await client.connect();
-    try {
-      const { rows } = await client.query<{ n: string }>(
-        `select coalesce(sum(ticks_skipped), 0) as n from schedules where name = 'tick'`,
-      );
-      return Number(rows[0]!.n);
-    } finally {
-      await client.end();
-    }
+    const rows = await query<{ n: string }>(
+      `select coalesce(sum(ticks_skipped), 0) as n from schedules where name = 'tick'`,
+    );
+    return Number(rows[0]!.n);
   }
 
   before(

@@ -22,9 +22,14 @@ export function runQuiet(
   timeoutMs: number,
   env: Record<string, string> = WRAPPER_ENV,
   input?: string,
+  /** Descriptors of this process the command gets as its fd 3, 4, … (flock(1) locks one: veth-network.ts). */
+  extraFds: number[] = [],
 ): Promise<QuietResult> {
   return new Promise((resolve) => {
-    const child = spawn(file, args, { env, stdio: [input === undefined ? 'ignore' : 'pipe', 'pipe', 'pipe'] });
+    const child = spawn(file, args, {
+      env,
+      stdio: [input === undefined ? 'ignore' : 'pipe', 'pipe', 'pipe', ...extraFds],
+    });
     if (input !== undefined) {
       child.stdin?.on('error', () => {}); // the tool exited before reading it: its exit code says why
       child.stdin?.end(input);

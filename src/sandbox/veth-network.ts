@@ -25,7 +25,6 @@
  * the kernel refuses a second link of the same name, so two servers sharing a pool never share an
  * address; a server that finds a slot taken moves on to the next.
  */
-import { spawn } from 'node:child_process';
 import { createHash, randomInt } from 'node:crypto';
 import fs from 'node:fs/promises';
 import os from 'node:os';
@@ -121,12 +120,6 @@ export async function createVethNetwork(options: VethNetworkOptions): Promise<Sa
       await removeDeadServers(tools, tag);
       await writeOwner(resolvDir).catch(() => {});
     });
-  } catch (err) {
-    await fs.rm(resolvDir, { recursive: true, force: true }).catch(() => {});
-    throw err;
-  }
-
-  try {
     await fs.writeFile('/proc/sys/net/ipv4/ip_forward', '1');
     const ruleset = nftRuleset(table, group, options.pool, policy);
     const loaded = await runTool(
@@ -382,21 +375,18 @@ async function withHostLock<T>(flock: string, work: () => Promise<T>): Promise<T
     return work();
   }
   try {
-    const locked = await new Promise<{ code: number | null; stderr: string }>((resolve, reject) => {
-      const child = spawn(flock, ['--exclusive', '--timeout', String(LOCK_WAIT_S), '3'], {
-        env: WRAPPER_ENV,
-        stdio: ['ignore', 'ignore', 'pipe', handle.fd],
-      });
-      let stderr = '';
-      child.stderr!.setEncoding('utf8').on('data', (chunk: string) => {
-        if (stderr.length < 2000) stderr += chunk;
-      });
-      child.once('error', reject);
-      child.once('close', (code) => resolve({ code, stderr }));
-    });
+    const locked = await runQuiet(
+      flock,
+      ['--exclusive', '--timeout', String(LOCK_WAIT_S), '3'],
+      (LOCK_WAIT_S + 10) * 1000,
+      WRAPPER_ENV,
+      undefined,
+      [handle.fd],
+    );
     if (locked.code !== 0) {
+      const why = locked.error ?? (locked.stderr.trim() || `flock exited with ${locked.code}`);
       throw new Error(
-        `could not lock ${path.join(RESOLV_ROOT, LOCK_FILE)} within ${LOCK_WAIT_S} s (another Ferry server holds it?): ${locked.stderr.trim() || `flock exited with ${locked.code}`}`,
+        `could not lock ${path.join(RESOLV_ROOT, LOCK_FILE)} within ${LOCK_WAIT_S} s (another Ferry server holds it?): ${why}`,
       );
     }
     return await work();

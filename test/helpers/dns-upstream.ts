@@ -20,37 +20,10 @@ export async function startUdpAndTcp(
   onConnection: (socket: net.Socket) => void,
 ): Promise<{ port: number; close(): Promise<void> }> {
   const sockets = new Set<net.Socket>();
-  const { port, udp, tcp } = await listenUdpAndTcp(
-    () => {
-      const udp = dgram.createSocket('udp4');
-      udp.on('message', (message, client) => onQuery(udp, message, client));
-      return udp;
-    },
-    () =>
-      net.createServer((socket) => {
-        sockets.add(socket);
-        socket.on('error', () => {});
-        socket.on('close', () => sockets.delete(socket));
-        onConnection(socket);
-      }),
-  );
-  return {
-    port,
-    close: async () => {
-      udp.close();
-      for (const socket of sockets) socket.destroy();
-      await new Promise((resolve) => tcp.close(resolve));
-    },
-  };
-}
-
-export async function listenUdpAndTcp(
-  makeUdp: () => dgram.Socket,
-  makeTcp: () => net.Server,
-): Promise<{ port: number; udp: dgram.Socket; tcp: net.Server }> {
   let last: unknown;
   for (let attempt = 0; attempt < ATTEMPTS; attempt++) {
-    const udp = makeUdp();
+    const udp = dgram.createSocket('udp4');
+    udp.on('message', (message, client) => onQuery(udp, message, client));
     await new Promise<void>((resolve, reject) => {
       udp.once('error', reject);
       udp.bind(0, '127.0.0.1', () => {
@@ -59,7 +32,12 @@ export async function listenUdpAndTcp(
       });
     });
     const port = udp.address().port;
-    const tcp = makeTcp();
+    const tcp = net.createServer((socket) => {
+      sockets.add(socket);
+      socket.on('error', () => {});
+      socket.on('close', () => sockets.delete(socket));
+      onConnection(socket);
+    });
     try {
       await new Promise<void>((resolve, reject) => {
         tcp.once('error', reject);
@@ -68,13 +46,20 @@ export async function listenUdpAndTcp(
           resolve();
         });
       });
-      return { port, udp, tcp };
     } catch (err) {
       last = err;
       udp.close();
-      tcp.close();
       if ((err as NodeJS.ErrnoException).code !== 'EADDRINUSE') throw err;
+      continue;
     }
+    return {
+      port,
+      close: async () => {
+        udp.close();
+        for (const socket of sockets) socket.destroy();
+        await new Promise((resolve) => tcp.close(resolve));
+      },
+    };
   }
   throw new Error(`no port of 127.0.0.1 was free for both UDP and TCP in ${ATTEMPTS} tries: ${String(last)}`);
 }
