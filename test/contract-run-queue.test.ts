@@ -44,6 +44,7 @@ import { createRunRecorder, newRunRow, type RunRecorder } from '../src/runs/reco
 import { acceptedRun, createStoreRunQueue, type RunQueue } from '../src/runs/run-queue.js';
 import { cancelQueued } from '../src/runs/runs.js';
 import type { AppTarget, RunTargets } from '../src/runs/targets.js';
+import { MAX_RETURNED_CALL } from '../src/store/claims.js';
 import { openPostgresStore, openSqliteStore, type Store } from '../src/store/index.js';
 import { tempDir } from './helpers/ferry.js';
 import { deleteClusterStreams, NATS_URL } from './helpers/nats.js';
@@ -67,6 +68,8 @@ interface FakeInvoker {
   release(id: string): void;
   /** Runs whose next attempt ends in a retry after `ms` (a `[retries]` policy's delay), once each. */
   retryAfter: Map<string, number>;
+  /** The call each run was performed with (its function, its input, its webhook), by run id. */
+  calls: Map<string, { fn: string; body: string; webhookUrl: string | undefined }>;
 }
 
 function fakeInvoker(node: string, recorder: RunRecorder, happened: Happened[]): FakeInvoker {
@@ -74,6 +77,7 @@ function fakeInvoker(node: string, recorder: RunRecorder, happened: Happened[]):
   const fake: FakeInvoker = {
     hold: new Set(),
     retryAfter: new Map(),
+    calls: new Map(),
     release(id) {
       fake.hold.delete(id);
       waiting.get(id)?.();
@@ -87,6 +91,7 @@ function fakeInvoker(node: string, recorder: RunRecorder, happened: Happened[]):
           throw new RunNotClaimedError(id);
         }
         happened.push({ kind: 'start', runId: id, node, at: Date.now() });
+        fake.calls.set(id, { fn: request.fn, body: String(request.body), webhookUrl: request.webhookUrl });
         if (fake.hold.has(id)) await new Promise<void>((resolve) => waiting.set(id, resolve));
         const delayMs = fake.retryAfter.get(id);
         fake.retryAfter.delete(id);
@@ -197,10 +202,22 @@ function runQueueContract(impl: QueueImplementation): void {
     }
 
     /** Accepts an async run on `on` as run-service.ts does: owner from the queue, committed, then told. */
-    async function accept(on: QueueNode, app: { projectId: string; appId: string; buildId: string }) {
+    async function accept(
+      on: QueueNode,
+      app: { projectId: string; appId: string; buildId: string },
+      call: { fn?: string; input?: string; webhookUrl?: string } = {},
+    ) {
       const owner = on.queue.ownerFor(app.projectId, app.appId);
       assert.equal(owner, setup.expectedOwner(on), 'the owner this implementation inserts an accepted run with');
-      const row = newRunRow({ id: uuidv7(), build: app, fn: 'work', mode: 'async', input: '{}', owner });
+      const row = newRunRow({
+        id: uuidv7(),
+        build: app,
+        fn: call.fn ?? 'work',
+        mode: 'async',
+        input: call.input ?? '{}',
+        owner,
+        webhookUrl: call.webhookUrl,
+      });
       await on.recorder.insertNow(row);
       on.queue.accepted(acceptedRun(row), owner);
       return row.id;
@@ -255,6 +272,34 @@ function runQueueContract(impl: QueueImplementation): void {
       await waitUntil(async () => a.queue.backlog === 0 && b.queue.backlog === 0, 'both backlogs empty');
       for (const id of ids) assert.equal(starts(id).length, 1, `${id} performed once`);
       assert.equal(happened.filter((h) => ids.includes(h.runId) && h.kind !== 'start' && h.kind !== 'end').length, 0);
+    });
+
+    it('performs each run with the call it was accepted with, small or large, wherever it runs', async () => {
+      // The JetStream queue's claim returns a call of up to MAX_RETURNED_CALL characters with the run (no read
+      // of the record before it runs); a larger one is read when the run is performed. Both must arrive whole.
+      const a = await startNode();
+      const b = await startNode();
+      const app = appOf(4);
+      const large = JSON.stringify({ blob: 'x'.repeat(MAX_RETURNED_CALL + 1000) });
+      const wanted = new Map<string, { fn: string; body: string; webhookUrl: string | undefined }>();
+      for (let i = 0; i < 8; i++) {
+        const call = {
+          fn: `fn${i}`,
+          input: i % 4 === 3 ? large : JSON.stringify({ i }),
+          webhookUrl: i % 2 ? `http://127.0.0.1:9/hook/${i}` : undefined,
+        };
+        const id = await accept(i % 2 ? a : b, app, call);
+        wanted.set(id, { fn: call.fn, body: call.input, webhookUrl: call.webhookUrl });
+      }
+      for (const [id, call] of wanted) {
+        assert.equal((await finished(id)).state, 'success', id);
+        const got = a.fake.calls.get(id) ?? b.fake.calls.get(id);
+        assert.ok(got, `${id} performed`);
+        assert.equal(got.fn, call.fn, `${id}: its function`);
+        assert.equal(got.body.length, call.body.length, `${id}: its input's length`);
+        assert.equal(got.body, call.body, `${id}: its input`);
+        assert.equal(got.webhookUrl, call.webhookUrl, `${id}: its webhook`);
+      }
     });
 
     it('counts in `backlog` the runs a node holds, queued or running, until they end', async () => {

@@ -44,13 +44,19 @@ function stateIs(...states: Run['state'][]): RawBuilder<SqlBool> {
 }
 
 /**
- * `column` is one of `values`. On PostgreSQL one array parameter (`= any($1::text[])`), so the statement's
- * text is the same whatever the number of values (one text for the server to parse, and for pg_stat_statements
- * to count); SQLite binds no arrays, so there it is `in (?, ?, …)`.
+ * `column` is one of `values`, found by the column's index whatever the planner knows. On PostgreSQL one
+ * array parameter, so the statement's text is the same whatever the number of values (one text for the
+ * server to parse, and for pg_stat_statements to count), read back through an InitPlan (`= any(array(select
+ * unnest($1)))`): the planner cannot count its elements and plans a scan of the primary key. Written as `=
+ * any($1::text[])` or `in ($1, …)`, a list of a few hundred ids (a second's publishes marked together), or
+ * of 64 on a table never analyzed (a fetch's claim on a young database), was planned as a sequential scan,
+ * and the claim's locking subquery as a nested loop over it: 86 ms and 190,000 buffers for 64 runs of 20,000
+ * (bench/README.md, bench:cluster (c); test/postgres/id-list-plans). SQLite binds no arrays, so there it is
+ * `in (?, ?, …)`, which it reads by primary key.
  */
-function anyOf(db: Db, column: string, values: readonly string[]): RawBuilder<SqlBool> {
+export function anyOf(db: Db, column: string, values: readonly string[]): RawBuilder<SqlBool> {
   return dialectOf(db) === 'postgres'
-    ? sql<SqlBool>`${sql.ref(column)} = any(${[...values]}::text[])`
+    ? sql<SqlBool>`${sql.ref(column)} = any(array(select unnest(${[...values]}::text[])))`
     : sql<SqlBool>`${sql.ref(column)} in (${sql.join(values.map((v) => sql`${v}`))})`;
 }
 
@@ -140,42 +146,78 @@ export async function releaseQueuedRuns(db: Db, owner: string, runIds: readonly 
   await db
     .updateTable('runs')
     .set({ owner: null, published_at: null })
-    .where('id', 'in', runIds)
+    .where(anyOf(db, 'id', runIds))
     .where(ownerIs(owner))
     .where(stateIs('queued'))
     .execute();
 }
 
 /**
+ * A claimed run's call, returned by the claim itself so the worker needs no read of the record before it
+ * performs the run (one statement per run, most of a cluster's transactions: bench/README.md). Only when
+ * its input and HTTP request together are at most MAX_RETURNED_CALL characters (`whole`); a larger call is
+ * read when the run is performed, so a node holding a thousand queued runs does not hold their bodies too.
+ */
+export interface ClaimedCall {
+  function_name: string;
+  input: string | null;
+  webhook_endpoint: string | null;
+  http_request: string | null;
+  attempt_log: string | null;
+  /** 1: input and http_request are the record's; 0: they were left out (too large) and are null here. */
+  whole: number;
+}
+
+/** The most characters of input and HTTP request a claim returns with its runs (ClaimedCall). */
+export const MAX_RETURNED_CALL = 32 * 1024;
+
+/**
  * The runs of a batch of messages fetched from the runs stream (--nats-url), claimed by this node in one
- * statement: those still queued and held by nobody. A run missing from the answer is finished, or held by
- * another node (which runs it, or whose death frees it for the relay to publish again).
+ * statement: those still queued and held by nobody, with their call. A run missing from the answer is
+ * finished, or held by another node (which runs it, or whose death frees it for the relay to publish again).
  */
 export async function claimPublishedRuns(
   db: Db,
   owner: string,
   runIds: readonly string[],
   now = Date.now(),
-): Promise<ClaimedRun[]> {
+): Promise<Array<ClaimedRun & ClaimedCall>> {
   if (runIds.length === 0) return [];
   // These exact runs: wait for a row another statement holds (the publisher marking it published), never
-  // skip it, or a free run would look taken. Locked in id order, so two claimers never deadlock.
-  let pick = db.selectFrom('runs').select('id').where('id', 'in', runIds);
-  if (dialectOf(db) === 'postgres') pick = pick.orderBy('id').forUpdate();
-  return (
-    db
-      .updateTable('runs')
-      .set({ owner })
-      .where('id', 'in', pick)
-      .where(ownerIs(null))
-      .where(stateIs('queued'))
-      .where('mode', '=', 'async')
-      // A message of a run now waiting for its next attempt (an older one, redelivered): the relay publishes
-      // the run again once it is due.
-      .where(dueAt(now))
-      .returning(['id', 'project_id', 'app_id'])
-      .execute()
-  );
+  // skip it, or a free run would look taken. Locked in id order, so two claimers never deadlock; on
+  // PostgreSQL through an InitPlan, read once by primary key (anyOf says why).
+  const pick = db
+    .selectFrom('runs')
+    .select('id')
+    .where(anyOf(db, 'id', runIds));
+  const small = sql<SqlBool>`coalesce(length(input), 0) + coalesce(length(http_request), 0) <= ${MAX_RETURNED_CALL}`;
+  const rows = await db
+    .updateTable('runs')
+    .set({ owner })
+    .where(
+      dialectOf(db) === 'postgres'
+        ? sql<SqlBool>`id = any(array(${pick.orderBy('id').forUpdate()}))`
+        : sql<SqlBool>`id in (${pick})`,
+    )
+    .where(ownerIs(null))
+    .where(stateIs('queued'))
+    .where('mode', '=', 'async')
+    // A message of a run now waiting for its next attempt (an older one, redelivered): the relay publishes
+    // the run again once it is due.
+    .where(dueAt(now))
+    .returning([
+      'id',
+      'project_id',
+      'app_id',
+      'function_name',
+      'webhook_endpoint',
+      'attempt_log',
+      sql<string | null>`case when ${small} then input end`.as('input'),
+      sql<string | null>`case when ${small} then http_request end`.as('http_request'),
+      sql<number>`case when ${small} then 1 else 0 end`.as('whole'),
+    ])
+    .execute();
+  return rows.map((r) => ({ ...r, whole: Number(r.whole) }));
 }
 
 /** Of these runs, the ones this node still holds unfinished (their message is not to be acknowledged yet). */
@@ -184,7 +226,7 @@ export async function unfinishedRunsOf(db: Db, owner: string, runIds: readonly s
   const rows = await db
     .selectFrom('runs')
     .select('id')
-    .where('id', 'in', runIds)
+    .where(anyOf(db, 'id', runIds))
     .where(ownerIs(owner))
     .where(stateIs('queued', 'running'))
     .execute();
@@ -197,7 +239,7 @@ export async function freeQueuedRunsOf(db: Db, runIds: readonly string[]): Promi
   const rows = await db
     .selectFrom('runs')
     .select('id')
-    .where('id', 'in', runIds)
+    .where(anyOf(db, 'id', runIds))
     .where(ownerIs(null))
     .where(stateIs('queued'))
     .execute();
@@ -216,7 +258,7 @@ export async function markRunsPublished(db: Db, runIds: readonly string[], at: s
   await db
     .updateTable('runs')
     .set({ published_at: at })
-    .where('id', 'in', runIds)
+    .where(anyOf(db, 'id', runIds))
     .where('published_at', 'is', null)
     .where(stateIs('queued'))
     .where(ownerIs(null))
@@ -273,7 +315,7 @@ export async function unmarkRunsPublished(db: Db, runIds: readonly string[], at:
   await db
     .updateTable('runs')
     .set({ published_at: null })
-    .where('id', 'in', runIds)
+    .where(anyOf(db, 'id', runIds))
     .where('published_at', '=', at)
     .execute();
 }

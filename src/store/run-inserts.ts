@@ -171,9 +171,10 @@ export async function insertRunsAndStart(
   if (combinedText === '') {
     const n = COLUMNS.length;
     combinedText =
-      // Owner and state hidden from the planner: the runs are found by id (store/unfinished.ts hiddenColumn).
+      // Owner and state hidden from the planner, the ids read through an InitPlan: the runs are found by primary
+      // key (store/unfinished.ts hiddenColumn, store/claims.ts anyOf).
       `with "started" as (update "runs" set "state" = 'running', "started_at" = $${n + 3}, "attempts" = "attempts" + 1` +
-      ` where "id" = any($${n + 2}::text[]) and ${hiddenColumn('owner')} = $${n + 1} and ${hiddenColumn('state')} = 'queued' returning "id", "attempts"),` +
+      ` where "id" = any(array(select unnest($${n + 2}::text[]))) and ${hiddenColumn('owner')} = $${n + 1} and ${hiddenColumn('state')} = 'queued' returning "id", "attempts"),` +
       ` "inserted" as (${unnestText(true)})` +
       ` select "id", "attempts" from "started" union all select "id", null from "inserted"`;
   }

@@ -129,7 +129,7 @@ const unnestTexts = new Map<string, string>();
 
 /**
  * `UPDATE runs AS r SET c = v.c, … FROM unnest($1::text[] (ids), [$2::int4[] (attempts),] …) AS v(…)
- * WHERE r.id = v.id AND <fence>`: the ids it changed.
+ * WHERE r.id = v.id AND r.id = any(array(select unnest($1))) AND <fence>`: the ids it changed.
  */
 async function updateUnnest(
   db: Kysely<Database>,
@@ -154,9 +154,12 @@ async function updateUnnest(
       names.push(`"${c}"`);
     }
     const set = columns.map((c) => `"${c}" = v."${c}"`).join(', ');
-    const where = ['r."id" = v."id"'];
-    // Owner and state hidden from the planner: the rows are found by id, never by reading every run this
-    // node holds through runs_owner_state or runs_state (store/unfinished.ts hiddenColumn says why).
+    // The ids a second time, through an InitPlan, so the rows are found by primary key however many they
+    // are: joined on `unnest` alone, a few dozen were planned as a hash join over a sequential scan of runs
+    // whenever its statistics were missing (store/claims.ts anyOf). Owner and state hidden from the planner:
+    // never read every run this node holds through runs_owner_state or runs_state (store/unfinished.ts
+    // hiddenColumn says why).
+    const where = ['r."id" = v."id"', 'r."id" = any(array(select unnest($1::text[])))'];
     if (owner !== undefined) where.push(`${hiddenColumn('owner', 'r')} = $${++n}`);
     where.push(
       fenced
