@@ -310,7 +310,20 @@ function runQueueContract(impl: QueueImplementation): void {
       // Held before its start: the first is the one in flight, the others wait behind it (capacity 1).
       const rest = [await accept(a, app), await accept(a, app)];
       await waitUntil(async () => starts(first).length === 1, 'the first run to start');
-      await waitUntil(async () => a.queue.backlog === 3, 'a backlog of 3 (one running, two queued)');
+      await waitUntil(
+        async () => a.queue.backlog === 3,
+        'a backlog of 3 (one running, two queued)',
+        20_000,
+        async () => ({
+          backlog: a.queue.backlog,
+          happened: happened.filter((h) => h.runId === first || rest.includes(h.runId)),
+          runs: await setup.store
+            .selectFrom('runs')
+            .select(['id', 'state', 'owner', 'attempts', 'published_at', 'publishes', 'created_at'])
+            .where('id', 'in', [first, ...rest])
+            .execute(),
+        }),
+      );
       for (const id of rest) assert.equal(starts(id).length, 0, 'the app is at capacity: the others wait');
       a.fake.release(first);
       for (const id of [first, ...rest]) assert.equal((await finished(id)).state, 'success');
@@ -531,10 +544,19 @@ runQueueContract({
 });
 
 /** Polls `check` every 20 ms, bounded generously (the machine may be busy). */
-async function waitUntil(check: () => Promise<boolean>, what: string, ms = 20_000): Promise<void> {
+async function waitUntil(
+  check: () => Promise<boolean>,
+  what: string,
+  ms = 20_000,
+  state?: () => Promise<unknown>,
+): Promise<void> {
   const end = Date.now() + ms;
   while (!(await check())) {
-    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    if (Date.now() > end) {
+      // What the queue and the store showed when it gave up, to tell a lost message from a lost claim.
+      const seen = state ? `; state: ${JSON.stringify(await state().catch((err: unknown) => String(err)))}` : '';
+      throw new Error(`timed out waiting for ${what}${seen}`);
+    }
     await new Promise((resolve) => setTimeout(resolve, 20));
   }
 }

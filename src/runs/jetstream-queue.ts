@@ -5,9 +5,11 @@
  * - **Publish.** An accepted run is committed free (no owner) before its 202, then published, after the
  *   202 and never in its way, to the work-queue stream `<cluster>_runs` on `<cluster>.runs.<project>.<app>`
  *   with the message id `<run id>.0` (JetStream drops a second publish of one id within its duplicate
- *   window). Publishes are pipelined on the one connection; acknowledged ones are recorded
- *   (`published_at`) about once a second, one UPDATE for all of them, on the runs still waiting for a node
- *   and never started (a run started and queued again since had that message acknowledged).
+ *   window). Publishes are pipelined on the one connection as plain publishes whose replies (JetStream's
+ *   acknowledgements) come to one subscription of the node (publishAccepted says why). Acknowledged ones
+ *   are recorded (`published_at`) once a second old, one UPDATE a second for all of them, on the runs still
+ *   waiting for a node and never started (a run started and queued again since had that message
+ *   acknowledged; a run claimed by then needs no mark: the relay leaves held runs alone).
  * - **Relay.** Every node republishes queued runs held by nobody with no known message (their publish
  *   failed or was never tried, NATS being down; or recovery freed them, their message gone), once they are
  *   a few seconds old, as `<run id>.<publishes>`: a fresh id, so JetStream never drops a republish as a
@@ -49,7 +51,7 @@ import {
   RetentionPolicy,
   StorageType,
 } from '@nats-io/jetstream';
-import { nanos } from '@nats-io/transport-node';
+import { createInbox, headers, type Msg, type NatsConnection, nanos, type Subscription } from '@nats-io/transport-node';
 import type { Logger } from 'pino';
 import type { ClusterNames, NatsLink } from '../cluster/nats.js';
 import { nowIso } from '../ids.js';
@@ -121,6 +123,8 @@ const FETCH_MAX = 64;
 const APP_IDLE_MS = 30_000;
 const RELAY_BATCH = 500;
 const MARK_EVERY_MS = 1_000;
+/** How long an accepted run's publish waits for the stream's acknowledgement before it counts as failed. */
+const PUBLISH_ACK_MS = 10_000;
 /** An accepted run's publish is recorded only once it is this old and its run still waits (markPublished). */
 const MARK_AFTER_MS = 1_000;
 const ACK_EVERY_MS = 50;
@@ -218,30 +222,106 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
   /** Runs whose accepted publish JetStream acknowledged, with when (Date.now()), oldest first: marked once MARK_AFTER old. */
   let toMark: Array<{ id: string; at: number }> = [];
 
+  /**
+   * The accepted runs' publishes are JetStream publishes without the client's request machinery: each is a
+   * plain publish with the message id header, whose reply subject is `<inbox>.<token>` under one wildcard
+   * subscription of this node, which JetStream answers with its acknowledgement (as the Go client's
+   * PublishAsync does). A `js.publish` per run made a request each (a reply subscription entry, a timer, two
+   * Error objects for their stacks): the publish cost a gateway more than its HTTP intake (bench/README.md,
+   * bench:cluster (c)). An acknowledgement not come within PUBLISH_ACK_MS counts as a failed publish: the run
+   * stays unmarked and the relay publishes it again (a duplicate, if the first was stored, is dropped by
+   * JetStream or skipped by the claim).
+   */
+  let acks: { nc: NatsConnection; inbox: string; subscription: Subscription } | undefined;
+  const awaitingAck = new Map<string, { run: AcceptedRun; committedAt: number | undefined; sentAt: number }>();
+  let nextToken = 0;
+
+  function acksInbox(nc: NatsConnection): string {
+    if (acks?.nc === nc) return acks.inbox;
+    acks?.subscription.unsubscribe();
+    const inbox = createInbox();
+    const subscription = nc.subscribe(`${inbox}.*`, {
+      callback: (err, msg) => (err ? undefined : publishAnswered(inbox, msg)),
+    });
+    acks = { nc, inbox, subscription };
+    return inbox;
+  }
+
+  /** At close: the acknowledgements of publishes in flight, for a second at most (then the relay has them). */
+  async function publishesAnswered(): Promise<void> {
+    for (let i = 0; i < 20 && awaitingAck.size > 0 && link.connected; i++) await new Promise((r) => setTimeout(r, 50));
+    expireUnacknowledged(true);
+  }
+
+  function publishAnswered(inbox: string, msg: Msg): void {
+    const token = msg.subject.slice(inbox.length + 1);
+    const waiting = awaitingAck.get(token);
+    if (!waiting) return;
+    awaitingAck.delete(token);
+    let stored = false;
+    // A status message (503: no stream takes the subject) or an error answer is not an acknowledgement.
+    if (!msg.headers?.hasError) {
+      try {
+        const answer = msg.json<{ stream?: string; error?: unknown }>();
+        stored = !answer.error && typeof answer.stream === 'string' && answer.stream !== '';
+      } catch {
+        stored = false;
+      }
+    }
+    if (!stored) {
+      metrics?.publishFailed(1);
+      logger.debug({ runId: waiting.run.id }, 'publishing an accepted run failed; the relay publishes it');
+      return;
+    }
+    metrics?.published('accept', 1);
+    if (stage && waiting.committedAt !== undefined) stage('publish', (performance.now() - waiting.committedAt) / 1000);
+    toMark.push({ id: waiting.run.id, at: Date.now() });
+  }
+
+  /** Publishes not acknowledged within PUBLISH_ACK_MS: failed (the relay publishes their runs). */
+  function expireUnacknowledged(all = false): void {
+    const before = all ? Number.POSITIVE_INFINITY : Date.now() - PUBLISH_ACK_MS;
+    let failed = 0;
+    for (const [token, waiting] of awaitingAck) {
+      if (waiting.sentAt > before) break;
+      awaitingAck.delete(token);
+      failed += 1;
+    }
+    if (failed > 0) {
+      metrics?.publishFailed(failed);
+      logger.debug(
+        { runs: failed },
+        'accepted runs were not acknowledged by the runs stream; the relay publishes them',
+      );
+    }
+  }
+
   function publishAccepted(): void {
     publishScheduled = false;
     const batch = toPublish;
     const batchAt = acceptedAt;
     toPublish = [];
     acceptedAt = [];
-    const jsc = client();
+    const nc = link.current();
     // NATS is down: the runs are in the store, unpublished; the relay publishes them once it is back.
-    if (!jsc || !link.connected || closed) return;
+    if (!nc || !link.connected || closed) return;
     void ensureStream().then(
       () => {
+        if (closed) return;
+        const inbox = acksInbox(nc);
+        const sentAt = Date.now();
         for (const [i, run] of batch.entries()) {
-          jsc.publish(names.runsSubject(run.projectId, run.appId), run.id, { msgID: `${run.id}.0` }).then(
-            () => {
-              metrics?.published('accept', 1);
-              const at = batchAt[i];
-              if (stage && at !== undefined) stage('publish', (performance.now() - at) / 1000);
-              toMark.push({ id: run.id, at: Date.now() });
-            },
-            (err: unknown) => {
-              metrics?.publishFailed(1);
-              logger.debug({ err, runId: run.id }, 'publishing an accepted run failed; the relay publishes it');
-            },
-          );
+          const token = String(nextToken++);
+          const h = headers();
+          h.set('Nats-Msg-Id', `${run.id}.0`);
+          try {
+            nc.publish(names.runsSubject(run.projectId, run.appId), run.id, { reply: `${inbox}.${token}`, headers: h });
+          } catch (err) {
+            metrics?.publishFailed(1);
+            logger.debug({ err, runId: run.id }, 'publishing an accepted run failed; the relay publishes it');
+            continue;
+          }
+          awaitingAck.set(token, { run, committedAt: batchAt[i], sentAt });
         }
       },
       (err: unknown) => {
@@ -747,7 +827,10 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         timers.push(t);
       };
       every(relayIntervalMs, relay);
-      every(MARK_EVERY_MS, markPublished);
+      every(MARK_EVERY_MS, () => {
+        expireUnacknowledged();
+        return markPublished();
+      });
       if (worker) {
         await worker.start();
         every(discoverMs, discover);
@@ -773,6 +856,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         await Promise.allSettled([...claimsInFlight]);
         await stopping;
         await relaying;
+        await publishesAnswered();
         await markPublished(true);
         for (let i = 0; i < 100 && settled.size > 0; i++) {
           await ackSettled(true);
@@ -782,8 +866,10 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         clearInterval(acks);
       } else {
         await relaying;
+        await publishesAnswered();
         await markPublished(true);
       }
+      acks?.subscription.unsubscribe();
     },
   };
 }

@@ -9,8 +9,9 @@
  * Claims are polled, so each first looks (a plain read, which never waits for a writer) and writes only
  * when there is something to take: an idle server does not take the write lock every second.
  */
-import { type Kysely, type RawBuilder, type SelectQueryBuilder, type SqlBool, sql } from 'kysely';
+import { type Compilable, type Kysely, type RawBuilder, type SelectQueryBuilder, type SqlBool, sql } from 'kysely';
 import { dialectOf } from './index.js';
+import { prepared } from './prepared.js';
 import type { Build, Database, Run } from './schema.js';
 import { hiddenColumn, unfinishedRun } from './unfinished.js';
 
@@ -58,6 +59,16 @@ export function anyOf(db: Db, column: string, values: readonly string[]): RawBui
   return dialectOf(db) === 'postgres'
     ? sql<SqlBool>`${sql.ref(column)} = any(array(select unnest(${[...values]}::text[])))`
     : sql<SqlBool>`${sql.ref(column)} in (${sql.join(values.map((v) => sql`${v}`))})`;
+}
+
+/**
+ * Runs `query` and returns its rows; on PostgreSQL as a named prepared statement (store/prepared.ts): for the
+ * statements of every batch of runs, whose text does not vary (their ids are one array parameter).
+ */
+async function runPrepared<O>(db: Db, query: Compilable<O>): Promise<O[]> {
+  const compiled = query.compile();
+  if (dialectOf(db) === 'postgres') prepared(compiled.sql);
+  return (await db.executeQuery(compiled)).rows;
 }
 
 /**
@@ -126,14 +137,16 @@ export async function startRuns(
   startedAt: string,
 ): Promise<Map<string, number>> {
   if (runIds.length === 0) return new Map();
-  const rows = await db
-    .updateTable('runs')
-    .set((eb) => ({ state: 'running', started_at: startedAt, attempts: eb('attempts', '+', 1) }))
-    .where(anyOf(db, 'id', runIds))
-    .where(ownerIs(owner))
-    .where(stateIs('queued'))
-    .returning(['id', 'attempts'])
-    .execute();
+  const rows = await runPrepared(
+    db,
+    db
+      .updateTable('runs')
+      .set((eb) => ({ state: 'running', started_at: startedAt, attempts: eb('attempts', '+', 1) }))
+      .where(anyOf(db, 'id', runIds))
+      .where(ownerIs(owner))
+      .where(stateIs('queued'))
+      .returning(['id', 'attempts']),
+  );
   return new Map(rows.map((r) => [r.id, Number(r.attempts)]));
 }
 
@@ -191,7 +204,7 @@ export async function claimPublishedRuns(
     .select('id')
     .where(anyOf(db, 'id', runIds));
   const small = sql<SqlBool>`coalesce(length(input), 0) + coalesce(length(http_request), 0) <= ${MAX_RETURNED_CALL}`;
-  const rows = await db
+  const claim = db
     .updateTable('runs')
     .set({ owner })
     .where(
@@ -215,8 +228,8 @@ export async function claimPublishedRuns(
       sql<string | null>`case when ${small} then input end`.as('input'),
       sql<string | null>`case when ${small} then http_request end`.as('http_request'),
       sql<number>`case when ${small} then 1 else 0 end`.as('whole'),
-    ])
-    .execute();
+    ]);
+  const rows = await runPrepared(db, claim);
   return rows.map((r) => ({ ...r, whole: Number(r.whole) }));
 }
 

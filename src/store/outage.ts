@@ -12,6 +12,7 @@
  */
 import type { PostgresCursor, PostgresPool, PostgresPoolClient } from 'kysely';
 import type pg from 'pg';
+import { preparedName } from './prepared.js';
 
 /** The store could not be reached; `cause` is the driver's error. */
 export class StoreUnavailableError extends Error {
@@ -90,7 +91,13 @@ export function reportingOutages(pool: pg.Pool): PostgresPool {
           return rethrow(err);
         };
         const query = (sqlOrCursor: string | PostgresCursor<unknown>, parameters?: ReadonlyArray<unknown>) => {
-          if (typeof sqlOrCursor === 'string') return client.query(sqlOrCursor, parameters as unknown[]).catch(failed);
+          if (typeof sqlOrCursor === 'string') {
+            const name = preparedName(sqlOrCursor);
+            const values = parameters as unknown[];
+            return (
+              name === undefined ? client.query(sqlOrCursor, values) : client.query({ name, text: sqlOrCursor, values })
+            ).catch(failed);
+          }
           const cursor = client.query(sqlOrCursor as unknown as pg.Submittable) as unknown as PostgresCursor<unknown>;
           return { read: (n: number) => cursor.read(n).catch(failed), close: () => cursor.close() };
         };

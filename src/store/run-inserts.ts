@@ -16,6 +16,7 @@
  */
 import { CompiledQuery, type Kysely } from 'kysely';
 import { dialectOf } from './index.js';
+import { prepared } from './prepared.js';
 import type { Database, Run } from './schema.js';
 import { hiddenColumn } from './unfinished.js';
 
@@ -170,13 +171,14 @@ export async function insertRunsAndStart(
   if (dialectOf(db) !== 'postgres') throw new Error('insertRunsAndStart is for PostgreSQL');
   if (combinedText === '') {
     const n = COLUMNS.length;
-    combinedText =
+    combinedText = prepared(
       // Owner and state hidden from the planner, the ids read through an InitPlan: the runs are found by primary
       // key (store/unfinished.ts hiddenColumn, store/claims.ts anyOf).
       `with "started" as (update "runs" set "state" = 'running', "started_at" = $${n + 3}, "attempts" = "attempts" + 1` +
-      ` where "id" = any(array(select unnest($${n + 2}::text[]))) and ${hiddenColumn('owner')} = $${n + 1} and ${hiddenColumn('state')} = 'queued' returning "id", "attempts"),` +
-      ` "inserted" as (${unnestText(true)})` +
-      ` select "id", "attempts" from "started" union all select "id", null from "inserted"`;
+        ` where "id" = any(array(select unnest($${n + 2}::text[]))) and ${hiddenColumn('owner')} = $${n + 1} and ${hiddenColumn('state')} = 'queued' returning "id", "attempts"),` +
+        ` "inserted" as (${unnestText(true)})` +
+        ` select "id", "attempts" from "started" union all select "id", null from "inserted"`,
+    );
   }
   const params: unknown[] = columnArrays(rows);
   params.push(starts.owner, [...starts.runIds], starts.startedAt);
@@ -204,7 +206,9 @@ function unnestText(returning: boolean): string {
   if (text === '') {
     const columns = COLUMNS.map((c) => `"${c}"`).join(', ');
     const arrays = COLUMNS.map((c, i) => `$${i + 1}::${pgArrayType(c)}`).join(', ');
-    text = `insert into "runs" (${columns}) select * from unnest(${arrays}) on conflict do nothing${returning ? ' returning "id"' : ''}`;
+    text = prepared(
+      `insert into "runs" (${columns}) select * from unnest(${arrays}) on conflict do nothing${returning ? ' returning "id"' : ''}`,
+    );
     unnestTexts[key] = text;
   }
   return text;

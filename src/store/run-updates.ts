@@ -19,6 +19,7 @@
  */
 import { CompiledQuery, type Kysely, type SqlBool, sql } from 'kysely';
 import { dialectOf } from './index.js';
+import { prepared } from './prepared.js';
 import { pgArrayType } from './run-inserts.js';
 import type { Database, Run } from './schema.js';
 import { hiddenColumn, unfinishedRun } from './unfinished.js';
@@ -166,7 +167,9 @@ async function updateUnnest(
         ? `${hiddenColumn('state', 'r')} = 'running' and r."attempts" = v."fence_attempt"`
         : `${hiddenColumn('state', 'r')} in ('queued', 'running')`,
     );
-    text = `update "runs" as r set ${set} from unnest(${arrays.join(', ')}) as v(${names.join(', ')}) where ${where.join(' and ')} returning r."id"`;
+    text = prepared(
+      `update "runs" as r set ${set} from unnest(${arrays.join(', ')}) as v(${names.join(', ')}) where ${where.join(' and ')} returning r."id"`,
+    );
     if (unnestTexts.size < MAX_SHAPES) unnestTexts.set(key, text);
   }
   const params: unknown[] = [rows.map((u) => u.id)];
