@@ -33,6 +33,12 @@ const run = promisify(execFile);
 
 /** Debian's pip, setuptools and wheel, beside the machine's own Python. */
 const DIST_PACKAGES = '/usr/lib/python3/dist-packages';
+/**
+ * How long each build here may take: an image build with pip takes 30 s alone on a slow 2-core machine, and
+ * more than 120 s when the suite starts it beside the other image and volume tests (a failed CI run); the
+ * builds of one server wait for each other, so one late build made the next test's time out too.
+ */
+const BUILD_MS = 360_000;
 /** What of dist-packages the image gets: pip and what it builds a setup.py source distribution with. */
 const DIST_PACKAGES_KEPT =
   /^(pip|setuptools|pkg_resources|wheel|_distutils_hack)([-.].*)?$|^distutils-precedence\.pth$/;
@@ -215,9 +221,7 @@ def run():
       auth,
       'pyimg-reqs',
       { ...files, 'main.py': mainPy('first') },
-      {
-        timeoutMs: 120_000,
-      },
+      { timeoutMs: BUILD_MS },
     ).catch(async (err) => {
       await dump('pyimg-reqs');
       throw err;
@@ -246,7 +250,13 @@ def run():
     assert.equal(r1.greet, 'greetings, ferry, from a wheel');
 
     // Only main.py changed: every image step is found in the cache, and the image is the same.
-    const second = await deployFiles(server, auth, 'pyimg-reqs', { ...files, 'main.py': mainPy('second') });
+    const second = await deployFiles(
+      server,
+      auth,
+      'pyimg-reqs',
+      { ...files, 'main.py': mainPy('second') },
+      { timeoutMs: BUILD_MS },
+    );
     const log2 = await logOf('pyimg-reqs', second.id);
     assert.match(log2, /step 4\/4: python3 -m pip install --no-cache-dir -r requirements\.txt: cached/);
     assert.match(log2, /\(0 steps ran, 4 cached\)/);
@@ -261,11 +271,17 @@ def run():
 
     // A file requirements.txt names changed: its COPY and the install run again.
     const changed = await makeSdist(path.join(work, 'sdist2'), 'hello again from an sdist');
-    const third = await deployFiles(server, auth, 'pyimg-reqs', {
-      ...files,
-      'pkgs/hello-0.1.tar.gz': changed,
-      'main.py': mainPy('third'),
-    });
+    const third = await deployFiles(
+      server,
+      auth,
+      'pyimg-reqs',
+      {
+        ...files,
+        'pkgs/hello-0.1.tar.gz': changed,
+        'main.py': mainPy('third'),
+      },
+      { timeoutMs: BUILD_MS },
+    );
     const log3 = await logOf('pyimg-reqs', third.id);
     assert.match(log3, /\(3 steps ran, 1 cached\)/);
     assert.match(log3, /Successfully installed .*hello-0\.1/);
@@ -282,7 +298,7 @@ def run():
         'requirements.txt': '--no-index\nnot-anywhere==1.0\n',
         'main.py': 'def run():\n    return 1\n',
       },
-      { expect: 'failed' },
+      { expect: 'failed', timeoutMs: BUILD_MS },
     );
     const error = String((build as { error?: string }).error);
     assert.match(
@@ -294,10 +310,16 @@ def run():
   });
 
   it("checks main.py with the image's python3, not the server's", async () => {
-    const build = await deployFiles(server, auth, 'pyimg-check', {
-      'ferry.toml': `[app]\nname = "pyimg-check"\n\n[image]\nbase = "${registry.host}/ferry-test/fake-python:1"\n`,
-      'main.py': 'def run():\n    return 1\n',
-    }).catch(async (err) => {
+    const build = await deployFiles(
+      server,
+      auth,
+      'pyimg-check',
+      {
+        'ferry.toml': `[app]\nname = "pyimg-check"\n\n[image]\nbase = "${registry.host}/ferry-test/fake-python:1"\n`,
+        'main.py': 'def run():\n    return 1\n',
+      },
+      { timeoutMs: BUILD_MS },
+    ).catch(async (err) => {
       await dump('pyimg-check');
       throw err;
     });
@@ -329,7 +351,7 @@ def run():
         'requirements.txt': `--no-index\n--find-links ./wheels\n${shipped['requirements.txt']}`,
         'wheels/humanize-4.9.0-py3-none-any.whl': humanize,
       },
-      { timeoutMs: 240_000 },
+      { timeoutMs: BUILD_MS },
     ).catch(async (err) => {
       await dump('image-app');
       throw err;

@@ -222,11 +222,13 @@ describe('the async queue on JetStream', () => {
     const s = await server(c, NATS_URL);
     const busy = await s.bootstrap('busy');
     const other = await s.bootstrap('other');
-    // One run at a time for the busy project: its backlog takes 80 × 100 ms at least.
+    // One run at a time for the busy project: its backlog takes 24 × 1 s at least, so the other project's
+    // runs have 12 s to finish before half of it is done, however slow the machine is at accepting calls
+    // and starting replicas (with 80 × 100 ms the window was 4 s, and a loaded 2-core machine missed it).
     await deployFiles(s, busy, 'slow', SLOW_APP('slow', 1));
     await deployFiles(s, other, 'quick', SLOW_APP('quick', 1));
     const backlog: string[] = [];
-    for (let i = 0; i < 80; i++) backlog.push(await callAsync(s, busy, 'slow', { ms: 100 }));
+    for (let i = 0; i < 24; i++) backlog.push(await callAsync(s, busy, 'slow', { ms: 1000 }));
     const quick: string[] = [];
     for (let i = 0; i < 5; i++) quick.push(await callAsync(s, other, 'quick', { ms: 1 }));
     const quickRows = await allTerminal(s, quick);
