@@ -442,11 +442,10 @@ async function measure(store) {
     `  ${loaded.appIds.length} apps in ${fmt(loaded.appsSeconds, 1)} s; ${RUNS} runs (${loaded.expired} expired, ${loaded.mainCount} of app ${APP}) ` +
       `and ${loaded.logLines} log lines in ${fmt(loaded.runsSeconds, 1)} s (${fmt(RUNS / loaded.runsSeconds, 0)} runs/s)`,
   );
-  // What the load wrote is flushed to disk before anything is measured: a store of a million runs was
-  // written over months, not in the minute before. Left to the kernel, the load's dirty pages (1 GiB on
-  // SQLite) were written back from 30 s later, in the loaded phase's rounds and retention, and every write of
-  // Ferry's waited behind them (on this machine: the loaded intake at 0.60x the empty store's, 447 against
-  // 279 us of Ferry's CPU per 202; on a machine with a faster disk, 140 against 145).
+  // What the load wrote is flushed to disk before anything is measured, so the loaded phase never shares the
+  // disk with the writeback of the load itself (a store of a million runs was written over months, not in
+  // the minute before); the time it took is printed. On the 2026-11-27 machine there was nothing left to
+  // write by then (0.0 s): the kernel had written the load back while it ran.
   const flushAt = performance.now();
   if (store.adminUrl) {
     const { default: pg } = await import('pg');
