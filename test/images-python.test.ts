@@ -144,6 +144,14 @@ describe('images: Python apps with requirements.txt installed into their image',
     const list = await http(api(`/apps/${app}/builds`), { token: auth.token });
     for (const b of list.json.builds ?? []) process.stderr.write(`DUMP ${b.id}\n${await logOf(app, b.id)}\n`);
   };
+  /** Deploys `files` as `app` and waits for its build (BUILD_MS at most); its builds' logs go to stderr if not. */
+  const deploy = (app: string, files: Record<string, string | Buffer>, expect?: 'failed') =>
+    deployFiles(server, auth, app, files, { timeoutMs: BUILD_MS, ...(expect ? { expect } : {}) }).catch(
+      async (err: unknown) => {
+        await dump(app);
+        throw err;
+      },
+    );
 
   before(async () => {
     await requireImageTools();
@@ -216,16 +224,7 @@ def run():
       'wheels/greet-0.1-py3-none-any.whl': wheel,
       'unrelated.txt': 'not named by requirements.txt\n',
     };
-    const first = await deployFiles(
-      server,
-      auth,
-      'pyimg-reqs',
-      { ...files, 'main.py': mainPy('first') },
-      { timeoutMs: BUILD_MS },
-    ).catch(async (err) => {
-      await dump('pyimg-reqs');
-      throw err;
-    });
+    const first = await deploy('pyimg-reqs', { ...files, 'main.py': mainPy('first') });
     const log1 = await logOf('pyimg-reqs', first.id);
     assert.match(log1, /step \d+\/\d+: COPY requirements\.txt \/ferry\/requirements\/requirements\.txt\n/);
     assert.match(
@@ -250,13 +249,7 @@ def run():
     assert.equal(r1.greet, 'greetings, ferry, from a wheel');
 
     // Only main.py changed: every image step is found in the cache, and the image is the same.
-    const second = await deployFiles(
-      server,
-      auth,
-      'pyimg-reqs',
-      { ...files, 'main.py': mainPy('second') },
-      { timeoutMs: BUILD_MS },
-    );
+    const second = await deploy('pyimg-reqs', { ...files, 'main.py': mainPy('second') });
     const log2 = await logOf('pyimg-reqs', second.id);
     assert.match(log2, /step 4\/4: python3 -m pip install --no-cache-dir -r requirements\.txt: cached/);
     assert.match(log2, /\(0 steps ran, 4 cached\)/);
@@ -271,17 +264,11 @@ def run():
 
     // A file requirements.txt names changed: its COPY and the install run again.
     const changed = await makeSdist(path.join(work, 'sdist2'), 'hello again from an sdist');
-    const third = await deployFiles(
-      server,
-      auth,
-      'pyimg-reqs',
-      {
-        ...files,
-        'pkgs/hello-0.1.tar.gz': changed,
-        'main.py': mainPy('third'),
-      },
-      { timeoutMs: BUILD_MS },
-    );
+    const third = await deploy('pyimg-reqs', {
+      ...files,
+      'pkgs/hello-0.1.tar.gz': changed,
+      'main.py': mainPy('third'),
+    });
     const log3 = await logOf('pyimg-reqs', third.id);
     assert.match(log3, /\(3 steps ran, 1 cached\)/);
     assert.match(log3, /Successfully installed .*hello-0\.1/);
@@ -289,16 +276,14 @@ def run():
   });
 
   it('fails a failing install as FERRY_IMAGE_STEP_FAILED naming the pip step', async () => {
-    const build = await deployFiles(
-      server,
-      auth,
+    const build = await deploy(
       'pyimg-badreq',
       {
         'ferry.toml': `[app]\nname = "pyimg-badreq"\n\n[image]\nbase = "${pyBase}"\n`,
         'requirements.txt': '--no-index\nnot-anywhere==1.0\n',
         'main.py': 'def run():\n    return 1\n',
       },
-      { expect: 'failed', timeoutMs: BUILD_MS },
+      'failed',
     );
     const error = String((build as { error?: string }).error);
     assert.match(
@@ -310,18 +295,9 @@ def run():
   });
 
   it("checks main.py with the image's python3, not the server's", async () => {
-    const build = await deployFiles(
-      server,
-      auth,
-      'pyimg-check',
-      {
-        'ferry.toml': `[app]\nname = "pyimg-check"\n\n[image]\nbase = "${registry.host}/ferry-test/fake-python:1"\n`,
-        'main.py': 'def run():\n    return 1\n',
-      },
-      { timeoutMs: BUILD_MS },
-    ).catch(async (err) => {
-      await dump('pyimg-check');
-      throw err;
+    const build = await deploy('pyimg-check', {
+      'ferry.toml': `[app]\nname = "pyimg-check"\n\n[image]\nbase = "${registry.host}/ferry-test/fake-python:1"\n`,
+      'main.py': 'def run():\n    return 1\n',
     });
     const log = await logOf('pyimg-check', build.id);
     assert.match(log, /Python 3\.42\.0 \(\/usr\/bin\/python3, the image’s\)/);
@@ -341,20 +317,11 @@ def run():
       '4.9.0',
       "def naturalsize(n):\n    return '%d Bytes (stand-in humanize)' % n\n",
     );
-    const build = await deployFiles(
-      server,
-      auth,
-      'image-app',
-      {
-        ...shipped,
-        'ferry.toml': toml.replace(/^base = ".*"$/m, `base = "${pyBase}"`),
-        'requirements.txt': `--no-index\n--find-links ./wheels\n${shipped['requirements.txt']}`,
-        'wheels/humanize-4.9.0-py3-none-any.whl': humanize,
-      },
-      { timeoutMs: BUILD_MS },
-    ).catch(async (err) => {
-      await dump('image-app');
-      throw err;
+    const build = await deploy('image-app', {
+      ...shipped,
+      'ferry.toml': toml.replace(/^base = ".*"$/m, `base = "${pyBase}"`),
+      'requirements.txt': `--no-index\n--find-links ./wheels\n${shipped['requirements.txt']}`,
+      'wheels/humanize-4.9.0-py3-none-any.whl': humanize,
     });
     const log = await logOf('image-app', build.id);
     assert.match(log, /step 1\/5: apt-get install file\n/);
