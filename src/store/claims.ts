@@ -55,7 +55,7 @@ function stateIs(...states: Run['state'][]): RawBuilder<SqlBool> {
  * (bench/README.md, bench:cluster (c); test/postgres/id-list-plans). SQLite binds no arrays, so there it is
  * `in (?, ?, …)`, which it reads by primary key.
  */
-export function anyOf(db: Db, column: string, values: readonly string[]): RawBuilder<SqlBool> {
+function anyOf(db: Db, column: string, values: readonly string[]): RawBuilder<SqlBool> {
   return dialectOf(db) === 'postgres'
     ? sql<SqlBool>`${sql.ref(column)} = any(array(select unnest(${[...values]}::text[])))`
     : sql<SqlBool>`${sql.ref(column)} in (${sql.join(values.map((v) => sql`${v}`))})`;
