@@ -65,6 +65,12 @@ interface FakeInvoker {
   invoker: Invoker;
   /** Runs held in their call (after their start) until `release`. */
   hold: Set<string>;
+  /**
+   * The next run to start is held (added to `hold`), whichever it is: the queues do not promise to start an
+   * app's runs in the order they were accepted (on JetStream a run whose message is relayed, its first publish
+   * failed or not yet claimed, comes after runs accepted later).
+   */
+  holdNext: boolean;
   release(id: string): void;
   /** Runs whose next attempt ends in a retry after `ms` (a `[retries]` policy's delay), once each. */
   retryAfter: Map<string, number>;
@@ -76,6 +82,7 @@ function fakeInvoker(node: string, recorder: RunRecorder, happened: Happened[]):
   const waiting = new Map<string, () => void>();
   const fake: FakeInvoker = {
     hold: new Set(),
+    holdNext: false,
     retryAfter: new Map(),
     calls: new Map(),
     release(id) {
@@ -92,6 +99,10 @@ function fakeInvoker(node: string, recorder: RunRecorder, happened: Happened[]):
         }
         happened.push({ kind: 'start', runId: id, node, at: Date.now() });
         fake.calls.set(id, { fn: request.fn, body: String(request.body), webhookUrl: request.webhookUrl });
+        if (fake.holdNext) {
+          fake.holdNext = false;
+          fake.hold.add(id);
+        }
         if (fake.hold.has(id)) await new Promise<void>((resolve) => waiting.set(id, resolve));
         const delayMs = fake.retryAfter.get(id);
         fake.retryAfter.delete(id);
@@ -249,6 +260,30 @@ function runQueueContract(impl: QueueImplementation): void {
 
     const starts = (id: string) => happened.filter((h) => h.runId === id && h.kind === 'start');
 
+    /** The one of `ids` that started and is held (holdNext), once it has started. */
+    async function heldRun(n: QueueNode, ids: string[]): Promise<string> {
+      await waitUntil(
+        async () => ids.some((id) => n.fake.hold.has(id)),
+        'one of the runs to start',
+        20_000,
+        () => stateOf(n, ids),
+      );
+      return ids.find((id) => n.fake.hold.has(id))!;
+    }
+
+    /** What a wait that timed out prints: the node's backlog, the runs' events and their records. */
+    async function stateOf(n: QueueNode, ids: string[]) {
+      return {
+        backlog: n.queue.backlog,
+        happened: happened.filter((h) => ids.includes(h.runId)),
+        runs: await setup.store
+          .selectFrom('runs')
+          .select(['id', 'state', 'owner', 'attempts', 'published_at', 'publishes', 'created_at'])
+          .where('id', 'in', ids)
+          .execute(),
+      };
+    }
+
     /** Waits until the run's record is final (its end committed), bounded generously. */
     async function finished(id: string) {
       await waitUntil(async () => {
@@ -305,24 +340,16 @@ function runQueueContract(impl: QueueImplementation): void {
     it('counts in `backlog` the runs a node holds, queued or running, until they end', async () => {
       const a = await startNode();
       const app = appOf(1);
-      const first = await accept(a, app);
-      a.fake.hold.add(first);
-      // Held before its start: the first is the one in flight, the others wait behind it (capacity 1).
-      const rest = [await accept(a, app), await accept(a, app)];
-      await waitUntil(async () => starts(first).length === 1, 'the first run to start');
+      // The first run to start is held: it is the one in flight, the others wait behind it (capacity 1).
+      a.fake.holdNext = true;
+      const ids = [await accept(a, app), await accept(a, app), await accept(a, app)];
+      const first = await heldRun(a, ids);
+      const rest = ids.filter((id) => id !== first);
       await waitUntil(
         async () => a.queue.backlog === 3,
         'a backlog of 3 (one running, two queued)',
         20_000,
-        async () => ({
-          backlog: a.queue.backlog,
-          happened: happened.filter((h) => h.runId === first || rest.includes(h.runId)),
-          runs: await setup.store
-            .selectFrom('runs')
-            .select(['id', 'state', 'owner', 'attempts', 'published_at', 'publishes', 'created_at'])
-            .where('id', 'in', [first, ...rest])
-            .execute(),
-        }),
+        () => stateOf(a, ids),
       );
       for (const id of rest) assert.equal(starts(id).length, 0, 'the app is at capacity: the others wait');
       a.fake.release(first);
@@ -333,10 +360,10 @@ function runQueueContract(impl: QueueImplementation): void {
     it('never performs a queued run cancelled before its turn', async () => {
       const a = await startNode();
       const app = appOf(1);
-      const first = await accept(a, app);
-      a.fake.hold.add(first);
-      const doomed = await accept(a, app);
-      await waitUntil(async () => starts(first).length === 1, 'the first run to start');
+      a.fake.holdNext = true;
+      const ids = [await accept(a, app), await accept(a, app)];
+      const first = await heldRun(a, ids);
+      const doomed = ids.find((id) => id !== first)!;
       const cancelled = await setup.store.transaction().execute((trx) =>
         cancelQueued(trx, [{ id: doomed, webhook_endpoint: null }], {
           message: ERRORS.FERRY_RUN_CANCELLED.message,
@@ -392,10 +419,16 @@ function runQueueContract(impl: QueueImplementation): void {
     it('lets go at close of the runs it holds and has not started; the run in flight finishes; another node performs them', async () => {
       const a = await startNode();
       const app = appOf(1);
-      const first = await accept(a, app);
-      a.fake.hold.add(first);
-      const waiting = [await accept(a, app), await accept(a, app)];
-      await waitUntil(async () => starts(first).length === 1 && a.queue.backlog === 3, 'a holding three runs');
+      a.fake.holdNext = true;
+      const ids = [await accept(a, app), await accept(a, app), await accept(a, app)];
+      const first = await heldRun(a, ids);
+      const waiting = ids.filter((id) => id !== first);
+      await waitUntil(
+        async () => a.queue.backlog === 3,
+        'a holding three runs',
+        20_000,
+        () => stateOf(a, ids),
+      );
       const closing = a.queue.close();
       a.fake.release(first);
       await closing;
