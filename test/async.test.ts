@@ -26,7 +26,7 @@ describe('async runs', () => {
         const r = await record(app, runId);
         return ['success', 'failure', 'timeout', 'cancelled'].includes(r.json.state) ? r.json : undefined;
       },
-      30_000,
+      60_000,
       `run ${runId}`,
     );
   const countRuns = async () =>
@@ -44,9 +44,10 @@ describe('async runs', () => {
     auth = await server.bootstrap();
     await deployFiles(server, auth, 'jobs', {
       // The grace period also covers waiting for the one slot and for a cold start (the timeout below retires
-      // the replica): 6 s leaves room for those on a busy machine.
+      // the replica): 20 s leaves room for those on a slow machine under the full suite, where 6 s did not
+      // (the first run ended `timeout` in a CI run on PostgreSQL).
       'ferry.toml':
-        '[app]\nname = "jobs"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 1\nresponse_grace_period = 6\n',
+        '[app]\nname = "jobs"\n[scaling]\nmax_replicas = 1\nreplica_concurrency = 1\nresponse_grace_period = 20\n',
       'main.ts': `
 export async function work({ ms = 10, value = 1 }: { ms?: number; value?: number }) { await new Promise((r) => setTimeout(r, ms)); return { doubled: value * 2 }; }
 export function boom() { throw new RangeError('out of range'); }
