@@ -140,10 +140,12 @@ export async function slow() { await new Promise((r) => setTimeout(r, 5000)); re
   });
 
   it('an ending not listed in `on` is not retried (a timeout, here)', async () => {
+    // The grace also covers the cold start: 10 s lets the one attempt start on a loaded machine (1 s did
+    // not: the run timed out before it started, with no attempt), and the function outlasts it by far.
     await deployFiles(server, auth, 'strict', {
       'ferry.toml':
-        '[app]\nname = "strict"\n[scaling]\nresponse_grace_period = 1\n[retries]\nmax_attempts = 5\non = ["failure"]\n',
-      'main.ts': 'export async function run() { await new Promise((r) => setTimeout(r, 4000)); return 1; }\n',
+        '[app]\nname = "strict"\n[scaling]\nresponse_grace_period = 10\n[retries]\nmax_attempts = 5\non = ["failure"]\n',
+      'main.ts': 'export async function run() { await new Promise((r) => setTimeout(r, 120_000)); return 1; }\n',
     });
     const res = await call('strict', 'run', {});
     const run = await settled('strict', res.json.run_id);
