@@ -271,6 +271,24 @@ function runQueueContract(impl: QueueImplementation): void {
       return ids.find((id) => n.fake.hold.has(id))!;
     }
 
+    /**
+     * `n` runs accepted on `node` for `app` (capacity 1), the first of them to start held in flight (whichever
+     * it is: a queue may start a relayed run after later ones), once the node holds all `n`, running or queued.
+     */
+    async function oneHeld(node: QueueNode, app: ReturnType<typeof appOf>, n: number) {
+      node.fake.holdNext = true;
+      const ids: string[] = [];
+      for (let i = 0; i < n; i++) ids.push(await accept(node, app));
+      const held = await heldRun(node, ids);
+      await waitUntil(
+        async () => node.queue.backlog === n,
+        `the node holding ${n} runs (one running, the others queued)`,
+        20_000,
+        () => stateOf(node, ids),
+      );
+      return { ids, held, rest: ids.filter((id) => id !== held) };
+    }
+
     /** What a wait that timed out prints: the node's backlog, the runs' events and their records. */
     async function stateOf(n: QueueNode, ids: string[]) {
       return {
@@ -339,18 +357,8 @@ function runQueueContract(impl: QueueImplementation): void {
 
     it('counts in `backlog` the runs a node holds, queued or running, until they end', async () => {
       const a = await startNode();
-      const app = appOf(1);
       // The first run to start is held: it is the one in flight, the others wait behind it (capacity 1).
-      a.fake.holdNext = true;
-      const ids = [await accept(a, app), await accept(a, app), await accept(a, app)];
-      const first = await heldRun(a, ids);
-      const rest = ids.filter((id) => id !== first);
-      await waitUntil(
-        async () => a.queue.backlog === 3,
-        'a backlog of 3 (one running, two queued)',
-        20_000,
-        () => stateOf(a, ids),
-      );
+      const { held: first, rest } = await oneHeld(a, appOf(1), 3);
       for (const id of rest) assert.equal(starts(id).length, 0, 'the app is at capacity: the others wait');
       a.fake.release(first);
       for (const id of [first, ...rest]) assert.equal((await finished(id)).state, 'success');
@@ -360,10 +368,12 @@ function runQueueContract(impl: QueueImplementation): void {
     it('never performs a queued run cancelled before its turn', async () => {
       const a = await startNode();
       const app = appOf(1);
-      a.fake.holdNext = true;
-      const ids = [await accept(a, app), await accept(a, app)];
-      const first = await heldRun(a, ids);
-      const doomed = ids.find((id) => id !== first)!;
+      // Cancelled while the node holds it, waiting behind the run in flight.
+      const {
+        held: first,
+        rest: [doomed],
+      } = await oneHeld(a, app, 2);
+      assert.ok(doomed);
       const cancelled = await setup.store.transaction().execute((trx) =>
         cancelQueued(trx, [{ id: doomed, webhook_endpoint: null }], {
           message: ERRORS.FERRY_RUN_CANCELLED.message,
@@ -418,17 +428,7 @@ function runQueueContract(impl: QueueImplementation): void {
 
     it('lets go at close of the runs it holds and has not started; the run in flight finishes; another node performs them', async () => {
       const a = await startNode();
-      const app = appOf(1);
-      a.fake.holdNext = true;
-      const ids = [await accept(a, app), await accept(a, app), await accept(a, app)];
-      const first = await heldRun(a, ids);
-      const waiting = ids.filter((id) => id !== first);
-      await waitUntil(
-        async () => a.queue.backlog === 3,
-        'a holding three runs',
-        20_000,
-        () => stateOf(a, ids),
-      );
+      const { held: first, rest: waiting } = await oneHeld(a, appOf(1), 3);
       const closing = a.queue.close();
       a.fake.release(first);
       await closing;
