@@ -88,6 +88,12 @@ export async function openPostgresStore(options: { databaseUrl: string; poolSize
   // An idle connection that breaks (the server restarted) is dropped from the pool; the next query that
   // needs one opens a new connection. Without a listener this event would end the process.
   pool.on('error', () => {});
+  // Every statement is planned for the table as it is when it runs (store/prepared.ts says why): queued on
+  // the new connection before anything the pool hands it out for. A server that refuses (none Ferry
+  // supports) keeps its default.
+  pool.on('connect', (client) => {
+    client.query('set plan_cache_mode = force_custom_plan').catch(() => {});
+  });
   // Errors meaning the server cannot be reached are thrown as StoreUnavailableError (a 503, not a 500).
   const db = new Kysely<Database>({ dialect: new PostgresDialect({ pool: reportingOutages(pool) }) });
   try {

@@ -3,8 +3,16 @@
  * store/run-updates.ts, store/claims.ts) run as named prepared statements: each connection parses and plans
  * a text once, then only binds and executes it. Unnamed, the server parsed and planned the group commit's
  * INSERT (36 array parameters) again every time: 575 µs of a backend's CPU per statement of 9 runs against
- * 345 µs prepared (bench/README.md, bench:cluster (c)). Their plans cannot go wrong generically: every one
- * finds its runs by primary key through an InitPlan (store/claims.ts anyOf) or inserts by `unnest`.
+ * 345 µs prepared (bench/README.md, bench:cluster (c)).
+ *
+ * They are planned again at every execution all the same (`plan_cache_mode = force_custom_plan`, set on each
+ * connection by openPostgresStore). After five executions PostgreSQL may keep one generic plan for a named
+ * statement, made for the table as it was then, until runs is next analyzed. Made on a young, near empty
+ * runs table, that plan was a sequential scan, and it stayed one while the table grew under load:
+ * bench:cluster (c) read 334 to 811 rows per run by sequential scans, its claims took 10.5 ms each (64 runs
+ * of 14,000, 3,234 buffers) and its starts 4.9 ms. Planned each time, they read by primary key (an InitPlan,
+ * store/claims.ts anyOf) once the table is larger than a few pages; the planning costs the backends about
+ * 7 µs per run of bench:async (83-84 against 90-91 µs).
  *
  * A text is named by its hash, so one name never stands for two texts on a connection (node-postgres
  * refuses that). Only texts registered here are prepared, at most MAX_PREPARED of them: the texts that vary

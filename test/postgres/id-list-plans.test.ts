@@ -11,7 +11,7 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import { type CompiledQuery, Kysely, PostgresDialect } from 'kysely';
+import { type CompiledQuery, Kysely, PostgresDialect, sql } from 'kysely';
 import pg from 'pg';
 import { newRunRow } from '../../src/runs/recorder.js';
 import {
@@ -22,6 +22,7 @@ import {
   startRuns,
   unfinishedRunsOf,
 } from '../../src/store/claims.js';
+import { openPostgresStore, type Store } from '../../src/store/index.js';
 import { insertRunsAndStart, insertRunsIgnoring } from '../../src/store/run-inserts.js';
 import { updateRuns } from '../../src/store/run-updates.js';
 import type { Database } from '../../src/store/schema.js';
@@ -159,4 +160,68 @@ describe('statements on a list of run ids use the primary key (PostgreSQL, no st
       for (const scan of scans) assert.equal(scan, 'runs_pkey', `${name} scans runs with ${scan}: ${scans.join(', ')}`);
     });
   }
+});
+
+/**
+ * After five executions PostgreSQL may keep a generic plan for a named prepared statement, made for the
+ * table as it was then. Ferry's hot statements are named (store/prepared.ts), so on a young database each
+ * connection kept plans made while runs was near empty: sequential scans, which stayed while the table grew
+ * under load (bench:cluster (c): 334 to 811 rows read per run, 10.5 ms per claim of 64 runs). Ferry's
+ * connections plan every execution (`plan_cache_mode = force_custom_plan`): here the store's one connection
+ * runs the statements on a near empty table, then after it grew, and none may have been run with a generic
+ * plan (the describe above shows the plans made for a grown table read runs by primary key).
+ */
+describe('named statements are planned for the table as it is, not as it was (PostgreSQL)', () => {
+  let database: TestDatabase;
+  let store: Store;
+  const build = { projectId: 'p1', appId: 'a1', buildId: 'b1' };
+  const id = (i: number) => `0190c000-0000-7000-8000-${String(i).padStart(12, '0')}`;
+
+  before(async () => {
+    database = await createTestDatabase();
+    // One connection: the statements below and the questions about them share one session.
+    store = await openPostgresStore({ databaseUrl: database.url, poolSize: 1 });
+    await sql`alter table runs set (autovacuum_enabled = false)`.execute(store);
+  });
+  after(async () => {
+    await store?.destroy();
+    await database?.drop();
+  });
+
+  /** A worker's round on runs `from` to `to`: claimed, started and ended, as the JetStream queue does it. */
+  async function round(from: number, to: number): Promise<void> {
+    const ids = Array.from({ length: to - from }, (_, k) => id(from + k));
+    await claimPublishedRuns(store, ME, ids);
+    await startRuns(store, ME, ids, new Date().toISOString());
+    await updateRuns(
+      store,
+      ids.map((runId) => ({ id: runId, changes: { state: 'success' as const }, attempt: 1 })),
+      ME,
+    );
+  }
+
+  it('runs none of the claim, start and end with a generic plan, young or grown', async () => {
+    const queued = (from: number, n: number) =>
+      Array.from({ length: n }, (_, k) => newRunRow({ id: id(from + k), build, fn: 'f', mode: 'async', input: '{}' }));
+    // Young: ten rounds of four runs each on a table of forty.
+    await insertRunsIgnoring(store, queued(0, 40));
+    for (let r = 0; r < 10; r++) await round(r * 4, r * 4 + 4);
+    // Grown: 20,000 runs more, never analyzed, then one more round.
+    for (let i = 0; i < 20_000; i += 2_000) await insertRunsIgnoring(store, queued(1_000 + i, 2_000));
+    await round(1_000, 1_064);
+    const { rows } = await sql<{ statement: string; generic_plans: string; custom_plans: string }>`
+      select statement, generic_plans, custom_plans from pg_prepared_statements where statement like '%"runs"%'`.execute(
+      store,
+    );
+    assert.ok(rows.length >= 3, `the claim, start and end are prepared: ${rows.length} statements`);
+    for (const row of rows) {
+      assert.equal(
+        Number(row.generic_plans),
+        0,
+        `run with a generic plan ${row.generic_plans} times (${row.custom_plans} custom): ${row.statement.slice(0, 120)}`,
+      );
+    }
+    const mode = await sql<{ plan_cache_mode: string }>`show plan_cache_mode`.execute(store);
+    assert.equal(mode.rows[0]?.plan_cache_mode, 'force_custom_plan');
+  });
 });
