@@ -1,7 +1,7 @@
 /**
  * The hot statements of a run's life on PostgreSQL (its insert, its start, its end: store/run-inserts.ts,
- * store/run-updates.ts, store/claims.ts) run as named prepared statements: each connection parses and plans
- * a text once, then only binds and executes it. Unnamed, the server parsed and planned the group commit's
+ * store/run-updates.ts, store/claims.ts) run as named prepared statements: each connection parses a text
+ * once, then binds, plans and executes it. Unnamed, the server parsed and planned the group commit's
  * INSERT (36 array parameters) again every time: 575 µs of a backend's CPU per statement of 9 runs against
  * 345 µs prepared (bench/README.md, bench:cluster (c)).
  *
