@@ -31,6 +31,7 @@ import assert from 'node:assert/strict';
 import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
 import { after, afterEach, before, describe, it } from 'node:test';
+import { jetstreamManager } from '@nats-io/jetstream';
 import { parseAppConfig } from '../src/apps/app-config.js';
 import { clusterNames, createNatsLink, type NatsLink } from '../src/cluster/nats.js';
 import { ERRORS } from '../src/errors.js';
@@ -147,11 +148,15 @@ interface QueueSetup {
   /** The owner a run accepted on `node` is inserted with, as this implementation chooses it. */
   expectedOwner(node: QueueNode): string | null;
   node(deps: { id: string; targets: RunTargets; happened: Happened[] }): Promise<QueueNode>;
+  /** JetStream: how many messages the runs stream has stored since it was made (its last sequence). */
+  streamStored?(): Promise<number>;
   cleanUp(): Promise<void>;
 }
 
 interface QueueImplementation {
   name: string;
+  /** The queue carries runs in messages (JetStream): the tests of how they are carried apply. */
+  messages?: true;
   open(): Promise<QueueSetup>;
 }
 
@@ -449,6 +454,55 @@ function runQueueContract(impl: QueueImplementation): void {
       }
     });
 
+    if (impl.messages) {
+      it('carries runs accepted together in one message; no node takes more of it than it has room for; each is performed once', async () => {
+        const a = await startNode();
+        const b = await startNode();
+        // Capacity 1, every start held until the end: a node holds one run in flight and what room it has
+        // queued (the async worker's, 32 at most for an app), fewer than the 40 accepted together here.
+        const app = appOf(1);
+        const rows = Array.from({ length: 40 }, () =>
+          newRunRow({ id: uuidv7(), build: app, fn: 'work', mode: 'async', input: '{}', owner: null }),
+        );
+        for (const r of rows) {
+          a.fake.hold.add(r.id);
+          b.fake.hold.add(r.id);
+        }
+        const ids = rows.map((r) => r.id);
+        const storedBefore = (await setup.streamStored?.()) ?? 0;
+        // Committed together, then told together, as a write of the recorder's group commit is.
+        await Promise.all(rows.map((r) => a.recorder.insertNow(r)));
+        for (const r of rows) a.queue.accepted(acceptedRun(r), null);
+        await waitUntil(
+          async () => a.queue.backlog > 0 && b.queue.backlog > 0,
+          'both nodes to take runs of the message',
+          20_000,
+          () => stateOf(a, ids),
+        );
+        assert.ok(a.queue.backlog < 40 && b.queue.backlog < 40, `held ${a.queue.backlog} and ${b.queue.backlog} of 40`);
+        const free = await setup.store
+          .selectFrom('runs')
+          .select('id')
+          .where('id', 'in', ids)
+          .where('owner', 'is', null)
+          .where('state', '=', 'queued')
+          .execute();
+        assert.equal(free.length, 40 - a.queue.backlog - b.queue.backlog, 'the rest wait in the store, free');
+        for (const id of ids) {
+          a.fake.release(id);
+          b.fake.release(id);
+        }
+        for (const id of ids) {
+          const r = await finished(id);
+          assert.equal(r.state, 'success', id);
+          assert.equal(r.attempts, 1, `${id} started once`);
+          assert.equal(starts(id).length, 1, `${id} performed once`);
+        }
+        const stored = ((await setup.streamStored?.()) ?? 0) - storedBefore;
+        assert.ok(stored >= 1 && stored <= 20, `${stored} messages carried the 40 runs`);
+      });
+    }
+
     it('closes with nothing in hand, and takes nothing after', async () => {
       const a = await startNode();
       await a.queue.close();
@@ -527,6 +581,7 @@ runQueueContract({
 
 runQueueContract({
   name: 'the JetStream queue on PostgreSQL',
+  messages: true,
   async open() {
     const { store, database } = await postgresStore();
     const cluster = `CONTRACTS_${randomBytes(6).toString('hex')}`;
@@ -565,6 +620,15 @@ runQueueContract({
             await link.close();
           },
         };
+      },
+      async streamStored() {
+        // The newest node's link (the nodes of earlier tests are closed).
+        const nc = links.at(-1)?.current();
+        assert.ok(nc, 'a node connected to NATS');
+        const jsm = await jetstreamManager(nc);
+        // Not made yet: nothing stored.
+        const info = await jsm.streams.info(clusterNames(cluster).runsStream).catch(() => undefined);
+        return info?.state.last_seq ?? 0;
       },
       async cleanUp() {
         for (const link of links) await link.close();

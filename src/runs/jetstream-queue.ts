@@ -2,41 +2,43 @@
  * The run queue on NATS JetStream (`--nats-url`): see run-queue.ts for the seam, docs/scaling-out.md
  * ("The async queue on JetStream") for the design in prose.
  *
- * - **Publish.** An accepted run is committed free (no owner) before its 202, then published, after the
- *   202 and never in its way, to the work-queue stream `<cluster>_runs` on `<cluster>.runs.<project>.<app>`
- *   with the message id `<run id>.0` (JetStream drops a second publish of one id within its duplicate
+ * - **Publish.** An accepted run is committed free (no owner) before its 202, then published, after the 202 and never
+ *   in its way, to the work-queue stream `<cluster>_runs` on `<cluster>.runs.<project>.<app>`. One message carries the
+ *   runs of one app handed over together (committed by one write of the store; at most MESSAGE_RUNS, their ids one per
+ *   line), with the message id `<first run id>.0` (JetStream drops a second publish of one id within its duplicate
  *   window). Publishes are pipelined on the one connection as plain publishes whose replies (JetStream's
- *   acknowledgements) come to one subscription of the node (publishAccepted says why). Acknowledged ones
- *   are recorded (`published_at`) once a second old, one UPDATE a second for all of them, on the runs still
- *   waiting for a node and never started (a run started and queued again since had that message
- *   acknowledged; a run claimed by then needs no mark: the relay leaves held runs alone).
- * - **Relay.** Every node republishes queued runs held by nobody with no known message (their publish
- *   failed or was never tried, NATS being down; or recovery freed them, their message gone), once they are
- *   a few seconds old, as `<run id>.<publishes>`: a fresh id, so JetStream never drops a republish as a
- *   duplicate of a message it acknowledged earlier. Runs published long ago and still waiting are
- *   republished too, rarely (a message lost with the stream); a duplicate is harmless (below).
- * - **Consume** (only on nodes that run work, `consume`). One durable pull consumer per app, filtered on
- *   the app's subject (NATS 2.9 has no multi-filter consumers, and a work-queue stream forbids overlapping
- *   ones), created on demand. Which apps have messages is read from the stream's per-subject counts, which
- *   count every message not yet acknowledged, redeliveries included. Each app has its own fetch loop asking
- *   for at most the runs this node has room to hold for it (the async worker's limits), and loops are
- *   started taking turns over projects, so one project's backlog never stands in front of another's: a busy
- *   app is bounded by its own room, and every other app has its own consumer and loop.
- * - **Claim.** The runs of the messages that arrive together are claimed in one UPDATE (owner = this node,
- *   where queued and held by nobody). The record decides: a run not claimed is finished, or held by another
- *   node (which runs it; if that node dies, recovery frees the run and the relay publishes it again), and
- *   its message is acknowledged. Claimed runs go to the async worker, which runs them as on the store queue
- *   (fenced by owner, `attempts` counted at start).
- * - **Acknowledge.** A held message is kept alive with in-progress acks (`working()`) every third of the
- *   ack wait, whether its run waits here or runs. Once the worker is done with a run, its message is
- *   acknowledged when the store says the run is no longer this node's unfinished run (its final state is
- *   written by the recorder a few milliseconds later). A node that dies stops sending in-progress acks: its
- *   messages are redelivered after the ack wait, and its lease runs out; the record decides again.
- * - **Stages** (`metrics.stage`, the histogram `ferry_async_stage_seconds`): how long a run spent in each
- *   step above: `publish` (committed -> its publish acknowledged by JetStream, on the accepting node),
- *   `claim` (stored in the stream -> claimed here: the NATS server's clock against this node's), `start`
- *   (claimed -> its start written, a replica slot taken) and `ack` (the worker done with it -> its message
- *   acknowledged). Its run time is the record's `started_at` -> `finished_at`.
+ *   acknowledgements) come to one subscription of the node (publishAccepted says why). Acknowledged ones are recorded
+ *   (`published_at`) once a second old, one UPDATE a second for all of them, on the runs still waiting for a node and
+ *   never started (a run started and queued again since had that message acknowledged; a run claimed by then needs no
+ *   mark: the relay leaves held runs alone).
+ * - **Relay.** Every node republishes queued runs held by nobody with no known message (their publish failed or was
+ *   never tried, NATS being down; or recovery freed them, their message gone), once they are a few seconds old, one to
+ *   a message, as `<run id>.<publishes>`: a fresh id, so JetStream never drops a republish as a duplicate of a message
+ *   it acknowledged earlier. Runs published long ago and still waiting are republished too, rarely (a message lost with
+ *   the stream); a duplicate is harmless (below).
+ * - **Consume** (only on nodes that run work, `consume`). One durable pull consumer per app, filtered on the app's
+ *   subject (NATS 2.9 has no multi-filter consumers, and a work-queue stream forbids overlapping ones), created on
+ *   demand. Which apps have messages is read from the stream's per-subject counts, which count every message not yet
+ *   acknowledged, redeliveries included. Each app has its own fetch loop asking for about as many messages as this node
+ *   has room to hold runs of it (the async worker's limits), going by the runs per message seen lately, and loops are
+ *   started taking turns over projects, so one project's backlog never stands in front of another's: a busy app is
+ *   bounded by its own room, and every other app has its own consumer and loop.
+ * - **Claim.** The runs of the messages that arrive together are claimed in one UPDATE (owner = this node, where
+ *   queued, due and held by nobody), at most the room this node has for the app now. The record decides: a run not
+ *   claimed is finished, or held by another node (which runs it; if that node dies, recovery frees the run and the
+ *   relay publishes it again), or left free (over the room). A message with runs left free is nak'd, for the next node
+ *   with room (the runs of it claimed here are held with no message); one with none held here is acknowledged. Claimed
+ *   runs go to the async worker, which runs them as on the store queue (fenced by owner, `attempts` counted at start).
+ * - **Acknowledge.** A held message is kept alive with in-progress acks (`working()`) every third of the ack wait,
+ *   while a run of it waits here or runs. Once the worker is done with a run and its final state is committed (the
+ *   recorder reports it, or the store no longer shows the run as this node's unfinished run), the run no longer stands
+ *   on its message; the message is acknowledged once none of its runs does. A node that dies stops sending in-progress
+ *   acks: its messages are redelivered after the ack wait, and its lease runs out; the record decides again.
+ * - **Stages** (`metrics.stage`, the histogram `ferry_async_stage_seconds`): how long a run spent in each step above:
+ *   `publish` (committed -> its publish acknowledged by JetStream, on the accepting node), `claim` (stored in the
+ *   stream -> claimed here: the NATS server's clock against this node's), `start` (claimed -> its start written, a
+ *   replica slot taken) and `ack` (the worker done with it -> its message acknowledged). Its run time is the record's
+ *   `started_at` -> `finished_at`.
  */
 import {
   AckPolicy,
@@ -119,6 +121,12 @@ export interface JetStreamQueueOptions {
 const FETCH_EXPIRES_MS = 5_000;
 /** At most this many messages per fetch. */
 const FETCH_MAX = 64;
+/**
+ * At most this many runs in one message: the runs of one app accepted together (committed by one write of
+ * the recorder, or a few) go in one message, so the stream, its consumers and the acks cost a message per
+ * batch rather than per run (bench/README.md, bench:cluster (c)).
+ */
+const MESSAGE_RUNS = 64;
 /** An app's fetch loop stops after this long with no messages seen on its subject. */
 const APP_IDLE_MS = 30_000;
 const RELAY_BATCH = 500;
@@ -148,6 +156,52 @@ interface AppFeed {
   current?: ConsumerMessages;
   /** The app was deleted: its loop ends and never makes its consumer again. */
   forgotten?: boolean;
+  /** Runs per message fetched lately (a moving average): how many messages a fetch asks for. */
+  runsPerMessage: number;
+}
+
+/** A fetched message and the runs of it this node holds (queued here or running) under it. */
+interface HeldMessage {
+  msg: JsMsg;
+  runs: Set<string>;
+  /** Acknowledged or nak'd: nothing more is said about it. */
+  gone?: boolean;
+}
+
+/** Separates the run ids of one message (run ids are letters and digits: ids.ts). */
+const RUN_SEPARATOR = '\n';
+
+/** The run ids a message of the runs stream carries: one or more (a relayed run's message has one). */
+export function runsOfMessage(body: string): string[] {
+  return body.split(RUN_SEPARATOR).filter((id) => id !== '');
+}
+
+/**
+ * The messages that carry runs accepted together: one per app (its subject), of at most MESSAGE_RUNS
+ * runs each, in the order they were accepted.
+ */
+function messagesOf(
+  runs: AcceptedRun[],
+  committedAt: number[],
+  subjectOf: (run: AcceptedRun) => string,
+): Array<{ subject: string; runs: AcceptedRun[]; committedAt: Array<number | undefined> }> {
+  const bySubject = new Map<string, { subject: string; runs: AcceptedRun[]; committedAt: Array<number | undefined> }>();
+  const full: Array<{ subject: string; runs: AcceptedRun[]; committedAt: Array<number | undefined> }> = [];
+  for (const [i, run] of runs.entries()) {
+    const subject = subjectOf(run);
+    let group = bySubject.get(subject);
+    if (!group) {
+      group = { subject, runs: [], committedAt: [] };
+      bySubject.set(subject, group);
+    }
+    group.runs.push(run);
+    group.committedAt.push(committedAt[i]);
+    if (group.runs.length === MESSAGE_RUNS) {
+      full.push(group);
+      bySubject.delete(subject);
+    }
+  }
+  return [...full, ...bySubject.values()];
 }
 
 export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueue {
@@ -233,7 +287,10 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
    * JetStream or skipped by the claim).
    */
   let acks: { nc: NatsConnection; inbox: string; subscription: Subscription } | undefined;
-  const awaitingAck = new Map<string, { run: AcceptedRun; committedAt: number | undefined; sentAt: number }>();
+  const awaitingAck = new Map<
+    string,
+    { runs: AcceptedRun[]; committedAt: Array<number | undefined>; sentAt: number }
+  >();
   let nextToken = 0;
 
   function acksInbox(nc: NatsConnection): string {
@@ -269,13 +326,18 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       }
     }
     if (!stored) {
-      metrics?.publishFailed(1);
-      logger.debug({ runId: waiting.run.id }, 'publishing an accepted run failed; the relay publishes it');
+      metrics?.publishFailed(waiting.runs.length);
+      logger.debug({ runs: waiting.runs.length }, 'publishing accepted runs failed; the relay publishes them');
       return;
     }
-    metrics?.published('accept', 1);
-    if (stage && waiting.committedAt !== undefined) stage('publish', (performance.now() - waiting.committedAt) / 1000);
-    toMark.push({ id: waiting.run.id, at: Date.now() });
+    metrics?.published('accept', waiting.runs.length);
+    const now = performance.now();
+    const at = Date.now();
+    for (const [i, run] of waiting.runs.entries()) {
+      const committedAt = waiting.committedAt[i];
+      if (stage && committedAt !== undefined) stage('publish', (now - committedAt) / 1000);
+      toMark.push({ id: run.id, at });
+    }
   }
 
   /** Publishes not acknowledged within PUBLISH_ACK_MS: failed (the relay publishes their runs). */
@@ -285,7 +347,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     for (const [token, waiting] of awaitingAck) {
       if (waiting.sentAt > before) break;
       awaitingAck.delete(token);
-      failed += 1;
+      failed += waiting.runs.length;
     }
     if (failed > 0) {
       metrics?.publishFailed(failed);
@@ -310,18 +372,22 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         if (closed) return;
         const inbox = acksInbox(nc);
         const sentAt = Date.now();
-        for (const [i, run] of batch.entries()) {
+        for (const group of messagesOf(batch, batchAt, (r) => names.runsSubject(r.projectId, r.appId))) {
           const token = String(nextToken++);
           const h = headers();
-          h.set('Nats-Msg-Id', `${run.id}.0`);
+          // Its first run's id: a run is accepted once, in one message (the relay's ids end in 1, 2, …).
+          h.set('Nats-Msg-Id', `${group.runs[0]!.id}.0`);
           try {
-            nc.publish(names.runsSubject(run.projectId, run.appId), run.id, { reply: `${inbox}.${token}`, headers: h });
+            nc.publish(group.subject, group.runs.map((r) => r.id).join(RUN_SEPARATOR), {
+              reply: `${inbox}.${token}`,
+              headers: h,
+            });
           } catch (err) {
-            metrics?.publishFailed(1);
-            logger.debug({ err, runId: run.id }, 'publishing an accepted run failed; the relay publishes it');
+            metrics?.publishFailed(group.runs.length);
+            logger.debug({ err, runs: group.runs.length }, 'publishing accepted runs failed; the relay publishes them');
             continue;
           }
-          awaitingAck.set(token, { run, committedAt: batchAt[i], sentAt });
+          awaitingAck.set(token, { runs: group.runs, committedAt: group.committedAt, sentAt });
         }
       },
       (err: unknown) => {
@@ -418,8 +484,13 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
 
   // ---- consuming ----
   const feeds = new Map<string, AppFeed>();
-  /** The message of every run this node holds (queued here or running). */
-  const heldMessages = new Map<string, JsMsg>();
+  /**
+   * The message of every run this node holds (queued here or running) under one: a message carries one or
+   * more runs, and is acknowledged once none of its runs is held here any more (HeldMessage). A run held
+   * with no message (its message was nak'd for runs of it left to other nodes, or let go at close) has no
+   * entry: the record and its lease stand for it.
+   */
+  const heldMessages = new Map<string, HeldMessage>();
   /**
    * Runs the worker is done with, whose message waits for their end to be committed: reported by the
    * recorder (`finished`), or else found in the store (ackSettled), with when the worker was done.
@@ -444,14 +515,16 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         },
         onReleased(runIds) {
           // Let go in the store already (published_at cleared): another node may take them at once. Their
-          // messages are nak'd, but a nak'd message may go to a pull request of this node's still open on the
-          // server, and wait out the ack wait there: the relay publishes them again, so a mark of their
-          // publish not yet written must not be written now.
+          // messages are nak'd (the runs of them still running here are held on with no message: a node
+          // that takes the message acknowledges it for them), but a nak'd message may go to a pull request
+          // of this node's still open on the server, and wait out the ack wait there: the relay publishes
+          // them again, so a mark of their publish not yet written must not be written now.
           const released = new Set(runIds);
           toMark = toMark.filter((m) => !released.has(m.id));
           for (const id of runIds) {
-            heldMessages.get(id)?.nak();
+            const held = heldMessages.get(id);
             forgetHeld(id);
+            if (held) letGo(held);
           }
         },
         onRoom: () => kick(),
@@ -483,6 +556,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
         subject: names.runsSubject(projectId, appId),
         fetching: false,
         lastSeen: Date.now(),
+        runsPerMessage: 1,
       };
       feeds.set(key, feed);
     }
@@ -571,10 +645,13 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     try {
       while (!closed && !feed.forgotten && link.connected && Date.now() - feed.lastSeen <= APP_IDLE_MS) {
         const room = worker.room(feed.projectId, feed.appId);
-        const n = Math.min(FETCH_MAX, room.app, room.total - reservedTotal);
-        if (n <= 0) return;
+        const want = Math.min(room.app, room.total - reservedTotal);
+        if (want <= 0) return;
+        // Messages, each of one run or more: about as many as the runs this node has room for. A message
+        // with more runs than the room left has the rest left to other nodes (claimBatch).
+        const n = Math.max(1, Math.min(FETCH_MAX, Math.floor(want / feed.runsPerMessage)));
         const consumer = await consumerOf(feed);
-        reservedTotal += n;
+        reservedTotal += want;
         let got = 0;
         try {
           const messages = await consumer.fetch({ max_messages: n, expires: FETCH_EXPIRES_MS });
@@ -587,7 +664,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
           const flush = () => {
             const b = batch;
             batch = [];
-            claiming = claiming.then(() => claimBatch(b));
+            claiming = claiming.then(() => claimBatch(feed, b));
             claimsInFlight.add(claiming);
             const mine = claiming;
             void mine.finally(() => claimsInFlight.delete(mine));
@@ -602,7 +679,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
           await claiming;
         } finally {
           feed.current = undefined;
-          reservedTotal -= n;
+          reservedTotal -= want;
         }
         if (got > 0) feed.lastSeen = Date.now();
       }
@@ -617,16 +694,26 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     }
   }
 
-  async function claimBatch(messages: JsMsg[]): Promise<void> {
+  async function claimBatch(feed: AppFeed, messages: JsMsg[]): Promise<void> {
     if (messages.length === 0 || !worker) return;
     if (closed) {
       for (const m of messages) m.nak();
       return;
     }
-    const ids = messages.map((m) => m.string());
+    const runsOf = new Map<JsMsg, string[]>();
+    let carried = 0;
+    for (const m of messages) {
+      const runs = runsOfMessage(m.string());
+      runsOf.set(m, runs);
+      carried += runs.length;
+    }
+    feed.runsPerMessage = Math.max(1, 0.8 * feed.runsPerMessage + (0.2 * carried) / messages.length);
+    const ids = [...new Set([...runsOf.values()].flat())];
+    // Up to the room this node has for the app now: what a fetch asked for is a guess of the runs to come.
+    const limit = worker.room(feed.projectId, feed.appId).app;
     let claimed: Awaited<ReturnType<typeof claimPublishedRuns>>;
     try {
-      claimed = await claimPublishedRuns(store, owner, ids);
+      claimed = await claimPublishedRuns(store, owner, ids, Date.now(), limit);
     } catch (err) {
       logger.warn({ err, runs: ids.length }, 'claiming fetched runs failed; they are delivered again');
       for (const m of messages) m.nak(1000);
@@ -648,7 +735,8 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       return;
     }
     const claimedIds = new Set(claimed.map((r) => r.id));
-    // Not claimed yet free (a race with another statement on the row): asked again shortly, never dropped.
+    // Not claimed yet free: over the room (left to other nodes), or a race with another statement on the
+    // row (asked again shortly). Their message is delivered again, never dropped.
     const unclaimed = ids.filter((id) => !claimedIds.has(id) && !heldMessages.has(id));
     let stillFree = new Set<string>();
     try {
@@ -658,32 +746,51 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       logger.warn({ err }, 'checking unclaimed runs failed; they are delivered again');
     }
     let skipped = 0;
+    const claimNow = new Set(claimedIds);
+    const cameIn = new Map<string, JsMsg>();
     for (const m of messages) {
-      const id = m.string();
-      if (claimedIds.has(id)) continue;
-      if (stillFree.has(id)) {
-        m.nak(200);
+      const runs = runsOf.get(m) ?? [];
+      const mine: string[] = [];
+      let free = 0;
+      let taken = 0;
+      for (const id of runs) {
+        if (claimNow.has(id)) {
+          taken += 1;
+          // Claimed now: the first message of it in this batch brings it; a later one stands for it.
+          mine.push(id);
+          if (!cameIn.has(id)) cameIn.set(id, m);
+        } else if (stillFree.has(id)) free += 1;
+        else if (heldMessages.has(id)) mine.push(id);
+        // Else finished, or another node's: the record decides, and nothing here runs it.
+        else skipped += 1;
+      }
+      if (free > 0) {
+        // Runs of it left free: the message goes to the next node with room (at once when this node took
+        // some of it now; else shortly, so a message no node has room for does not go round and round).
+        // The runs it took are held with no message.
+        if (taken > 0) m.nak();
+        else m.nak(200);
         continue;
       }
-      // A second message of a run held here (redelivered, or republished): it stands for the run now.
-      const mine = heldMessages.get(id);
-      if (mine && mine !== m) {
-        heldMessages.set(id, m);
-        mine.ack();
+      if (mine.length === 0) {
+        m.ack();
         continue;
       }
-      // Finished, or another node's: the record decides, and nothing here runs it.
-      m.ack();
-      skipped += 1;
+      // A message of runs held here (this one, or a second of a run held here: redelivered, or
+      // republished): it stands for them now.
+      const held: HeldMessage = { msg: m, runs: new Set(mine) };
+      for (const id of mine) {
+        const before = heldMessages.get(id);
+        heldMessages.set(id, held);
+        if (before && before !== held) done(before, id);
+      }
     }
     if (skipped > 0) metrics?.fetched('skipped', skipped);
     if (claimed.length > 0) metrics?.fetched('claimed', claimed.length);
-    const byId = new Map(messages.map((m) => [m.string(), m]));
     const claimedNow = performance.now();
     const wallNow = Date.now();
     for (const run of claimed) {
-      const m = byId.get(run.id);
-      if (m) heldMessages.set(run.id, m);
+      const m = cameIn.get(run.id);
       if (stage) {
         claimedAt.set(run.id, claimedNow);
         // Since the stream stored the message (the server's clock); a clock ahead of this node's reads 0.
@@ -703,6 +810,23 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     }
   }
 
+  /** Run `id` no longer stands on message `held`: once none does, the message is acknowledged. */
+  function done(held: HeldMessage, id: string): void {
+    held.runs.delete(id);
+    if (held.runs.size > 0 || held.gone) return;
+    held.gone = true;
+    held.msg.ack();
+  }
+
+  /** Lets go of a message at once (nak): its runs held here keep running with no message. */
+  function letGo(held: HeldMessage): void {
+    if (held.gone) return;
+    for (const id of held.runs) if (heldMessages.get(id) === held) heldMessages.delete(id);
+    held.runs.clear();
+    held.gone = true;
+    held.msg.nak();
+  }
+
   /** Forgets all this node holds about run `id`: its message, its settled mark and its stage times. */
   function forgetHeld(id: string): void {
     heldMessages.delete(id);
@@ -711,12 +835,16 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     settledAt.delete(id);
   }
 
-  /** Acknowledges a held run's message and forgets it (its run is over here, or another message stands for it). */
+  /**
+   * Done with a held run's message (its run is over here): the message is acknowledged once none of its runs
+   * is held here any more.
+   */
   function ackHeld(id: string): void {
-    heldMessages.get(id)?.ack();
+    const held = heldMessages.get(id);
     // Its end reported by the recorder before the worker settled it: acknowledged as it was done.
     const at = settledAt.get(id);
     forgetHeld(id);
+    if (held) done(held, id);
     if (stage) stage('ack', at === undefined ? 0 : (performance.now() - at) / 1000);
   }
 
@@ -750,7 +878,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
   }
 
   function keepAlive(): void {
-    for (const m of heldMessages.values()) m.working();
+    for (const held of new Set(heldMessages.values())) held.msg.working();
   }
 
   return {

@@ -186,31 +186,39 @@ export const MAX_RETURNED_CALL = 32 * 1024;
 
 /**
  * The runs of a batch of messages fetched from the runs stream (--nats-url), claimed by this node in one
- * statement: those still queued and held by nobody, with their call. A run missing from the answer is
- * finished, or held by another node (which runs it, or whose death frees it for the relay to publish again).
+ * statement: those still queued, due and held by nobody, with their call, at most `limit` of them (the room
+ * this node has for their app; a message carries the runs accepted together), lowest ids first. A run
+ * missing from the answer is finished, or held by another node (which runs it, or whose death frees it for
+ * the relay to publish again), or was left for another node (over `limit`: freeQueuedRunsOf tells).
  */
 export async function claimPublishedRuns(
   db: Db,
   owner: string,
   runIds: readonly string[],
   now = Date.now(),
+  limit = runIds.length,
 ): Promise<Array<ClaimedRun & ClaimedCall>> {
-  if (runIds.length === 0) return [];
+  if (runIds.length === 0 || limit <= 0) return [];
   // These exact runs: wait for a row another statement holds (the publisher marking it published), never
-  // skip it, or a free run would look taken. Locked in id order, so two claimers never deadlock; on
-  // PostgreSQL through an InitPlan, read once by primary key (anyOf says why).
+  // skip it, or a free run would look taken (PostgreSQL checks the conditions again on the row it waited
+  // for). Locked in id order, so two claimers never deadlock; on PostgreSQL through an InitPlan, read once
+  // by primary key (anyOf says why).
   const pick = db
     .selectFrom('runs')
     .select('id')
-    .where(anyOf(db, 'id', runIds));
+    .where(anyOf(db, 'id', runIds))
+    .where(ownerIs(null))
+    .where(stateIs('queued'))
+    .where('mode', '=', 'async')
+    .where(dueAt(now))
+    .orderBy('id')
+    .limit(limit);
   const small = sql<SqlBool>`coalesce(length(input), 0) + coalesce(length(http_request), 0) <= ${MAX_RETURNED_CALL}`;
   const claim = db
     .updateTable('runs')
     .set({ owner })
     .where(
-      dialectOf(db) === 'postgres'
-        ? sql<SqlBool>`id = any(array(${pick.orderBy('id').forUpdate()}))`
-        : sql<SqlBool>`id in (${pick})`,
+      dialectOf(db) === 'postgres' ? sql<SqlBool>`id = any(array(${pick.forUpdate()}))` : sql<SqlBool>`id in (${pick})`,
     )
     .where(ownerIs(null))
     .where(stateIs('queued'))
