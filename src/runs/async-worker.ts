@@ -144,7 +144,6 @@ export function createAsyncWorker(deps: {
   const inHand = new Map<string, number>();
   let pulling: Promise<void> | undefined;
   let pullAgain = false;
-  const abort = new AbortController();
 
   const keyOf = (q: { projectId: string; appId: string }) => `${q.projectId}/${q.appId}`;
   const heldLimit = (key: string) =>
@@ -188,7 +187,6 @@ export function createAsyncWorker(deps: {
       mode: 'async' as const,
       recorded: true,
       webhookUrl: run.webhook_endpoint ?? undefined,
-      signal: abort.signal,
       claim: deps.onStarted ? () => startTold(q.id) : () => start(q.id),
       retries: retriesOf(build, run),
     };
