@@ -119,7 +119,7 @@ export interface JetStreamQueueOptions {
 
 /** The longest a fetch waits for messages before it is asked again. */
 const FETCH_EXPIRES_MS = 5_000;
-/** At most this many messages per fetch. */
+/** At most this many runs wanted per fetch (and so at most this many messages). */
 const FETCH_MAX = 64;
 /**
  * At most this many runs in one message: the runs of one app accepted together (committed by one write of
@@ -645,11 +645,12 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
     try {
       while (!closed && !feed.forgotten && link.connected && Date.now() - feed.lastSeen <= APP_IDLE_MS) {
         const room = worker.room(feed.projectId, feed.appId);
-        const want = Math.min(room.app, room.total - reservedTotal);
+        // At most FETCH_MAX runs reserved per fetch, so one app's loop never takes the room of every other.
+        const want = Math.min(FETCH_MAX, room.app, room.total - reservedTotal);
         if (want <= 0) return;
-        // Messages, each of one run or more: about as many as the runs this node has room for. A message
-        // with more runs than the room left has the rest left to other nodes (claimBatch).
-        const n = Math.max(1, Math.min(FETCH_MAX, Math.floor(want / feed.runsPerMessage)));
+        // Messages, each of one run or more: about as many as the runs wanted. A message with more runs than
+        // the room left has the rest left to other nodes (claimBatch).
+        const n = Math.max(1, Math.floor(want / feed.runsPerMessage));
         const consumer = await consumerOf(feed);
         reservedTotal += want;
         let got = 0;
