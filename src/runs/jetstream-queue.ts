@@ -172,8 +172,15 @@ interface HeldMessage {
 const RUN_SEPARATOR = '\n';
 
 /** The run ids a message of the runs stream carries: one or more (a relayed run's message has one). */
-export function runsOfMessage(body: string): string[] {
+function runsOfMessage(body: string): string[] {
   return body.split(RUN_SEPARATOR).filter((id) => id !== '');
+}
+
+/** The runs one message carries, with when each was committed (performance.now(); with `stage` only). */
+interface OutgoingMessage {
+  subject: string;
+  runs: AcceptedRun[];
+  committedAt: Array<number | undefined>;
 }
 
 /**
@@ -184,9 +191,9 @@ function messagesOf(
   runs: AcceptedRun[],
   committedAt: number[],
   subjectOf: (run: AcceptedRun) => string,
-): Array<{ subject: string; runs: AcceptedRun[]; committedAt: Array<number | undefined> }> {
-  const bySubject = new Map<string, { subject: string; runs: AcceptedRun[]; committedAt: Array<number | undefined> }>();
-  const full: Array<{ subject: string; runs: AcceptedRun[]; committedAt: Array<number | undefined> }> = [];
+): OutgoingMessage[] {
+  const bySubject = new Map<string, OutgoingMessage>();
+  const full: OutgoingMessage[] = [];
   for (const [i, run] of runs.entries()) {
     const subject = subjectOf(run);
     let group = bySubject.get(subject);
@@ -287,10 +294,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
    * JetStream or skipped by the claim).
    */
   let acks: { nc: NatsConnection; inbox: string; subscription: Subscription } | undefined;
-  const awaitingAck = new Map<
-    string,
-    { runs: AcceptedRun[]; committedAt: Array<number | undefined>; sentAt: number }
-  >();
+  const awaitingAck = new Map<string, Omit<OutgoingMessage, 'subject'> & { sentAt: number }>();
   let nextToken = 0;
 
   function acksInbox(nc: NatsConnection): string {
@@ -747,7 +751,6 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       logger.warn({ err }, 'checking unclaimed runs failed; they are delivered again');
     }
     let skipped = 0;
-    const claimNow = new Set(claimedIds);
     const cameIn = new Map<string, JsMsg>();
     for (const m of messages) {
       const runs = runsOf.get(m) ?? [];
@@ -755,7 +758,7 @@ export function createJetStreamRunQueue(options: JetStreamQueueOptions): RunQueu
       let free = 0;
       let taken = 0;
       for (const id of runs) {
-        if (claimNow.has(id)) {
+        if (claimedIds.has(id)) {
           taken += 1;
           // Claimed now: the first message of it in this batch brings it; a later one stands for it.
           mine.push(id);
