@@ -13,8 +13,10 @@
  *   3. load, with Ferry stopped: the other apps (copies of the deployed app's build) and the runs, with
  *      inputs, results and log lines, written by Ferry's own store code (bench/scale-load.mjs);
  *   4. loaded: restart Ferry, and the same measurements as in 2, then a paced async load without retention;
- *   5. retention: restart Ferry with FERRY_RUN_RETENTION_DAYS=30 and FERRY_RETENTION_INTERVAL_SECONDS=1
- *      under the same paced async load, until the expired runs are gone: how long, and the worst 202.
+ *   5. retention: restart Ferry with FERRY_RUN_RETENTION_DAYS=30 and FERRY_RETENTION_INTERVAL_SECONDS=5
+ *      under the same paced async load, until the expired runs are gone: how long, and the worst 202. The
+ *      first pass comes 5 s after the start (as it comes 15 s after it in production), after Ferry's own
+ *      start and the intake app's first replica: the 202s before it are shown apart, not judged.
  *
  *   npm run build && npm run bench:scale
  *   npm run bench:scale -- --database-url postgres://postgres@127.0.0.1:5432/postgres
@@ -67,6 +69,12 @@ const READ_WARMUP = 10;
 const PACED_SECONDS = envInt('BENCH_SCALE_PACED_SECONDS', 10);
 const RETENTION_TIMEOUT_S = envInt('BENCH_SCALE_RETENTION_TIMEOUT', 1800);
 const EXPIRED_SHARE = 0.9;
+/**
+ * The retention phase's FERRY_RETENTION_INTERVAL_SECONDS: a process's first pass comes this long after its
+ * start (production's first pass comes RETENTION_FIRST_SECONDS, 15 s, after it), so the pass meets a
+ * started Ferry with the intake app's replica up, and the passes that follow come at most this far apart.
+ */
+const RETENTION_INTERVAL_S = 5;
 /** Share of the runs that belong to the deployed app (the one whose routes are read). */
 const MAIN_SHARE = 0.1;
 /** The app whose runs the bench reads, and the app that takes the load (so its runs stay out of the reads). */
@@ -487,9 +495,13 @@ async function measure(store) {
   await full.ferry.stop();
 
   console.log(
-    `\n-- retention: FERRY_RUN_RETENTION_DAYS=30, FERRY_RETENTION_INTERVAL_SECONDS=1, ${pacedRate} async calls/s --`,
+    `\n-- retention: FERRY_RUN_RETENTION_DAYS=30, FERRY_RETENTION_INTERVAL_SECONDS=${RETENTION_INTERVAL_S}, ${pacedRate} async calls/s --`,
   );
-  const retentionEnv = { ...env, FERRY_RUN_RETENTION_DAYS: '30', FERRY_RETENTION_INTERVAL_SECONDS: '1' };
+  const retentionEnv = {
+    ...env,
+    FERRY_RUN_RETENTION_DAYS: '30',
+    FERRY_RETENTION_INTERVAL_SECONDS: String(RETENTION_INTERVAL_S),
+  };
   ferry = await startFerry(dataDir, { env: retentionEnv });
   console.log(`ferry serve: ${ferry.url} (pid ${ferry.child.pid})`);
   let firstAt;
@@ -525,6 +537,11 @@ async function measure(store) {
     `  deleted ${deleted} of ${loaded.expired} expired runs in ${fmt(retention.seconds, 1)} s ` +
       `(${fmt(deleted / retention.seconds, 0)} runs/s); ${during.length} 202s meanwhile: p50 ${fmt(retention.p50)} ms, ` +
       `p99 ${fmt(retention.p99)} ms, worst ${fmt(retention.worst)} ms${paced.failed ? `; ${paced.failed} failed` : ''}`,
+  );
+  // Before the first pass: Ferry starting and the intake app's first replica (shown, not judged).
+  const before = summarize(paced.answers.filter((a) => firstAt !== undefined && a.at < firstAt).map((a) => a.ms));
+  console.log(
+    `  before the first pass (Ferry starting, not judged): ${before.n} 202s, p99 ${fmt(before.p99)} ms, worst ${fmt(before.max)} ms`,
   );
   // The slowest 202s, with when they were answered: to line them up with the server's own logs.
   const slowest = [...during].sort((x, y) => y.ms - x.ms).slice(0, 5);

@@ -84,6 +84,78 @@ describe('the SQLite checkpoint thread', () => {
     }
   });
 
+  it('starts the log over under a steady stream of writes by holding the connection between statements', async () => {
+    const dataDir = await tempDir();
+    const file = path.join(dataDir, 'ferry.db');
+    const problems: string[] = [];
+    const restarts: Array<{ heldMs: number; frames: number }> = [];
+    const db = await openSqliteStore({
+      dataDir,
+      checkpointInThread: {
+        startBytes: 256 * 1024,
+        restartFrames: 64,
+        lookMs: 20,
+        intervalMs: 20,
+        onProblem: (message) => problems.push(message),
+        onRestart: (restart) => restarts.push(restart),
+      },
+    });
+    // The WAL header's checkpoint sequence number (bytes 12-15): SQLite adds one each time the log starts over.
+    const sequence = () => {
+      const fd = fs.openSync(`${file}-wal`, 'r');
+      try {
+        const header = Buffer.alloc(16);
+        fs.readSync(fd, header, 0, 16, 0);
+        return header.readUInt32BE(12);
+      } finally {
+        fs.closeSync(fd);
+      }
+    };
+    let written = 0;
+    try {
+      await sql`create table filler (n integer primary key, body blob not null)`.execute(db);
+      const insert = (rows: number) =>
+        db.transaction().execute(async (tx) => {
+          for (let i = 0; i < rows; i++) {
+            written += 1;
+            await sql`insert into filler (n, body) values (${written}, randomblob(${ROW_BYTES}))`.execute(tx);
+          }
+        });
+      await insert(100);
+      const first = sequence();
+      // Commits one after the other, one turn of the event loop between them (where the thread's message is
+      // heard): the thread's PASSIVE checkpoints rarely find the log all copied when a write begins, so it
+      // asks for the hold, and gets it between two transactions (the connection's lock is first come, first
+      // served). At most 5,000 transactions, 60 s.
+      const end = Date.now() + 60_000;
+      for (let i = 0; i < 5000 && restarts.length < 2 && Date.now() < end; i++) {
+        await insert(10);
+        await new Promise((resolve) => setImmediate(resolve));
+      }
+      assert.ok(restarts.length >= 2, `the thread had the log started over ${restarts.length} times`);
+      for (const r of restarts) assert.ok(r.frames >= 64, `a restart of a log of ${r.frames} frames`);
+      // The next write starts the log over; this one leaves it past 64 frames, to be restarted once more.
+      await insert(100);
+      assert.ok(sequence() > first, 'the log was started over');
+      // A quiet store is not held again for a log that has not grown: once the writes stop, the thread asks
+      // once (for the frames of the last write), then no more.
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+      const quiet = restarts.length;
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+      assert.equal(restarts.length, quiet, 'no hold while nothing is written');
+    } finally {
+      await db.destroy();
+    }
+    assert.deepEqual(problems, []);
+    const reopened = new SqliteDatabase(file, { readonly: true });
+    try {
+      const { count } = reopened.prepare('select count(*) as count from filler').get() as { count: number };
+      assert.equal(count, written);
+    } finally {
+      reopened.close();
+    }
+  });
+
   it('is not started by a store that was not asked for it, which checkpoints as SQLite does', async () => {
     const dataDir = await tempDir();
     const db = await openSqliteStore({ dataDir });

@@ -76,7 +76,10 @@ export async function createCore(config: ServerConfig, logger: Logger): Promise<
     databaseUrl: config.databaseUrl,
     busyTimeoutMs: config.storeBusyTimeoutMs,
     // A server's commits never wait on a checkpoint of the log (store/sqlite-checkpointer.ts).
-    checkpointInThread: { onProblem: (message) => logger.warn(message) },
+    checkpointInThread: {
+      onProblem: (message) => logger.warn(message),
+      onRestart: (restart) => logger.debug(restart, 'the SQLite log was started over'),
+    },
   });
   const closers: Array<() => unknown> = [];
   const onClose = (close: () => unknown) => void closers.push(close);

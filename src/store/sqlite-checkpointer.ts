@@ -12,8 +12,9 @@
  * `startBytes` (the size at which SQLite's default would have checkpointed), a worker thread
  * (sqlite-checkpoint-worker.ts) with its own connection checkpoints every `intervalMs`, PASSIVE: it waits on
  * nobody and nobody waits on it. SQLite starts the log over at the next write that finds all of it copied;
- * should a steady stream of writes never leave that moment, a RESTART starts it over once it holds 64 MiB
- * (see the worker). A store that never writes that much (most tests, a quiet install) never
+ * should a steady stream of writes never leave that moment, the log is started over once it holds 64 MiB:
+ * the thread asks, the server's connection is held (`hold`, given by the driver: its statements wait their
+ * turn, off the event loop), the thread copies the last frames, and the hold ends (see the worker). A store that never writes that much (most tests, a quiet install) never
  * starts the thread. If the thread fails, the connection checkpoints itself again as SQLite's default does,
  * and the failure is logged. On close the thread checkpoints once more and ends before the connection closes
  * (the last connection to close then removes the log, as before).
@@ -36,7 +37,15 @@ export interface SqliteCheckpointerOptions {
   restartFrames?: number;
   /** Told of a failed checkpoint or a failed thread (the store has no logger of its own). */
   onProblem?: (message: string) => void;
+  /** Told each time the log was made to start over: how long the connection was held, how many frames the log had. */
+  onRestart?: (restart: { heldMs: number; frames: number }) => void;
 }
+
+/** Holds the server's connection (no statement runs) until the returned function is called. */
+export type HoldConnection = () => Promise<() => void>;
+
+/** Longest the connection is held for the thread (a RESTART with no reader of the server takes milliseconds). */
+const HOLD_MAX_MS = 5_000;
 
 export class SqliteCheckpointer {
   readonly #sqlite: SqliteDatabase.Database;
@@ -45,7 +54,13 @@ export class SqliteCheckpointer {
   readonly #intervalMs: number;
   readonly #restartFrames: number;
   readonly #onProblem: (message: string) => void;
+  readonly #onRestart: (restart: { heldMs: number; frames: number }) => void;
   readonly #look: NodeJS.Timeout;
+  #hold: HoldConnection | undefined;
+  /** Holding (or waiting to hold) the connection for the thread. */
+  #holding = false;
+  /** Called when the thread says it restarted the log (or ended), ending the hold. */
+  #restarted: ((frames: number) => void) | undefined;
   #worker: Worker | undefined;
   #exited: Promise<void> | undefined;
   #closing = false;
@@ -58,9 +73,15 @@ export class SqliteCheckpointer {
     this.#intervalMs = options.intervalMs ?? 200;
     this.#restartFrames = options.restartFrames ?? (this.#startBytes * 16) / 4096;
     this.#onProblem = options.onProblem ?? (() => {});
+    this.#onRestart = options.onRestart ?? (() => {});
     sqlite.pragma('wal_autocheckpoint = 0');
     this.#look = setInterval(() => void this.#lookAtLog(), options.lookMs ?? 1000);
     this.#look.unref();
+  }
+
+  /** The driver's way to hold the connection; without it the thread restarts the log without a hold. */
+  holdWith(hold: HoldConnection): void {
+    this.#hold = hold;
   }
 
   async #lookAtLog(): Promise<void> {
@@ -82,16 +103,48 @@ export class SqliteCheckpointer {
       workerData: { file: this.#file, intervalMs: this.#intervalMs, restartFrames: this.#restartFrames },
     });
     this.#worker = worker;
-    worker.on('message', (message: { error?: string }) => {
+    worker.on('message', (message: { error?: string; restart?: number; restarted?: { frames: number } }) => {
       if (message.error) this.#onProblem(`a checkpoint of the SQLite log failed: ${message.error}`);
+      if (message.restart !== undefined) void this.#holdForRestart(worker);
+      if (message.restarted) this.#restarted?.(message.restarted.frames);
     });
     worker.on('error', (err: Error) => this.#fallBack(`the SQLite checkpoint thread failed: ${err.message}`));
     this.#exited = new Promise((resolve) =>
       worker.once('exit', (code) => {
         this.#fallBack(`the SQLite checkpoint thread ended (code ${code})`);
+        this.#restarted?.(0);
         resolve();
       }),
     );
+  }
+
+  /**
+   * The thread asks to restart the log: hold the connection (once the statement or transaction in progress
+   * is done), tell the thread, and let go when it says it is done, or ended, or after HOLD_MAX_MS.
+   */
+  async #holdForRestart(worker: Worker): Promise<void> {
+    if (this.#holding) return;
+    this.#holding = true;
+    let release: (() => void) | undefined;
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      release = await this.#hold?.();
+      if (this.#closing || this.#worker !== worker) return;
+      const heldAt = performance.now();
+      const frames = await new Promise<number>((resolve) => {
+        this.#restarted = resolve;
+        timer = setTimeout(() => resolve(-1), HOLD_MAX_MS);
+        worker.postMessage('held');
+      });
+      const heldMs = performance.now() - heldAt;
+      if (frames < 0) this.#onProblem(`the SQLite checkpoint thread did not restart the log within ${HOLD_MAX_MS} ms`);
+      else this.#onRestart({ heldMs, frames });
+    } finally {
+      clearTimeout(timer);
+      this.#restarted = undefined;
+      this.#holding = false;
+      release?.();
+    }
   }
 
   /** The thread failed or ended before close(): the connection checkpoints as SQLite does by default. */

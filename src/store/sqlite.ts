@@ -193,6 +193,10 @@ class BusyRetryingSqliteDriver implements Driver {
     this.#db = db;
     this.#connection = new BusyRetryingConnection(db, this.#mutex, busyTimeoutMs);
     this.#checkpointer = checkpointer;
+    checkpointer?.holdWith(async () => {
+      await this.#mutex.lock();
+      return () => this.#mutex.unlock();
+    });
   }
 
   async init(): Promise<void> {}
