@@ -69,10 +69,11 @@ function failed(err: unknown): void {
 }
 
 function checkpoint(): void {
-  if (askedAt !== 0 && performance.now() - askedAt < ASK_AGAIN_MS) return;
   try {
     let result = passive();
-    if (result && result.log >= restartFrames && result.log !== restartedAt) {
+    // While an answer is awaited, the ticks still copy (what is left for the hold shrinks), but do not ask.
+    const awaiting = askedAt !== 0 && performance.now() - askedAt < ASK_AGAIN_MS;
+    if (!awaiting && result && result.log >= restartFrames && result.log !== restartedAt) {
       for (let i = 1; i < RESTART_PRECOPIES; i++) {
         const before = result.log;
         const next = passive();

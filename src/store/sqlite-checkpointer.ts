@@ -14,10 +14,11 @@
  * nobody and nobody waits on it. SQLite starts the log over at the next write that finds all of it copied;
  * should a steady stream of writes never leave that moment, the log is started over once it holds 64 MiB:
  * the thread asks, the server's connection is held (`hold`, given by the driver: its statements wait their
- * turn, off the event loop), the thread copies the last frames, and the hold ends (see the worker). A store that never writes that much (most tests, a quiet install) never
- * starts the thread. If the thread fails, the connection checkpoints itself again as SQLite's default does,
- * and the failure is logged. On close the thread checkpoints once more and ends before the connection closes
- * (the last connection to close then removes the log, as before).
+ * turn, off the event loop), the thread copies the last frames, and the hold ends (see the worker). A store
+ * that never writes that much (most tests, a quiet install) never starts the thread. If the thread fails,
+ * the connection checkpoints itself again as SQLite's default does, and the failure is logged. On close the
+ * thread checkpoints once more and ends before the connection closes (the last connection to close then
+ * removes the log, as before).
  */
 import fs from 'node:fs/promises';
 import { Worker } from 'node:worker_threads';
@@ -37,7 +38,7 @@ export interface SqliteCheckpointerOptions {
   restartFrames?: number;
   /** Told of a failed checkpoint or a failed thread (the store has no logger of its own). */
   onProblem?: (message: string) => void;
-  /** Told each time the log was made to start over: how long the connection was held, how many frames the log had. */
+  /** Told each time the log was made to start over: how long the connection was held, the log's frames. */
   onRestart?: (restart: { heldMs: number; frames: number }) => void;
 }
 
