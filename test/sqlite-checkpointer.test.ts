@@ -15,6 +15,16 @@ import { tempDir, waitFor } from './helpers/ferry.js';
 
 const ROW_BYTES = 4000;
 
+/** The rows of `filler` in the database file, read by a connection of its own once the store is closed. */
+function rowsInFile(file: string): number {
+  const reopened = new SqliteDatabase(file, { readonly: true });
+  try {
+    return (reopened.prepare('select count(*) as count from filler').get() as { count: number }).count;
+  } finally {
+    reopened.close();
+  }
+}
+
 describe('the SQLite checkpoint thread', () => {
   it('starts past the threshold, keeps the log bounded under writes, and leaves every row in the file', async () => {
     const dataDir = await tempDir();
@@ -75,13 +85,7 @@ describe('the SQLite checkpoint thread', () => {
     }
     assert.deepEqual(problems, []);
     assert.equal(fs.existsSync(`${file}-wal`), false, 'the last connection to close removed the log');
-    const reopened = new SqliteDatabase(file, { readonly: true });
-    try {
-      const { count } = reopened.prepare('select count(*) as count from filler').get() as { count: number };
-      assert.equal(count, written);
-    } finally {
-      reopened.close();
-    }
+    assert.equal(rowsInFile(file), written);
   });
 
   it('starts the log over under a steady stream of writes by holding the connection between statements', async () => {
@@ -133,13 +137,14 @@ describe('the SQLite checkpoint thread', () => {
         await new Promise((resolve) => setImmediate(resolve));
       }
       assert.ok(restarts.length >= 2, `the thread had the log started over ${restarts.length} times`);
-      for (const r of restarts) assert.ok(r.frames >= 64, `a restart of a log of ${r.frames} frames`);
+      // (A restart's frames are the log's when the hold came: fewer than 64 when SQLite started it over
+      // itself meanwhile, at a write that found it all copied. Nothing to assert on them.)
       // The next write starts the log over; this one leaves it past 64 frames, to be restarted once more.
       await insert(100);
       assert.ok(sequence() > first, 'the log was started over');
       // A quiet store is not held again for a log that has not grown: once the writes stop, the thread asks
       // once (for the frames of the last write), then no more.
-      await new Promise((resolve) => setTimeout(resolve, 1000));
+      await new Promise((resolve) => setTimeout(resolve, 2000));
       const quiet = restarts.length;
       await new Promise((resolve) => setTimeout(resolve, 1000));
       assert.equal(restarts.length, quiet, 'no hold while nothing is written');
@@ -147,13 +152,7 @@ describe('the SQLite checkpoint thread', () => {
       await db.destroy();
     }
     assert.deepEqual(problems, []);
-    const reopened = new SqliteDatabase(file, { readonly: true });
-    try {
-      const { count } = reopened.prepare('select count(*) as count from filler').get() as { count: number };
-      assert.equal(count, written);
-    } finally {
-      reopened.close();
-    }
+    assert.equal(rowsInFile(file), written);
   });
 
   it('is not started by a store that was not asked for it, which checkpoints as SQLite does', async () => {
