@@ -15,7 +15,7 @@
  *   as long as the batch took on PostgreSQL, three times as long on SQLite. On SQLite every run's record waits
  *   for the one writer, and every batch's pages go through the one log that the checkpoint thread copies and
  *   syncs; at half its time, a pass wrote the log so fast that the disk's syncs, which the log's restarts
- *   wait for, held 202s up to 120 to 200 ms on a 2-core machine (bench:scale measures the 202s meanwhile).
+ *   wait for, held 202s 140 to 210 ms on a 2-core machine (bench:scale measures the 202s meanwhile).
  * - **The projects' log budget** (`FERRY_PROJECT_LOG_BYTES`, in the same pass): a project whose runs'
  *   stored log lines (run_log_stats.bytes) pass the budget loses the logs of its oldest finished runs until
  *   it is under it again; each such run keeps one line saying what was removed, and its counts.
