@@ -16,7 +16,7 @@
  * row, while each still finds over RESTART_DELTA_FRAMES new frames), so that little is left to copy.
  *
  * Messages to the parent: `{ error }` when a checkpoint fails (the parent logs it; the next tick tries
- * again); `{ restart: frames }` to ask for the hold; `{ restarted: { ms, frames } }` once done under it. On
+ * again); `{ restart: frames }` to ask for the hold; `{ restarted: { frames } }` once done under it. On
  * `'close'` it checkpoints once more, closes its connection and lets the thread end.
  */
 import { parentPort, workerData } from 'node:worker_threads';
@@ -92,7 +92,6 @@ function checkpoint(): void {
 
 /** The server holds its connection: copy the rest and leave the log for its next write to start over. */
 function restart(): void {
-  const started = performance.now();
   let frames = 0;
   try {
     const [result] = db.pragma('wal_checkpoint(RESTART)') as CheckpointResult[];
@@ -103,7 +102,7 @@ function restart(): void {
     failed(err);
   } finally {
     askedAt = 0;
-    port?.postMessage({ restarted: { ms: performance.now() - started, frames } });
+    port?.postMessage({ restarted: { frames } });
   }
 }
 

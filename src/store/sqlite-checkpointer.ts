@@ -60,8 +60,8 @@ export class SqliteCheckpointer {
   #hold: HoldConnection | undefined;
   /** Holding (or waiting to hold) the connection for the thread. */
   #holding = false;
-  /** Called when the thread says it restarted the log (or ended), ending the hold. */
-  #restarted: ((frames: number) => void) | undefined;
+  /** Called when the thread says it restarted the log (its frames), or ended (`'ended'`): the hold ends. */
+  #restarted: ((outcome: number | 'ended') => void) | undefined;
   #worker: Worker | undefined;
   #exited: Promise<void> | undefined;
   #closing = false;
@@ -113,7 +113,7 @@ export class SqliteCheckpointer {
     this.#exited = new Promise((resolve) =>
       worker.once('exit', (code) => {
         this.#fallBack(`the SQLite checkpoint thread ended (code ${code})`);
-        this.#restarted?.(0);
+        this.#restarted?.('ended');
         resolve();
       }),
     );
@@ -132,14 +132,16 @@ export class SqliteCheckpointer {
       release = await this.#hold?.();
       if (this.#closing || this.#worker !== worker) return;
       const heldAt = performance.now();
-      const frames = await new Promise<number>((resolve) => {
+      const outcome = await new Promise<number | 'ended' | 'late'>((resolve) => {
         this.#restarted = resolve;
-        timer = setTimeout(() => resolve(-1), HOLD_MAX_MS);
+        timer = setTimeout(() => resolve('late'), HOLD_MAX_MS);
         worker.postMessage('held');
       });
       const heldMs = performance.now() - heldAt;
-      if (frames < 0) this.#onProblem(`the SQLite checkpoint thread did not restart the log within ${HOLD_MAX_MS} ms`);
-      else this.#onRestart({ heldMs, frames });
+      // An ended thread is reported by #fallBack; only a restart is told to onRestart.
+      if (outcome === 'late') {
+        this.#onProblem(`the SQLite checkpoint thread did not restart the log within ${HOLD_MAX_MS} ms`);
+      } else if (outcome !== 'ended') this.#onRestart({ heldMs, frames: outcome });
     } finally {
       clearTimeout(timer);
       this.#restarted = undefined;
