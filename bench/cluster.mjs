@@ -14,7 +14,10 @@
  *       at once, through 2 gateways and 2 workers on PostgreSQL + NATS JetStream, against one `--role all`
  *       process on PostgreSQL alone (its own database, no NATS), in alternating rounds (cluster, all,
  *       cluster, all, ...). Target: cluster / all at least 0.9. Also where a cluster run's time goes, stage
- *       by stage (ferry_async_stage_seconds and the run records' timestamps).
+ *       by stage (ferry_async_stage_seconds and the run records' timestamps). With BENCH_ASYNC_SPLIT_ALL=N,
+ *       a third target, measured in the same alternation: N `--role all` processes on one database of their
+ *       own (no NATS), the callers split over them; a diagnostic of what splitting the work over more
+ *       processes costs on the machine, whatever their roles.
  *
  *   npm run build && npm run bench:cluster
  *   BENCH_LATENCY_REQUESTS=2000 BENCH_HOP_WARMUP=3000 BENCH_DURATION=10 BENCH_CONCURRENCY=24 npm run bench:cluster
@@ -80,6 +83,12 @@ const DRAIN_TIMEOUT_S = envInt('BENCH_DRAIN_TIMEOUT', 300);
 /** The cluster's gateways and workers (the target: 2 and 2; other counts are a diagnostic). */
 const ASYNC_GATEWAYS = envInt('BENCH_ASYNC_GATEWAYS', 2);
 const ASYNC_WORKERS = envInt('BENCH_ASYNC_WORKERS', 2);
+/**
+ * A diagnostic third target (0: none): this many `--role all` processes on one PostgreSQL database alone (the
+ * store queue, no NATS), the callers split over them as over the gateways: what splitting the same work over
+ * more processes costs on this machine, whatever their roles.
+ */
+const ASYNC_SPLIT_ALL = envInt('BENCH_ASYNC_SPLIT_ALL', 0, 0);
 /** Far above what the bench submits, so no backlog limit (429) caps the rate. */
 const MAX_ASYNC_BACKLOG = 10_000_000;
 const TARGET_ASYNC_RATIO = 0.9;
@@ -420,6 +429,33 @@ async function asyncEndToEnd() {
   console.log(
     `  databases ${new URL(clusterDb).pathname.slice(1)} (cluster ${clusterName}, NATS ${NATS_URL}) and ${new URL(allDb).pathname.slice(1)} (all, no NATS)`,
   );
+  // The diagnostic: ASYNC_SPLIT_ALL `--role all` processes on one database of their own, sharing keys and artifacts.
+  const splits = [];
+  let split;
+  if (ASYNC_SPLIT_ALL > 0) {
+    const splitDb = await createDatabase(ADMIN_URL, DATABASE_PREFIX);
+    const splitEnv = {
+      FERRY_DATABASE_URL: splitDb,
+      FERRY_KEYS_DIR: await tempDir('ferry-bench-cluster-c-splitkeys-'),
+      FERRY_ARTIFACTS_DIR: await tempDir('ferry-bench-cluster-c-splitartifacts-'),
+      FERRY_ROLE: 'all',
+      ...backlog,
+    };
+    const splitAuth = await bootstrapProject(await tempDir('ferry-bench-cluster-c-splitboot-'), splitEnv);
+    for (let i = 1; i <= ASYNC_SPLIT_ALL; i++) splits.push(await start(`split-all-${i}`, splitEnv));
+    await deployApp(splits[0], splitAuth, 'noop', NOOP);
+    split = {
+      name: 'split',
+      label: `${ASYNC_SPLIT_ALL} × --role all, PostgreSQL alone (a diagnostic)`,
+      urls: splits.map((n) => n.url),
+      entry: splits[0],
+      nodes: splits,
+      gateways: [],
+      workers: splits,
+      auth: splitAuth,
+      databaseUrl: splitDb,
+    };
+  }
   await deployApp(gateways[0], clusterAuth, 'noop', NOOP);
   await deployApp(all, allAuth, 'noop', NOOP);
   console.log('  app noop: min_replicas 1, max_replicas 2, replica_concurrency 64; body {}');
@@ -447,6 +483,7 @@ async function asyncEndToEnd() {
       auth: allAuth,
       databaseUrl: allDb,
     },
+    ...(split ? [split] : []),
   ];
   for (const t of targets) {
     t.pg = new pg.Client({ connectionString: t.databaseUrl });
@@ -581,7 +618,7 @@ async function asyncEndToEnd() {
 
   // Summary.
   const median = (xs) => summarize(xs).median;
-  const [cl, al] = targets;
+  const [cl, al, sp] = targets;
   const clRate = median(cl.rounds.map((x) => x.completed));
   const alRate = median(al.rounds.map((x) => x.completed));
   const ratio = clRate / alRate;
@@ -592,8 +629,17 @@ async function asyncEndToEnd() {
       ['target', 'completed runs/s (median of rounds)', '202 p50 ms (median of rounds)'],
       [`cluster (${cl.label})`, fmt(clRate, 0), fmt(median(cl.intake))],
       [`all (${al.label})`, fmt(alRate, 0), fmt(median(al.intake))],
+      ...(sp
+        ? [[`split (${sp.label})`, fmt(median(sp.rounds.map((x) => x.completed)), 0), fmt(median(sp.intake))]]
+        : []),
     ])}`,
   );
+  if (sp) {
+    const spRate = median(sp.rounds.map((x) => x.completed));
+    console.log(
+      `split / role-all completed runs/s: ${fmt(spRate / alRate)} (round by round ${sp.rounds.map((x, i) => fmt(x.completed / al.rounds[i].completed)).join(', ')}; ${ASYNC_SPLIT_ALL} --role all processes against one, a diagnostic, not judged)`,
+    );
+  }
   console.log(
     `cluster / role-all completed runs/s: ${fmt(ratio)} (round by round ${pairs.join(', ')}; target ≥ ${TARGET_ASYNC_RATIO}): ${
       !valid
@@ -620,7 +666,11 @@ async function asyncEndToEnd() {
 
   // Where the CPU goes.
   const cpuRow = (t, g) => [
-    g === 'workers' && t.name === 'all' ? 'the all process' : g,
+    g === 'workers' && t.name === 'all'
+      ? 'the all process'
+      : g === 'workers' && t.name === 'split'
+        ? 'the all processes'
+        : g,
     fmt(median(t.rounds.map((x) => x.cpuPerRun[g])), 0),
     fmt(median(t.rounds.map((x) => x.cpuPct[g])), 0),
   ];
@@ -638,13 +688,15 @@ async function asyncEndToEnd() {
     ]);
   };
   console.log(cpuTable(cl, CPU_GROUPS));
-  console.log('');
-  console.log(
-    cpuTable(
-      al,
-      CPU_GROUPS.filter((g) => g !== 'gateways'),
-    ),
-  );
+  for (const t of [al, ...(sp ? [sp] : [])]) {
+    console.log('');
+    console.log(
+      cpuTable(
+        t,
+        CPU_GROUPS.filter((g) => g !== 'gateways'),
+      ),
+    );
+  }
 
   console.log(
     `\nPostgreSQL per completed run (pg_stat_database, median of rounds; the bench's one read of the round's runs included): ${targets
@@ -726,7 +778,7 @@ async function asyncEndToEnd() {
   );
   console.log(`load average at end of (c): ${loadAverage()}`);
   for (const t of targets) await t.pg.end().catch(() => {});
-  for (const n of [...gateways, ...workers, all]) await n.stop();
+  for (const n of [...gateways, ...workers, all, ...splits]) await n.stop();
 }
 
 async function main() {
