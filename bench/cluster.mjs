@@ -621,6 +621,7 @@ async function asyncEndToEnd() {
   const [cl, al, sp] = targets;
   const clRate = median(cl.rounds.map((x) => x.completed));
   const alRate = median(al.rounds.map((x) => x.completed));
+  const spRate = sp ? median(sp.rounds.map((x) => x.completed)) : Number.NaN;
   const ratio = clRate / alRate;
   const pairs = cl.rounds.map((x, i) => fmt(x.completed / al.rounds[i].completed));
   const valid = targets.every((t) => t.rounds.every((x) => x.valid));
@@ -629,13 +630,10 @@ async function asyncEndToEnd() {
       ['target', 'completed runs/s (median of rounds)', '202 p50 ms (median of rounds)'],
       [`cluster (${cl.label})`, fmt(clRate, 0), fmt(median(cl.intake))],
       [`all (${al.label})`, fmt(alRate, 0), fmt(median(al.intake))],
-      ...(sp
-        ? [[`split (${sp.label})`, fmt(median(sp.rounds.map((x) => x.completed)), 0), fmt(median(sp.intake))]]
-        : []),
+      ...(sp ? [[`split (${sp.label})`, fmt(spRate, 0), fmt(median(sp.intake))]] : []),
     ])}`,
   );
   if (sp) {
-    const spRate = median(sp.rounds.map((x) => x.completed));
     console.log(
       `split / role-all completed runs/s: ${fmt(spRate / alRate)} (round by round ${sp.rounds.map((x, i) => fmt(x.completed / al.rounds[i].completed)).join(', ')}; ${ASYNC_SPLIT_ALL} --role all processes against one, a diagnostic, not judged)`,
     );
@@ -666,11 +664,7 @@ async function asyncEndToEnd() {
 
   // Where the CPU goes.
   const cpuRow = (t, g) => [
-    g === 'workers' && t.name === 'all'
-      ? 'the all process'
-      : g === 'workers' && t.name === 'split'
-        ? 'the all processes'
-        : g,
+    g === 'workers' ? ({ all: 'the all process', split: 'the all processes' }[t.name] ?? g) : g,
     fmt(median(t.rounds.map((x) => x.cpuPerRun[g])), 0),
     fmt(median(t.rounds.map((x) => x.cpuPct[g])), 0),
   ];
