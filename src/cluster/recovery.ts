@@ -51,7 +51,10 @@ export interface RecoveryResult {
 }
 
 export interface Recovery {
-  /** One pass over every dead node; resolves with what was taken over. */
+  /**
+   * One pass over every dead node, begun after the call (after the pass under way, if any); resolves with
+   * what that pass took over.
+   */
   sweep(): Promise<RecoveryResult>;
   /** Sweeps every `intervalMs` until closed. */
   start(): void;
@@ -74,6 +77,8 @@ export function createRecovery(deps: {
   const intervalMs = deps.intervalMs ?? Math.max(500, Math.floor(node.ttlMs / 3));
   let timer: NodeJS.Timeout | undefined;
   let sweeping: Promise<RecoveryResult> | undefined;
+  /** The pass asked for while `sweeping` was under way. */
+  let next: Promise<RecoveryResult> | undefined;
   let closed = false;
   let orphansDone = false;
 
@@ -161,11 +166,25 @@ export function createRecovery(deps: {
     return total;
   }
 
+  /**
+   * A pass that begins now, or after the one under way: that one may have read the leases before the
+   * caller's change (a node that just stopped), so a caller never gets that pass's result. Callers that ask while
+   * a pass is under way share the one that follows it.
+   */
   function sweep(): Promise<RecoveryResult> {
-    sweeping ??= sweepOnce().finally(() => {
-      sweeping = undefined;
-    });
-    return sweeping;
+    if (!sweeping) {
+      sweeping = sweepOnce().finally(() => {
+        sweeping = undefined;
+      });
+      return sweeping;
+    }
+    next ??= sweeping
+      .catch(() => undefined)
+      .then(() => {
+        next = undefined;
+        return sweep();
+      });
+    return next;
   }
 
   return {
@@ -183,6 +202,7 @@ export function createRecovery(deps: {
     async close() {
       closed = true;
       if (timer) clearInterval(timer);
+      await next?.catch(() => undefined);
       await sweeping?.catch(() => undefined);
     },
   };
