@@ -7,7 +7,6 @@
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
-import type { NodeLease } from '../src/cluster/node.js';
 import { createRecovery } from '../src/cluster/recovery.js';
 import { uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
@@ -16,6 +15,7 @@ import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
 import { claimQueuedRuns, startRuns } from '../src/store/claims.js';
 import { updateRun } from '../src/store/run-updates.js';
 import { tempDir } from './helpers/ferry.js';
+import { judgingLease } from './helpers/recovery.js';
 import { openTestStore, type TestStore } from './helpers/store.js';
 
 const FROZEN = 'node-frozen';
@@ -56,14 +56,7 @@ describe('a late node’s writes are fenced', () => {
       .values({ id: FROZEN, started_at: past, lease_until: past, info: '{}' })
       .onConflict((oc) => oc.column('id').doUpdateSet({ lease_until: past }))
       .execute();
-    const live: NodeLease = {
-      id: 'node-live',
-      ttlMs: 4000,
-      start: async () => {},
-      close: async () => {},
-      canJudge: () => true,
-      refresh: async () => {},
-    };
+    const live = judgingLease('node-live');
     const recovery = createRecovery({ store: t.store, node: live, logger });
     await recovery.sweep();
     await recovery.close();

@@ -25,6 +25,7 @@ import { createLogger } from '../src/logger.js';
 import { helloApp } from './helpers/app-zip.js';
 import { deployFiles, http, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 import { corruptObject } from './helpers/nats.js';
+import { takeOverBuild } from './helpers/recovery.js';
 import { createTestDatabase, type TestDatabase } from './helpers/store.js';
 
 const NATS_URL = process.env.FERRY_TEST_NATS_URL ?? 'nats://127.0.0.1:4222';
@@ -157,16 +158,7 @@ describe('two processes sharing PostgreSQL and NATS, and no folder', () => {
     const id: string = upload.json.id;
     assert.equal(await exists(path.join(b.dataDir, 'builds', id)), false);
     await a.services.node.close();
-    // B's own periodic sweep, and the claim that follows it, may get there before these calls: they
-    // make sure one of each has run since A let go, and the test looks at where the build went.
-    await b.services.recovery.sweep();
-    await b.services.pipeline.recover();
-    const taken = await b.services.store
-      .selectFrom('builds')
-      .select('owner')
-      .where('id', '=', id)
-      .executeTakeFirstOrThrow();
-    assert.equal(taken.owner, b.services.node.id, 'B holds the build A let go of');
+    await takeOverBuild(b, id);
     const built = await waitFor(
       async () => {
         const res = await http(`${b.url}/v2/projects/${auth.projectId}/apps/nats-built-on-b/builds/${id}`, {

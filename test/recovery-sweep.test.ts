@@ -10,26 +10,18 @@
  */
 import assert from 'node:assert/strict';
 import { describe, it } from 'node:test';
-import type { NodeLease } from '../src/cluster/node.js';
 import { createRecovery } from '../src/cluster/recovery.js';
 import { uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
 import { createRunRecorder, newRunRow } from '../src/runs/recorder.js';
 import { tempDir } from './helpers/ferry.js';
+import { judgingLease } from './helpers/recovery.js';
 import { openTestStore } from './helpers/store.js';
 
 const OTHER = 'node-other';
 const build = { projectId: 'p-sweep', appId: 'sweep', buildId: 'b-sweep' };
 
-/** This process's lease, steady long enough to judge others by their leases. */
-const live: NodeLease = {
-  id: 'node-live',
-  ttlMs: 4000,
-  start: async () => {},
-  close: async () => {},
-  canJudge: () => true,
-  refresh: async () => {},
-};
+const live = judgingLease('node-live');
 
 describe('recovery: a sweep asked for during another', () => {
   it('is a pass begun after the one under way, and callers asking meanwhile share it', async (t) => {

@@ -26,6 +26,7 @@ import { createLogger } from '../src/logger.js';
 import { helloApp } from './helpers/app-zip.js';
 import { deployFiles, http, startServer, type TestServer, tempDir, waitFor } from './helpers/ferry.js';
 import { makeZip } from './helpers/raw-zip.js';
+import { takeOverBuild } from './helpers/recovery.js';
 
 /** The machine's PostgreSQL, as the maintenance database (trust auth). */
 const ADMIN_URL = process.env.FERRY_TEST_PG_ADMIN_URL ?? 'postgres://postgres@127.0.0.1:5432/postgres';
@@ -262,16 +263,7 @@ describe('several processes on one PostgreSQL, keys folder and artifacts folder'
     assert.deepEqual([row.state, row.owner], ['pending', a.services.node.id], 'A holds what it received');
     // A lets go of its work as a stopping process does (its lease ends); B takes the build over.
     await a.services.node.close();
-    // B's own periodic sweep, and the claim that follows it, may get there before these calls: they
-    // make sure one of each has run since A let go, and the test looks at where the build went.
-    await b.services.recovery.sweep();
-    await b.services.pipeline.recover();
-    const taken = await b.services.store
-      .selectFrom('builds')
-      .select('owner')
-      .where('id', '=', id)
-      .executeTakeFirstOrThrow();
-    assert.equal(taken.owner, b.services.node.id, 'B holds the build A let go of');
+    await takeOverBuild(b, id);
     const built = await waitFor(
       async () => {
         const res = await http(`${b.url}/v2/projects/${auth.projectId}/apps/built-on-b/builds/${id}`, {
