@@ -168,8 +168,8 @@ export function createRecovery(deps: {
 
   /**
    * A pass that begins now, or after the one under way: that one may have read the leases before the
-   * caller's change (a node that just stopped), so a caller never gets that pass's result. Callers that ask while
-   * a pass is under way share the one that follows it.
+   * caller's change (a node that just stopped), so a caller never gets that pass's result. Callers that
+   * ask while a pass is under way share the one that follows it.
    */
   function sweep(): Promise<RecoveryResult> {
     if (!sweeping) {
@@ -191,7 +191,8 @@ export function createRecovery(deps: {
     sweep,
     start() {
       timer = setInterval(() => {
-        if (closed) return;
+        // A tick during a pass (a slow store) waits for the next tick rather than queueing another pass.
+        if (closed || sweeping) return;
         sweep().then(
           () => deps.onSwept?.(),
           (err: unknown) => logger.warn({ err }, 'recovery sweep failed; retrying'),
