@@ -10,48 +10,13 @@
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
 import path from 'node:path';
-import { PassThrough, Readable } from 'node:stream';
+import { Readable } from 'node:stream';
 import { after, before, describe, it } from 'node:test';
 import { gzipSync } from 'node:zlib';
-import tar from 'tar-stream';
 import { FerryError } from '../src/errors.js';
 import { unpackLayers } from '../src/images/unpack.js';
 import { tempDir } from './helpers/ferry.js';
-
-type Entry = {
-  name: string;
-  type?: NonNullable<Parameters<ReturnType<typeof tar.pack>['entry']>[0]['type']>;
-  content?: string;
-  mode?: number;
-  linkname?: string;
-};
-
-/** A layer (tar bytes) with the entries in order. */
-async function layer(entries: Entry[]): Promise<Buffer> {
-  const pack = tar.pack();
-  const out = new PassThrough();
-  const chunks: Buffer[] = [];
-  out.on('data', (c: Buffer) => chunks.push(c));
-  const done = new Promise((r) => out.on('end', r));
-  pack.pipe(out);
-  for (const e of entries) {
-    const type = e.type ?? 'file';
-    await new Promise<void>((resolve, reject) => {
-      const header: Parameters<typeof pack.entry>[0] = {
-        name: e.name,
-        type,
-        mode: e.mode ?? (type === 'directory' ? 0o755 : 0o644),
-        ...(e.linkname !== undefined ? { linkname: e.linkname } : {}),
-        ...(type === 'character-device' || type === 'block-device' ? { devmajor: 1, devminor: 3 } : {}),
-      };
-      const body = type === 'file' ? (e.content ?? '') : null;
-      pack.entry(header, body as string, (err) => (err ? reject(err) : resolve()));
-    });
-  }
-  pack.finalize();
-  await done;
-  return Buffer.concat(chunks);
-}
+import { layer } from './helpers/tar-layer.js';
 
 const LIMITS = { maxBytes: 16 * 1024 * 1024, maxEntries: 10_000 };
 

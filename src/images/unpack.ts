@@ -19,11 +19,20 @@
  *
  * Folder modes are applied at the end, so a read-only folder can still be filled by a later layer.
  *
+ * Deferred work (an opaque whiteout's emptying at its layer's end, the folder modes at the end) acts on
+ * what is there then, never through a link: a later entry of the same layer, or a later layer, may have
+ * replaced the folder with a link to a host folder (`a/`, `a/.wh..wh..opq`, `a -> /etc` once emptied /etc).
+ * Each such path is checked again component by component with lstat, and modes are set on a descriptor
+ * opened with O_NOFOLLOW | O_DIRECTORY. Files are written, owned and moded through their own descriptor.
+ * Ferry runs this in a sandbox of its own (unpack-sandbox.ts), as an unprivileged id that can write
+ * nothing but the root, so that a bug here still cannot reach the host.
+ *
  * An image build's scratch root (image-builder.ts) passes `owner`: each entry then belongs to the tar's
  * uid/gid shifted into the sandbox's id range (ids outside the range become the range's first, its root),
  * and folders keep their sticky bit (`/tmp`), so the build's steps see the ownership the image says.
  */
 
+import { constants } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { Readable } from 'node:stream';
@@ -111,10 +120,41 @@ export async function unpackLayers(
   for (const [i, open] of layers.entries()) {
     await applyLayer(root, await layerStream(open(), i + 1), i + 1, limits, state);
   }
-  // Deepest first, so a folder made read-only does not stop its children's chmod.
+  // Deepest first, so a folder made read-only does not stop its children's chmod. A folder a later entry
+  // replaced (with a link, a file, or a folder of its own) was dropped from dirModes by remove(); each one
+  // left is checked again all the same, and changed through a descriptor opened without following a link.
   const dirs = [...state.dirModes.entries()].sort((a, b) => b[0].length - a[0].length);
-  for (const [dir, mode] of dirs) await fs.chmod(dir, mode).catch(() => {});
+  for (const [dir, mode] of dirs) {
+    if (!(await isRealFolder(root, dir))) continue;
+    const handle = await fs.open(dir, FOLDER_NOFOLLOW).catch(() => undefined);
+    if (!handle) continue;
+    try {
+      if ((await handle.stat()).isDirectory()) await handle.chmod(mode);
+    } finally {
+      await handle.close();
+    }
+  }
   return { bytes: state.bytes, entries: state.entries };
+}
+
+const FOLDER_NOFOLLOW = constants.O_RDONLY | constants.O_DIRECTORY | constants.O_NOFOLLOW;
+
+/**
+ * Whether `dir` (below `root`) is, now, a real folder reached through real folders only: every component
+ * is looked at with lstat, so a link anywhere on the way (planted after the path was first seen) says no.
+ * The unpacker is the tree's only writer, so what this sees holds until the unpacker itself changes it.
+ */
+export async function isRealFolder(root: string, dir: string): Promise<boolean> {
+  const rel = path.relative(root, dir);
+  if (rel === '') return true;
+  if (rel.startsWith('..') || path.isAbsolute(rel)) return false;
+  let at = root;
+  for (const part of rel.split(path.sep)) {
+    at = path.join(at, part);
+    const st = await fs.lstat(at).catch(() => undefined);
+    if (!st?.isDirectory()) return false;
+  }
+  return true;
 }
 
 async function applyLayer(
@@ -175,10 +215,15 @@ async function applyLayer(
     return dir;
   }
 
-  /** Removes whatever is at `target` (a link is removed, never followed). */
+  /**
+   * Removes whatever is at `target` (a link is removed, never followed), and forgets every folder at or
+   * below it: what replaces it (a link to a host folder, say) must never get a mode meant for the folder.
+   */
   async function remove(target: string): Promise<void> {
     await fs.rm(target, { recursive: true, force: true });
-    for (const dir of safeDirs) if (dir === target || dir.startsWith(`${target}/`)) safeDirs.delete(dir);
+    const gone = (dir: string) => dir === target || dir.startsWith(`${target}/`);
+    for (const dir of safeDirs) if (gone(dir)) safeDirs.delete(dir);
+    for (const dir of state.dirModes.keys()) if (gone(dir)) state.dirModes.delete(dir);
   }
 
   const entryLoop = (async () => {
@@ -233,16 +278,17 @@ async function applyLayer(
             );
           }
           state.bytes += size;
+          // O_EXCL: a link put at `target` meanwhile is never written through (there is none: removed above).
           const handle = await fs.open(target, 'wx', 0o600);
           try {
             for await (const chunk of entry) await handle.write(chunk as Buffer);
+            // chmod after writing: a file without its owner's write bit is still filled; after chown, which
+            // would clear set-id bits (none are kept anyway). Both on the descriptor, never by path.
+            if (owner) await handle.chown(shift(header.uid), shift(header.gid));
+            await handle.chmod(mode);
           } finally {
             await handle.close();
           }
-          // chmod after writing: a file without its owner's write bit is still filled; after chown, which
-          // would clear set-id bits (none are kept anyway).
-          await own(target, header);
-          await fs.chmod(target, mode);
           break;
         }
         case 'symlink': {
@@ -300,6 +346,9 @@ async function applyLayer(
   }
 
   for (const dir of opaque) {
+    // A later entry of this layer may have replaced the folder (with a link to a host folder, say): its
+    // lower contents went with it, and what is there now is not read, let alone emptied.
+    if (!(await isRealFolder(root, dir))) continue;
     for (const name of await fs.readdir(dir)) {
       const child = path.join(dir, name);
       if (!written.has(child)) await remove(child);
