@@ -10,6 +10,7 @@
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
+import * as esbuild from 'esbuild';
 import { bundleForNode } from './esbuild-node.mjs';
 
 const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
@@ -24,3 +25,18 @@ await fs.writeFile(path.join(outdir, 'made-from'), String((await fs.stat(entry))
 console.log(
   `bundle: ${files} files, ${(bytes / 1024 / 1024).toFixed(1)} MiB with maps, in ${Date.now() - started} ms (dist/bundle)`,
 );
+
+// The layer unpacker's worker (src/images/unpack-worker.ts), bundled alone into one CommonJS file with
+// what it imports: Ferry hands it to its sandbox as data (src/sandbox/tree-sandbox.ts), which then needs
+// nothing of Ferry's install, not even node_modules.
+const tools = path.join(root, 'dist', 'tools');
+await fs.mkdir(tools, { recursive: true });
+await esbuild.build({
+  entryPoints: [path.join(root, 'dist', 'src', 'images', 'unpack-worker.js')],
+  outfile: path.join(tools, 'unpack-worker.cjs'),
+  bundle: true,
+  format: 'cjs',
+  platform: 'node',
+  target: 'node20',
+  logLevel: 'warning',
+});

@@ -24,6 +24,7 @@ import { blobPath, readIndexEntry } from '../src/images/oci-layout.js';
 import { pullImage } from '../src/images/pull.js';
 import { parseImageReference } from '../src/images/reference.js';
 import { registryAccess } from '../src/images/registry-guard.js';
+import { detectSandbox } from '../src/sandbox/launch.js';
 import { tempDir } from './helpers/ferry.js';
 import {
   type BaseImage,
@@ -392,7 +393,7 @@ describe('images: pulls from a registry on loopback', () => {
       cacheBytes: 256 * MiB,
       buildTimeoutMs: 60_000,
     };
-    const store = await createImageStore({ dir: path.join(work, 'store'), settings });
+    const store = await createImageStore({ dir: path.join(work, 'store'), settings, sandbox: await detectSandbox() });
     const first = await store.acquire(`${own.host}/test/store:1`);
     assert.equal(first.digest, pushed);
     assert.deepEqual(first.config.cmd, ['/bin/sh']);

@@ -102,6 +102,7 @@ export async function createExecutor(
         settings: config.images,
         shelf: storage.imageShelf,
         logger: logger.child({ component: 'images' }),
+        sandbox,
       })
     : undefined;
   core.onClose(() => images?.close());

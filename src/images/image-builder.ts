@@ -29,7 +29,7 @@
  * tail of its output), FERRY_IMAGE_BUILD_TIMEOUT, FERRY_IMAGE_DOCKERFILE_NOT_FOUND/INVALID,
  * FERRY_IMAGE_ADD_URL_REFUSED, FERRY_IMAGE_CONTEXT_ESCAPE. Messages never name a host path.
  */
-import { createHash, randomBytes, randomInt } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { constants } from 'node:fs';
 import fs from 'node:fs/promises';
 import path from 'node:path';
@@ -37,6 +37,7 @@ import { FerryError } from '../errors.js';
 import type { SandboxCapabilities } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
 import { stagingRoot } from '../sandbox/views.js';
+import { acquireIds, releaseIds } from './build-ids.js';
 import { hashCopySources, writeCopyLayer } from './context-files.js';
 import { type BuildState, dockerfileBase, initialState, type PlanStep, planDockerfile } from './dockerfile.js';
 import { type ImageRunConfig, parseImageConfig } from './image-config.js';
@@ -49,7 +50,6 @@ import {
   hasBlob,
   initLayout,
   MEDIA,
-  openBlob,
   parseManifest,
   readJsonBlob,
   sha256,
@@ -65,7 +65,7 @@ import {
   runImageStep,
   type StepLimits,
 } from './step-sandbox.js';
-import { unpackLayers } from './unpack.js';
+import { unpackInSandbox } from './unpack-sandbox.js';
 
 export interface ImageBuildLimits extends StepLimits {
   /** Wall-clock time of the whole image build (FERRY_IMAGE_BUILD_TIMEOUT_SECONDS). */
@@ -183,25 +183,6 @@ async function readJsonBlobOnce(layout: string, digest: string): Promise<Buffer>
 interface CachedStep {
   layer: Descriptor;
   diffId: string;
-}
-
-/** Build id ranges (as root): 256 slots of 65,536 ids after the volumes' gids (volumes/images.ts). */
-const BUILD_IDS_FIRST = 1_895_890_944;
-const BUILD_ID_SLOTS = 256;
-const slotsInUse = new Set<number>();
-
-function acquireIds(caps: SandboxCapabilities): { ids: IdRange; mapRange: boolean; slot: number | null } {
-  if (caps.identity && process.getuid?.() === 0) {
-    if (slotsInUse.size >= BUILD_ID_SLOTS) throw new Error('too many image builds at once');
-    for (;;) {
-      const slot = randomInt(BUILD_ID_SLOTS);
-      if (slotsInUse.has(slot)) continue;
-      slotsInUse.add(slot);
-      return { ids: { first: BUILD_IDS_FIRST + slot * 65_536, count: 65_536 }, mapRange: true, slot };
-    }
-  }
-  const uid = process.getuid?.() ?? 0;
-  return { ids: { first: uid, count: 1 }, mapRange: false, slot: null };
 }
 
 class ImageBuild {
@@ -474,12 +455,15 @@ class ImageBuild {
   private async apply(layers: Array<{ descriptor: Descriptor; layout: string }>): Promise<void> {
     if (layers.length === 0) return;
     try {
-      await unpackLayers(
-        this.rootfs!,
-        layers.map((l) => () => openBlob(l.layout, l.descriptor.digest)),
-        { maxBytes: this.o.limits.diskBytes, maxEntries: MAX_ENTRIES },
-        { owner: this.ids! },
-      );
+      await unpackInSandbox({
+        caps: this.o.sandbox.caps,
+        root: this.rootfs!,
+        layers: layers.map((l) => ({ layout: l.layout, digest: l.descriptor.digest })),
+        limits: { maxBytes: this.o.limits.diskBytes, maxEntries: MAX_ENTRIES },
+        ids: this.ids!,
+        mapRange: this.mapRange,
+        signal: this.signal,
+      });
     } catch (err) {
       this.applied = -1;
       throw err;
@@ -573,7 +557,7 @@ class ImageBuild {
 
   async close(): Promise<void> {
     await this.dropScratch().catch(() => {});
-    if (this.idSlot !== null) slotsInUse.delete(this.idSlot);
+    releaseIds(this.idSlot);
     this.idSlot = null;
   }
 }

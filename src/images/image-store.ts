@@ -14,6 +14,9 @@ import path from 'node:path';
 import type { Logger } from 'pino';
 import type { ImageSettings } from '../config.js';
 import { FerryError } from '../errors.js';
+import type { SandboxCapabilities } from '../sandbox/launch.js';
+import { stagingRoot } from '../sandbox/views.js';
+import { acquireIds, releaseIds } from './build-ids.js';
 import { type CachedImage, createImageCache, type ImageCache } from './image-cache.js';
 import { type ImageRunConfig, parseImageConfig } from './image-config.js';
 import type { ImageShelf, ShelfFetchStats } from './image-shelf.js';
@@ -21,7 +24,8 @@ import { openBlob, parseManifest, readJsonBlob } from './oci-layout.js';
 import { pullImage } from './pull.js';
 import { formatImageReference, parseImageReference } from './reference.js';
 import { createRegistryAgent, registryAccess } from './registry-guard.js';
-import { unpackLayers } from './unpack.js';
+import { prepareResolvConf, type UnpackLimits, type UnpackResult, unpackLayers } from './unpack.js';
+import { unpackInSandbox } from './unpack-sandbox.js';
 
 export interface PinnedImage {
   digest: string;
@@ -102,8 +106,13 @@ export async function createImageStore(options: {
   shelf?: ImageShelf;
   /** Says, at info level, how long each image fetched from the shelf took, and where the time went. */
   logger?: Pick<Logger, 'info'>;
+  /**
+   * The sandbox layers are unpacked in (unpack-sandbox.ts), as the server always has it; null unpacks in
+   * this process, for tests of pulling and caching only.
+   */
+  sandbox: SandboxCapabilities | null;
 }): Promise<ImageStore> {
-  const { dir, settings, shelf, logger } = options;
+  const { dir, settings, shelf, logger, sandbox } = options;
   const discardListeners: Array<(digest: string) => Promise<void>> = [];
   const cache = await createImageCache({
     dir: path.join(dir, 'unpacked'),
@@ -150,12 +159,13 @@ export async function createImageStore(options: {
     const manifest = parseManifest(await readJsonBlob(layout, digest));
     const config = parseImageConfig(await readJsonBlob(layout, manifest.config.digest));
     const { image, release } = await cache.acquire(digest, async (rootfs) => {
-      const result = await unpackLayers(
+      const result = await unpackForReplicas(
+        sandbox,
+        path.dirname(dir), // the data folder (host-tools.ts imagesDir)
         rootfs,
-        manifest.layers.map((layer) => () => openBlob(layout, layer.digest)),
+        manifest.layers.map((layer) => ({ layout, digest: layer.digest })),
         { maxBytes: settings.cacheBytes, maxEntries: MAX_IMAGE_ENTRIES },
       );
-      await prepareMountPoints(rootfs);
       const kept = path.join(path.dirname(rootfs), 'layout');
       await fs.rename(layout, kept);
       return { bytes: result.bytes + (await folderBytes(kept)), meta: { config } };
@@ -291,27 +301,53 @@ export async function createImageStore(options: {
 }
 
 /**
- * What the sandbox mounts over inside an image's root must exist there before it is shared read-only:
- * `/etc/resolv.conf` as a regular file (a replica's DNS settings go over it; a link there, as many images
- * have, would point bwrap elsewhere). The root is Ferry's own copy, so this changes no image.
+ * Unpacks an image for the cache, with /etc/resolv.conf made ready for replicas' DNS: in the sandbox, as
+ * a range of ids held for the unpacking (entries get the image's owners, shifted into it); in this process
+ * without one (tests).
  */
-async function prepareMountPoints(rootfs: string): Promise<void> {
-  const etc = path.join(rootfs, 'etc');
-  let st = await fs.lstat(etc).catch(() => undefined);
-  if (!st) {
-    await fs.mkdir(etc, { mode: 0o755 });
-    st = await fs.lstat(etc);
+async function unpackForReplicas(
+  sandbox: SandboxCapabilities | null,
+  dataDir: string,
+  rootfs: string,
+  layers: Array<{ layout: string; digest: string }>,
+  limits: UnpackLimits,
+): Promise<UnpackResult> {
+  if (!sandbox) {
+    const result = await unpackLayers(
+      rootfs,
+      layers.map((layer) => () => openBlob(layer.layout, layer.digest)),
+      limits,
+    );
+    await prepareResolvConf(rootfs);
+    return result;
   }
-  if (!st.isDirectory()) return; // an image whose /etc is not a folder: replicas get no resolv.conf of Ferry's
-  const file = path.join(etc, 'resolv.conf');
-  if ((await fs.lstat(file).catch(() => undefined))?.isFile()) return;
-  const mode = st.mode & 0o7777;
-  await fs.chmod(etc, mode | 0o700);
+  const { ids, mapRange, slot } = acquireIds(sandbox);
+  let staging: string | null = null;
   try {
-    await fs.rm(file, { recursive: true, force: true });
-    await fs.writeFile(file, '', { mode: 0o644 });
+    let root = rootfs;
+    if (mapRange) {
+      // The unpacker's uid must reach the folder it binds, and the cache is inside the data folder (0700):
+      // it fills a folder of the staging root (outside the data folder, on its filesystem), moved in after.
+      const stagingParent = await stagingRoot(dataDir, true);
+      if (!stagingParent) {
+        throw new Error(
+          `no folder outside the data directory ${dataDir} on its filesystem to unpack images in as an unprivileged uid`,
+        );
+      }
+      staging = await fs.mkdtemp(path.join(stagingParent, 'unpack-'));
+      await fs.chmod(staging, 0o711);
+      root = path.join(staging, 'rootfs');
+      await fs.mkdir(root, { mode: 0o755 });
+    }
+    const result = await unpackInSandbox({ caps: sandbox, root, layers, limits, ids, mapRange, resolvConf: true });
+    if (root !== rootfs) {
+      await fs.rmdir(rootfs);
+      await fs.rename(root, rootfs);
+    }
+    return result;
   } finally {
-    await fs.chmod(etc, mode);
+    releaseIds(slot);
+    if (staging) await fs.rm(staging, { recursive: true, force: true });
   }
 }
 

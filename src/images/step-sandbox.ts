@@ -32,6 +32,7 @@ import { createReplicaCgroup, type ReplicaCgroup } from '../sandbox/cgroups.js';
 import { dropPrivilegesArgs, unreachableByOthers } from '../sandbox/identity.js';
 import { PROC_MASKED, type SandboxCapabilities, WRAPPER_ENV } from '../sandbox/launch.js';
 import { joinNetworkArgs, type SandboxNetwork } from '../sandbox/network.js';
+import { mapWhenReady } from '../sandbox/userns-map.js';
 
 export interface StepLimits {
   memoryMiB: number;
@@ -97,7 +98,6 @@ const STEP_CAPS = [
 ];
 
 const DISK_WATCH_MS = 3000;
-const BWRAP_START_TIMEOUT_MS = 30_000;
 
 /** Paths bwrap mounts on: made in the root when missing, and removed again after the step. */
 const MOUNT_DIRS = ['proc', 'dev'];
@@ -263,32 +263,6 @@ async function spawnStep(
     clearInterval(watch);
     run.signal.removeEventListener('abort', onAbort);
   }
-}
-
-/** Reads bwrap's child pid from its info fd and writes the namespace's uid and gid maps (Ferry is root). */
-async function mapWhenReady(info: Readable, ids: IdRange): Promise<void> {
-  info.setEncoding('utf8');
-  const pid = await new Promise<number>((resolve, reject) => {
-    let text = '';
-    const timer = setTimeout(() => reject(new Error('bwrap did not report its pid')), BWRAP_START_TIMEOUT_MS);
-    info.on('data', (chunk: string) => {
-      text += chunk;
-      const match = /"child-pid"\s*:\s*(\d+)/.exec(text);
-      if (match) {
-        clearTimeout(timer);
-        resolve(Number(match[1]));
-      }
-    });
-    info.on('end', () => {
-      clearTimeout(timer);
-      reject(new Error('bwrap ended before it reported its pid'));
-    });
-    info.on('error', () => {});
-  });
-  info.resume();
-  const map = `0 ${ids.first} ${ids.count}\n`;
-  await fs.writeFile(`/proc/${pid}/uid_map`, map);
-  await fs.writeFile(`/proc/${pid}/gid_map`, map);
 }
 
 export interface MadePoints {

@@ -355,3 +355,35 @@ async function applyLayer(
     }
   }
 }
+
+/**
+ * What the sandbox mounts over inside an image's root must exist there before it is shared read-only:
+ * `/etc/resolv.conf` as a regular file (a replica's DNS settings go over it; a link there, as many images
+ * have, would point bwrap elsewhere). The root is Ferry's own copy, so this changes no image. Like the
+ * rest of the unpacking, it never acts through a link: `/etc` is changed through a descriptor opened with
+ * O_NOFOLLOW, and the file is made with O_EXCL.
+ */
+export async function prepareResolvConf(rootfs: string): Promise<void> {
+  const etc = path.join(rootfs, 'etc');
+  let st = await fs.lstat(etc).catch(() => undefined);
+  if (!st) {
+    await fs.mkdir(etc, { mode: 0o755 });
+    st = await fs.lstat(etc);
+  }
+  if (!st.isDirectory()) return; // an image whose /etc is not a folder: replicas get no resolv.conf of Ferry's
+  const file = path.join(etc, 'resolv.conf');
+  if ((await fs.lstat(file).catch(() => undefined))?.isFile()) return;
+  const handle = await fs.open(etc, FOLDER_NOFOLLOW);
+  try {
+    const mode = (await handle.stat()).mode & 0o7777;
+    await handle.chmod(mode | 0o700);
+    try {
+      await fs.rm(file, { recursive: true, force: true });
+      await fs.writeFile(file, '', { mode: 0o644, flag: 'wx' });
+    } finally {
+      await handle.chmod(mode);
+    }
+  } finally {
+    await handle.close();
+  }
+}
