@@ -26,14 +26,14 @@ console.log(
   `bundle: ${files} files, ${(bytes / 1024 / 1024).toFixed(1)} MiB with maps, in ${Date.now() - started} ms (dist/bundle)`,
 );
 
-// The layer unpacker's worker (src/images/unpack-worker.ts), bundled alone into one CommonJS file with
-// what it imports: Ferry hands it to its sandbox as data (src/sandbox/tree-sandbox.ts), which then needs
+// The worker over untrusted image layers (src/images/layer-worker.ts: unpacking, a build step's diff),
+// bundled alone into one CommonJS file with what it imports: Ferry hands it to its sandbox as data (src/sandbox/tree-sandbox.ts), which then needs
 // nothing of Ferry's install, not even node_modules.
 const tools = path.join(root, 'dist', 'tools');
 await fs.mkdir(tools, { recursive: true });
 await esbuild.build({
-  entryPoints: [path.join(root, 'dist', 'src', 'images', 'unpack-worker.js')],
-  outfile: path.join(tools, 'unpack-worker.cjs'),
+  entryPoints: [path.join(root, 'dist', 'src', 'images', 'layer-worker.js')],
+  outfile: path.join(tools, 'layer-worker.cjs'),
   bundle: true,
   format: 'cjs',
   platform: 'node',

@@ -43,6 +43,7 @@ import { type BuildState, dockerfileBase, initialState, type PlanStep, planDocke
 import { type ImageRunConfig, parseImageConfig } from './image-config.js';
 import type { ImageSpec } from './image-spec.js';
 import type { ImplicitStep } from './image-steps.js';
+import { diffInSandbox, unpackInSandbox } from './layer-sandbox.js';
 import { LayerWriter, type WrittenLayer } from './layer-writer.js';
 import {
   blobPath,
@@ -56,7 +57,7 @@ import {
   writeBlob,
   writeIndex,
 } from './oci-layout.js';
-import { snapshotTree, writeRootDiff } from './rootfs-diff.js';
+import { snapshotTree } from './rootfs-diff.js';
 import {
   cleanMountPoints,
   type IdRange,
@@ -65,7 +66,6 @@ import {
   runImageStep,
   type StepLimits,
 } from './step-sandbox.js';
-import { unpackInSandbox } from './unpack-sandbox.js';
 
 export interface ImageBuildLimits extends StepLimits {
   /** Wall-clock time of the whole image build (FERRY_IMAGE_BUILD_TIMEOUT_SECONDS). */
@@ -424,7 +424,19 @@ class ImageBuild {
         `${what} ${how}${tail.length > 0 ? `; its last output:\n${tail.join('\n')}` : ''}`,
       );
     }
-    await writeRootDiff(rootfs, before, writer, ids, madePaths(made));
+    // Read back in a sandbox of its own, by the build's ids: the root is a stranger's (layer-sandbox.ts).
+    await diffInSandbox({
+      caps: o.sandbox.caps,
+      root: rootfs,
+      before,
+      writer,
+      ids,
+      mapRange: this.mapRange,
+      ignore: madePaths(made),
+      scratch: this.scratch!,
+      maxBytes: o.limits.diskBytes,
+      signal: this.signal,
+    });
   }
 
   /** The scratch root holding every layer so far (made, or brought up to date, here). */

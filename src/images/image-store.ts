@@ -20,12 +20,12 @@ import { acquireIds, releaseIds } from './build-ids.js';
 import { type CachedImage, createImageCache, type ImageCache } from './image-cache.js';
 import { type ImageRunConfig, parseImageConfig } from './image-config.js';
 import type { ImageShelf, ShelfFetchStats } from './image-shelf.js';
+import { unpackInSandbox } from './layer-sandbox.js';
 import { openBlob, parseManifest, readJsonBlob } from './oci-layout.js';
 import { pullImage } from './pull.js';
 import { formatImageReference, parseImageReference } from './reference.js';
 import { createRegistryAgent, registryAccess } from './registry-guard.js';
 import { prepareResolvConf, type UnpackLimits, type UnpackResult, unpackLayers } from './unpack.js';
-import { unpackInSandbox } from './unpack-sandbox.js';
 
 export interface PinnedImage {
   digest: string;

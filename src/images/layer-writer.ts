@@ -82,39 +82,7 @@ export class LayerWriter {
   /** Adds an entry; a file's `body` must yield exactly `size` bytes. */
   async add(entry: LayerEntry, body?: Readable | Buffer): Promise<void> {
     this.count += 1;
-    const header: Parameters<typeof this.pack.entry>[0] = {
-      name: entry.type === 'directory' ? `${entry.name}/` : entry.name,
-      type: entry.type,
-      mode: entry.mode,
-      uid: entry.uid,
-      gid: entry.gid,
-      mtime: entry.mtime,
-      ...(entry.type === 'file' ? { size: entry.size ?? 0 } : {}),
-      ...(entry.linkname !== undefined ? { linkname: entry.linkname } : {}),
-    };
-    if (entry.type !== 'file' || body === undefined || (entry.size ?? 0) === 0) {
-      await new Promise<void>((resolve, reject) => {
-        const done = (err?: Error | null) => (err ? reject(err) : resolve());
-        // A file entry without a buffer waits for its body to be written and ended, even at size 0
-        // (tar-stream 3): an empty file or a whiteout gets an empty buffer, or it would never complete.
-        if (entry.type === 'file') this.pack.entry(header, Buffer.alloc(0), done);
-        else this.pack.entry(header, done);
-      });
-      if (body !== undefined && !Buffer.isBuffer(body)) body.destroy();
-      return;
-    }
-    if (Buffer.isBuffer(body)) {
-      await new Promise<void>((resolve, reject) => {
-        this.pack.entry(header, body, (err) => (err ? reject(err) : resolve()));
-      });
-      return;
-    }
-    let sink!: ReturnType<typeof this.pack.entry>;
-    const written = new Promise<void>((resolve, reject) => {
-      sink = this.pack.entry(header, (err) => (err ? reject(err) : resolve()));
-    });
-    await pipeline(body, new PassThrough(), sink);
-    await written;
+    await addTarEntry(this.pack, entry, body);
   }
 
   /** Ends the tar and moves the blob to its digest's name. */
@@ -135,4 +103,45 @@ export class LayerWriter {
     await this.done.catch(() => {});
     await fs.rm(this.temp, { force: true });
   }
+}
+
+/** Writes one entry to a tar-stream pack; a file's `body` must yield exactly `size` bytes. */
+export async function addTarEntry(
+  pack: ReturnType<typeof tar.pack>,
+  entry: LayerEntry,
+  body?: Readable | Buffer,
+): Promise<void> {
+  const header: Parameters<typeof pack.entry>[0] = {
+    name: entry.type === 'directory' ? `${entry.name}/` : entry.name,
+    type: entry.type,
+    mode: entry.mode,
+    uid: entry.uid,
+    gid: entry.gid,
+    mtime: entry.mtime,
+    ...(entry.type === 'file' ? { size: entry.size ?? 0 } : {}),
+    ...(entry.linkname !== undefined ? { linkname: entry.linkname } : {}),
+  };
+  if (entry.type !== 'file' || body === undefined || (entry.size ?? 0) === 0) {
+    await new Promise<void>((resolve, reject) => {
+      const done = (err?: Error | null) => (err ? reject(err) : resolve());
+      // A file entry without a buffer waits for its body to be written and ended, even at size 0
+      // (tar-stream 3): an empty file or a whiteout gets an empty buffer, or it would never complete.
+      if (entry.type === 'file') pack.entry(header, Buffer.alloc(0), done);
+      else pack.entry(header, done);
+    });
+    if (body !== undefined && !Buffer.isBuffer(body)) body.destroy();
+    return;
+  }
+  if (Buffer.isBuffer(body)) {
+    await new Promise<void>((resolve, reject) => {
+      pack.entry(header, body, (err) => (err ? reject(err) : resolve()));
+    });
+    return;
+  }
+  let sink!: ReturnType<typeof pack.entry>;
+  const written = new Promise<void>((resolve, reject) => {
+    sink = pack.entry(header, (err) => (err ? reject(err) : resolve()));
+  });
+  await pipeline(body, new PassThrough(), sink);
+  await written;
 }

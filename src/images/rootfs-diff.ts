@@ -96,7 +96,7 @@ export interface DiffResult {
 export async function writeRootDiff(
   root: string,
   before: Snapshot,
-  layer: LayerWriter,
+  layer: Pick<LayerWriter, 'add'>,
   ids: IdRange,
   ignore: readonly string[] = [],
 ): Promise<DiffResult> {
@@ -178,3 +178,49 @@ export async function writeRootDiff(
   }
   return { written, removed };
 }
+
+/**
+ * A snapshot as JSON, for the diff's sandboxed process (layer-sandbox.ts), with owners as that process's
+ * namespace sees them: host ids of `ids` become `n`, any other the kernel's overflow id.
+ */
+export function snapshotJson(snapshot: Snapshot, ids: IdRange): string {
+  const inside = (id: number) => (id >= ids.first && id < ids.first + ids.count ? id - ids.first : OVERFLOW_ID);
+  const entries = [...snapshot].map(([p, s]) => [
+    p,
+    {
+      ...s,
+      uid: inside(s.uid),
+      gid: inside(s.gid),
+      ino: String(s.ino),
+      size: String(s.size),
+      mtimeNs: String(s.mtimeNs),
+      ctimeNs: String(s.ctimeNs),
+      nlink: String(s.nlink),
+    },
+  ]);
+  return JSON.stringify(entries);
+}
+
+/** The snapshot snapshotJson wrote. */
+export function snapshotFromJson(text: string): Snapshot {
+  const entries = JSON.parse(text) as Array<[string, Record<string, string | number>]>;
+  return new Map(
+    entries.map(([p, s]) => [
+      p,
+      {
+        kind: s.kind as EntryState['kind'],
+        mode: Number(s.mode),
+        uid: Number(s.uid),
+        gid: Number(s.gid),
+        ino: BigInt(s.ino!),
+        size: BigInt(s.size!),
+        mtimeNs: BigInt(s.mtimeNs!),
+        ctimeNs: BigInt(s.ctimeNs!),
+        nlink: BigInt(s.nlink!),
+      },
+    ]),
+  );
+}
+
+/** The id an unmapped owner has inside a user namespace (/proc/sys/kernel/overflowuid). */
+const OVERFLOW_ID = 65_534;

@@ -13,7 +13,8 @@
  *   and the tree, writable, at `/tree`; not /etc, not the data folder, nothing else of the host; every
  *   other mount, bwrap's own root included, read-only;
  * - reading its input through descriptors the caller opened (fd 7, 8, …: the layer blobs), so that the
- *   folder holding them (the pull's scratch, 0700) need not be reachable, nor visible;
+ *   folder holding them (the pull's scratch, 0700) need not be reachable, nor visible; and writing what
+ *   it produces (a build step's diff) to a pipe the caller reads;
  * - with the tool's code handed over as data (bound read-only at /ferry/tool.cjs), one self-contained
  *   file: nothing of Ferry's install needs to be visible either;
  * - with a wall-clock bound, killed with its whole namespace when it passes it or the caller aborts.
@@ -45,6 +46,14 @@ export interface TreeToolRun {
   args: string[];
   /** Host folder bound writable at TREE_DIR. It must belong to `ids.first`, uid 0 inside. */
   root: string;
+  /** Bind the tree read-only instead (a tool that only reads it). */
+  rootReadOnly?: boolean;
+  /**
+   * A stream the tool writes (its descriptor, FIRST_INPUT_FD + inputs.length, is the one after the
+   * inputs), handed to this consumer as the tool starts; the run ends when both have. A consumer that
+   * fails kills the tool.
+   */
+  onOutput?: (stream: Readable) => Promise<void>;
   /** Descriptors open for reading that the tool gets as FIRST_INPUT_FD, FIRST_INPUT_FD + 1, … */
   inputs: number[];
   /** Who it runs as: host `ids.first + n` is `n` inside. */
@@ -111,7 +120,7 @@ export async function runTreeTool(run: TreeToolRun): Promise<TreeToolResult> {
     '--ro-bind-data',
     '6',
     TOOL_PATH,
-    '--bind',
+    run.rootReadOnly ? '--ro-bind' : '--bind',
     run.root,
     TREE_DIR,
     // bwrap's own root (a tmpfs holding the mount points) read-only too: only /tree and /tmp take writes.
@@ -136,7 +145,17 @@ export async function runTreeTool(run: TreeToolRun): Promise<TreeToolResult> {
     cwd: '/',
     env: { ...WRAPPER_ENV },
     // 3: bwrap's info (its child's pid); 4: its options; 5: the user namespace's go-ahead; 6: the tool.
-    stdio: ['ignore', 'pipe', 'pipe', 'pipe', 'pipe', 'pipe', 'pipe', ...run.inputs],
+    stdio: [
+      'ignore',
+      'pipe',
+      'pipe',
+      'pipe',
+      'pipe',
+      'pipe',
+      'pipe',
+      ...run.inputs,
+      ...(run.onOutput ? ['pipe' as const] : []),
+    ],
   });
   const pipes = child.stdio as unknown as Array<Readable & Writable>;
   for (const fd of [4, 5, 6]) pipes[fd]!.on('error', () => {});
@@ -157,6 +176,11 @@ export async function runTreeTool(run: TreeToolRun): Promise<TreeToolResult> {
     kill();
   }, run.timeoutMs);
   run.signal?.addEventListener('abort', kill, { once: true });
+  const output = run.onOutput?.(pipes[FIRST_INPUT_FD + run.inputs.length]!).catch((err: unknown) => {
+    kill();
+    throw err;
+  });
+  output?.catch(() => {}); // awaited below, once the tool has ended: not an unhandled rejection meanwhile
   try {
     let stdout = '';
     let stderr = '';
@@ -170,6 +194,7 @@ export async function runTreeTool(run: TreeToolRun): Promise<TreeToolResult> {
       child.on('error', (err) => reject(new Error(`the tool sandbox could not start (${err.message})`)));
       child.on('close', (code, signal) => resolve({ code, signal }));
     });
+    await output;
     if (run.signal?.aborted) throw run.signal.reason;
     return { ...exit, stdout, stderr, timedOut };
   } finally {

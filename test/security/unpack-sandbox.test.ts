@@ -16,7 +16,7 @@ import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { acquireIds, releaseIds } from '../../src/images/build-ids.js';
 import { blobPath, sha256 } from '../../src/images/oci-layout.js';
-import { unpackInSandbox } from '../../src/images/unpack-sandbox.js';
+import { unpackInSandbox } from '../../src/images/layer-sandbox.js';
 import { detectSandbox, type SandboxCapabilities } from '../../src/sandbox/launch.js';
 import { FIRST_INPUT_FD, runTreeTool } from '../../src/sandbox/tree-sandbox.js';
 import { canaryState, makeCanary } from '../helpers/canary.js';
