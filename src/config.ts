@@ -224,6 +224,11 @@ export interface ServerConfig {
   streamResumeGraceSeconds: number;
   /** How long a cancelled cortex function has to return before its replica is stopped (FERRY_CANCEL_GRACE_SECONDS). */
   cancelGraceSeconds: number;
+  /**
+   * How long `ferry serve` waits after SIGTERM for runs in flight to end before it interrupts the rest
+   * (FERRY_SHUTDOWN_GRACE_SECONDS, cli/shutdown.ts).
+   */
+  shutdownGraceSeconds: number;
   /** Ready builds kept per app by retention (FERRY_KEEP_BUILDS; 0: keep all). The active build always stays. */
   keepBuilds: number;
   /** Finished runs older than this many days are deleted with their logs (FERRY_RUN_RETENTION_DAYS; 0: keep all). */
@@ -321,6 +326,7 @@ export const DEFAULTS = {
   streamReplayTotalBytes: 64 * 1024 * 1024,
   streamResumeGraceSeconds: 10,
   cancelGraceSeconds: 5,
+  shutdownGraceSeconds: 30,
   keepBuilds: 10,
   imageCacheMib: 20_480,
   imageBuildTimeoutSeconds: 1800,
@@ -486,6 +492,9 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
       DEFAULTS.streamResumeGraceSeconds,
     cancelGraceSeconds:
       intFrom(env.FERRY_CANCEL_GRACE_SECONDS, 'FERRY_CANCEL_GRACE_SECONDS', 0, 3600) ?? DEFAULTS.cancelGraceSeconds,
+    shutdownGraceSeconds:
+      intFrom(env.FERRY_SHUTDOWN_GRACE_SECONDS, 'FERRY_SHUTDOWN_GRACE_SECONDS', 0, 86_400) ??
+      DEFAULTS.shutdownGraceSeconds,
     keepBuilds: intFrom(env.FERRY_KEEP_BUILDS, 'FERRY_KEEP_BUILDS', 0, 100_000) ?? DEFAULTS.keepBuilds,
     runRetentionDays:
       intFrom(env.FERRY_RUN_RETENTION_DAYS, 'FERRY_RUN_RETENTION_DAYS', 0, 36_500) ?? DEFAULTS.runRetentionDays,

@@ -138,6 +138,17 @@ export interface Services {
   volumes: Volumes;
   /** Apps' schedules as the routes use them (src/schedules/). */
   schedules: ScheduleService;
+  /**
+   * The first step of a shutdown (cli/shutdown.ts): stops starting work other than requests (schedule ticks,
+   * async runs: those queued here are let go for any node) and resolves once the async runs in progress here
+   * have ended. `close` does the same again at no cost.
+   */
+  drain(): Promise<void>;
+  /**
+   * A shutdown past its grace: interrupts every run in progress here and stops the replicas
+   * (composition/executor.ts). Returns how many runs were interrupted; 0 on a gateway, which runs none.
+   */
+  interrupt(): number;
   close(): Promise<void>;
 }
 
@@ -182,7 +193,10 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   const asyncWorker: RunQueue = link
     ? link.runQueue({ consume: runsCode, createWorker: makeWorker })
     : createStoreRunQueue(makeWorker());
-  onClose(() => asyncWorker.close());
+  // Once, whoever asks first: a shutdown's drain, then the close (the JetStream queue closes once).
+  let queueClosed: Promise<void> | undefined;
+  const closeQueue = () => (queueClosed ??= asyncWorker.close());
+  onClose(closeQueue);
   core.reportLoad(() => describeLoad(replicas.pools(), asyncWorker.backlog));
   // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
   const announcer =
@@ -468,6 +482,11 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     volumes,
     schedules,
     refreshGauges: () => refreshGauges(metrics, replicas.pools(), executor?.warmPool?.stats()),
+    async drain() {
+      await ticker.close();
+      await closeQueue();
+    },
+    interrupt: () => executor?.interrupt() ?? 0,
     close: () => core.close(),
   };
 }

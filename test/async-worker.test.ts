@@ -13,7 +13,7 @@ import { FerryError } from '../src/errors.js';
 import { uuidv7 } from '../src/ids.js';
 import { createLogger } from '../src/logger.js';
 import { type AsyncWorker, createAsyncWorker } from '../src/runs/async-worker.js';
-import { type InvokeRequest, type Invoker, RunNotClaimedError } from '../src/runs/invoke.js';
+import { type InvokeRequest, type Invoker, RunInterruptedError, RunNotClaimedError } from '../src/runs/invoke.js';
 import { endRun } from '../src/runs/lifecycle.js';
 import { createRunRecorder, newRunRow, type RunRecorder } from '../src/runs/recorder.js';
 import type { AppTarget, RunTargets } from '../src/runs/targets.js';
@@ -23,12 +23,15 @@ import { tempDir } from './helpers/ferry.js';
 const OWNER = 'node-worker-test';
 const logger = createLogger({ level: 'silent', pretty: false });
 
-/** What the fake invoker does with a run: answer once claimed, or throw before the claim. */
-type Behaviour = 'answer' | 'busy' | 'not-claimed';
+/**
+ * What the fake invoker does with a run: answer once claimed, or throw before the claim (`interrupted`:
+ * waiting for a slot, held until released, when a server stopping past its grace interrupts it).
+ */
+type Behaviour = 'answer' | 'busy' | 'not-claimed' | 'interrupted';
 
 interface FakeInvoker {
   invoker: Invoker;
-  /** In order: `claim:<id>`, `start:<id>`, `end:<id>`, `busy:<id>`, `not-claimed:<id>`. */
+  /** In order: `claim:<id>`, `start:<id>`, `end:<id>`, `busy:<id>`, `not-claimed:<id>`, `waiting:<id>`. */
   events: string[];
   behaviour: Map<string, Behaviour[]>;
   /** Runs held in their call until released (to hold an app at capacity). */
@@ -57,6 +60,11 @@ function fakeInvoker(recorder: RunRecorder): FakeInvoker {
         if (next === 'not-claimed') {
           fake.events.push(`not-claimed:${id}`);
           throw new RunNotClaimedError(id);
+        }
+        if (next === 'interrupted') {
+          fake.events.push(`waiting:${id}`);
+          if (fake.hold.has(id)) await new Promise<void>((resolve) => waiting.set(id, resolve));
+          throw new RunInterruptedError(id);
         }
         fake.events.push(`claim:${id}`);
         const attempt = await request.claim?.();
@@ -293,6 +301,25 @@ describe('the async worker with a fake invoker and the real recorder', () => {
     assert.equal(let_go.state, 'queued');
     assert.equal(let_go.owner, null, 'free for any node');
     assert.ok(!fake.events.includes(`claim:${second}`));
+  });
+
+  it('lets a run interrupted before it started go at close, for any node to take (issue 43)', async () => {
+    const fake = fakeInvoker(recorder);
+    const worker = workerOf(fake);
+    const app = appOf();
+    const id = await queued(app);
+    fake.behaviour.set(id, ['interrupted']);
+    fake.hold.add(id);
+    worker.enqueue({ id, ...app });
+    await waitUntil(() => fake.events.includes(`waiting:${id}`));
+    const closing = worker.close();
+    // The shutdown's grace is over: the run, still waiting for a slot, is interrupted.
+    fake.release(id);
+    await closing;
+    const let_go = await row(id);
+    assert.equal(let_go.state, 'queued');
+    assert.equal(let_go.owner, null, 'free for any node');
+    assert.equal(worker.backlog, 0);
   });
 });
 

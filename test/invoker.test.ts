@@ -14,7 +14,14 @@ import { createLogger } from '../src/logger.js';
 import type { Frame } from '../src/replicas/frames.js';
 import type { ReplicaManager } from '../src/replicas/manager.js';
 import type { PoolBuild, Slot } from '../src/replicas/pool.js';
-import { createInvoker, type Invoker, RunNotClaimedError, RunStartError } from '../src/runs/invoke.js';
+import {
+  createInvoker,
+  type Invoker,
+  type LocalInvoker,
+  RunInterruptedError,
+  RunNotClaimedError,
+  RunStartError,
+} from '../src/runs/invoke.js';
 import { createRunRecorder, newRunRow, type RunRecorder } from '../src/runs/recorder.js';
 import type { RunAbort } from '../src/runs/run-abort.js';
 import { openSqliteStore, type Store } from '../src/store/index.js';
@@ -137,7 +144,7 @@ describe('the invoker with a fake replica and the real recorder', () => {
     return { projectId: 'p-comp', appId: 'comp', buildId: uuidv7(), runtime: 'node', config };
   }
 
-  function invokerOf(fake: Fake, options: { cancelGraceMs?: number } = {}): Invoker {
+  function invokerOf(fake: Fake, options: { cancelGraceMs?: number } = {}): LocalInvoker {
     return createInvoker({ replicas: fake.manager, recorder, logger, cancelGraceMs: options.cancelGraceMs ?? 60_000 });
   }
 
@@ -353,6 +360,117 @@ describe('the invoker with a fake replica and the real recorder', () => {
     assert.equal(row.state, 'cancelled');
     assert.equal(row.reason, 'client_disconnected');
     assert.equal(row.status_code, 499);
+  });
+
+  describe('interrupted by a server stopping past its grace (issue 43)', () => {
+    /** A hanging async run of `build`, started for real (its start written as the async worker writes it). */
+    async function startedAsync(build: PoolBuild, fake: Fake, invoker: Invoker) {
+      fake.script = { kind: 'hang' };
+      const row = newRunRow({ id: uuidv7(), build, fn: 'work', mode: 'async', input: '{}', owner: 'node-test' });
+      await recorder.insertNow(row);
+      const policy = build.config.retries;
+      const running = invoker.invoke({
+        ...request(build),
+        runId: row.id,
+        mode: 'async',
+        recorded: true,
+        claim: () => recorder.startNow(row.id, 'node-test'),
+        ...(policy.max_attempts > 1 ? { retries: { policy, log: null } } : {}),
+      });
+      await waitUntil(() => fake.events.includes('call'));
+      return { id: row.id, running };
+    }
+
+    it('ends a sync run `failure`, reason `interrupted`, with its webhook; its caller gets FERRY_REPLICA_DIED', async () => {
+      const build = buildOf();
+      const fake = fakeReplicas(build);
+      fake.script = { kind: 'hang' };
+      const invoker = invokerOf(fake);
+      const req = request(build);
+      const running = invoker.invoke(req);
+      await waitUntil(() => fake.events.includes('call'));
+      assert.equal(invoker.interrupt(), 1);
+      await assert.rejects(running, (err: unknown) => err instanceof FerryError && err.code === 'FERRY_REPLICA_DIED');
+      assert.equal(invoker.interrupt(), 0, 'nothing left in progress');
+      const row = await record(req.runId);
+      assert.equal(row.state, 'failure');
+      assert.equal(row.reason, 'interrupted');
+      assert.equal(row.error_code, 'FERRY_REPLICA_DIED');
+      const [payload] = await webhookPayloads(req.runId);
+      assert.equal(payload?.state, 'failure');
+    });
+
+    it('queues a started async run of an app with retry_interrupted again, for any node, with no webhook', async () => {
+      const build = buildOf();
+      build.config.app.retry_interrupted = true;
+      const fake = fakeReplicas(build);
+      const invoker = invokerOf(fake);
+      const run = await startedAsync(build, fake, invoker);
+      assert.equal(invoker.interrupt(), 1);
+      await assert.rejects(
+        run.running,
+        (err: unknown) => err instanceof FerryError && err.code === 'FERRY_REPLICA_DIED',
+      );
+      const row = await record(run.id);
+      assert.equal(row.state, 'queued');
+      assert.equal(row.owner, null);
+      assert.equal(row.attempts, 1);
+      assert.deepEqual(await webhookPayloads(run.id), []);
+    });
+
+    it('follows the retry policy of an app without retry_interrupted: tried again after its delay', async () => {
+      const build = buildOf();
+      build.config.retries = { max_attempts: 3, initial_delay: 60, backoff: 2, max_delay: 300, on: ['interrupted'] };
+      const fake = fakeReplicas(build);
+      const invoker = invokerOf(fake);
+      const run = await startedAsync(build, fake, invoker);
+      invoker.interrupt();
+      await assert.rejects(run.running, /stopped while the run was in progress/);
+      const row = await record(run.id);
+      assert.equal(row.state, 'queued');
+      assert.equal(row.owner, null);
+      assert.ok(row.not_before && Date.parse(row.not_before) > Date.now() + 30_000, 'after the policy’s delay');
+      assert.match(row.attempt_log ?? '', /"error_code":"FERRY_REPLICA_DIED"/);
+    });
+
+    it('ends a started async run of an app with neither `failure`, reason `interrupted`', async () => {
+      const build = buildOf();
+      const fake = fakeReplicas(build);
+      const invoker = invokerOf(fake);
+      const run = await startedAsync(build, fake, invoker);
+      invoker.interrupt();
+      await assert.rejects(run.running, /stopped while the run was in progress/);
+      const row = await record(run.id);
+      assert.equal(row.state, 'failure');
+      assert.equal(row.reason, 'interrupted');
+    });
+
+    it('lets an async run waiting for a slot before its claim go: RunInterruptedError, still queued', async () => {
+      const build = buildOf();
+      const fake = fakeReplicas(build);
+      fake.busy = true;
+      let claims = 0;
+      const row = newRunRow({ id: uuidv7(), build, fn: 'work', mode: 'async', input: '{}', owner: 'node-test' });
+      await recorder.insertNow(row);
+      const invoker = invokerOf(fake);
+      const running = invoker.invoke({
+        ...request(build),
+        runId: row.id,
+        mode: 'async',
+        recorded: true,
+        claim: async () => {
+          claims++;
+          return 1;
+        },
+      });
+      assert.equal(invoker.interrupt(), 1);
+      await assert.rejects(running, RunInterruptedError);
+      assert.equal(claims, 0);
+      assert.deepEqual(fake.events, [], 'nothing called');
+      const stored = await record(row.id);
+      assert.equal(stored.state, 'queued', 'left for the async worker to let go');
+      assert.deepEqual(await webhookPayloads(row.id), []);
+    });
   });
 });
 

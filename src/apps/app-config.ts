@@ -13,6 +13,7 @@ import { FerryError } from '../errors.js';
 import { type ImageSpec, parseImageTable } from '../images/image-spec.js';
 import { MAX_ATTEMPTS_LIMIT, NO_RETRIES, RETRYABLE_ENDINGS, type RetryPolicy } from '../runs/retries.js';
 import { parseTiming, ScheduleSpecError } from '../schedules/spec.js';
+import { parseWebhookUrl, WebhookUrlError } from '../webhooks/webhook-url.js';
 
 /** The longest `response_grace_period` allowed: 12 hours (spec section 8). */
 export const MAX_GRACE_PERIOD_SECONDS = 43_200;
@@ -85,7 +86,8 @@ const ScheduleEntry = Type.Object(
     timezone: Type.Optional(Type.String({ minLength: 1, maxLength: 64 })),
     function: Type.Optional(Type.String({ pattern: '^[A-Za-z_][A-Za-z0-9_]{0,127}$' })),
     args: Type.Optional(Type.Unknown()),
-    webhook: Type.Optional(Type.String({ pattern: '^https?://', maxLength: 2048 })),
+    // Its rule is every webhook URL's (webhooks/webhook-url.ts), checked in schedulesOf.
+    webhook: Type.Optional(Type.String()),
     overlap: Type.Optional(Type.Union([Type.Literal('skip'), Type.Literal('allow')])),
   },
   { additionalProperties: false },
@@ -208,7 +210,7 @@ export interface ScheduleConfig {
   function: string;
   /** The run's JSON body; default `{}`. */
   args: unknown;
-  /** As `?webhookEndpoint=` on the run, or null. */
+  /** As `?webhookEndpoint=` on the run (the same rule, webhooks/webhook-url.ts, and normalized), or null. */
   webhook: string | null;
   /** `skip`: no tick starts while the schedule's last run is unfinished; `allow`: ticks overlap. */
   overlap: 'skip' | 'allow';
@@ -464,13 +466,20 @@ function schedulesOf(entries: NonNullable<RawConfig['schedules']>): ScheduleConf
         `schedules.${i}.args`,
       );
     }
+    let webhook: string | null = null;
+    try {
+      if (entry.webhook !== undefined) webhook = parseWebhookUrl(entry.webhook);
+    } catch (err) {
+      if (!(err instanceof WebhookUrlError)) throw err;
+      throw new AppConfigError(`ferry.toml: schedules.${i}.webhook: ${err.message}`, `schedules.${i}.webhook`);
+    }
     return {
       name: entry.name,
       cron: entry.cron.trim(),
       timezone,
       function: entry.function ?? 'run',
       args,
-      webhook: entry.webhook ?? null,
+      webhook,
       overlap: entry.overlap ?? 'skip',
     };
   });

@@ -1,9 +1,9 @@
 /**
  * `ferry serve`: runs everything in one process on the embedded default.
  *
- * Signals are handled here and only here: the first SIGTERM or SIGINT stops taking requests, lets
- * requests in flight finish, stops builds (they run again at the next start) and closes the store;
- * a second signal exits at once.
+ * Signals are handled here and only here: the first SIGTERM or SIGINT stops intake, gives runs in flight
+ * up to FERRY_SHUTDOWN_GRACE_SECONDS to end, interrupts the rest, stops builds (they run again at the next
+ * start) and closes the store (cli/shutdown.ts); a second signal exits at once.
  */
 
 import { createWorkerBuilds } from '../cluster/worker-builds.js';
@@ -15,6 +15,7 @@ import { createLogger } from '../logger.js';
 import { createServices } from '../services.js';
 import { CliError } from './client.js';
 import { sandboxWarnings } from './doctor.js';
+import { shutDown } from './shutdown.js';
 
 export interface ServeOptions {
   host?: string;
@@ -118,11 +119,29 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
     }
     stopping = true;
     unrecord();
-    logger.info(`${signal}: shutting down (requests in flight finish first)`);
+    const grace = config.shutdownGraceSeconds;
+    logger.info(
+      { graceSeconds: grace },
+      `${signal}: shutting down (runs in flight get up to ${grace} s to end, then are interrupted; a second signal exits at once)`,
+    );
     try {
-      await app?.close();
-      await internal?.close();
-      await services.close();
+      await shutDown({
+        closeListeners: async () => {
+          await Promise.all([app?.close(), internal?.close()]);
+        },
+        cutConnections() {
+          app?.server.closeAllConnections();
+          internal?.server.closeAllConnections();
+        },
+        services,
+        logger,
+        graceMs: grace * 1000,
+        exit(code) {
+          logger.flush();
+          unlock();
+          process.exit(code);
+        },
+      });
     } catch (err) {
       logger.error({ err }, 'error during shutdown');
     } finally {

@@ -13,9 +13,10 @@ import { imagesDir } from '../images/host-tools.js';
 import { createImageStore, type ImageStore } from '../images/image-store.js';
 import { createLauncher } from '../replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from '../replicas/manager.js';
+import { RUN_TIMEOUT_KILL_GRACE_MS } from '../replicas/pool.js';
 import { createWarmPool, type WarmPool } from '../replicas/warm-pool.js';
 import { createRunTally } from '../run-metrics.js';
-import { createInvoker, type Invoker } from '../runs/invoke.js';
+import { createInvoker, type LocalInvoker } from '../runs/invoke.js';
 import { createSandboxNetwork } from '../sandbox/choose-network.js';
 import type { SandboxCapabilities } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
@@ -47,12 +48,18 @@ export interface Executor {
   warmPool: WarmPool | undefined;
   replicas: ReplicaManager;
   /** Runs calls on this node's replicas. */
-  invoker: Invoker;
+  invoker: LocalInvoker;
   /**
    * The node's images (`[image]` apps: their builds pull and pin here, their replicas run on them);
    * undefined without bwrap, where image apps fail their build (FERRY_IMAGE_NO_SANDBOX).
    */
   images: ImageStore | undefined;
+  /**
+   * A server stopping past its grace (cli/shutdown.ts): interrupts the runs in progress here (runs/invoke.ts)
+   * and stops every replica now, SIGKILL after RUN_TIMEOUT_KILL_GRACE_MS (a replica already stopping with a
+   * longer grace is cut as short). Returns how many runs were interrupted.
+   */
+  interrupt(): number;
 }
 
 /**
@@ -182,5 +189,12 @@ export async function createExecutor(
     logger: logger.child({ component: 'runs' }),
     onFinished: createRunTally(metrics),
   });
-  return { sandbox, network, warmPool, replicas, invoker, images };
+  const interrupt = () => {
+    const runs = invoker.interrupt();
+    void replicas
+      .close(RUN_TIMEOUT_KILL_GRACE_MS)
+      .catch((err: unknown) => logger.warn({ err }, 'stopping replicas after interrupting runs failed'));
+    return runs;
+  };
+  return { sandbox, network, warmPool, replicas, invoker, images, interrupt };
 }

@@ -41,7 +41,12 @@ const RunQuery = Type.Object({
     Type.String({ description: 'Exactly `true`: store the run and answer 202 at once (other values: sync)' }),
   ),
   webhookEndpoint: Type.Optional(
-    Type.String({ format: 'uri', description: 'Absolute http(s) URL to POST the outcome to (see docs/webhooks.md)' }),
+    Type.String({
+      format: 'uri',
+      maxLength: 2048,
+      description:
+        'Absolute http(s) URL without a user name or password, at most 2048 characters, to POST the outcome to (see docs/webhooks.md)',
+    }),
   ),
 });
 

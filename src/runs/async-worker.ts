@@ -31,7 +31,7 @@ import type { PoolBuild } from '../replicas/pool.js';
 import { runtimeOf } from '../runtimes/index.js';
 import { claimQueuedRuns, releaseQueuedRuns } from '../store/claims.js';
 import type { Store } from '../store/index.js';
-import { type Invoker, RunNotClaimedError, RunStartError } from './invoke.js';
+import { type Invoker, RunInterruptedError, RunNotClaimedError, RunStartError } from './invoke.js';
 import { endRun } from './lifecycle.js';
 import type { RunRecorder } from './recorder.js';
 import { NO_RETRIES, type RetryPolicy } from './retries.js';
@@ -56,7 +56,10 @@ export interface AsyncWorker {
   room(projectId: string, appId: string): { app: number; total: number };
   /** Starts claiming free queued runs (now, then every poll interval and whenever woken). */
   start(): Promise<void>;
-  /** Stops; runs in flight finish, runs queued here are let go for any node to take. */
+  /**
+   * Stops; runs in flight finish (or are interrupted: invoke.ts), runs queued here, or interrupted before
+   * they started, are let go for any node to take.
+   */
   close(): Promise<void>;
 }
 
@@ -171,7 +174,10 @@ export function createAsyncWorker(deps: {
     return run?.state === 'queued' && run.owner === owner ? run : undefined;
   }
 
-  async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry'> {
+  /** Runs interrupted before they started (a server stopping past its grace): let go at close. */
+  const interrupted: string[] = [];
+
+  async function execute(q: Queued, build: PoolBuild): Promise<'done' | 'retry' | 'let go'> {
     let run: RunCall | undefined;
     try {
       run = q.call ?? (await readCall(q.id));
@@ -231,6 +237,7 @@ export function createAsyncWorker(deps: {
       }
       // Cancelled, or taken over by another node: not ours to run.
       if (err instanceof RunNotClaimedError) return 'done';
+      if (err instanceof RunInterruptedError) return 'let go';
       // Every other outcome is already recorded on the run by the invoker.
     }
     return 'done';
@@ -314,7 +321,9 @@ export function createAsyncWorker(deps: {
           }
           backlog -= 1;
           outOfHand(head.id);
-          deps.onSettled?.(head.id);
+          // Not settled: still queued, let go with the others at close (its message nak'd, not acked).
+          if (outcome === 'let go') interrupted.push(head.id);
+          else deps.onSettled?.(head.id);
         })
         .catch((err: unknown) => {
           backlog -= 1;
@@ -503,8 +512,17 @@ export function createAsyncWorker(deps: {
         logger.warn({ err, runs: left.length }, 'could not let go of queued runs; they are freed when the lease ends'),
       );
       deps.onReleased?.(left);
-      // Runs in flight finish (their replicas get the grace period).
+      // Runs in flight finish (their replicas get the grace period), or are interrupted (invoke.ts).
       await Promise.allSettled([...running]);
+      const unstarted = interrupted.splice(0);
+      if (unstarted.length === 0) return;
+      await releaseQueuedRuns(store, owner, unstarted).catch((err: unknown) =>
+        logger.warn(
+          { err, runs: unstarted.length },
+          'could not let go of interrupted runs; they are freed when the lease ends',
+        ),
+      );
+      deps.onReleased?.(unstarted);
     },
   };
 }

@@ -43,6 +43,11 @@ export class InFlightRuns<T> {
     return found < 0 ? undefined : this.values[found];
   }
 
+  /** The values of every run in progress (a copy: acting on one may remove it). */
+  all(): T[] {
+    return this.values.filter((v): v is T => v !== undefined);
+  }
+
   /** Runs in progress. */
   get size(): number {
     return this.ids.length - this.free.length;

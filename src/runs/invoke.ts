@@ -5,6 +5,12 @@
  * calls the function over the replica protocol with the app's `response_grace_period` as its deadline, sends
  * the function's output to the run's log, and records how it ended. A run past its deadline is recorded
  * `timeout` first; then its replica is stopped (pool.ts: SIGTERM, RUN_TIMEOUT_KILL_GRACE_MS, SIGKILL).
+ *
+ * A server stopping past its grace (FERRY_SHUTDOWN_GRACE_SECONDS, cli/shutdown.ts) interrupts the runs
+ * still in progress here (`interrupt`): each is recorded as recovery records a run whose node stopped
+ * (runs/lifecycle.ts `interruption`: an async run queued again by `retry_interrupted` or its retry policy,
+ * any other `failure`, reason `interrupted`), by this node, before it exits, so nothing waits for a lease
+ * to run out; an async run that had not started yet is let go, still queued.
  */
 import type { Readable } from 'node:stream';
 import type { Logger } from 'pino';
@@ -18,7 +24,7 @@ import { runtimeOf } from '../runtimes/index.js';
 import type { RunMode, RunState } from '../store/schema.js';
 import { MAX_WEBHOOK_RESULT_BYTES } from '../webhooks/payload.js';
 import { InFlightRuns } from './in-flight.js';
-import { endRun, failedAnswer, type RunEnding, withRetries } from './lifecycle.js';
+import { endRun, failedAnswer, INTERRUPTED_MESSAGE, interruption, type RunEnding, withRetries } from './lifecycle.js';
 import { newRunRow, type RunRecorder } from './recorder.js';
 import type { RetryPolicy } from './retries.js';
 import { RunAbort } from './run-abort.js';
@@ -30,6 +36,7 @@ export const MAX_STORED_RESULT_BYTES = 256 * 1024;
 
 const TIMED_OUT = Symbol('timed out');
 const CANCELLED = Symbol('cancelled');
+const INTERRUPTED = Symbol('interrupted');
 /** How long a cancelled function has to return before its replica is stopped (FERRY_CANCEL_GRACE_SECONDS). */
 export const DEFAULT_CANCEL_GRACE_MS = 5_000;
 /** How long a caller may leave its response full before it is cut (FERRY_CALLER_STALL_SECONDS). */
@@ -92,6 +99,17 @@ export class RunNotClaimedError extends Error {
   constructor(readonly runId: string) {
     super(`run ${runId} is no longer this node's to perform`);
     this.name = 'RunNotClaimedError';
+  }
+}
+
+/**
+ * An async run interrupted (a server stopping past its grace) before it was started: nothing was called or
+ * recorded, it is still queued and this node's; the async worker lets it go for any node to take.
+ */
+export class RunInterruptedError extends Error {
+  constructor(readonly runId: string) {
+    super(`run ${runId} was interrupted before it started`);
+    this.name = 'RunInterruptedError';
   }
 }
 
@@ -175,6 +193,15 @@ export interface Invoker {
   ): Promise<InvokeResult>;
 }
 
+/** The invoker of this node's own replicas: an Invoker that can also interrupt what it runs. */
+export interface LocalInvoker extends Invoker {
+  /**
+   * Interrupts every run in progress here (a server stopping past its grace): each ends as an interrupted
+   * run (see the module comment) and its caller, if any, is answered FERRY_REPLICA_DIED. Returns how many.
+   */
+  interrupt(): number;
+}
+
 /** What one call produced, whatever the runtime. */
 interface CallOutcome {
   result: unknown;
@@ -212,15 +239,15 @@ function storedInput(body: Buffer): string | null {
   return body.length <= MAX_STORED_INPUT_BYTES ? body.toString('utf8') : null;
 }
 
-export function createInvoker(deps: InvokerDeps): Invoker {
+export function createInvoker(deps: InvokerDeps): LocalInvoker {
   const { recorder } = deps;
   const maxStoredResult = deps.maxStoredResultBytes ?? MAX_STORED_RESULT_BYTES;
   const cancelGraceMs = deps.cancelGraceMs ?? DEFAULT_CANCEL_GRACE_MS;
   const callerStallMs = deps.callerStallMs ?? DEFAULT_CALLER_STALL_MS;
   const frameOptions = { limits: deps.frameLimits };
   const maxResultBytes = deps.frameLimits?.resultBytes ?? DEFAULT_FRAME_LIMITS.resultBytes;
-  /** Runs in progress here, by id: how to cancel each (in-flight.ts says why not a Map). */
-  const cancels = new InFlightRuns<() => void>();
+  /** Runs in progress here, by id: how to cancel or interrupt each (in-flight.ts says why not a Map). */
+  const cancels = new InFlightRuns<(how: 'cancel' | 'interrupt') => void>();
 
   /**
    * The one path every run takes: record it, take a replica slot within the app's response_grace_period,
@@ -270,7 +297,12 @@ export function createInvoker(deps: InvokerDeps): Invoker {
     let cancelRequested = false;
     let stopReplica = false;
     let cancelTimer: NodeJS.Timeout | undefined;
-    const cancel = () => {
+    // One closure per run for both (the run path's allocations are counted, issue 15).
+    const stop = (how: 'cancel' | 'interrupt') => {
+      if (how === 'interrupt') {
+        run.abort(INTERRUPTED);
+        return;
+      }
       if (cancelRequested) return;
       cancelRequested = true;
       const taken = slot;
@@ -289,7 +321,7 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       }, cancelGraceMs);
       cancelTimer.unref();
     };
-    const cancelSlot = cancels.add(runId, cancel);
+    const cancelSlot = cancels.add(runId, stop);
     try {
       // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
       const pool = deps.replicas.pool(build);
@@ -352,6 +384,17 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       };
     } catch (caught) {
       if (caught instanceof RunNotClaimedError || caught instanceof RunStartError) throw caught;
+      if (run.reason === INTERRUPTED) {
+        // Not started (no slot yet, or not marked started): still queued, for any node to take.
+        if (request.claim && !claimed) throw new RunInterruptedError(runId);
+        const now = Date.now();
+        const startedAt = started ? isoTime(started) : null;
+        const retryInterrupted = build.config.app.retry_interrupted === true;
+        finish(
+          interruption({ mode: request.mode, attempts: attempt ?? 0, started_at: startedAt }, retryInterrupted, now),
+        );
+        throw new FerryError('FERRY_REPLICA_DIED', INTERRUPTED_MESSAGE);
+      }
       // Not started, and the app is only busy: the async worker tries again later, nothing to record.
       if (request.claim && !claimed && caught instanceof FerryError && caught.code === 'FERRY_QUEUE_FULL') throw caught;
       const timedOut = caught === timeout || run.reason === timeout;
@@ -561,10 +604,15 @@ export function createInvoker(deps: InvokerDeps): Invoker {
       );
     },
     cancel(runId) {
-      const cancel = cancels.find(runId);
-      if (!cancel) return false;
-      cancel();
+      const stop = cancels.find(runId);
+      if (!stop) return false;
+      stop('cancel');
       return true;
+    },
+    interrupt() {
+      const runs = cancels.all();
+      for (const stop of runs) stop('interrupt');
+      return runs.length;
     },
     invokeHttp(request) {
       const bytes = Buffer.isBuffer(request.http.body) ? request.http.body.length : 0;

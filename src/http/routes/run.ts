@@ -16,6 +16,7 @@ import { type CallParts, checkFunction, type RunService, type RunTarget } from '
 import type { ReplayStream, StreamEndState, StreamReader, StreamReplay } from '../../runs/stream-replay.js';
 import { runtimeOf } from '../../runtimes/index.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
+import { parseWebhookUrl, WebhookUrlError } from '../../webhooks/webhook-url.js';
 import { errorEventData } from '../answer.js';
 import { useJsonBodies } from '../body-parsers.js';
 import { type CallerFlow, watchCaller } from '../caller-flow.js';
@@ -65,21 +66,16 @@ export function parseRunBody(raw: Buffer): RawJson {
   return { raw };
 }
 
-/** The `webhookEndpoint` query parameter: an absolute http(s) URL without credentials, or undefined. */
+/** The `webhookEndpoint` query parameter, normalized (webhooks/webhook-url.ts has the rule), or undefined. */
 function parseWebhookEndpoint(value: unknown): string | undefined {
   if (value === undefined) return undefined;
-  if (typeof value !== 'string' || value === '' || value.length > 2048)
-    throw new FerryError('FERRY_WEBHOOK_URL_INVALID');
-  let url: URL;
   try {
-    url = new URL(value);
-  } catch {
-    throw new FerryError('FERRY_WEBHOOK_URL_INVALID');
+    return parseWebhookUrl(value);
+  } catch (err) {
+    if (err instanceof WebhookUrlError)
+      throw new FerryError('FERRY_WEBHOOK_URL_INVALID', `webhookEndpoint ${err.message}`);
+    throw err;
   }
-  if ((url.protocol !== 'http:' && url.protocol !== 'https:') || url.username || url.password) {
-    throw new FerryError('FERRY_WEBHOOK_URL_INVALID');
-  }
-  return url.toString();
 }
 
 /** The `Idempotency-Key` header: up to 255 visible ASCII characters, or undefined when not sent. */
