@@ -1,7 +1,7 @@
 // Apps: each app's state, active build, replicas and limits, run URL and a copyable curl example per mode.
 import { api, session } from '../api.js';
 import { appHref, listApps } from '../shared.js';
-import { copyButton, errorText, h, shortId, stateBadge, timeEl } from '../ui.js';
+import { copyButton, errorText, h, shortId, shown, stateBadge, timeEl } from '../ui.js';
 import { clusterSection } from './cluster.js';
 
 /** The curl example of each way to call a function; the token stays a shell variable, never the real one. */
@@ -188,7 +188,7 @@ function appCard(app) {
     build: null,
     update(next, stats, statsError, health) {
       state.replaceChildren(shownState(next, stats, health));
-      functions.textContent = functionsText(health.build);
+      functions.replaceChildren(shown(functionsText(health.build)));
       // Point the examples at a function that exists when the app has no `run`.
       const names = health.build?.functions;
       if (!fnTouched && names?.length > 0 && !names.includes('run') && fnInput.value === 'run') {

@@ -1,0 +1,97 @@
+/**
+ * Issue 43, point 8, in a real browser (Debian's Chromium, test/helpers/browser.ts): text from outside (a
+ * run's log and result, an account's name) shows its bidirectional and escape controls as visible escapes
+ * instead of obeying them.
+ */
+import assert from 'node:assert/strict';
+import fs from 'node:fs';
+import path from 'node:path';
+import { after, before, describe, it } from 'node:test';
+import type { BrowserContext, Page } from 'playwright-core';
+import { type ApartBrowser, launchChromiumApart } from './helpers/browser.js';
+import { deployFiles, http, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+
+/** How long to wait for something to show on a page (Playwright's own default; see test/dashboard.test.ts). */
+const PAGE_WAIT_MS = 30_000;
+/** For review, as test/dashboard.test.ts keeps them. */
+const SHOTS = path.join(REPO_ROOT, 'test-output', 'screenshots');
+/** Right-to-left override: "invoice" RLO "fdp.exe" reads as "invoiceexe.pdf". */
+const RLO = '\u202E';
+/** The controls the dashboard must show, not obey (bidi embeddings, overrides, isolates; C0, DEL, C1). */
+// biome-ignore lint/suspicious/noControlCharactersInRegex: finding control characters is the point
+const HIDDEN = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u202a-\u202e\u2066-\u2069]/u;
+
+describe('control characters in the dashboard, in Chromium', { timeout: 300_000 }, () => {
+  let server: TestServer;
+  let a: { projectId: string; token: string };
+  let apart: ApartBrowser | undefined;
+  let site: string;
+  let context: BrowserContext;
+  let page: Page;
+  const problems: string[] = [];
+
+  before(async () => {
+    server = await startServer();
+    a = await server.bootstrap('tenant-a');
+    // An app whose function's log and result carry controls.
+    await deployFiles(server, a, 'bidi', {
+      'ferry.toml': '[app]\nname = "bidi"\n',
+      'main.ts': `export function run(): { text: string } {
+  console.log('log \\u202Eevil\\u001b[31mred\\u0007 done');
+  return { text: 'result \\u2066x\\u2069 \\u202Eevil \\u009b2J \\u007f' };
+}
+`,
+    });
+    apart = await launchChromiumApart(server.url);
+    site = apart.site;
+    context = await apart.browser.newContext({ viewport: { width: 1280, height: 860 } });
+    page = await context.newPage();
+    page.on('pageerror', (err) => problems.push(String(err)));
+  });
+
+  after(async () => {
+    await apart?.close();
+    await server?.close();
+  });
+
+  it("shows the controls in a run's log and result and in names as escapes, not obeying them", async () => {
+    const res = await http(`${server.url}/v4/${a.projectId}/bidi/run`, { method: 'POST', token: a.token, body: {} });
+    assert.equal(res.status, 200, res.text);
+    const runId = res.json.run_id as string;
+    const account = await http(`${server.url}/v2/projects/${a.projectId}/service-accounts`, {
+      method: 'POST',
+      token: a.token,
+      body: { name: `invoice${RLO}fdp.exe\u001b[2J` },
+    });
+    assert.equal(account.status, 201, account.text);
+
+    await page.goto(`${site}/#token=${a.token}`);
+    await page.getByRole('heading', { level: 1, name: 'Apps' }).waitFor({ timeout: PAGE_WAIT_MS });
+    await page.goto(`${site}/#/apps/bidi/runs/${runId}`);
+    const log = page.locator('pre.log');
+    await log.waitFor({ timeout: PAGE_WAIT_MS });
+    const logText = await waitFor(
+      async () => {
+        const text = (await log.textContent()) ?? '';
+        return text.includes(' done') ? text : undefined;
+      },
+      PAGE_WAIT_MS,
+      'the log line',
+    );
+    assert.ok(logText.includes('log \\u202Eevil\\u001B[31mred\\u0007 done'), logText);
+    assert.doesNotMatch(logText, HIDDEN);
+    assert.ok((await log.locator('span.ctl').count()) >= 3);
+    const result = (await page.locator('pre[aria-label="Result"]').textContent()) ?? '';
+    assert.ok(result.includes('result \\u2066x\\u2069 \\u202Eevil \\u009B2J \\u007F'), result);
+    assert.doesNotMatch(result, HIDDEN);
+    fs.mkdirSync(SHOTS, { recursive: true });
+    await page.screenshot({ path: path.join(SHOTS, 'run-controls.png'), fullPage: true });
+
+    await page.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'API keys' }).click();
+    await page.getByRole('heading', { level: 1, name: 'API keys' }).waitFor({ timeout: PAGE_WAIT_MS });
+    const name = page.locator(`tr[data-account-id="${account.json.id}"] .sa-name`);
+    await name.waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal(await name.textContent(), 'invoice\\u202Efdp.exe\\u001B[2J');
+    assert.deepEqual(problems, []);
+  });
+});
