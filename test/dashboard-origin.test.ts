@@ -1,7 +1,11 @@
 /**
- * Issue 43, point 8, in a real browser (Debian's Chromium, test/helpers/browser.ts): text from outside (a
- * run's log and result, an account's name) shows its bidirectional and escape controls as visible escapes
- * instead of obeying them.
+ * Issue 43, point 8, in a real browser (Debian's Chromium, test/helpers/browser.ts): a user signed in to the
+ * dashboard for project A opens, in the same tab, a page that tenant B's custom app serves on the same port
+ * (test/fixtures/security/origin-thief: it reads the dashboard's token from session storage, sends it to
+ * its server, and registers a service worker for `/`). On a single port the page runs, sandboxed: it reads
+ * no token, its server receives none, no worker is registered, and the dashboard still works. Text from
+ * outside (a run's log and result, an account's name) shows its bidirectional and escape controls as
+ * visible escapes instead of obeying them.
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
@@ -11,8 +15,13 @@ import type { BrowserContext, Page } from 'playwright-core';
 import { type ApartBrowser, launchChromiumApart } from './helpers/browser.js';
 import { deployFiles, http, REPO_ROOT, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
+// page.evaluate callbacks run in the browser; this project compiles without the DOM library.
+// biome-ignore lint/suspicious/noExplicitAny: browser globals, checked by the browser itself
+declare const navigator: any, sessionStorage: any;
+
 /** How long to wait for something to show on a page (Playwright's own default; see test/dashboard.test.ts). */
 const PAGE_WAIT_MS = 30_000;
+const THIEF = path.join(REPO_ROOT, 'test', 'fixtures', 'security', 'origin-thief');
 /** For review, as test/dashboard.test.ts keeps them. */
 const SHOTS = path.join(REPO_ROOT, 'test-output', 'screenshots');
 /** Right-to-left override: "invoice" RLO "fdp.exe" reads as "invoiceexe.pdf". */
@@ -21,9 +30,16 @@ const RLO = '\u202E';
 // biome-ignore lint/suspicious/noControlCharactersInRegex: finding control characters is the point
 const HIDDEN = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u202a-\u202e\u2066-\u2069]/u;
 
-describe('control characters in the dashboard, in Chromium', { timeout: 300_000 }, () => {
+function folderFiles(dir: string): Record<string, string> {
+  const files: Record<string, string> = {};
+  for (const entry of fs.readdirSync(dir)) files[entry] = fs.readFileSync(path.join(dir, entry), 'utf8');
+  return files;
+}
+
+describe("a tenant's page on the dashboard's port, in Chromium", { timeout: 300_000 }, () => {
   let server: TestServer;
   let a: { projectId: string; token: string };
+  let b: { projectId: string; token: string };
   let apart: ApartBrowser | undefined;
   let site: string;
   let context: BrowserContext;
@@ -33,7 +49,10 @@ describe('control characters in the dashboard, in Chromium', { timeout: 300_000 
   before(async () => {
     server = await startServer();
     a = await server.bootstrap('tenant-a');
-    // An app whose function's log and result carry controls.
+    b = await server.bootstrap('tenant-b');
+    assert.notEqual(a.projectId, b.projectId);
+    await deployFiles(server, b, 'evil', folderFiles(THIEF));
+    // Project A's own app: a function whose log and result carry controls.
     await deployFiles(server, a, 'bidi', {
       'ferry.toml': '[app]\nname = "bidi"\n',
       'main.ts': `export function run(): { text: string } {
@@ -54,6 +73,49 @@ describe('control characters in the dashboard, in Chromium', { timeout: 300_000 
     await server?.close();
   });
 
+  it("runs a tenant's page sandboxed: it reads no token and registers no worker", async () => {
+    await page.goto(`${site}/#token=${a.token}`);
+    await page.getByRole('heading', { level: 1, name: 'Apps' }).waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal(await page.evaluate(() => sessionStorage.getItem('ferry.token')), a.token);
+    // On a single port, the run URLs are the page's own origin, as ever.
+    const card = page.locator('article[data-app="bidi"]');
+    await card.waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal(await card.locator('code.run-url').textContent(), `${site}/v4/${a.projectId}/bidi/run`);
+
+    // Same tab, B's app on the dashboard's port (as a link from anywhere would open it).
+    await page.goto(`${site}/v4/${b.projectId}/evil/`);
+    await page.locator('body[data-done="1"]').waitFor({ timeout: PAGE_WAIT_MS });
+    const out = JSON.parse((await page.locator('#out').textContent()) ?? '{}') as Record<string, string>;
+    assert.notEqual(out.token, a.token, 'the page read the dashboard token');
+    assert.match(out.token ?? '', /^blocked: SecurityError$/, JSON.stringify(out));
+    assert.match(out.worker ?? '', /^blocked: /, JSON.stringify(out));
+    assert.equal(out.origin, 'null', 'the page runs in an opaque origin');
+
+    // What the page sent home reached B's server (its app log), without the token.
+    const stolen = await waitFor(
+      async () => {
+        const log = await http(`${server.url}/v2/projects/${b.projectId}/apps/evil/logs`, { token: b.token });
+        const lines = (log.json.lines as Array<{ line: string }>)
+          .map((l) => l.line)
+          .filter((l) => l.startsWith('STOLEN'));
+        return lines.length > 0 ? lines : undefined;
+      },
+      PAGE_WAIT_MS,
+      "the page's request to its server",
+    );
+    assert.ok(!stolen.join('\n').includes(a.token), stolen.join('\n'));
+
+    // Back on the dashboard: still signed in, and no service worker controls it.
+    await page.goto(`${site}/#/apps`);
+    await page.getByRole('heading', { level: 1, name: 'Apps' }).waitFor({ timeout: PAGE_WAIT_MS });
+    assert.equal(await page.evaluate(() => sessionStorage.getItem('ferry.token')), a.token);
+    const workers = await page.evaluate(async () =>
+      (await navigator.serviceWorker.getRegistrations()).map((r: { scope: string }) => r.scope),
+    );
+    assert.deepEqual(workers, []);
+    assert.equal(await page.evaluate(() => navigator.serviceWorker.controller), null);
+  });
+
   it("shows the controls in a run's log and result and in names as escapes, not obeying them", async () => {
     const res = await http(`${server.url}/v4/${a.projectId}/bidi/run`, { method: 'POST', token: a.token, body: {} });
     assert.equal(res.status, 200, res.text);
@@ -65,6 +127,7 @@ describe('control characters in the dashboard, in Chromium', { timeout: 300_000 
     });
     assert.equal(account.status, 201, account.text);
 
+    // Signed in afresh, whatever the test before left in this tab.
     await page.goto(`${site}/#token=${a.token}`);
     await page.getByRole('heading', { level: 1, name: 'Apps' }).waitFor({ timeout: PAGE_WAIT_MS });
     await page.goto(`${site}/#/apps/bidi/runs/${runId}`);

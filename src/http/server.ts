@@ -162,7 +162,8 @@ export async function buildServer(services: HttpDeps): Promise<FerryServer> {
   registerVolumeRoutes(app, services);
   registerRunsRoutes(app, services);
   registerWebhookRoutes(app, services);
-  registerRunRoutes(app, services);
+  // This port serves the dashboard: an app's pages must never run with its origin.
+  registerRunRoutes(app, services, { sandboxApps: true });
   registerDashboardRoutes(app, services);
   return app;
 }

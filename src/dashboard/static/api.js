@@ -1,6 +1,8 @@
 // The dashboard's only way to the server: the same /v2 API the CLI uses, with the signed-in token.
 // The token lives in sessionStorage (this tab only, gone when it closes) and is sent in the
-// Authorization header to this origin only; it never goes into a URL.
+// Authorization header to this origin only; it never goes into a URL. No tenant's page runs with this
+// origin to read it: apps answering on this port are sandboxed into an opaque origin (http/custom-proxy.ts
+// APP_SANDBOX_CSP).
 
 const TOKEN_KEY = 'ferry.token';
 
