@@ -5,7 +5,8 @@
  * its server, and registers a service worker for `/`). On a single port the page runs, sandboxed: it reads
  * no token, its server receives none, no worker is registered, and the dashboard still works. Text from
  * outside (a run's log and result, an account's name) shows its bidirectional and escape controls as
- * visible escapes instead of obeying them.
+ * visible escapes instead of obeying them. With a run port (FERRY_RUN_PORT) the dashboard's run URLs point
+ * there.
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
@@ -156,5 +157,36 @@ describe("a tenant's page on the dashboard's port, in Chromium", { timeout: 300_
     await name.waitFor({ timeout: PAGE_WAIT_MS });
     assert.equal(await name.textContent(), 'invoice\\u202Efdp.exe\\u001B[2J');
     assert.deepEqual(problems, []);
+  });
+});
+
+describe('the dashboard with a run port (FERRY_RUN_PORT), in Chromium', { timeout: 300_000 }, () => {
+  let server: TestServer;
+  let apart: ApartBrowser | undefined;
+
+  before(async () => {
+    server = await startServer({ runPort: 0 });
+  });
+  after(async () => {
+    await apart?.close();
+    await server?.close();
+  });
+
+  it("shows run URLs on the run port, at the page's own host name", async () => {
+    const auth = await server.bootstrap();
+    await deployFiles(server, auth, 'evil', folderFiles(THIEF));
+    apart = await launchChromiumApart(server.url);
+    const page = await (await apart.browser.newContext()).newPage();
+    await page.goto(`${apart.site}/#token=${auth.token}`);
+    const card = page.locator('article[data-app="evil"]');
+    await card.waitFor({ timeout: PAGE_WAIT_MS });
+    const runPort = new URL(server.runUrl!).port;
+    const base = `http://${new URL(apart.site).hostname}:${runPort}/v4/${auth.projectId}/evil`;
+    assert.equal(await card.locator('code.run-url').textContent(), `${base}/run`);
+    await card.getByText('curl examples').click();
+    assert.match(
+      (await card.locator('.example pre').first().textContent()) ?? '',
+      new RegExp(`^curl -X POST '${base}/run'`),
+    );
   });
 });

@@ -124,7 +124,7 @@ const customCall = (withFunction: boolean) => ({
     'paths included; the request is forwarded to the app server and its response answered as it is ' +
     '(`?async=true`: 202 and the response is stored), less `Service-Worker-Allowed`, and on the port that ' +
     'serves the dashboard with `Content-Security-Policy: sandbox allow-scripts allow-forms allow-popups` ' +
-    'added. A cortex app answers `405 FERRY_CORTEX_CALL` here. ' +
+    'added (FERRY_RUN_PORT serves apps apart). A cortex app answers `405 FERRY_CORTEX_CALL` here. ' +
     'See docs/api.md, "Custom apps".',
   tags: ['run'],
   params: withFunction ? FunctionPath : RunPath,
