@@ -62,6 +62,33 @@ function checkAdvertiseUrl(value: string | undefined): string | undefined {
   return url.origin;
 }
 
+/**
+ * The run endpoint's public address (`{run_url}`): an http(s) URL with a host, perhaps a path (a proxy's
+ * prefix), no credentials, query or fragment; kept without a trailing slash.
+ */
+function checkRunUrl(value: string | undefined): string | undefined {
+  if (value === undefined) return undefined;
+  let url: URL;
+  try {
+    url = new URL(value);
+  } catch {
+    throw new Error(`--run-url / FERRY_RUN_URL must be a URL like https://run.example.com, not "${value}"`);
+  }
+  if (
+    (url.protocol !== 'http:' && url.protocol !== 'https:') ||
+    !url.hostname ||
+    url.username ||
+    url.password ||
+    url.search ||
+    url.hash
+  ) {
+    throw new Error(
+      `--run-url / FERRY_RUN_URL must be http(s)://host[:port][/path] with no query or credentials, not "${value}"`,
+    );
+  }
+  return `${url.origin}${url.pathname}`.replace(/\/+$/, '');
+}
+
 export const CLUSTER_NAME = /^[A-Za-z0-9_-]{1,32}$/;
 
 /** NATS server URLs, comma-separated: each must be nats:// (or tls://) with a host. */
@@ -130,6 +157,17 @@ function checkAllowList(text: string): string {
 export interface ServerConfig {
   host: string;
   port: number;
+  /**
+   * `--run-port` / `FERRY_RUN_PORT`: a second listener, on the same host, that serves the run endpoint
+   * (`/v4`) and `/healthz` only, so tenants' apps answer on an origin apart from the dashboard's
+   * (docs/operations.md, "Two origins"). The main port keeps serving `/v4` too. Unset: no second listener.
+   */
+  runPort: number | undefined;
+  /**
+   * `--run-url` / `FERRY_RUN_URL`: the run endpoint's address as callers reach it (`{run_url}` of the
+   * interface, behind a proxy); what the API, the CLI and the dashboard show. Unset: derived (run-address.ts).
+   */
+  runUrl: string | undefined;
   dataDir: string;
   /**
    * `--database-url` / `FERRY_DATABASE_URL`: a `postgres://` URL puts the store on PostgreSQL (several
@@ -359,6 +397,8 @@ function intFrom(value: string | undefined, name: string, min: number, max: numb
 export interface ConfigFlags {
   host?: string | undefined;
   port?: string | number | undefined;
+  runPort?: string | number | undefined;
+  runUrl?: string | undefined;
   dataDir?: string | undefined;
   databaseUrl?: string | undefined;
   keysDir?: string | undefined;
@@ -399,6 +439,12 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     0,
     65535,
   );
+  const runPort = intFrom(
+    flags.runPort === undefined ? env.FERRY_RUN_PORT : String(flags.runPort),
+    'run port (--run-port / FERRY_RUN_PORT)',
+    0,
+    65535,
+  );
   const dataDir = flags.dataDir ?? env.FERRY_DATA_DIR ?? DEFAULTS.dataDir;
   const databaseUrl = checkDatabaseUrl(flags.databaseUrl ?? (env.FERRY_DATABASE_URL || undefined));
   const natsUrl = checkNatsUrl(flags.natsUrl ?? (env.FERRY_NATS_URL || undefined));
@@ -408,9 +454,19 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
       `--role ${role} needs --database-url (PostgreSQL) and --nats-url (NATS JetStream): a ${role} shares them with the rest of the cluster`,
     );
   }
+  if (runPort !== undefined && role === 'worker') {
+    throw new Error(
+      '--run-port / FERRY_RUN_PORT is a listener of the public interface: set it on gateways, not workers',
+    );
+  }
+  if (runPort !== undefined && runPort !== 0 && runPort === (port ?? DEFAULTS.port)) {
+    throw new Error(`--run-port / FERRY_RUN_PORT must differ from the main port (${runPort}): it is a second listener`);
+  }
   return {
     host: flags.host ?? env.FERRY_HOST ?? DEFAULTS.host,
     port: port ?? DEFAULTS.port,
+    runPort,
+    runUrl: checkRunUrl(flags.runUrl ?? (env.FERRY_RUN_URL || undefined)),
     dataDir,
     databaseUrl,
     keysDir: path.resolve(flags.keysDir ?? (env.FERRY_KEYS_DIR || path.join(dataDir, 'keys'))),

@@ -238,6 +238,10 @@ describe('gateways and workers on PostgreSQL and NATS JetStream', { timeout: 600
     assert.equal(health.text, 'ok');
     const missing = await http(`${gatewayB.url}/v4/${auth.projectId}/custom-websocket/nope`, { token: auth.token });
     assert.equal(missing.status, 404);
+    // A gateway serves the dashboard: the worker's relayed answers are sandboxed there too (issue 43).
+    for (const res of [health, missing]) {
+      assert.equal(res.headers.get('content-security-policy'), 'sandbox allow-scripts allow-forms allow-popups');
+    }
 
     const wsUrl = `${gatewayA.url.replace('http:', 'ws:')}/v4/${auth.projectId}/custom-websocket/`;
     const ws = await openSocket(wsUrl, { authorization: `Bearer ${auth.token}` });

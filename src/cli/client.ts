@@ -107,6 +107,16 @@ export function createClient(options: { needProject?: boolean } = {}): ApiClient
   };
 }
 
+/**
+ * The run endpoint's base address (`{run_url}`) for URLs the CLI prints: the server's when it serves the
+ * run endpoint apart from the API (FERRY_RUN_PORT, FERRY_RUN_URL; `run_url` of the project), else this
+ * client's own address, as before that setting existed (an older server does not say either).
+ */
+export async function runBaseUrl(client: ApiClient): Promise<string> {
+  const project = await client.call<{ run_url?: string | null }>('GET', `/v2/projects/${client.project}`);
+  return project.run_url ?? client.url;
+}
+
 /** Prints `data` as JSON on stdout. */
 export function printJson(data: unknown): void {
   process.stdout.write(`${safeJson(JSON.stringify(data, null, 2))}\n`);

@@ -12,7 +12,7 @@ import { Transform } from 'node:stream';
 import cliProgress from 'cli-progress';
 import { AppConfigError, entryConflict, parseAppConfig } from '../apps/app-config.js';
 import { followBuildLog } from './build-log-follow.js';
-import { CliError, createClient } from './client.js';
+import { CliError, createClient, runBaseUrl } from './client.js';
 import { packZip, selectFiles } from './pack.js';
 import { safeText } from './terminal.js';
 
@@ -98,7 +98,7 @@ export async function deployCommand(dirArg: string | undefined, options: DeployO
     say(`Build ${build.id} queued; build log:`);
 
     const state = await followBuildLog(client, appId, build.id, (line) => say(`  | ${safeText(line)}`));
-    const base = `${client.url}/v4/${client.project}/${appId}`;
+    const base = `${await runBaseUrl(client)}/v4/${client.project}/${appId}`;
     // A custom app's server takes every path under the app; a cortex app's functions are paths below it,
     // known from the build once it is ready (null: only loading the module can tell, as for some Python).
     let functions: string[] | null = null;

@@ -32,6 +32,18 @@ export function createProgram(): Command {
     .description('run the Ferry server (embedded default: SQLite and local disk, no other server needed)')
     .addOption(new Option('--host <host>', 'address to listen on (env FERRY_HOST, default 127.0.0.1)'))
     .addOption(new Option('--port <port>', 'port to listen on (env FERRY_PORT, default 8000)'))
+    .addOption(
+      new Option(
+        '--run-port <port>',
+        "a second port serving only the run endpoint, so apps answer on an origin apart from the dashboard's (env FERRY_RUN_PORT)",
+      ),
+    )
+    .addOption(
+      new Option(
+        '--run-url <url>',
+        'the run endpoint as callers reach it, e.g. https://run.example.com, shown by the CLI and dashboard (env FERRY_RUN_URL)',
+      ),
+    )
     .addOption(new Option('--data-dir <dir>', 'data directory (env FERRY_DATA_DIR, default ./.ferry)'))
     .addOption(databaseUrlOption())
     .addOption(keysDirOption())

@@ -4,7 +4,7 @@
  */
 
 import { followBuildLog } from './build-log-follow.js';
-import { CliError, createClient, printJson, printTable } from './client.js';
+import { CliError, createClient, printJson, printTable, runBaseUrl } from './client.js';
 import { projectOfToken, resolveCliSettings, writeConfigFile } from './config-file.js';
 import { printLine, safeJson } from './terminal.js';
 
@@ -50,6 +50,7 @@ export async function appsListCommand(options: Json): Promise<void> {
       return build.functions;
     }),
   );
+  const runBase = await runBaseUrl(client);
   printTable(
     apps.map((a, i) => {
       const fns = functions[i] ?? null;
@@ -57,7 +58,7 @@ export async function appsListCommand(options: Json): Promise<void> {
       return {
         ...a,
         functions: fns === null ? null : fns.length > 0 ? fns.join(',') : '(none)',
-        run_url: hasRun ? `${client.url}/v4/${client.project}/${a.name}/run` : null,
+        run_url: hasRun ? `${runBase}/v4/${client.project}/${a.name}/run` : null,
       };
     }),
     ['id', 'state', 'active_build_id', 'updated_at', 'functions', 'run_url'],

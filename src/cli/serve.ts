@@ -4,11 +4,16 @@
  * Signals are handled here and only here: the first SIGTERM or SIGINT stops intake, gives runs in flight
  * up to FERRY_SHUTDOWN_GRACE_SECONDS to end, interrupts the rest, stops builds (they run again at the next
  * start) and closes the store (cli/shutdown.ts); a second signal exits at once.
+ *
+ * With `--run-port` a gateway or `all` listens twice: the public server on `--port`, and the run endpoint
+ * alone on the run port (http/server.ts, surface `run`), an origin where tenants' apps answer apart from
+ * the dashboard.
  */
 
 import { createWorkerBuilds } from '../cluster/worker-builds.js';
 import { resolveServerConfig } from '../config.js';
 import { DataDirLockedError, lockDataDir, prepareDataDir, recordServer } from '../data-dir.js';
+import { createRunAddress } from '../http/run-address.js';
 import { buildServer } from '../http/server.js';
 import { createWorkerApi } from '../http/worker-api.js';
 import { createLogger } from '../logger.js';
@@ -20,6 +25,8 @@ import { shutDown } from './shutdown.js';
 export interface ServeOptions {
   host?: string;
   port?: string;
+  runPort?: string;
+  runUrl?: string;
   dataDir?: string;
   databaseUrl?: string;
   keysDir?: string;
@@ -52,8 +59,12 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
 
   const services = await createServices(config, logger);
   if (config.role !== 'gateway') for (const warning of sandboxWarnings(services.sandbox)) logger.warn(warning);
-  // A worker serves only its internal listener; a gateway and `all` serve the public interface.
-  const app = config.role === 'worker' ? undefined : await buildServer(services);
+  // A worker serves only its internal listener; a gateway and `all` serve the public interface, and the
+  // run endpoint alone on the run port when there is one.
+  const runAddress = createRunAddress(config);
+  const app = config.role === 'worker' ? undefined : await buildServer(services, { runAddress });
+  const runApp =
+    app && config.runPort !== undefined ? await buildServer(services, { surface: 'run', runAddress }) : undefined;
   const internal =
     config.role === 'worker'
       ? createWorkerApi({
@@ -82,15 +93,29 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
   await services.replicas.warmUp();
 
   let address: string;
+  let runEndpoint: string | undefined;
+  /** Which listen failed, for the message. */
+  let onRunPort = false;
   try {
     if (app) address = await app.listen({ host: config.host, port: config.port });
     else address = await listenInternal(internal!.server, config.host, config.port);
+    if (runApp) {
+      onRunPort = true;
+      runEndpoint = await runApp.listen({ host: config.host, port: config.runPort });
+      runAddress.listening(Number(new URL(runEndpoint).port));
+    }
   } catch (err) {
+    await runApp?.close();
+    await app?.close();
     await services.close();
     unlock();
     const code = (err as NodeJS.ErrnoException).code;
-    if (code === 'EADDRINUSE')
-      throw new CliError(`Port ${config.port} on ${config.host} is already in use. Pass --port or set FERRY_PORT.`);
+    if (code === 'EADDRINUSE') {
+      const [port, flag] = onRunPort
+        ? [config.runPort, '--run-port or set FERRY_RUN_PORT']
+        : [config.port, '--port or set FERRY_PORT'];
+      throw new CliError(`Port ${port} on ${config.host} is already in use. Pass ${flag}.`);
+    }
     throw err;
   }
   // `ferry admin bootstrap` and `login-link` read it to print this server's address rather than a default.
@@ -109,6 +134,11 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
     );
     // Sign in with a token from `ferry admin bootstrap` (it prints a sign-in link) or the API keys page.
     logger.info({ dashboard: `${address}/` }, `Dashboard: ${address}/`);
+    if (runEndpoint) {
+      // What callers are told (FERRY_RUN_URL when set), and where this process serves it.
+      const told = config.runUrl ?? runEndpoint;
+      logger.info({ run: told, runAddress: runEndpoint }, `Run endpoint (apps): ${told}/v4/`);
+    }
   }
 
   let stopping = false;
@@ -127,9 +157,10 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
     try {
       await shutDown({
         closeListeners: async () => {
-          await Promise.all([app?.close(), internal?.close()]);
+          await Promise.all([runApp?.close(), app?.close(), internal?.close()]);
         },
         cutConnections() {
+          runApp?.server.closeAllConnections();
           app?.server.closeAllConnections();
           internal?.server.closeAllConnections();
         },

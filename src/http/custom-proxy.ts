@@ -10,6 +10,9 @@
  *   server's response body inside the usual payload. Every call is a run with its own record.
  * - WebSocket upgrades are authenticated like any call (Bearer header, or `?access_token=` for browsers),
  *   hold a replica slot while open, and are closed after `websocket_idle_timeout` seconds of silence.
+ * - What the server answers is a tenant's content: on the port that also serves the dashboard it is
+ *   sandboxed (`APP_SANDBOX_CSP`), so a page of one tenant never runs with the dashboard's origin (whose
+ *   tab keeps another tenant's token); no app widens a service worker's scope past its own path.
  */
 import type { IncomingMessage, Server, ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
@@ -43,6 +46,20 @@ const HOP_BY_HOP = new Set([
 const FERRY_HEADERS = new Set(['authorization', 'x-webhook-secret']);
 /** Ferry's own query parameters (and, for WebSockets, the browser token). */
 const FERRY_PARAMS = new Set(['async', 'webhookEndpoint']);
+
+/**
+ * Sent with every response of an app's server on a port that serves the dashboard too (issue 43): its
+ * pages run scripts, forms and popups, in an opaque origin, never the dashboard's (no `allow-same-origin`):
+ * no access to the dashboard's session storage, cookies or API as the signed-in user, no service worker.
+ * A policy the app sends itself is kept beside it; a browser enforces both.
+ */
+export const APP_SANDBOX_CSP = 'sandbox allow-scripts allow-forms allow-popups';
+
+/**
+ * Response headers of an app's server that never reach the caller. `Service-Worker-Allowed` would let a
+ * worker script under `/v4/{project_id}/{app_name}/` take a scope above it (`/`: every app, the dashboard).
+ */
+const DROPPED_RESPONSE_HEADERS = new Set(['service-worker-allowed']);
 
 /** The parts of a `/v4/{project_id}/{app_name}/...` URL that matter to the app's server. */
 export interface ForwardTarget {
@@ -122,13 +139,28 @@ export function forwardHeaders(
   return out;
 }
 
-/** The server's response headers as the caller gets them. */
-function responseHeaders(head: HttpResponseHead, runId: string): Record<string, string | string[]> {
+/**
+ * The server's response headers as the caller gets them, with `APP_SANDBOX_CSP` added when `sandbox`
+ * (the app's own policies kept, so the browser applies each).
+ */
+export function responseHeaders(
+  head: HttpResponseHead,
+  runId: string,
+  sandbox: boolean,
+): Record<string, string | string[]> {
   const named = connectionTokens(head.headers.connection);
   const out: Record<string, string | string[]> = {};
-  for (const [name, value] of Object.entries(head.headers)) {
-    if (value === undefined || HOP_BY_HOP.has(name) || named.has(name)) continue;
-    out[name] = value;
+  for (const [raw, value] of Object.entries(head.headers)) {
+    // Lower case whatever said it: a worker relays the head as JSON (cluster/protocol.ts).
+    const name = raw.toLowerCase();
+    if (value === undefined || HOP_BY_HOP.has(name) || named.has(name) || DROPPED_RESPONSE_HEADERS.has(name)) continue;
+    const existing = out[name];
+    if (existing === undefined) out[name] = value;
+    else out[name] = [existing, value].flat();
+  }
+  if (sandbox) {
+    const own = out['content-security-policy'];
+    out['content-security-policy'] = own === undefined ? APP_SANDBOX_CSP : [own, APP_SANDBOX_CSP].flat();
   }
   out['x-request-id'] = runId;
   return out;
@@ -161,12 +193,18 @@ export interface CustomProxyDeps {
   logger: Pick<Logger, 'error'>;
 }
 
+/** How one server proxies: `sandboxApps` on a port that serves the dashboard too (`APP_SANDBOX_CSP`). */
+export interface ProxyOptions {
+  sandboxApps: boolean;
+}
+
 /**
  * Serves one HTTP call of a custom app, from the run endpoint's onRequest hook (before Fastify reads the
  * body). Errors before anything is sent are thrown (Fastify answers them); after, the response is cut.
  */
 export async function proxyHttp(
   services: CustomProxyDeps,
+  options: ProxyOptions,
   request: FastifyRequest,
   reply: FastifyReply,
   target: RunTarget,
@@ -212,7 +250,7 @@ export async function proxyHttp(
       webhookSecret,
       http: { method, path: split.path, headers, body: hasBody(req) ? req : null },
       onResponse(head) {
-        res.writeHead(head.statusCode, responseHeaders(head, runId));
+        res.writeHead(head.statusCode, responseHeaders(head, runId, options.sandboxApps));
         // The head goes out now, not with the first body chunk: an SSE client sees the stream open.
         res.flushHeaders();
         res.socket?.setNoDelay(true);

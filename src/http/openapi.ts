@@ -118,7 +118,7 @@ const functionCall = {
     },
     202: RunAccepted,
     ...errors(...RUN_ERRORS),
-    default: { description: "Custom apps: the app server's response, as it answered" },
+    default: { description: "Custom apps: the app server's response, as it answered (sandboxed: see the description)" },
   },
 };
 
@@ -127,7 +127,9 @@ const customCall = (withFunction: boolean) => ({
   description:
     'Custom apps (`runtime = "custom"`) take every method and path under `/v4/{project_id}/{app_name}`, deeper ' +
     'paths included; the request is forwarded to the app server and its response answered as it is ' +
-    '(`?async=true`: 202 and the response is stored). A cortex app answers `405 FERRY_CORTEX_CALL` here. ' +
+    '(`?async=true`: 202 and the response is stored), less `Service-Worker-Allowed`, and on the port that ' +
+    'serves the dashboard with `Content-Security-Policy: sandbox allow-scripts allow-forms allow-popups` ' +
+    'added (FERRY_RUN_PORT serves apps apart). A cortex app answers `405 FERRY_CORTEX_CALL` here. ' +
     'See docs/api.md, "Custom apps".',
   tags: ['run'],
   params: withFunction ? FunctionPath : RunPath,
@@ -136,7 +138,7 @@ const customCall = (withFunction: boolean) => ({
   response: {
     202: RunAccepted,
     ...errors(400, 401, 403, 404, 405, 413, 422, 429, 502, 503, 504),
-    default: { description: "The app server's response, as it answered" },
+    default: { description: "The app server's response, as it answered (sandboxed: see the description)" },
   },
 });
 

@@ -1,6 +1,8 @@
 /**
- * The HTTP server: one Fastify instance and one port for the management API (`/v2`), the run endpoint
- * (`/v4`), `/healthz` and `/metrics`. `buildServer` does not listen, so tests can inject requests or
+ * The HTTP servers. The public one: one Fastify instance and one port for the management API (`/v2`), the
+ * run endpoint (`/v4`), the dashboard, `/healthz` and `/metrics`. The run listener (FERRY_RUN_PORT): the
+ * run endpoint and `/healthz` only, so that tenants' apps can answer on an origin where no dashboard runs
+ * (docs/operations.md, "Two origins"). `buildServer` does not listen, so tests can inject requests or
  * listen on port 0 themselves.
  */
 import { createServer, type IncomingMessage, type Server } from 'node:http';
@@ -9,6 +11,7 @@ import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { type FastifyBaseLogger, LogController } from 'fastify';
 import type { Logger } from 'pino';
+import type { ServerConfig } from '../config.js';
 import { FerryError } from '../errors.js';
 import type { Metrics } from '../metrics.js';
 import { parseJsonBody, useJsonBodies } from './body-parsers.js';
@@ -23,9 +26,10 @@ import { type RunsRouteDeps, registerRunsRoutes } from './routes/runs.js';
 import { registerScheduleRoutes, type ScheduleRouteDeps } from './routes/schedules.js';
 import { registerSecretRoutes, type SecretRouteDeps } from './routes/secrets.js';
 import { type AccountRouteDeps, registerServiceAccountRoutes } from './routes/service-accounts.js';
-import { registerSystemRoutes, type SystemRouteDeps } from './routes/system.js';
+import { registerHealthRoute, registerSystemRoutes, type SystemRouteDeps } from './routes/system.js';
 import { registerVolumeRoutes, type VolumeRouteDeps } from './routes/volumes.js';
 import { registerWebhookRoutes, type WebhookRouteDeps } from './routes/webhooks.js';
+import { createRunAddress, type RunAddress } from './run-address.js';
 import { createRunFastPath, type RunFastPath, type RunFastPathDeps } from './run-fast-path.js';
 import { sharedCompilers } from './schema-compilers.js';
 import type { TypedServer } from './typed-server.js';
@@ -52,9 +56,21 @@ export type HttpDeps = AppRouteDeps &
   WebhookRouteDeps &
   RunFastPathDeps & {
     logger: Logger;
-    config: { maxBodyBytes: number };
+    config: Pick<ServerConfig, 'maxBodyBytes' | 'host' | 'runPort' | 'runUrl'>;
     metrics: Pick<Metrics, 'httpRequests' | 'httpDuration'>;
   };
+
+/** Which server `buildServer` makes. */
+export interface ServerOptions {
+  /**
+   * `public` (default): every route, on the port that also serves the dashboard, so what a custom app
+   * answers is sandboxed (custom-proxy.ts `APP_SANDBOX_CSP`). `run`: the run listener of FERRY_RUN_PORT,
+   * the run endpoint and `/healthz` only, where apps answer as they are.
+   */
+  surface?: 'public' | 'run';
+  /** Where the run endpoint is, as `GET /v2/projects/{project_id}` tells (default: from `config`). */
+  runAddress?: RunAddress;
+}
 
 /**
  * The connections of `server` that never carried a request: closed when the server closes. Node's own
@@ -127,10 +143,12 @@ function createFastify(services: HttpDeps): TypedServer {
   return app;
 }
 
-export async function buildServer(services: HttpDeps): Promise<FerryServer> {
+export async function buildServer(services: HttpDeps, options: ServerOptions = {}): Promise<FerryServer> {
+  const surface = options.surface ?? 'public';
   const app = createFastify(services);
 
-  await app.register(swagger, swaggerOptions);
+  // The OpenAPI document is served by the public server only; the run listener has no use for it.
+  if (surface === 'public') await app.register(swagger, swaggerOptions);
 
   app.setErrorHandler(errorHandler);
   app.setNotFoundHandler((request, reply) => {
@@ -152,9 +170,14 @@ export async function buildServer(services: HttpDeps): Promise<FerryServer> {
     httpDuration.observe({ method: request.method, route }, reply.elapsedTime / 1000);
   });
 
+  if (surface === 'run') {
+    registerHealthRoute(app, services);
+    registerRunRoutes(app, services, { sandboxApps: false });
+    return app;
+  }
   registerSystemRoutes(app, services);
   registerClusterRoutes(app, services);
-  registerServiceAccountRoutes(app, services);
+  registerServiceAccountRoutes(app, services, options.runAddress ?? createRunAddress(services.config));
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);
   registerSecretRoutes(app, services);
@@ -162,7 +185,8 @@ export async function buildServer(services: HttpDeps): Promise<FerryServer> {
   registerVolumeRoutes(app, services);
   registerRunsRoutes(app, services);
   registerWebhookRoutes(app, services);
-  registerRunRoutes(app, services);
+  // This port serves the dashboard: an app's pages must never run with its origin.
+  registerRunRoutes(app, services, { sandboxApps: true });
   registerDashboardRoutes(app, services);
   return app;
 }

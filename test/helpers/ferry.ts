@@ -32,6 +32,8 @@ export async function tempDir(prefix = 'ferry-test-'): Promise<string> {
 
 export interface TestServer {
   url: string;
+  /** The run listener's address (`runPort` in the overrides: 0 for a free port); undefined without one. */
+  runUrl: string | undefined;
   services: Services;
   app: FerryServer;
   dataDir: string;
@@ -79,16 +81,30 @@ export async function startServer(
     : createLogger({ level: process.env.FERRY_TEST_LOG ?? 'silent', pretty: false });
   let services: Services | undefined;
   let app: FerryServer | undefined;
+  let runApp: FerryServer | undefined;
   let url: string;
+  let runUrl: string | undefined;
   try {
     services = await createServices(config, logger);
-    app = await buildServer(services);
+    // As `ferry serve` does (cli/serve.ts): with a run port, a second server for the run endpoint alone,
+    // whose address the public server tells (loaded only then, like the rest of the server above).
+    const runAddress =
+      config.runPort === undefined
+        ? undefined
+        : (await import('../../src/http/run-address.js')).createRunAddress(config);
+    app = await buildServer(services, runAddress ? { runAddress } : {});
+    if (runAddress) runApp = await buildServer(services, { surface: 'run', runAddress });
     await services.pipeline.recover();
     await services.asyncWorker.start();
     await services.replicas.warmUp();
     url = await app.listen({ host: '127.0.0.1', port: 0 });
+    if (runApp) {
+      runUrl = await runApp.listen({ host: '127.0.0.1', port: config.runPort });
+      runAddress?.listening(Number(new URL(runUrl).port));
+    }
   } catch (err) {
     // A server that did not start leaves no database behind.
+    await runApp?.close().catch(() => {});
     await app?.close().catch(() => {});
     await services?.close().catch(() => {});
     await database?.drop().catch(() => {});
@@ -96,6 +112,7 @@ export async function startServer(
   }
   return {
     url,
+    runUrl,
     services,
     app,
     dataDir,
@@ -107,6 +124,7 @@ export async function startServer(
     inject: (path, options) => inject(app, path, options),
     async close() {
       try {
+        await runApp?.close();
         await app.close();
         await services.close();
       } finally {

@@ -1,11 +1,15 @@
 // The dashboard's only way to the server: the same /v2 API the CLI uses, with the signed-in token.
 // The token lives in sessionStorage (this tab only, gone when it closes) and is sent in the
-// Authorization header to this origin only; it never goes into a URL.
+// Authorization header to this origin only; it never goes into a URL. No tenant's page runs with this
+// origin to read it: apps answering on this port are sandboxed into an opaque origin (http/custom-proxy.ts
+// APP_SANDBOX_CSP), or served on another port (FERRY_RUN_PORT).
 
 const TOKEN_KEY = 'ferry.token';
 
 /** The signed-in session: the token and what its (unverified) payload says. The server checks it on every call. */
 export const session = { token: '', projectId: '', accountId: '', scopes: [], expiresAt: 0 };
+/** The run endpoint's address of this session, once asked (runAddress). */
+let runAddressOnce = null;
 
 export class ApiError extends Error {
   constructor(status, code, message) {
@@ -57,6 +61,7 @@ export async function signIn(token) {
   const trimmed = token.trim().replace(/^Bearer\s+/i, '');
   const previous = { ...session };
   adopt(trimmed);
+  runAddressOnce = null;
   try {
     const project = await api('');
     sessionStorage.setItem(TOKEN_KEY, trimmed);
@@ -68,8 +73,25 @@ export async function signIn(token) {
 }
 
 export function signOut() {
+  runAddressOnce = null;
   sessionStorage.removeItem(TOKEN_KEY);
   Object.assign(session, { token: '', projectId: '', accountId: '', scopes: [], expiresAt: 0 });
+}
+
+/**
+ * The run endpoint's base address, for the run URLs the pages show: the project's `run_url` when the
+ * server serves apps apart from this page's origin (FERRY_RUN_PORT, FERRY_RUN_URL), else this origin.
+ * Asked once per sign-in.
+ */
+export function runAddress() {
+  runAddressOnce ??= api('').then(
+    (project) => project.run_url ?? location.origin,
+    () => {
+      runAddressOnce = null;
+      return location.origin;
+    },
+  );
+  return runAddressOnce;
 }
 
 /** `path` is relative to the project: `/apps` is `/v2/projects/<project>/apps`. */

@@ -11,7 +11,7 @@ import { renderSecrets } from './pages/secrets.js';
 import { renderSettings } from './pages/settings.js';
 import { renderVolumeFiles, renderVolumes } from './pages/volumes.js';
 import { appHref, lastApp, listApps } from './shared.js';
-import { errorBox, errorText, h } from './ui.js';
+import { errorBox, errorText, h, shown } from './ui.js';
 
 const main = document.getElementById('main');
 const shell = document.getElementById('shell');
@@ -206,7 +206,7 @@ async function start() {
   projectLabel.textContent = session.projectId;
   api('')
     .then((project) => {
-      projectLabel.textContent = `${project.name} (${project.id})`;
+      projectLabel.replaceChildren(shown(`${project.name} (${project.id})`));
     })
     .catch(() => {});
   if (!location.hash.startsWith('#/')) history.replaceState(null, '', '#/apps');

@@ -1,5 +1,45 @@
 // Small DOM and formatting helpers. Pages build their DOM with h(): text always goes in as text nodes,
-// never as HTML, so nothing a function returns or prints can inject markup.
+// never as HTML, so nothing a function returns or prints can inject markup; and control characters in it
+// are shown, not obeyed (shown()).
+
+/**
+ * Characters text from outside (logs, results, names) may carry that change how the text around them
+ * reads without being seen: C0 controls but tab and line feed (ESC starts terminal escapes; a carriage
+ * return is kept before a line feed), DEL, the C1 controls (U+0080-U+009F, CSI among them), and the
+ * Unicode controls that reorder or hide text: bidi embeddings, overrides and isolates (U+202A-U+202E,
+ * U+2066-U+2069: "Trojan Source"), LRM, RLM, ALM, line and paragraph separators. The CLI shows the same
+ * set (src/cli/terminal.ts).
+ */
+const HIDDEN_CONTROLS =
+  // biome-ignore lint/suspicious/noControlCharactersInRegex: matching control characters is the point
+  /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]/u;
+const HIDDEN_CONTROLS_ALL = new RegExp(HIDDEN_CONTROLS.source, 'gu');
+
+/** `\u202E` for U+202E: how a hidden control is written where it stood. */
+export function controlEscape(char) {
+  return `\\u${char.codePointAt(0).toString(16).toUpperCase().padStart(4, '0')}`;
+}
+
+/**
+ * `text` as DOM: itself when it holds no hidden control, else a fragment where each one (but a carriage
+ * return before a line feed) is a marked `\u202E`-style escape (`<span class="ctl">`), so the text reads
+ * in the order it was written and a reader sees what was there.
+ */
+export function shown(text) {
+  if (!HIDDEN_CONTROLS.test(text)) return text;
+  const fragment = document.createDocumentFragment();
+  let at = 0;
+  for (const match of text.matchAll(HIDDEN_CONTROLS_ALL)) {
+    const char = match[0];
+    if (char === '\r' && text[match.index + 1] === '\n') continue;
+    if (match.index > at) fragment.append(text.slice(at, match.index));
+    const name = `U+${controlEscape(char).slice(2)}`;
+    fragment.append(h('span', { class: 'ctl', title: `hidden control character ${name}` }, controlEscape(char)));
+    at = match.index + char.length;
+  }
+  if (at < text.length) fragment.append(text.slice(at));
+  return fragment;
+}
 
 /**
  * h('a', { href: '#/apps', class: 'x', onclick: fn }, 'text', child, [more]) makes an element.
@@ -22,7 +62,7 @@ function append(el, children) {
   for (const child of children) {
     if (child === null || child === undefined || child === false) continue;
     if (Array.isArray(child)) append(el, child);
-    else el.append(child instanceof Node ? child : String(child));
+    else el.append(child instanceof Node ? child : shown(String(child)));
   }
 }
 

@@ -20,7 +20,7 @@ import { parseWebhookUrl, WebhookUrlError } from '../../webhooks/webhook-url.js'
 import { errorEventData } from '../answer.js';
 import { useJsonBodies } from '../body-parsers.js';
 import { type CallerFlow, watchCaller } from '../caller-flow.js';
-import { attachWebSocketProxy, type CustomProxyDeps, proxyHttp } from '../custom-proxy.js';
+import { attachWebSocketProxy, type CustomProxyDeps, type ProxyOptions, proxyHttp } from '../custom-proxy.js';
 import { formatComment, formatEvent, startEventStream, wantsEventStream } from '../sse.js';
 import type { TypedServer } from '../typed-server.js';
 
@@ -354,7 +354,8 @@ function resumeStream(
   return undefined;
 }
 
-export function registerRunRoutes(app: TypedServer, services: RunRouteDeps): void {
+/** `options`: whether custom apps' answers are sandboxed on this server (custom-proxy.ts, ProxyOptions). */
+export function registerRunRoutes(app: TypedServer, services: RunRouteDeps, options: ProxyOptions): void {
   attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
     services.runs.resolveTarget(projectId, appName, authorization),
   );
@@ -374,7 +375,7 @@ export function registerRunRoutes(app: TypedServer, services: RunRouteDeps): voi
       const target = await services.runs.resolveTarget(project_id, app_name, request.headers.authorization);
       request.runTarget = target;
       if (runtimeOf(target.build).calls === 'http') {
-        return proxyHttp(services, request, reply, target, runId, parseWebhookEndpoint, (call) =>
+        return proxyHttp(services, options, request, reply, target, runId, parseWebhookEndpoint, (call) =>
           acceptAsync(services, request, reply, {
             ...call,
             runId,

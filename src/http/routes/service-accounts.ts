@@ -4,7 +4,8 @@ import type { AccountService } from '../../auth/account-service.js';
 import { DEFAULT_EXPIRY_DAYS } from '../../auth/service-accounts.js';
 import { FerryError } from '../../errors.js';
 import { type AuthDeps, requireScope } from '../auth.js';
-import { errors, ProjectParams, ServiceAccount } from '../schemas.js';
+import type { RunAddress } from '../run-address.js';
+import { errors, Nullable, ProjectParams, ServiceAccount } from '../schemas.js';
 import type { TypedServer } from '../typed-server.js';
 
 const CreateBody = Type.Object(
@@ -38,7 +39,12 @@ export interface AccountRouteDeps extends AuthDeps {
   accounts: AccountService;
 }
 
-export function registerServiceAccountRoutes(app: TypedServer, services: AccountRouteDeps): void {
+/** `runAddress`: where the run endpoint is, told with the project (http/run-address.ts). */
+export function registerServiceAccountRoutes(
+  app: TypedServer,
+  services: AccountRouteDeps,
+  runAddress: Pick<RunAddress, 'forRequest'>,
+): void {
   const manage = requireScope(services, 'manage');
 
   app.get(
@@ -49,12 +55,27 @@ export function registerServiceAccountRoutes(app: TypedServer, services: Account
         summary: 'Get the project',
         params: ProjectParams,
         response: {
-          200: Type.Object({ id: Type.String(), name: Type.String(), created_at: Type.String() }),
+          200: Type.Object({
+            id: Type.String(),
+            name: Type.String(),
+            created_at: Type.String(),
+            run_url: Nullable(
+              Type.String({
+                description:
+                  "The run endpoint's base address (`{run_url}`: apps are at `{run_url}/v4/{project_id}/{app_name}`) " +
+                  'when the server serves it apart from this API: FERRY_RUN_URL, or with FERRY_RUN_PORT this ' +
+                  "request's host name on that port. null: at this API's own address",
+              }),
+            ),
+          }),
           ...errors(401, 403, 404),
         },
       },
     },
-    async (request) => services.accounts.project(request.params.project_id),
+    async (request) => ({
+      ...(await services.accounts.project(request.params.project_id)),
+      run_url: runAddress.forRequest(request),
+    }),
   );
 
   app.post(

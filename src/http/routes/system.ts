@@ -1,4 +1,4 @@
-/** `/healthz`, `/metrics` and the OpenAPI document. */
+/** `/healthz`, `/metrics` and the OpenAPI document (the run listener serves `/healthz` only). */
 import type { Metrics } from '../../metrics.js';
 import type { StoreHealth } from '../../store/index.js';
 import type { TypedServer } from '../typed-server.js';
@@ -15,6 +15,19 @@ export interface SystemRouteDeps {
 }
 
 export function registerSystemRoutes(app: TypedServer, services: SystemRouteDeps): void {
+  registerHealthRoute(app, services);
+
+  app.get('/metrics', async (_request, reply) => {
+    services.refreshGauges();
+    const text = await services.metrics.registry.metrics();
+    return reply.type(services.metrics.registry.contentType).send(text);
+  });
+
+  app.get('/v2/openapi.json', async () => app.swagger());
+}
+
+/** `/healthz` alone: the public server's, and the run listener's (FERRY_RUN_PORT) for its load balancer. */
+export function registerHealthRoute(app: TypedServer, services: Pick<SystemRouteDeps, 'storeHealth'>): void {
   // For load balancers and orchestrators (docs/operations.md, "Health"). A store write-locked by another
   // process is not a reason to take this process out of rotation or restart it: it still serves reads and
   // runs, and writes wait or answer 503 FERRY_STORE_BUSY themselves. So that is 200 with `store: busy`;
@@ -29,12 +42,4 @@ export function registerSystemRoutes(app: TypedServer, services: SystemRouteDeps
       return reply.code(503).send({ status: 'unavailable', reason: 'store' });
     }
   });
-
-  app.get('/metrics', async (_request, reply) => {
-    services.refreshGauges();
-    const text = await services.metrics.registry.metrics();
-    return reply.type(services.metrics.registry.contentType).send(text);
-  });
-
-  app.get('/v2/openapi.json', async () => app.swagger());
 }

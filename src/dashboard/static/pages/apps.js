@@ -1,7 +1,7 @@
 // Apps: each app's state, active build, replicas and limits, run URL and a copyable curl example per mode.
-import { api, session } from '../api.js';
+import { api, runAddress, session } from '../api.js';
 import { appHref, listApps } from '../shared.js';
-import { copyButton, errorText, h, shortId, stateBadge, timeEl } from '../ui.js';
+import { copyButton, errorText, h, shortId, shown, stateBadge, timeEl } from '../ui.js';
 import { clusterSection } from './cluster.js';
 
 /** The curl example of each way to call a function; the token stays a shell variable, never the real one. */
@@ -94,9 +94,10 @@ function functionsText(build) {
   return build.functions.length > 0 ? build.functions.join(', ') : 'none';
 }
 
-function appCard(app) {
+/** `runOrigin`: where the run endpoint is (api.js runAddress). */
+function appCard(app, runOrigin) {
   const slug = `app-${app.id}`;
-  const runBase = `${location.origin}/v4/${session.projectId}/${app.id}`;
+  const runBase = `${runOrigin}/v4/${session.projectId}/${app.id}`;
   const fnInput = h('input', {
     id: `${slug}-fn`,
     class: 'fn-input',
@@ -188,7 +189,7 @@ function appCard(app) {
     build: null,
     update(next, stats, statsError, health) {
       state.replaceChildren(shownState(next, stats, health));
-      functions.textContent = functionsText(health.build);
+      functions.replaceChildren(shown(functionsText(health.build)));
       // Point the examples at a function that exists when the app has no `run`.
       const names = health.build?.functions;
       if (!fnTouched && names?.length > 0 && !names.includes('run') && fnInput.value === 'run') {
@@ -261,6 +262,7 @@ export async function renderApps(ctx) {
   const cluster = clusterSection(ctx.signal);
   ctx.main.append(cluster.section);
   const cards = new Map();
+  const runOrigin = await runAddress();
 
   async function refresh() {
     const apps = await listApps({ signal: ctx.signal, fresh: true });
@@ -273,7 +275,7 @@ export async function renderApps(ctx) {
         ),
       ),
     );
-    for (const app of apps) if (!cards.has(app.id)) cards.set(app.id, appCard(app));
+    for (const app of apps) if (!cards.has(app.id)) cards.set(app.id, appCard(app, runOrigin));
     const health = await Promise.all(apps.map((app) => appHealth(cards.get(app.id), app)));
     apps.forEach((app, i) => {
       const [s, err] = stats[i];

@@ -12,6 +12,7 @@ import {
   h,
   replaceKeepingFocus,
   shortId,
+  shown,
   stateBadge,
   tableEl,
   timeEl,
@@ -218,7 +219,7 @@ export async function renderBuild(ctx) {
         ['Error', build.error ? h('span', { class: 'error-text' }, build.error) : null],
       ]),
     );
-    toml.textContent = build.config_toml ?? '';
+    toml.replaceChildren(shown(build.config_toml ?? ''));
     actions.replaceChildren();
     if (!FINAL.includes(build.state)) {
       const cancel = h('button', { type: 'button', class: 'danger' }, 'Cancel build');
@@ -275,7 +276,7 @@ export async function renderBuild(ctx) {
             const line = JSON.parse(event.data);
             seq = line.seq;
             const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 8;
-            log.append(`${line.line}\n`);
+            log.append(shown(`${line.line}\n`));
             if (atBottom) log.scrollTop = log.scrollHeight;
           },
         });
