@@ -4,11 +4,13 @@
  * A's async backlog (FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT) is full and stays full; project B's `@every 2s`
  * schedule, deployed after, still starts a run for every tick, at least 90% of them within 2 s of their
  * tick, while A's refused ticks are skipped and counted, A's schedules move on, and the log gets a warning
- * a minute per project rather than one per refused tick.
+ * a minute per project rather than one per refused tick. Deploys past the schedules limits are refused
+ * with their codes.
  */
 import assert from 'node:assert/strict';
 import { after, before, describe, it } from 'node:test';
 import { unfinishedRun } from '../src/store/unfinished.js';
+import { zipFiles } from './helpers/app-zip.js';
 import { deployFiles, http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
 
 const BACKLOG = 20;
@@ -46,6 +48,7 @@ describe("one project's full backlog does not stop another project's schedules",
     server = await startServer({
       env: {
         FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT: String(BACKLOG),
+        FERRY_MAX_SCHEDULES_PER_PROJECT: '101',
         // The sleeping runs are cancelled at the end (a server waits for its runs in flight when it closes).
         FERRY_CANCEL_GRACE_SECONDS: '0',
       },
@@ -148,5 +151,35 @@ describe("one project's full backlog does not stop another project's schedules",
       warnings.every((w) => w.project === a.projectId),
       'only A is refused',
     );
+  });
+
+  it('refuses a deploy past the schedules limits with their codes', async () => {
+    const upload = async (auth: { projectId: string; token: string }, name: string, files: Record<string, string>) =>
+      http(`${server.url}/v2/projects/${auth.projectId}/apps/${name}/builds`, {
+        method: 'POST',
+        token: auth.token,
+        body: await zipFiles(files),
+        headers: { 'content-type': 'application/zip' },
+      });
+    // A has 100 schedules of the 101 the server allows a project.
+    const project = await upload(a, 'more', app('more', 2, '1h', 'max_replicas = 1', QUICK));
+    assert.equal(project.status, 409, project.text);
+    assert.equal(project.json.error.code, 'FERRY_PROJECT_SCHEDULES_FULL');
+    assert.match(project.json.error.message, /other apps have 100 schedules and this one would have 2/);
+    // 51 in one app: the default FERRY_MAX_SCHEDULES_PER_APP is 50.
+    const perApp = await upload(b, 'wide', app('wide', 51, '1h', 'max_replicas = 1', QUICK));
+    assert.equal(perApp.status, 400, perApp.text);
+    assert.equal(perApp.json.error.code, 'FERRY_CONFIG_INVALID');
+    assert.match(
+      perApp.json.error.message,
+      /schedules: 51 schedules; .*at most 50 per app \(FERRY_MAX_SCHEDULES_PER_APP\)/,
+    );
+    // Neither left an app or a build behind.
+    const left = await server.services.store
+      .selectFrom('apps')
+      .select('id')
+      .where('id', 'in', ['more', 'wide'])
+      .execute();
+    assert.deepEqual(left, []);
   });
 });
