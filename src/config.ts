@@ -3,6 +3,7 @@
  * Every setting is documented in docs/operations.md.
  */
 import path from 'node:path';
+import { MAX_SCHEDULES_CEILING } from './apps/app-config.js';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
 import { parseInsecureRegistries } from './images/registry-guard.js';
 import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './sandbox/build-step.js';
@@ -227,6 +228,10 @@ export interface ServerConfig {
    * `?async=true` calls answer 429 FERRY_PROJECT_BACKLOG_FULL (other projects are not affected).
    */
   maxAsyncBacklogPerProject: number;
+  /** `[[schedules]]` one app may have (FERRY_MAX_SCHEDULES_PER_APP); more are refused at deploy. */
+  maxSchedulesPerApp: number;
+  /** Schedules of all apps of one project (FERRY_MAX_SCHEDULES_PER_PROJECT); a deploy past it is refused. */
+  maxSchedulesPerProject: number;
   /** `FERRY_WEBHOOK_ALLOW` / `--webhook-allow`: CIDRs webhooks may reach although they are internal. */
   webhookAllow: string;
   /** One webhook attempt's timeout. */
@@ -351,6 +356,8 @@ export const DEFAULTS = {
   replicaStartTimeoutMs: 30_000,
   maxAsyncBacklog: 100_000,
   maxAsyncBacklogPerProject: 10_000,
+  maxSchedulesPerApp: 50,
+  maxSchedulesPerProject: 200,
   webhookTimeoutMs: 10_000,
   maxStoredResultBytes: 256 * 1024,
   maxResultBytes: 10 * 1024 * 1024,
@@ -515,6 +522,12 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     maxAsyncBacklogPerProject:
       intFrom(env.FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT, 'FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT', 0, 100_000_000) ??
       DEFAULTS.maxAsyncBacklogPerProject,
+    maxSchedulesPerApp:
+      intFrom(env.FERRY_MAX_SCHEDULES_PER_APP, 'FERRY_MAX_SCHEDULES_PER_APP', 0, MAX_SCHEDULES_CEILING) ??
+      DEFAULTS.maxSchedulesPerApp,
+    maxSchedulesPerProject:
+      intFrom(env.FERRY_MAX_SCHEDULES_PER_PROJECT, 'FERRY_MAX_SCHEDULES_PER_PROJECT', 0, 1_000_000) ??
+      DEFAULTS.maxSchedulesPerProject,
     webhookAllow: checkAllowList(flags.webhookAllow ?? env.FERRY_WEBHOOK_ALLOW ?? ''),
     webhookTimeoutMs:
       intFrom(env.FERRY_WEBHOOK_TIMEOUT_MS, 'FERRY_WEBHOOK_TIMEOUT_MS', 100, 600_000) ?? DEFAULTS.webhookTimeoutMs,

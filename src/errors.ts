@@ -50,6 +50,10 @@ export const ERRORS = {
   FERRY_BUILD_IN_PROGRESS: { status: 409, message: 'The build is still being made: cancel it first' },
   FERRY_SCALING_INVALID: { status: 400, message: 'The scaling settings are not valid' },
   FERRY_SCHEDULE_NOT_FOUND: { status: 404, message: 'No such schedule' },
+  FERRY_PROJECT_SCHEDULES_FULL: {
+    status: 409,
+    message: 'The project would have more schedules than the server allows',
+  },
 
   // App configuration (ferry.toml)
   FERRY_CONFIG_MISSING: { status: 400, message: 'The archive has no ferry.toml at its root' },

@@ -177,7 +177,7 @@ export function createMetrics(labels?: { node: string; role: string }): Metrics 
     }),
     scheduleTicksSkipped: new Counter({
       name: 'ferry_schedule_ticks_skipped_total',
-      help: 'Due ticks of schedules that started no run: passed over after downtime (downtime), or while the last run was unfinished with overlap = "skip" (overlap)',
+      help: 'Due ticks of schedules that started no run: passed over after downtime (downtime), while the last run was unfinished with overlap = "skip" (overlap), or refused by a full async backlog (backlog)',
       labelNames: ['reason'],
       registers: [registry],
     }),

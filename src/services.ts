@@ -48,6 +48,7 @@ import type { RunTargets } from './runs/targets.js';
 import { createDefaultBuilders } from './runtimes/index.js';
 import { detectSandbox, type SandboxCapabilities } from './sandbox/launch.js';
 import { createLoopbackOnlyNetwork, type SandboxNetwork } from './sandbox/network.js';
+import { checkScheduleLimits } from './schedules/limits.js';
 import { createScheduleService, type ScheduleService } from './schedules/schedule-service.js';
 import { createScheduleRunStarter } from './schedules/start-run.js';
 import { createScheduleTicker } from './schedules/ticker.js';
@@ -201,11 +202,15 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   // Only workers take calls from gateways (an `all` node runs its own calls and takes async runs and builds).
   const announcer =
     link && executor && role === 'worker' ? link.announcer({ pools: () => executor.replicas.pools() }) : undefined;
+  // How many schedules an app and a project may have: checked at upload and, under the project's lock, when a
+  // build becomes active (schedules/limits.ts).
+  const scheduleLimits = { perApp: config.maxSchedulesPerApp, perProject: config.maxSchedulesPerProject };
   // The one writer of apps.active_build_id: the pipeline (a build becoming ready) and rollbacks alike.
   const activation = createBuildActivation({
     store,
     changes,
     switchHere: (projectId, appId) => replicas.activate(projectId, appId),
+    scheduleLimits,
   });
   // On a gateway the pipeline only queues: the builds it receives stay free for a worker to claim.
   const pipeline = createBuildPipeline({
@@ -401,6 +406,8 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
       maxUploadBytes: config.maxUploadBytes,
       zipLimits: config.zipLimits,
       checkVolumes: (projectId, appConfig) => volumes.checkMounts(projectId, appConfig),
+      checkSchedules: (projectId, appId, appConfig) =>
+        checkScheduleLimits(store, { projectId, appId }, appConfig.schedules.length, scheduleLimits, { lock: false }),
       // A gateway builds nothing: the build stays free for a worker to claim.
       ...(executor ? { owner: node.id } : {}),
     },

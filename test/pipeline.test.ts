@@ -3,7 +3,8 @@
  * test scripts (succeeds, fails, waits for the test or for its abort), the real build log and claims on a
  * SQLite file. Covers a build's states, which build becomes active (a ready one, never over a newer one),
  * one build at a time per app in upload order, cancel, the time limit, a stop leaving the build for the
- * next start, and a build another node holds. No sandbox, no server, no socket.
+ * next start, a build another node holds, and a build whose activation the project's schedules limit
+ * refuses (issue 43). No sandbox, no server, no socket.
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
@@ -22,6 +23,7 @@ import { createLogger } from '../src/logger.js';
 import { DEFAULT_BUILD_LIMITS } from '../src/sandbox/build-step.js';
 import type { SandboxCapabilities } from '../src/sandbox/launch.js';
 import { createLoopbackOnlyNetwork } from '../src/sandbox/network.js';
+import type { ScheduleLimits } from '../src/schedules/limits.js';
 import { openSqliteStore, type Store } from '../src/store/index.js';
 import type { Build } from '../src/store/schema.js';
 import { tempDir } from './helpers/ferry.js';
@@ -103,12 +105,20 @@ describe('the build pipeline with a fake builder', () => {
     await fs.rm(dir, { recursive: true, force: true });
   });
 
-  function pipelineOf(fake: FakeBuilder, options: { timeoutMs?: number; finished?: Build[] } = {}) {
+  function pipelineOf(
+    fake: FakeBuilder,
+    options: { timeoutMs?: number; finished?: Build[]; scheduleLimits?: ScheduleLimits } = {},
+  ) {
     const pipeline = createBuildPipeline({
       store,
       buildLog: createBuildLog({ store }),
       // The real activation (builds/activation.ts, the one writer of the active build), on an in-process feed.
-      activation: createBuildActivation({ store, changes, switchHere: async () => {} }),
+      activation: createBuildActivation({
+        store,
+        changes,
+        switchHere: async () => {},
+        ...(options.scheduleLimits ? { scheduleLimits: options.scheduleLimits } : {}),
+      }),
       buildsDir: path.join(dir, 'builds'),
       cacheDir: path.join(dir, 'cache'),
       builders: { node: fake.builder },
@@ -138,9 +148,11 @@ describe('the build pipeline with a fake builder', () => {
         updated_at: now(),
       })
       .execute();
-    const newBuild = async (owner: string | null = OWNER): Promise<Build> => {
+    /** `schedules`: how many `[[schedules]]` its ferry.toml has. */
+    const newBuild = async (owner: string | null = OWNER, schedules = 0): Promise<Build> => {
       const id = uuidv7();
-      const toml = `[app]\nname = "${appId}"\n`;
+      let toml = `[app]\nname = "${appId}"\n`;
+      for (let i = 0; i < schedules; i++) toml += `[[schedules]]\nname = "s-${i}"\ncron = "@hourly"\n`;
       const build = {
         id,
         project_id: PROJECT,
@@ -333,6 +345,55 @@ describe('the build pipeline with a fake builder', () => {
     assert.ok(!fake.events.includes(`build:${theirs.id}`));
     assert.equal((await buildRow(theirs.id)).state, 'pending');
     assert.equal(await activeOf(appId), mine.id);
+  });
+
+  it("fails a ready build whose schedules would pass the project's limit, and refuses such a rollback", async () => {
+    const scheduleLimits = { perApp: 50, perProject: 3 };
+    const fake = fakeBuilder();
+    const pipeline = pipelineOf(fake, { scheduleLimits });
+    const schedulesOf = async (appId: string) =>
+      (await store.selectFrom('schedules').select('name').where('app_id', '=', appId).execute()).length;
+    // Two apps deployed at once: each upload counted the project without the other's schedules, which only
+    // exist once its build is active. Whichever build becomes ready second is refused its activation.
+    const x = await appOf();
+    const y = await appOf();
+    const builds = [await x.newBuild(OWNER, 2), await y.newBuild(OWNER, 2)];
+    for (const b of builds) pipeline.enqueue(b);
+    const ended = await Promise.all(builds.map((b) => settled(b.id)));
+    const won = ended.find((b) => b.state === 'ready');
+    const lost = ended.find((b) => b.state === 'failed');
+    assert.ok(won && lost, `one ready, one failed: ${ended.map((b) => `${b.state} ${b.error}`).join(', ')}`);
+    assert.match(
+      lost.error ?? '',
+      /^FERRY_PROJECT_SCHEDULES_FULL: The project's other apps have 2 schedules and this one would have 2/,
+    );
+    assert.match((await logOf(lost.id)).join('\n'), /Build failed: FERRY_PROJECT_SCHEDULES_FULL/);
+    assert.equal(await activeOf(won.app_id), won.id);
+    assert.equal(await activeOf(lost.app_id), null, 'the refused build did not become active');
+    assert.equal(await schedulesOf(won.app_id), 2);
+    assert.equal(await schedulesOf(lost.app_id), 0);
+
+    // A rollback is refused the same way, and the app keeps its active build and schedules.
+    const loser = lost.app_id === x.appId ? x : y;
+    const winner = loser === x ? y : x;
+    const one = await loser.newBuild(OWNER, 1);
+    pipeline.enqueue(one);
+    assert.equal((await settled(one.id)).state, 'ready');
+    const none = await loser.newBuild(OWNER, 0);
+    pipeline.enqueue(none);
+    assert.equal((await settled(none.id)).state, 'ready');
+    const three = await winner.newBuild(OWNER, 3);
+    pipeline.enqueue(three);
+    assert.equal((await settled(three.id)).state, 'ready', 'going from 2 to 3 with none elsewhere fits');
+    const activation = createBuildActivation({ store, changes, switchHere: async () => {}, scheduleLimits });
+    await assert.rejects(activation.activate(PROJECT, loser.appId, one.id), (err: unknown) => {
+      assert.ok(err instanceof FerryError);
+      assert.equal(err.code, 'FERRY_PROJECT_SCHEDULES_FULL');
+      assert.equal(err.status, 409);
+      return true;
+    });
+    assert.equal(await activeOf(loser.appId), none.id);
+    assert.equal(await schedulesOf(loser.appId), 0);
   });
 });
 

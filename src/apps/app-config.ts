@@ -76,8 +76,12 @@ const ResourcesSection = Type.Object(
   { additionalProperties: false },
 );
 
-/** The most `[[schedules]]` an app may have. */
-export const MAX_SCHEDULES = 50;
+/**
+ * The most `[[schedules]]` any server lets an app have: the config's own bound, so the CLI refuses no
+ * more than a server could accept. The server's own limit, under it, is FERRY_MAX_SCHEDULES_PER_APP
+ * (default 50), checked at upload and at activation (schedules/limits.ts).
+ */
+export const MAX_SCHEDULES_CEILING = 1000;
 
 const ScheduleEntry = Type.Object(
   {
@@ -127,7 +131,7 @@ const RawConfig = Type.Object(
     scaling: Type.Optional(ScalingSection),
     resources: Type.Optional(ResourcesSection),
     env: Type.Optional(Type.Record(Type.String({ pattern: EnvName }), Type.String(), { additionalProperties: false })),
-    schedules: Type.Optional(Type.Array(ScheduleEntry, { maxItems: MAX_SCHEDULES })),
+    schedules: Type.Optional(Type.Array(ScheduleEntry, { maxItems: MAX_SCHEDULES_CEILING })),
     retries: Type.Optional(RetriesSection),
     volumes: Type.Optional(Type.Array(VolumeSection, { maxItems: 16 })),
     // Checked by images/image-spec.ts (its own coded errors, naming the key).

@@ -9,7 +9,8 @@
  * - an activation through the API (a rollback to an earlier ready build, builds/build-service.ts).
  *
  * Activation also makes the build's `[[schedules]]` the app's (schedules/schedules.ts), in the same
- * transaction.
+ * transaction, after checking the server's limits on them under the project's lock (schedules/limits.ts):
+ * a build that would pass one is not made active (a rollback is refused; the pipeline fails a new build).
  *
  * Only a build that did become active is announced (`build.activated` on the change feed): every process,
  * this one at once, forgets the app's run target and switches its replicas to it.
@@ -19,6 +20,7 @@ import type { AppConfig } from '../apps/app-config.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
 import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
+import { checkScheduleLimits, type ScheduleLimits } from '../schedules/limits.js';
 import { replaceSchedules } from '../schedules/schedules.js';
 import { lockApp } from '../store/active-build.js';
 import type { Store } from '../store/index.js';
@@ -46,9 +48,17 @@ export interface BuildActivationDeps {
   changes: Pick<ChangeFeed, 'publish'>;
   /** Switches this process's replicas of the app to its active build (replicas/manager.ts `activate`). */
   switchHere: (projectId: string, appId: string) => Promise<void>;
+  /** FERRY_MAX_SCHEDULES_PER_APP and _PER_PROJECT; without them no limit is checked (tests). */
+  scheduleLimits?: ScheduleLimits;
 }
 
-async function setActive(trx: Kysely<Database>, projectId: string, appId: string, buildId: string): Promise<void> {
+async function setActive(
+  trx: Kysely<Database>,
+  projectId: string,
+  appId: string,
+  buildId: string,
+  limits: ScheduleLimits | undefined,
+): Promise<void> {
   await trx
     .updateTable('apps')
     .set({ active_build_id: buildId, updated_at: nowIso() })
@@ -63,6 +73,8 @@ async function setActive(trx: Kysely<Database>, projectId: string, appId: string
   } catch {
     // A build's config is stored as validated JSON; one that does not parse has no schedules.
   }
+  // Throws inside the transaction, so the app keeps its active build and its schedules.
+  if (limits) await checkScheduleLimits(trx, { projectId, appId }, schedules.length, limits, { lock: true });
   await replaceSchedules(trx, { projectId, appId }, buildId, schedules);
 }
 
@@ -83,7 +95,7 @@ export function createBuildActivation(deps: BuildActivationDeps): BuildActivatio
       const app = await lockApp(trx, build.project_id, build.app_id);
       // Build ids are time-ordered: never let an older build replace a newer active one.
       if (!app || (app.active_build_id && app.active_build_id >= build.id)) return false;
-      await setActive(trx, build.project_id, build.app_id, build.id);
+      await setActive(trx, build.project_id, build.app_id, build.id, deps.scheduleLimits);
       return true;
     },
 
@@ -103,7 +115,7 @@ export function createBuildActivation(deps: BuildActivationDeps): BuildActivatio
             `Build ${buildId} is ${found.state}: only a ready build can be activated`,
           );
         }
-        await setActive(trx, projectId, appId, found.id);
+        await setActive(trx, projectId, appId, found.id, deps.scheduleLimits);
         return found;
       });
       // Every process (this one before the answer) forgets the app's run target and switches its replicas.

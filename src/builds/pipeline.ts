@@ -24,6 +24,7 @@ import { type Builders, selectBuilder } from '../runtimes/index.js';
 import { type BuildLimits, buildCacheDir, DEFAULT_BUILD_LIMITS } from '../sandbox/build-step.js';
 import type { SandboxCapabilities } from '../sandbox/launch.js';
 import type { SandboxNetwork } from '../sandbox/network.js';
+import { ScheduleLimitError } from '../schedules/limits.js';
 import { claimFreeBuilds, startBuild } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
@@ -218,28 +219,42 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
     }
     await buildLog.flush(build.id);
     let promoted = false;
-    const recorded = await store.transaction().execute(async (trx) => {
-      const changed = await trx
-        .updateTable('builds')
-        .set({
-          state: finalState,
-          error,
-          finished_at: nowIso(),
-          runtime: result?.runtime ?? null,
-          entry: result?.entry ?? null,
-          functions: result?.functions ? JSON.stringify(result.functions) : null,
-          image_digest: finalState === 'ready' && imageRecord ? imageRecord.digest : null,
-          image_json: finalState === 'ready' && imageRecord ? JSON.stringify(imageRecord) : null,
-        })
-        .where('id', '=', build.id)
-        .where('owner', '=', owner)
-        .where('state', '=', 'building')
-        .executeTakeFirst();
-      // Another node holds the build now (this one lost its lease): its outcome is that node's to write.
-      if (Number(changed.numUpdatedRows) === 0) return false;
-      if (finalState === 'ready') promoted = await deps.activation.promoteReady(trx, build);
-      return true;
-    });
+    const record = () =>
+      store.transaction().execute(async (trx) => {
+        const changed = await trx
+          .updateTable('builds')
+          .set({
+            state: finalState,
+            error,
+            finished_at: nowIso(),
+            runtime: result?.runtime ?? null,
+            entry: result?.entry ?? null,
+            functions: result?.functions ? JSON.stringify(result.functions) : null,
+            image_digest: finalState === 'ready' && imageRecord ? imageRecord.digest : null,
+            image_json: finalState === 'ready' && imageRecord ? JSON.stringify(imageRecord) : null,
+          })
+          .where('id', '=', build.id)
+          .where('owner', '=', owner)
+          .where('state', '=', 'building')
+          .executeTakeFirst();
+        // Another node holds the build now (this one lost its lease): its outcome is that node's to write.
+        if (Number(changed.numUpdatedRows) === 0) return false;
+        if (finalState === 'ready') promoted = await deps.activation.promoteReady(trx, build);
+        return true;
+      });
+    let recorded: boolean;
+    try {
+      recorded = await record();
+    } catch (err) {
+      // The activation refused the ready build (schedules/limits.ts: checked under the project's lock, the
+      // limit was passed since the upload's check, by another app's deploy say): the build fails with it.
+      if (!(finalState === 'ready' && err instanceof ScheduleLimitError)) throw err;
+      finalState = 'failed';
+      error = `${err.code}: ${err.message}`;
+      note(`Build failed: ${error}`);
+      await buildLog.flush(build.id);
+      recorded = await record();
+    }
     if (!recorded) {
       logger.warn(
         { buildId: build.id, state: finalState },

@@ -30,6 +30,11 @@ export interface ReceiveBuildDeps {
   owner?: string;
   /** Refuses a config whose `[[volumes]]` the project lacks (FERRY_BUILD_VOLUME_MISSING; volumes/volumes.ts). */
   checkVolumes?: (projectId: string, config: ReturnType<typeof parseAppConfig>) => Promise<void>;
+  /**
+   * Refuses a config with more `[[schedules]]` than the server lets the app or its project have
+   * (FERRY_CONFIG_INVALID, FERRY_PROJECT_SCHEDULES_FULL; schedules/limits.ts).
+   */
+  checkSchedules?: (projectId: string, appId: string, config: ReturnType<typeof parseAppConfig>) => Promise<void>;
 }
 
 /** Streams `body` to a file, refusing with FERRY_BODY_TOO_LARGE once it passes `maxBytes`. */
@@ -88,6 +93,7 @@ export async function receiveBuild(
     }
 
     await deps.checkVolumes?.(projectId, config);
+    await deps.checkSchedules?.(projectId, appId, config);
 
     const now = nowIso();
     const build: Build = {

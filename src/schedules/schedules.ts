@@ -33,7 +33,7 @@ export interface ScheduleView {
   next_tick_at: string | null;
   last_tick_at: string | null;
   last_run: { id: string; state: string } | null;
-  /** Due ticks that started no run (downtime, or `overlap = "skip"` while the last run was unfinished). */
+  /** Due ticks that started no run (downtime, `overlap = "skip"` while the last run was unfinished, a full backlog). */
   ticks_skipped: number;
   build_id: string;
 }

@@ -44,9 +44,9 @@ export function registerBuildRoutes(app: TypedServer, services: BuildRouteDeps):
         schema: {
           summary: 'Deploy: upload a ZIP of the app folder as a new build',
           description:
-            'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code.',
+            'The body is the ZIP archive itself (Content-Type: application/zip). It must hold ferry.toml at its root, whose [app].name equals app_id. The app is created by its first deploy. The archive is checked before anything is extracted; each refusal is a 400 with its own code. More [[schedules]] than the server allows: 400 FERRY_CONFIG_INVALID for the app (FERRY_MAX_SCHEDULES_PER_APP), 409 FERRY_PROJECT_SCHEDULES_FULL for the project (FERRY_MAX_SCHEDULES_PER_PROJECT).',
           params: AppParams,
-          response: { 201: Build, ...errors(400, 401, 403, 404, 413, 415, 503) },
+          response: { 201: Build, ...errors(400, 401, 403, 404, 409, 413, 415, 503) },
         },
       },
       async (request, reply) => {
@@ -137,11 +137,12 @@ export function registerBuildRoutes(app: TypedServer, services: BuildRouteDeps):
       schema: {
         summary: 'Activate a build (roll back): make an earlier ready build the one calls run',
         description:
-          'The build must be ready (else 409 FERRY_BUILD_NOT_READY). Replicas switch as they do after a deploy: ' +
+          'The build must be ready (else 409 FERRY_BUILD_NOT_READY), and its [[schedules]] within the server’s ' +
+          'limits (else 400 FERRY_CONFIG_INVALID or 409 FERRY_PROJECT_SCHEDULES_FULL). Replicas switch as they do after a deploy: ' +
           'the old build’s replicas take no new runs and stop once their runs are done, new runs go to the ' +
           'activated build, on every node within a second. A later deploy that becomes ready is active in turn.',
         params: BuildParams,
-        response: { 200: Build, ...errors(401, 403, 404, 409) },
+        response: { 200: Build, ...errors(400, 401, 403, 404, 409) },
       },
     },
     async (request) => {

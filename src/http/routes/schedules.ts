@@ -26,7 +26,8 @@ const Schedule = Type.Object(
     last_tick_at: Nullable(Type.String({ format: 'date-time' })),
     last_run: Nullable(Type.Object({ id: Type.String(), state: Type.String() })),
     ticks_skipped: Type.Integer({
-      description: 'Due ticks that started no run: after downtime (one catch-up run instead), or overlap = "skip"',
+      description:
+        'Due ticks that started no run: after downtime (one catch-up run instead), overlap = "skip", or a full async backlog',
     }),
     build_id: Type.String({ description: 'The build whose ferry.toml defines it' }),
   },
