@@ -33,6 +33,7 @@ import { dropPrivilegesArgs, unreachableByOthers } from '../sandbox/identity.js'
 import { PROC_MASKED, type SandboxCapabilities, WRAPPER_ENV } from '../sandbox/launch.js';
 import { joinNetworkArgs, type SandboxNetwork } from '../sandbox/network.js';
 import { mapWhenReady } from '../sandbox/userns-map.js';
+import { isRealFolder } from './unpack.js';
 
 export interface StepLimits {
   memoryMiB: number;
@@ -314,7 +315,8 @@ export function madePaths(made: MadePoints): string[] {
 /** Removes what prepareMountPoints made (once the step has ended), before the diff. */
 export async function cleanMountPoints(rootfs: string, made: MadePoints): Promise<void> {
   for (const name of made.dirs) await fs.rmdir(path.join(rootfs, name)).catch(() => {});
-  if (made.resolvMade) {
+  // The step may have replaced /etc with a link to a host folder: nothing is removed through it.
+  if (made.resolvMade && (await isRealFolder(rootfs, path.join(rootfs, 'etc')))) {
     const target = path.join(rootfs, 'etc', 'resolv.conf');
     const st = await fs.lstat(target).catch(() => null);
     if (st?.isFile() && st.size === 0) await fs.rm(target, { force: true });

@@ -5,7 +5,8 @@
  * whose two RUN lines make `/a` 0777 and then replace it with a link to a host folder, whose built image is
  * then unpacked into the node's cache. Before the fix the first emptied the host folder and chmodded the
  * other 0777, the second chmodded its host folder 0777. Now the canary tree is unchanged whatever the
- * builds' outcome.
+ * builds' outcome. Also: a step that swaps /etc for a link to a host folder does not make the step's
+ * clean-up (the resolv.conf Ferry made for it) remove a file there.
  */
 import assert from 'node:assert/strict';
 import { createHash } from 'node:crypto';
@@ -84,6 +85,10 @@ describe('security: hostile images deployed end to end leave the host alone', { 
     );
     registry = await startRegistry();
     await registry.push(image, 'ferry-test/busy:1');
+    await registry.push(
+      await makeBaseImage(path.join(work, 'image-etc'), { files: { 'etc/os-release': 'ID=ferry-test' } }),
+      'ferry-test/busy-etc:1',
+    );
     await registry.push(hostile, 'ferry-test/hostile:1');
     base = `${registry.host}/ferry-test/busy:1`;
     server = await startServer({ env: { FERRY_INSECURE_REGISTRIES: registry.host } });
@@ -131,5 +136,23 @@ describe('security: hostile images deployed end to end leave the host alone', { 
     });
     assert.equal(state, 'ready', 'the image builds: its layers are legal, only what they point at is not ours');
     assert.equal(await canaryState(canary), before, 'the canary tree is unchanged');
+  });
+
+  it('a RUN line that swaps /etc for a link to a host folder removes nothing there when the step is cleaned up', async () => {
+    // Ferry made /etc/resolv.conf (empty) for the step's DNS; the step moves /etc away and links a host
+    // folder holding an empty resolv.conf in its place. The clean-up must not remove that file.
+    const hostEtc = path.join(work, 'host-etc');
+    await fs.mkdir(hostEtc);
+    await fs.writeFile(path.join(hostEtc, 'resolv.conf'), '');
+    const dockerfile = [
+      `FROM ${registry.host}/ferry-test/busy-etc:1`,
+      `RUN /bin/busybox mv /etc /etc.old && /bin/busybox ln -s ${hostEtc} /etc`,
+      'CMD ["/bin/busybox", "httpd", "-f", "-p", "8080", "-h", "/"]',
+    ].join('\n');
+    await deployAndWait('hostile-etc', {
+      'ferry.toml': `[app]\nname = "hostile-etc"\nruntime = "custom"\n\n[image]\ndockerfile = "Dockerfile"\n\n[runtime.custom]\n`,
+      Dockerfile: dockerfile,
+    });
+    assert.deepEqual(await fs.readdir(hostEtc), ['resolv.conf'], 'the host folder keeps its file');
   });
 });
