@@ -43,3 +43,18 @@ export async function layer(entries: LayerEntry[]): Promise<Buffer> {
   await done;
   return Buffer.concat(chunks);
 }
+
+/**
+ * Issue 43's base image: a layer that makes folders, then plants links to host folders in their place,
+ * so that deferred work (the opaque whiteout's emptying, the folders' modes) would act through them on
+ * `host` and `host/d`.
+ */
+export function linksOverFolders(host: string): LayerEntry[] {
+  return [
+    { name: 'a/', type: 'directory' },
+    { name: 'a/.wh..wh..opq', content: '' },
+    { name: 'a', type: 'symlink', linkname: host },
+    { name: 'b/', type: 'directory', mode: 0o777 },
+    { name: 'b', type: 'symlink', linkname: `${host}/d` },
+  ];
+}

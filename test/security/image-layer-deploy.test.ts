@@ -22,7 +22,7 @@ import {
   startRegistry,
   type TestRegistry,
 } from '../helpers/registry.js';
-import { layer } from '../helpers/tar-layer.js';
+import { layer, linksOverFolders } from '../helpers/tar-layer.js';
 
 const sha = (bytes: Buffer) => `sha256:${createHash('sha256').update(bytes).digest('hex')}`;
 
@@ -72,17 +72,7 @@ describe('security: hostile images deployed end to end leave the host alone', { 
     work = await tempDir('ferry-hostile-image-');
     canary = await makeCanary(path.join(work, 'canary'));
     const image = await makeBaseImage(path.join(work, 'image'));
-    const hostile = await withLayer(
-      image,
-      await layer([
-        { name: 'a/', type: 'directory' },
-        { name: 'a/.wh..wh..opq', content: '' },
-        { name: 'a', type: 'symlink', linkname: canary },
-        { name: 'b/', type: 'directory', mode: 0o777 },
-        { name: 'b', type: 'symlink', linkname: path.join(canary, 'd') },
-      ]),
-      'hostile',
-    );
+    const hostile = await withLayer(image, await layer(linksOverFolders(canary)), 'hostile');
     registry = await startRegistry();
     await registry.push(image, 'ferry-test/busy:1');
     await registry.push(

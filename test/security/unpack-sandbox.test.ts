@@ -21,7 +21,7 @@ import { detectSandbox, type SandboxCapabilities } from '../../src/sandbox/launc
 import { FIRST_INPUT_FD, runTreeTool } from '../../src/sandbox/tree-sandbox.js';
 import { canaryState, makeCanary } from '../helpers/canary.js';
 import { tempDir } from '../helpers/ferry.js';
-import { layer } from '../helpers/tar-layer.js';
+import { layer, linksOverFolders } from '../helpers/tar-layer.js';
 
 describe('security: layers are unpacked in a sandbox that can write nothing but the root', () => {
   let work: string;
@@ -62,11 +62,7 @@ describe('security: layers are unpacked in a sandbox that can write nothing but 
         reproduction === 'base image'
           ? [
               await layer([
-                { name: 'a/', type: 'directory' },
-                { name: 'a/.wh..wh..opq', content: '' },
-                { name: 'a', type: 'symlink', linkname: c.canary },
-                { name: 'b/', type: 'directory', mode: 0o777 },
-                { name: 'b', type: 'symlink', linkname: path.join(c.canary, 'd') },
+                ...linksOverFolders(c.canary),
                 { name: 'etc/', type: 'directory' },
                 { name: 'etc/owned-by-1000', content: 'x', uid: 1000, gid: 1000 },
               ]),
