@@ -747,7 +747,13 @@ export function machineReport() {
     const dirty = execFileSync('git', ['status', '--porcelain', '--', 'src'], { cwd: REPO_ROOT, encoding: 'utf8' });
     if (dirty.trim()) commit += ' (src/ has uncommitted changes)';
   } catch {
-    // not a git checkout
+    // Not a git checkout (a kit carried to a bare host): the commit the build was made from, if it knew.
+    try {
+      const info = JSON.parse(fs.readFileSync(path.join(REPO_ROOT, 'dist', 'build-info.json'), 'utf8'));
+      if (info.commit) commit = `${info.commit} (from the build, ${info.builtAt})`;
+    } catch {
+      // a build made outside a checkout as well
+    }
   }
   const load = loadAverage();
   return [

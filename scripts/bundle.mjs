@@ -1,4 +1,5 @@
 #!/usr/bin/env node
+import { execFileSync } from 'node:child_process';
 // Bundles the compiled command (dist/src/cli/index.js and all it imports, dependencies included) into
 // dist/bundle/ with esbuild, one chunk per lazily loaded command, so that a `ferry` process loads a few
 // large files instead of about a thousand modules: `ferry serve` is ready in about half the CPU (1.4 s to
@@ -40,3 +41,18 @@ await esbuild.build({
   target: 'node20',
   logLevel: 'warning',
 });
+
+// The commit the build was made from, for what runs without the checkout's .git (a kit carried to a bare
+// host: bench/lib.mjs's machine report). Nothing when this is not a git checkout.
+try {
+  let commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: root, encoding: 'utf8' }).trim();
+  if (execFileSync('git', ['status', '--porcelain', '--', 'src'], { cwd: root, encoding: 'utf8' }).trim()) {
+    commit += ' (src/ had uncommitted changes)';
+  }
+  await fs.writeFile(
+    path.join(root, 'dist', 'build-info.json'),
+    `${JSON.stringify({ commit, builtAt: new Date().toISOString() })}\n`,
+  );
+} catch {
+  await fs.rm(path.join(root, 'dist', 'build-info.json'), { force: true });
+}
