@@ -7,6 +7,7 @@
 
 import { execFile } from 'node:child_process';
 import { resolveServerConfig } from '../config.js';
+import { gpuReport } from '../gpus/report.js';
 import { type ImageHostReport, probeImageHost, readCacheUse } from '../images/host-tools.js';
 import { findPython } from '../runtimes/python/interpreter.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
@@ -28,10 +29,11 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   // Probed afresh: the doctor is run to check a fix, so a cached answer would defeat it.
   // The interpreter Python replicas and builds use (Debian's /usr/bin/python3 when present), not PATH's.
   const pythonPath = await findPython();
-  const [caps, pythonVersion, cluster] = await Promise.all([
+  const [caps, pythonVersion, cluster, gpus] = await Promise.all([
     probeSandbox(),
     pythonPath ? commandVersion(pythonPath, ['--version']) : Promise.resolve(undefined),
     readCluster(),
+    gpuReport(process.env),
   ]);
   const python = pythonPath && pythonVersion ? pythonVersion : undefined;
   const network = networkPlan(caps);
@@ -47,6 +49,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
       network: plan,
       images,
       volumes,
+      gpus: { inventory: gpus.inventory, smi: gpus.smi, warnings: gpus.warnings },
       cluster: cluster.view ?? null,
       cluster_problem: cluster.problem ?? null,
     };
@@ -90,7 +93,9 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
         : `${formatMiB(v.allocated_bytes)} used of ${formatMiB(v.size_bytes)}`;
     lines.push(row('', `${v.project_id}/${v.name}: ${use}${v.mounted_here ? ', mounted here' : ''}`));
   }
+  lines.push(...gpus.lines.map((line, i) => row(i === 0 ? 'GPUs' : '', line)));
   const warnings = sandboxWarnings(caps);
+  warnings.push(...gpus.warnings);
   if (network.warning) warnings.push(network.warning);
   if (volumes.not_shared_with.length > 0) {
     warnings.push(
