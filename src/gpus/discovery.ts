@@ -28,6 +28,8 @@ export interface GpuDevice {
   uuid: string;
   /** PCI bus location (`0000:3b:00.0`). */
   busId: string;
+  /** Its folder in the driver's `gpus/` (named by its bus location). */
+  procName: string;
   /** The device minor: the GPU's node is `/dev/nvidia<minor>`. */
   minor: number;
   /** The node on the host (under the root). */
@@ -131,6 +133,7 @@ export async function discoverGpus(options: DiscoveryOptions = {}): Promise<GpuI
       model: modelOf(info.model, options.aliases),
       uuid: info.uuid,
       busId: info.busId,
+      procName: bus,
       minor: info.minor,
       device,
       usable,
