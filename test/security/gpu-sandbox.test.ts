@@ -94,7 +94,11 @@ describe('security: a GPU replica sees its own GPUs only (fake NVIDIA tree)', ()
     assert.equal(seen.libcuda, `libcuda.so.${FAKE_DRIVER_VERSION}`);
     assert.equal(seen.smi, FAKE_GPUS.map((g) => g.uuid).join(' '), 'nvidia-smi runs (the fake prints every UUID)');
     assert.equal(seen['own-gpu'], 'opened');
-    assert.equal(seen['other-gpu'], 'refused', "another GPU's node is not there to open (a file of that name is no device)");
+    assert.equal(
+      seen['other-gpu'],
+      'refused',
+      "another GPU's node is not there to open (a file of that name is no device)",
+    );
     assert.equal(seen.mknod, 'refused', 'nor made');
     assert.equal(seen['proc-write'], 'refused');
     assert.equal(seen['proc-mkdir'], 'refused', '/proc/driver is read-only');
