@@ -107,7 +107,7 @@ export async function createImageStore(options: {
   /** Says, at info level, how long each image fetched from the shelf took, and where the time went. */
   logger?: Pick<Logger, 'info'>;
   /**
-   * The sandbox layers are unpacked in (unpack-sandbox.ts), as the server always has it; null unpacks in
+   * The sandbox layers are unpacked in (layer-sandbox.ts), as the server always has it; null unpacks in
    * this process, for tests of pulling and caching only.
    */
   sandbox: SandboxCapabilities | null;

@@ -24,7 +24,7 @@
  * replaced the folder with a link to a host folder (`a/`, `a/.wh..wh..opq`, `a -> /etc` once emptied /etc).
  * Each such path is checked again component by component with lstat, and modes are set on a descriptor
  * opened with O_NOFOLLOW | O_DIRECTORY. Files are written, owned and moded through their own descriptor.
- * Ferry runs this in a sandbox of its own (unpack-sandbox.ts), as an unprivileged id that can write
+ * Ferry runs this in a sandbox of its own (layer-sandbox.ts), as an unprivileged id that can write
  * nothing but the root, so that a bug here still cannot reach the host.
  *
  * An image build's scratch root (image-builder.ts) passes `owner`: each entry then belongs to the tar's

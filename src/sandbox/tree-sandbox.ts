@@ -1,5 +1,5 @@
 /**
- * Ferry's own tools over an untrusted tree (the unpacking of image layers: images/unpack-sandbox.ts), run
+ * Ferry's own tools over an untrusted tree (the unpacking of image layers: images/layer-sandbox.ts), run
  * where a bug in them could reach nothing but that tree. The tool is Ferry's code, but the data it reads
  * (layers anyone can push, the root a stranger's `RUN` lines left) is a stranger's, and a path-handling
  * bug once let a layer empty and chmod host folders while Ferry ran as root (issue 43). So the tool runs:
