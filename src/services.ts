@@ -177,10 +177,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     logger: logger.child({ component: 'volumes' }),
   });
   onClose(() => volumes.close());
-  // Every role serves the logins' routes.
+  // Every role serves the logins' routes; the executor's pulls read them from the store.
   const registries = createRegistryLogins({ store, secretsKey: core.secretsKey });
   // A gateway runs no user code: no executor, its calls go to the workers through the cluster link.
-  const executor = runsCode ? await createExecutor(core, { sandbox, views, storage, volumes, link }) : undefined;
+  const executor = runsCode
+    ? await createExecutor(core, { sandbox, views, storage, volumes, link, registries })
+    : undefined;
   const replicas: ReplicaView = executor?.replicas ?? NO_REPLICAS;
   const network = executor?.network ?? createLoopbackOnlyNetwork();
   const invoker: Invoker = executor?.invoker ?? requireLink(link).remoteInvoker();
