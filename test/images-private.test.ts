@@ -90,15 +90,15 @@ describe('images: a base image from a private registry', () => {
   it('fails the build with FERRY_IMAGE_REGISTRY_AUTH without credentials, or with refused ones, leaking none', async () => {
     for (const [name, env, why] of [
       [
-        'private-none',
-        {},
-        /requires credentials for [\d.:]+\/ferry-test\/private:1 \(HTTP 401\); the project has no login for it \(ferry registries login [\d.:]+\)$/,
-      ],
-      [
         // The file has the right credentials, but the operator shares no registry: no project gets them.
         'private-unshared',
         { FERRY_REGISTRY_AUTH_FILE: files.good },
         /requires credentials for [\d.:]+\/ferry-test\/private:1 \(HTTP 401\); the project has no login for it/,
+      ],
+      [
+        'private-none',
+        {},
+        /requires credentials for [\d.:]+\/ferry-test\/private:1 \(HTTP 401\); the project has no login for it \(ferry registries login [\d.:]+\)$/,
       ],
       [
         'private-wrong',
