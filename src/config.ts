@@ -5,6 +5,7 @@
 import path from 'node:path';
 import { MAX_SCHEDULES_CEILING } from './apps/app-config.js';
 import { DEFAULT_ZIP_LIMITS, type ZipLimits } from './builds/zip-archive.js';
+import { registryName } from './images/reference.js';
 import { parseInsecureRegistries } from './images/registry-guard.js';
 import { type BuildLimits, DEFAULT_BUILD_LIMITS } from './sandbox/build-step.js';
 import { type Nameserver, parseNameservers } from './sandbox/dns-forwarder.js';
@@ -117,6 +118,28 @@ function checkClusterName(name: string): string {
 }
 
 /** Validates the webhook allow-list at start, so a typo is an error now rather than refused deliveries later. */
+/**
+ * `FERRY_SHARED_REGISTRIES`: the registries whose credentials in FERRY_REGISTRY_AUTH_FILE every project's
+ * pulls may send (comma-separated, as image references name them), or `*` for every registry. Empty by
+ * default: the file then serves no registry, and each project logs in to the registries it uses itself.
+ */
+export function parseSharedRegistries(text: string | undefined): string[] {
+  const items = (text ?? '')
+    .split(',')
+    .map((item) => item.trim())
+    .filter((item) => item !== '');
+  if (items.length === 1 && items[0] === '*') return ['*'];
+  return items.map((item) => {
+    const name = registryName(item);
+    if (!name) {
+      throw new Error(
+        `FERRY_SHARED_REGISTRIES: "${item.slice(0, 100)}" is not a registry (host with a dot or a port, localhost, or docker.io; or * alone)`,
+      );
+    }
+    return name;
+  });
+}
+
 /** Validates the image settings at start (used by image builds, coming with the `[image]` feature). */
 function resolveImages(env: NodeJS.ProcessEnv): ImageSettings {
   const insecureRegistries = env.FERRY_INSECURE_REGISTRIES ?? '';
@@ -134,6 +157,7 @@ function resolveImages(env: NodeJS.ProcessEnv): ImageSettings {
   const authFile = env.FERRY_REGISTRY_AUTH_FILE ? path.resolve(env.FERRY_REGISTRY_AUTH_FILE) : undefined;
   return {
     authFile,
+    sharedRegistries: parseSharedRegistries(env.FERRY_SHARED_REGISTRIES),
     insecureRegistries,
     registryAllow,
     cacheBytes:
@@ -318,8 +342,13 @@ export interface ServerConfig {
  * node's image cache as the images feature lands (src/images/).
  */
 export interface ImageSettings {
-  /** `FERRY_REGISTRY_AUTH_FILE`: a Docker/containers `config.json` with credentials for private registries. */
+  /**
+   * `FERRY_REGISTRY_AUTH_FILE`: a Docker/containers `config.json` with credentials for private registries,
+   * sent only to the registries of `sharedRegistries` (by every project).
+   */
   authFile: string | undefined;
+  /** `FERRY_SHARED_REGISTRIES`, normalized (images/reference.ts `registryName`), or `['*']`: every registry. */
+  sharedRegistries: string[];
   /** `FERRY_INSECURE_REGISTRIES`: comma-separated `host:port` reached over plain HTTP, exempt from the address guard. */
   insecureRegistries: string;
   /** `FERRY_REGISTRY_ALLOW`: CIDRs a registry may be in although internal (HTTPS registries on a private network). */

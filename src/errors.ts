@@ -196,6 +196,9 @@ export const ERRORS = {
   // Secrets
   FERRY_SECRET_NOT_FOUND: { status: 404, message: 'No such secret' },
 
+  // Registry logins (images/registry-logins.ts)
+  FERRY_REGISTRY_LOGIN_NOT_FOUND: { status: 404, message: 'The project has no login for that registry' },
+
   // Volumes
   FERRY_VOLUME_NOT_FOUND: { status: 404, message: 'No such volume' },
   FERRY_VOLUME_EXISTS: { status: 409, message: 'The project already has a volume of that name' },

@@ -33,6 +33,7 @@ import { createExecutor, NO_REPLICAS, prepareSandboxViews, type ReplicaView } fr
 import type { NodeRole, ServerConfig } from './config.js';
 import type { DataDir } from './data-dir.js';
 import { FerryError } from './errors.js';
+import { createRegistryLogins, type RegistryLoginService } from './images/registry-logins.js';
 import type { Metrics } from './metrics.js';
 import type { WarmPool } from './replicas/warm-pool.js';
 import { refreshGauges } from './run-metrics.js';
@@ -129,6 +130,8 @@ export interface Services {
   apps: AppService;
   /** A project's secrets (secrets/secret-service.ts). */
   secrets: SecretService;
+  /** A project's registry logins: what its pulls send to private registries (images/registry-logins.ts). */
+  registries: RegistryLoginService;
   /** Projects and their service accounts (auth/account-service.ts). */
   accounts: AccountService;
   /** The nodes sharing the store (`GET /v2/cluster`). */
@@ -174,8 +177,12 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     logger: logger.child({ component: 'volumes' }),
   });
   onClose(() => volumes.close());
+  // Every role serves the logins' routes; the executor's pulls read them from the store.
+  const registries = createRegistryLogins({ store, secretsKey: core.secretsKey });
   // A gateway runs no user code: no executor, its calls go to the workers through the cluster link.
-  const executor = runsCode ? await createExecutor(core, { sandbox, views, storage, volumes, link }) : undefined;
+  const executor = runsCode
+    ? await createExecutor(core, { sandbox, views, storage, volumes, link, registries })
+    : undefined;
   const replicas: ReplicaView = executor?.replicas ?? NO_REPLICAS;
   const network = executor?.network ?? createLoopbackOnlyNetwork();
   const invoker: Invoker = executor?.invoker ?? requireLink(link).remoteInvoker();
@@ -425,6 +432,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     builds,
     apps,
     secrets: createSecretService({ store, secretsKey: core.secretsKey, changes }),
+    registries,
     accounts: createAccountService({ store, jwtKey: core.jwtKey, changes }),
     listNodes: (limit) => listNodes(store, limit),
     storeHealth: (timeoutMs) => probeStore(store, timeoutMs),

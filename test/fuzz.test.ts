@@ -113,7 +113,14 @@ before(async () => {
   assert.equal(victim.status, 201, victim.text);
   const secret = await http(`${project}/secrets/FUZZ`, { method: 'PUT', token: auth.token, body: { value: 'v' } });
   assert.equal(secret.status, 200, secret.text);
+  const login = await http(`${project}/registries/fuzz.example`, {
+    method: 'PUT',
+    token: auth.token,
+    body: { username: 'fuzz', password: 'fuzz-password' },
+  });
+  assert.equal(login.status, 200, login.text);
   Object.assign(baseline, {
+    registry: 'fuzz.example',
     project_id: auth.projectId,
     app_id: 'echo',
     app_name: 'echo',
@@ -153,7 +160,9 @@ function baseRequest(op: Operation): { path: Record<string, string>; query: [str
       ? JSON.stringify({ name: `fuzz-${Math.floor(random() * 1e6)}` })
       : op.path.includes('/secrets/')
         ? JSON.stringify({ value: 'fuzzed' })
-        : JSON.stringify({ n: 1 });
+        : op.path.includes('/registries/')
+          ? JSON.stringify({ username: 'fuzzed', password: 'fuzzed' })
+          : JSON.stringify({ n: 1 });
   }
   return { path, query: [], sent: { method: op.method, url: '', headers, body, what: 'baseline' } };
 }

@@ -3,11 +3,14 @@
  * (and refused without)"), deployed end to end, offline: a real registry on loopback behind htpasswd
  * Basic auth (Debian's docker-registry), listed in FERRY_INSECURE_REGISTRIES of every server here.
  *
- * - A server whose FERRY_REGISTRY_AUTH_FILE (a Docker `config.json`) holds the registry's credentials
- *   pulls the base, builds, and its function answers on the image.
+ * - A server whose FERRY_REGISTRY_AUTH_FILE (a Docker `config.json`) holds the registry's credentials, and
+ *   whose FERRY_SHARED_REGISTRIES lists the registry, pulls the base, builds, and its function answers on
+ *   the image.
  * - A server without an auth file fails the build with FERRY_IMAGE_REGISTRY_AUTH naming the step and the
- *   registry; one whose file holds a wrong password fails the same way, saying the credentials were
- *   refused. Neither message carries a credential, the auth file's path or the data directory.
+ *   registry; one whose file holds the right password but does not share the registry fails the same way
+ *   (the file serves only FERRY_SHARED_REGISTRIES, issue 43); one whose file holds a wrong password fails
+ *   saying the credentials were refused. No message carries a credential, the auth file's path or the
+ *   data directory. (Projects' own logins: test/images-project-logins.)
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
@@ -65,8 +68,11 @@ describe('images: a base image from a private registry', () => {
     if (work) await fs.rm(work, { recursive: true, force: true });
   });
 
-  it('deploys and runs an app on it with the credentials of FERRY_REGISTRY_AUTH_FILE', async () => {
-    const { server, auth } = await serverWith({ FERRY_REGISTRY_AUTH_FILE: files.good });
+  it('deploys and runs an app on it with the credentials of FERRY_REGISTRY_AUTH_FILE for a shared registry', async () => {
+    const { server, auth } = await serverWith({
+      FERRY_REGISTRY_AUTH_FILE: files.good,
+      FERRY_SHARED_REGISTRIES: registry.host,
+    });
     const build = await deployFiles(server, auth, 'private-ok', app('private-ok'));
     const listed = await http(`${server.url}/v2/projects/${auth.projectId}/apps/private-ok/builds/${build.id}`, {
       token: auth.token,
@@ -84,13 +90,19 @@ describe('images: a base image from a private registry', () => {
   it('fails the build with FERRY_IMAGE_REGISTRY_AUTH without credentials, or with refused ones, leaking none', async () => {
     for (const [name, env, why] of [
       [
+        // The file has the right credentials, but the operator shares no registry: no project gets them.
+        'private-unshared',
+        { FERRY_REGISTRY_AUTH_FILE: files.good },
+        /requires credentials for [\d.:]+\/ferry-test\/private:1 \(HTTP 401\); the project has no login for it/,
+      ],
+      [
         'private-none',
         {},
-        /requires credentials for [\d.:]+\/ferry-test\/private:1 \(HTTP 401\); FERRY_REGISTRY_AUTH_FILE has none for it$/,
+        /requires credentials for [\d.:]+\/ferry-test\/private:1 \(HTTP 401\); the project has no login for it \(ferry registries login [\d.:]+\)$/,
       ],
       [
         'private-wrong',
-        { FERRY_REGISTRY_AUTH_FILE: files.wrong },
+        { FERRY_REGISTRY_AUTH_FILE: files.wrong, FERRY_SHARED_REGISTRIES: registry.host },
         /refused the credentials of FERRY_REGISTRY_AUTH_FILE for [\d.:]+\/ferry-test\/private:1 \(HTTP 401\)/,
       ],
     ] as const) {

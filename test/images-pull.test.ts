@@ -388,13 +388,15 @@ describe('images: pulls from a registry on loopback', () => {
     const pushed = await own.push(image, 'test/store:1');
     const settings: ImageSettings = {
       authFile: undefined,
+      sharedRegistries: [],
       insecureRegistries: own.host,
       registryAllow: '',
       cacheBytes: 256 * MiB,
       buildTimeoutMs: 60_000,
     };
     const store = await createImageStore({ dir: path.join(work, 'store'), settings, sandbox: await detectSandbox() });
-    const first = await store.acquire(`${own.host}/test/store:1`);
+    const forProject = { projectId: 'p-pulls' };
+    const first = await store.acquire(`${own.host}/test/store:1`, forProject);
     assert.equal(first.digest, pushed);
     assert.deepEqual(first.config.cmd, ['/bin/sh']);
     const busybox = await fs.readFile(path.join(first.image.rootfs, 'bin', 'busybox'));
@@ -408,20 +410,27 @@ describe('images: pulls from a registry on loopback', () => {
 
     // The tag again: resolved at the registry, and its digest is in the cache, so no layer is fetched.
     const lines: string[] = [];
-    const byTag = await store.acquire(`${own.host}/test/store:1`, { onProgress: (line) => lines.push(line) });
+    const byTag = await store.acquire(`${own.host}/test/store:1`, {
+      ...forProject,
+      onProgress: (line) => lines.push(line),
+    });
     assert.equal(byTag.image.rootfs, first.image.rootfs);
     assert.match(lines.join('\n'), /already on this node/);
     assert.doesNotMatch(lines.join('\n'), /pulling layer/);
     byTag.release();
 
-    await own.stop(); // the registry is gone: a pinned digest is served from the cache
-    const again = await store.acquire(`${own.host}/test/store@${pushed}`);
+    await own.stop(); // the registry is gone: a pinned digest of a public image is served from the cache
+    const again = await store.acquire(`${own.host}/test/store@${pushed}`, forProject);
     assert.equal(again.image.rootfs, first.image.rootfs);
     assert.equal(store.cache.usage().images[0]?.pins, 2);
     first.release();
     again.release();
     assert.equal(store.cache.usage().images[0]?.pins, 0);
     // A tag must be asked of the registry (a tag moves): it is unreachable now, and said so.
-    await rejectsWith(store.acquire(`${own.host}/test/store:1`), 'FERRY_IMAGE_REGISTRY_UNREACHABLE', /ECONNREFUSED/);
+    await rejectsWith(
+      store.acquire(`${own.host}/test/store:1`, forProject),
+      'FERRY_IMAGE_REGISTRY_UNREACHABLE',
+      /ECONNREFUSED/,
+    );
   });
 });

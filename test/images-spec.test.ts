@@ -230,4 +230,22 @@ describe('images: credentials and server settings', () => {
     assert.throws(() => resolveServerConfig({}, { FERRY_REGISTRY_ALLOW: 'nope' }), /FERRY_REGISTRY_ALLOW/);
     assert.throws(() => resolveServerConfig({}, { FERRY_IMAGE_CACHE_MIB: '10' }), /FERRY_IMAGE_CACHE_MIB must be/);
   });
+
+  it('reads FERRY_SHARED_REGISTRIES: none by default, registries as references name them, or *', () => {
+    // By default the auth file serves no registry: each project logs in itself (issue 43).
+    assert.deepEqual(resolveServerConfig({}, {}).images.sharedRegistries, []);
+    const listed = resolveServerConfig(
+      {},
+      { FERRY_SHARED_REGISTRIES: ' Registry.Example:5000, index.docker.io,ghcr.io ,localhost' },
+    );
+    assert.deepEqual(listed.images.sharedRegistries, ['registry.example:5000', 'docker.io', 'ghcr.io', 'localhost']);
+    assert.deepEqual(resolveServerConfig({}, { FERRY_SHARED_REGISTRIES: '*' }).images.sharedRegistries, ['*']);
+    for (const bad of ['https://ghcr.io', 'ghcr.io/org', 'noport', '*,ghcr.io', 'host:0']) {
+      assert.throws(
+        () => resolveServerConfig({}, { FERRY_SHARED_REGISTRIES: bad }),
+        /FERRY_SHARED_REGISTRIES: ".*" is not a registry/,
+        bad,
+      );
+    }
+  });
 });

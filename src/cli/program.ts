@@ -322,6 +322,29 @@ export function createProgram(): Command {
     .option('--json', 'print {"name","deleted"}')
     .action(lazy(() => import('./secrets.js'), 'secretsDeleteCommand'));
 
+  const registries = program
+    .command('registries')
+    .description('the project’s logins to private registries, sent by its builds’ pulls (and no other project’s)');
+  registries
+    .command('login <registry>')
+    .description(
+      'log the project in to a registry (host[:port] as image references name it); the password is read from stdin',
+    )
+    .option('--username <username>', 'the account')
+    .option('--password-stdin', 'read the password (or token) from stdin')
+    .option('--json', 'print the login (never its password) as JSON')
+    .action(lazy(() => import('./registries.js'), 'registriesLoginCommand'));
+  registries
+    .command('list')
+    .description('the registries the project is logged in to, with the username (never the password)')
+    .option('--json', 'print an array')
+    .action(lazy(() => import('./registries.js'), 'registriesListCommand'));
+  registries
+    .command('logout <registry>')
+    .description('delete the project’s login for a registry')
+    .option('--json', 'print {"registry","deleted"}')
+    .action(lazy(() => import('./registries.js'), 'registriesLogoutCommand'));
+
   const volumes = program
     .command('volumes')
     .description('volumes of the project: persistent folders mounted in apps ([[volumes]] in ferry.toml)');

@@ -11,6 +11,7 @@ import fs from 'node:fs/promises';
 import path from 'node:path';
 import { imagesDir } from '../images/host-tools.js';
 import { createImageStore, type ImageStore } from '../images/image-store.js';
+import type { RegistryLoginService } from '../images/registry-logins.js';
 import { createLauncher } from '../replicas/launcher.js';
 import { createReplicaManager, type ReplicaManager } from '../replicas/manager.js';
 import { RUN_TIMEOUT_KILL_GRACE_MS } from '../replicas/pool.js';
@@ -86,6 +87,8 @@ export async function createExecutor(
     storage: BuildStorage;
     volumes: Volumes;
     link: ClusterLink | undefined;
+    /** The projects' registry logins, which the image store's pulls send (each project only its own). */
+    registries: Pick<RegistryLoginService, 'credentials'>;
   },
 ): Promise<Executor> {
   const { config, logger, store, metrics, events, dataDir, secretsKey } = core;
@@ -110,6 +113,7 @@ export async function createExecutor(
         shelf: storage.imageShelf,
         logger: logger.child({ component: 'images' }),
         sandbox,
+        logins: parts.registries,
       })
     : undefined;
   core.onClose(() => images?.close());

@@ -169,7 +169,7 @@ export const swaggerOptions: FastifyDynamicSwaggerOptions = {
       title: 'Ferry API',
       version: '1.0.0',
       description:
-        'The management API (/v2: projects, service accounts, apps, builds, runs, secrets) and the run ' +
+        'The management API (/v2: projects, service accounts, apps, builds, runs, secrets, registry logins) and the run ' +
         'endpoint (/v4) of a Ferry server. Errors are `{"error": {"code", "message"}}` (docs/errors.md).',
     },
     components: {

@@ -21,6 +21,7 @@ import { type AppRouteDeps, registerAppRoutes } from './routes/apps.js';
 import { type BuildRouteDeps, registerBuildRoutes } from './routes/builds.js';
 import { type ClusterRouteDeps, registerClusterRoutes } from './routes/cluster.js';
 import { type DashboardRouteDeps, registerDashboardRoutes } from './routes/dashboard.js';
+import { type RegistryRouteDeps, registerRegistryRoutes } from './routes/registries.js';
 import { type RunRouteDeps, registerRunRoutes } from './routes/run.js';
 import { type RunsRouteDeps, registerRunsRoutes } from './routes/runs.js';
 import { registerScheduleRoutes, type ScheduleRouteDeps } from './routes/schedules.js';
@@ -50,6 +51,7 @@ export type HttpDeps = AppRouteDeps &
   RunsRouteDeps &
   ScheduleRouteDeps &
   SecretRouteDeps &
+  RegistryRouteDeps &
   AccountRouteDeps &
   SystemRouteDeps &
   VolumeRouteDeps &
@@ -181,6 +183,7 @@ export async function buildServer(services: HttpDeps, options: ServerOptions = {
   registerAppRoutes(app, services);
   registerBuildRoutes(app, services);
   registerSecretRoutes(app, services);
+  registerRegistryRoutes(app, services);
   registerScheduleRoutes(app, services);
   registerVolumeRoutes(app, services);
   registerRunsRoutes(app, services);

@@ -1,6 +1,6 @@
 /**
  * Host id ranges for the work Ferry does over an image's tree (sandbox/identity.ts says why sandboxes never
- * run as host root): a build's steps (step-sandbox.ts) and every unpacking of layers (unpack-sandbox.ts).
+ * run as host root): a build's steps (step-sandbox.ts) and every unpacking of layers (layer-sandbox.ts).
  *
  * As root, each holder gets 65,536 host ids of its own: 256 slots after the volumes' gids
  * (volumes/images.ts), host `first + n` being uid/gid `n` inside its user namespace, which Ferry maps itself.

@@ -108,7 +108,10 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
     const step = `pulling the base image ${baseText}`;
     let pinned: PinnedImage;
     try {
+      // For this project only: its own credentials, and nothing another project's pull left on the node
+      // unless this project proves it can pull it too (image-store.ts).
       pinned = await images.acquire(baseText, {
+        projectId: options.projectId,
         signal,
         onProgress: (line) => log(`  ${line}`),
       });

@@ -47,6 +47,11 @@ export interface ImageCache {
   ): Promise<{ image: CachedImage; release: () => void }>;
   /** The image when the cache has it (no pin, no fill). */
   peek(digest: string): CachedImage | undefined;
+  /**
+   * Merges `meta` into what was recorded next to the image (kept on disk with it, so a restart sees it);
+   * false when the cache does not have the image.
+   */
+  annotate(digest: string, meta: Record<string, unknown>): Promise<boolean>;
   /** Removes an unpinned image (retention of deleted builds); false when it is pinned or absent. */
   remove(digest: string): Promise<boolean>;
   usage(): CacheUsage;
@@ -57,6 +62,8 @@ export interface ImageCache {
 interface Entry extends CachedImage {
   pins: number;
   lastUsedMs: number;
+  /** The last rewrite of its `image.json` (annotate), so that rewrites land in order. */
+  writing?: Promise<void>;
 }
 
 const META_FILE = 'image.json';
@@ -205,6 +212,21 @@ export async function createImageCache(options: {
     peek(digest) {
       const entry = entries.get(digest);
       return entry ? { digest: entry.digest, rootfs: entry.rootfs, bytes: entry.bytes, meta: entry.meta } : undefined;
+    },
+    async annotate(digest, meta) {
+      const entry = entries.get(digest);
+      if (!entry) return false;
+      entry.meta = { ...entry.meta, ...meta };
+      const folder = path.dirname(entry.rootfs);
+      // Each write takes the entry's meta as it is when it runs, after the one before: the last one wins.
+      const write = (entry.writing ?? Promise.resolve()).then(async () => {
+        const temp = path.join(folder, `.${META_FILE}.${randomBytes(4).toString('hex')}`);
+        await fs.writeFile(temp, JSON.stringify({ digest, bytes: entry.bytes, meta: entry.meta }));
+        await fs.rename(temp, path.join(folder, META_FILE));
+      });
+      entry.writing = write.catch(() => undefined);
+      await write.catch(() => undefined); // removed meanwhile: nothing left to annotate
+      return entries.get(digest) === entry;
     },
     async remove(digest) {
       const entry = entries.get(digest);

@@ -4,9 +4,30 @@
  * pin the result: what builds (builds/pipeline.ts, images/build-image.ts) and replicas (replicas/launcher.ts)
  * call.
  *
- * The cache is keyed by the manifest digest, so a reference pinned by digest that the cache already has
- * needs no registry at all; a tag is always resolved at the registry first (a tag moves), and when the
- * cache has the digest it resolves to, no layer is fetched again.
+ * The cache is keyed by the manifest digest; a tag is always resolved at the registry first (a tag moves),
+ * and when the cache has the digest it resolves to, no layer is fetched again, if the project may have it.
+ *
+ * Who may have an image (issue 43): the cache and the shelf are shared by every project, and a private
+ * image in them was pulled with some project's credentials. So an image is handed to a project only when
+ * that project could pull it itself:
+ *
+ * - a build naming an image (`acquire`) sends the registry the project's own login (else the file of
+ *   FERRY_REGISTRY_AUTH_FILE, for a registry of FERRY_SHARED_REGISTRIES only; else nothing), and the
+ *   manifest the registry gives it is the proof: its digest says which image the project may have. The
+ *   cache's copy is taken without fetching the layers only when that manifest came from a repository the
+ *   cache's copy was fetched whole from (a registry serves a repository's blobs to whoever may read its
+ *   manifests), or when the image was once pulled without any credentials (`public`); from any other
+ *   repository every layer is fetched and verified again, then dropped for the cache's copy. A reference
+ *   pinned by digest skips the registry only for a `public` image; any other is asked of the registry.
+ * - a replica's launch (`recorded`) runs what its project's build recorded: that build made the proof, so
+ *   the cache and then the shelf hand it out by digest, and only a node with neither pulls it again, with
+ *   that project's credentials.
+ *
+ * What each cache entry was proven by is kept beside it (its `access`: `public`, and the repositories it
+ * was fetched whole from); an entry from the shelf or an image build has none, so a build naming it
+ * fetches it from its registry. The shelf holds images by digest for every node and says nothing of who
+ * may have them: a node takes an image from it only for a launch (or `acquireBuilt`), never for a build
+ * naming one.
  */
 import { randomBytes } from 'node:crypto';
 import fs from 'node:fs/promises';
@@ -23,8 +44,9 @@ import type { ImageShelf, ShelfFetchStats } from './image-shelf.js';
 import { unpackInSandbox } from './layer-sandbox.js';
 import { openBlob, parseManifest, readJsonBlob } from './oci-layout.js';
 import { pullImage } from './pull.js';
-import { formatImageReference, parseImageReference } from './reference.js';
+import { formatImageReference, parseImageReference, registryName } from './reference.js';
 import { createRegistryAgent, registryAccess } from './registry-guard.js';
+import type { RegistryLoginService } from './registry-logins.js';
 import { prepareResolvConf, type UnpackLimits, type UnpackResult, unpackLayers } from './unpack.js';
 
 export interface PinnedImage {
@@ -42,17 +64,26 @@ export interface PinnedImage {
   release: () => void;
 }
 
+/** Who an image is acquired for, and why. */
+export interface AcquireOptions {
+  /** The project the image is for: its own login goes to the registry, and only what it may pull comes back. */
+  projectId: string;
+  /**
+   * A build of this project recorded the image (a replica's launch; the reference pins its digest): that
+   * build proved the project may have it, so the cache, then the shelf, hand it out without the registry.
+   */
+  recorded?: boolean;
+  signal?: AbortSignal;
+  onProgress?: (line: string) => void;
+}
+
 export interface ImageStore {
   cache: ImageCache;
   /**
-   * Pulls `reference` when needed and returns it unpacked and pinned. A reference pinned by digest that the
-   * cache lacks comes from the shelf when the shelf has it, else from its registry. Throws FerryError
-   * FERRY_IMAGE_*.
+   * Returns `reference` unpacked and pinned, for `options.projectId` (the rule in the header): pulled when
+   * needed, with that project's credentials. Throws FerryError FERRY_IMAGE_*.
    */
-  acquire(
-    reference: string,
-    options?: { signal?: AbortSignal; onProgress?: (line: string) => void },
-  ): Promise<PinnedImage>;
+  acquire(reference: string, options: AcquireOptions): Promise<PinnedImage>;
   /**
    * An image this cluster built (no registry has it): from the cache, else from the shelf. Throws
    * FERRY_IMAGE_NOT_FOUND when neither has it.
@@ -87,6 +118,31 @@ const MAX_IMAGE_ENTRIES = 2_000_000;
 /** The tag of an image in its kept layout. */
 const LAYOUT_TAG = 'image';
 
+/** What proved who may have a cache entry (its `meta.access`; none for an entry from the shelf or a build). */
+interface ImageAccess {
+  /** Once pulled without any credentials: any project may have it. */
+  public: boolean;
+  /** `registry/repository`s it was fetched whole from (manifest and every blob), with credentials. */
+  repositories: string[];
+}
+
+function accessOf(image: CachedImage | undefined): ImageAccess {
+  const access = image?.meta.access as Partial<ImageAccess> | undefined;
+  return {
+    public: access?.public === true,
+    repositories: Array.isArray(access?.repositories) ? access.repositories.filter((r) => typeof r === 'string') : [],
+  };
+}
+
+/**
+ * Whether a project that was just given `repository`'s manifest of `image` by the registry may have the
+ * cache's copy without fetching its layers: the same repository serves it the same blobs.
+ */
+function servedFrom(image: CachedImage | undefined, repository: string): boolean {
+  const access = accessOf(image);
+  return access.public || access.repositories.includes(repository);
+}
+
 /** Where an entry's layout is kept: beside its `rootfs`, in the cache entry's folder (evicted with it). */
 function layoutOf(image: CachedImage): string {
   return path.join(path.dirname(image.rootfs), 'layout');
@@ -105,14 +161,30 @@ export async function createImageStore(options: {
   settings: ImageSettings;
   shelf?: ImageShelf;
   /** Says, at info level, how long each image fetched from the shelf took, and where the time went. */
-  logger?: Pick<Logger, 'info'>;
+  logger?: Pick<Logger, 'info' | 'warn'>;
   /**
    * The sandbox layers are unpacked in (layer-sandbox.ts), as the server always has it; null unpacks in
    * this process, for tests of pulling and caching only.
    */
   sandbox: SandboxCapabilities | null;
+  /** The projects' registry logins (registry-logins.ts); none: no project has one (tests of pulls). */
+  logins?: Pick<RegistryLoginService, 'credentials'>;
 }): Promise<ImageStore> {
-  const { dir, settings, shelf, logger, sandbox } = options;
+  const { dir, settings, shelf, logger, sandbox, logins } = options;
+  const shared = new Set(settings.sharedRegistries);
+  if (settings.authFile && shared.size === 0) {
+    logger?.warn(
+      'FERRY_REGISTRY_AUTH_FILE is set but FERRY_SHARED_REGISTRIES is empty: the file serves no registry (each project logs in with ferry registries login; list the registries every project may pull from with the file in FERRY_SHARED_REGISTRIES)',
+    );
+  }
+
+  /** What a pull from `registry` for `projectId` sends: its own login, else the file for a shared registry. */
+  async function credentialsFor(projectId: string, registry: string) {
+    const login = await logins?.credentials(projectId, registry);
+    if (login) return { login };
+    if (shared.has('*') || shared.has(registryName(registry) ?? '')) return { authFile: settings.authFile };
+    return {};
+  }
   const discardListeners: Array<(digest: string) => Promise<void>> = [];
   const cache = await createImageCache({
     dir: path.join(dir, 'unpacked'),
@@ -154,8 +226,16 @@ export async function createImageStore(options: {
     return { digest, reference, config: runConfigOf(image), image, layout, release };
   }
 
-  /** Unpacks the verified layout `layout` (moved into the entry) as the image `digest`, pinned. */
-  async function unpackLayout(layout: string, digest: string, reference: string): Promise<PinnedImage> {
+  /**
+   * Unpacks the verified layout `layout` (moved into the entry) as the image `digest`, pinned; `access` is
+   * what its pull proved (none: from the shelf or a build).
+   */
+  async function unpackLayout(
+    layout: string,
+    digest: string,
+    reference: string,
+    access?: ImageAccess,
+  ): Promise<PinnedImage> {
     const manifest = parseManifest(await readJsonBlob(layout, digest));
     const config = parseImageConfig(await readJsonBlob(layout, manifest.config.digest));
     const { image, release } = await cache.acquire(digest, async (rootfs) => {
@@ -168,9 +248,20 @@ export async function createImageStore(options: {
       );
       const kept = path.join(path.dirname(rootfs), 'layout');
       await fs.rename(layout, kept);
-      return { bytes: result.bytes + (await folderBytes(kept)), meta: { config } };
+      return { bytes: result.bytes + (await folderBytes(kept)), meta: { config, ...(access ? { access } : {}) } };
     });
     return { digest, reference, config, image, layout: layoutOf(image), release };
+  }
+
+  /** Adds what a pull just proved of a cached image to what its entry records. */
+  async function remember(digest: string, proven: ImageAccess): Promise<void> {
+    const was = accessOf(cache.peek(digest));
+    const now: ImageAccess = {
+      public: was.public || proven.public,
+      repositories: [...new Set([...was.repositories, ...proven.repositories])],
+    };
+    if (now.public === was.public && now.repositories.length === was.repositories.length) return;
+    await cache.annotate(digest, { access: now });
   }
 
   /** A fresh path in the pulls folder (0700), not made: what writes there makes it (initLayout does). */
@@ -227,15 +318,24 @@ export async function createImageStore(options: {
       await cache.close();
       await agent.close().catch(() => undefined);
     },
-    async acquire(reference, opts = {}) {
+    async acquire(reference, opts) {
       const ref = parseImageReference(reference);
       const formatted = formatImageReference(ref);
+      const repository = `${ref.registry}/${ref.repository}`;
       if (ref.digest !== undefined) {
-        const found = (await fromCache(ref.digest, formatted)) ?? (await fromShelf(ref.digest, formatted));
+        // What a build of the project recorded, from anywhere this cluster keeps it; anything else by digest
+        // without the registry only when anyone could pull it.
+        const found = opts.recorded
+          ? ((await fromCache(ref.digest, formatted)) ?? (await fromShelf(ref.digest, formatted)))
+          : accessOf(cache.peek(ref.digest)).public
+            ? await fromCache(ref.digest, formatted)
+            : undefined;
         if (found) return found;
       }
-      // A tag resolved to a digest the cache has: no layer is fetched, nothing is unpacked. Evicted between
-      // the look and the pin, the image is pulled again, whole.
+      const credentials = await credentialsFor(opts.projectId, ref.registry);
+      // The registry's manifest, given to this project, names the image. A digest the cache has, fetched
+      // from this repository before (or public), is not fetched again; else every layer is, and verified,
+      // before the cache's copy is handed out. Evicted between the look and the pin, it is pulled again whole.
       for (const skipKnown of [true, false]) {
         const layout = await scratch();
         let wrote = true;
@@ -243,17 +343,22 @@ export async function createImageStore(options: {
           const pulled = await pullImage(ref, layout, LAYOUT_TAG, {
             access,
             agent,
-            authFile: settings.authFile,
+            ...credentials,
             maxBytes: settings.cacheBytes,
             ...(opts.signal ? { signal: opts.signal } : {}),
             ...(opts.onProgress ? { onProgress: opts.onProgress } : {}),
-            ...(skipKnown ? { known: (digest: string) => cache.peek(digest) !== undefined } : {}),
+            ...(skipKnown ? { known: (digest: string) => servedFrom(cache.peek(digest), repository) } : {}),
           });
           wrote = !pulled.layersSkipped; // a pull that skipped the layers writes nothing
+          // Fetched whole from the repository, or named by it to a project that sent no credentials.
+          const proven = { public: !pulled.authenticated, repositories: pulled.layersSkipped ? [] : [repository] };
           const cached = await fromCache(pulled.digest, formatted);
-          if (cached) return cached;
+          if (cached) {
+            await remember(pulled.digest, proven);
+            return cached;
+          }
           if (pulled.layersSkipped) continue;
-          return await unpackLayout(layout, pulled.digest, formatted);
+          return await unpackLayout(layout, pulled.digest, formatted, proven);
         } finally {
           if (wrote) await fs.rm(layout, { recursive: true, force: true });
         }

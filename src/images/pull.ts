@@ -10,10 +10,12 @@
  * that named it, and every blob's against its descriptor while it streams to disk (`writeBlob`). A
  * mismatch anywhere is `FERRY_IMAGE_DIGEST_MISMATCH` and nothing of the blob is kept.
  *
- * Authentication follows the registries' two schemes: `Basic` with the credentials of
- * `FERRY_REGISTRY_AUTH_FILE`, and `Bearer`, where a token is fetched from the realm the registry names
- * (anonymously when the file has no entry, as public Docker Hub images need). Credentials are sent only
- * to the registry's own origin and its realm, never to a redirect's host.
+ * Authentication follows the registries' two schemes: `Basic` with the credentials the caller gives (the
+ * project's own login, else `FERRY_REGISTRY_AUTH_FILE`'s entry when the operator shares that registry:
+ * image-store.ts decides), and `Bearer`, where a token is fetched from the realm the registry names
+ * (anonymously without credentials, as public Docker Hub images need). Credentials are sent only to the
+ * registry's own origin and its realm, never to a redirect's host; the result says whether any were sent
+ * (`authenticated`), which decides who else the image may be handed to (image-store.ts).
  */
 import { type Agent, type Dispatcher, request } from 'undici';
 import { FerryError } from '../errors.js';
@@ -38,7 +40,9 @@ import { BlockedAddressError, createRegistryAgent, isInsecure, type RegistryAcce
 
 export interface PullOptions {
   access: RegistryAccess;
-  /** `FERRY_REGISTRY_AUTH_FILE`, read afresh for this pull. */
+  /** The project's own login for the registry: sent when given, and the file is not read. */
+  login?: RegistryCredentials | undefined;
+  /** `FERRY_REGISTRY_AUTH_FILE`, read afresh for this pull (the caller passes it only for a shared registry). */
   authFile?: string | undefined;
   /** Bound of the image's compressed bytes (config and layers together). */
   maxBytes: number;
@@ -74,6 +78,8 @@ export interface PulledImage {
    * layout.
    */
   layersSkipped: boolean;
+  /** Whether credentials were sent (to the registry or its token realm); false: the pull was anonymous. */
+  authenticated: boolean;
 }
 
 const MANIFEST_ACCEPT = [MEDIA.ociManifest, MEDIA.ociIndex, MEDIA.dockerManifest, MEDIA.dockerList].join(', ');
@@ -117,12 +123,17 @@ async function pullWith(
   tag: string,
   options: PullOptions,
 ): Promise<PulledImage> {
-  let credentials: RegistryCredentials | undefined;
-  try {
-    credentials = await readRegistryCredentials(options.authFile, ref.registry);
-  } catch (err) {
-    if (err instanceof RegistryAuthFileError) throw new FerryError('FERRY_IMAGE_REGISTRY_AUTH', err.message);
-    throw err;
+  let credentials: Credentials | undefined;
+  if (options.login) {
+    credentials = { ...options.login, named: "the project's login" };
+  } else {
+    try {
+      const fromFile = await readRegistryCredentials(options.authFile, ref.registry);
+      if (fromFile) credentials = { ...fromFile, named: 'the credentials of FERRY_REGISTRY_AUTH_FILE' };
+    } catch (err) {
+      if (err instanceof RegistryAuthFileError) throw new FerryError('FERRY_IMAGE_REGISTRY_AUTH', err.message);
+      throw err;
+    }
   }
   const scheme = isInsecure(ref.registry, options.access) ? 'http' : 'https';
   const session = new RegistrySession(
@@ -185,7 +196,7 @@ async function pullWith(
     for (const [i, layer] of manifest.layers.entries()) {
       options.onProgress?.(`layer ${i + 1}/${manifest.layers.length} ${short(layer.digest)} already on this node`);
     }
-    return { digest, manifest, bytes: total, layersSkipped: true };
+    return { digest, manifest, bytes: total, layersSkipped: true, authenticated: session.authenticated };
   }
   await initLayout(layout);
   const blobs = [manifest.config, ...manifest.layers];
@@ -217,7 +228,7 @@ async function pullWith(
   }
   await writeIndex(layout, manifestDescriptor, tag);
   const config = await readJsonBlob(layout, manifest.config.digest);
-  return { digest, manifest, config, bytes: total, layersSkipped: false };
+  return { digest, manifest, config, bytes: total, layersSkipped: false, authenticated: session.authenticated };
 }
 
 function isIndex(mediaType: string, body: Buffer): boolean {
@@ -254,15 +265,20 @@ function choosePlatform(body: Buffer, wanted: { os: string; architecture: string
   return match;
 }
 
+/** Credentials with how an error names them (never their content). */
+type Credentials = RegistryCredentials & { named: string };
+
 /** One pull's conversation with one registry: the auth it negotiated, reused for every request. */
 class RegistrySession {
   private authorization: string | undefined;
+  /** Whether the credentials were sent to the registry or its token realm. */
+  authenticated = false;
 
   constructor(
     private readonly agent: Dispatcher,
     private readonly origin: string,
     private readonly ref: ImageReference,
-    private readonly credentials: RegistryCredentials | undefined,
+    private readonly credentials: Credentials | undefined,
     private readonly options: PullOptions,
   ) {}
 
@@ -327,8 +343,8 @@ class RegistrySession {
         throw new FerryError(
           'FERRY_IMAGE_REGISTRY_AUTH',
           this.credentials
-            ? `${this.ref.registry} refused the credentials of FERRY_REGISTRY_AUTH_FILE for ${name} (HTTP ${res.statusCode})`
-            : `${this.ref.registry} requires credentials for ${name} (HTTP ${res.statusCode}); FERRY_REGISTRY_AUTH_FILE has none for it`,
+            ? `${this.ref.registry} refused ${this.credentials.named} for ${name} (HTTP ${res.statusCode})`
+            : `${this.ref.registry} requires credentials for ${name} (HTTP ${res.statusCode}); the project has no login for it (ferry registries login ${this.ref.registry})`,
         );
       }
       if (res.statusCode === 404)
@@ -349,6 +365,7 @@ class RegistrySession {
     if (scheme === 'basic') {
       if (!this.credentials) return; // the retry answers 401 again, reported as "requires credentials"
       this.authorization = basic(this.credentials);
+      this.authenticated = true;
       return;
     }
     if (scheme !== 'bearer' || challenge === undefined) return;
@@ -374,7 +391,10 @@ class RegistrySession {
     if (params.service) tokenUrl.searchParams.set('service', params.service);
     tokenUrl.searchParams.set('scope', `repository:${this.ref.repository}:pull`);
     const headers: Record<string, string> = { accept: 'application/json', 'user-agent': 'ferry' };
-    if (this.credentials) headers.authorization = basic(this.credentials);
+    if (this.credentials) {
+      headers.authorization = basic(this.credentials);
+      this.authenticated = true;
+    }
     const res = await request(tokenUrl, {
       dispatcher: this.agent,
       method: 'GET',
@@ -386,7 +406,7 @@ class RegistrySession {
     if (res.statusCode === 401 || res.statusCode === 403) {
       throw new FerryError(
         'FERRY_IMAGE_REGISTRY_AUTH',
-        `${this.ref.registry}'s token service refused ${this.credentials ? 'the credentials of FERRY_REGISTRY_AUTH_FILE' : 'an anonymous pull'} (HTTP ${res.statusCode})`,
+        `${this.ref.registry}'s token service refused ${this.credentials ? this.credentials.named : 'an anonymous pull'} (HTTP ${res.statusCode})`,
       );
     }
     if (res.statusCode !== 200) {

@@ -25,7 +25,7 @@ const COMPONENT = /^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$/;
 const TAG = /^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$/;
 export const SHA256_DIGEST = /^sha256:[a-f0-9]{64}$/;
 // A host name (labels of letters, digits and inner hyphens) or a bracketed IPv6 address, then an optional port.
-const REGISTRY =
+export const REGISTRY =
   /^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$/;
 const MAX_NAME_CHARS = 255;
 
@@ -87,6 +87,25 @@ export function parseImageReference(text: string): ImageReference {
 /** The reference written out in full (`docker.io/library/python:3.12-slim@sha256:…`). */
 export function formatImageReference(ref: ImageReference): string {
   return `${ref.registry}/${ref.repository}${ref.tag !== undefined ? `:${ref.tag}` : ''}${ref.digest !== undefined ? `@${ref.digest}` : ''}`;
+}
+
+/**
+ * A registry as a project's login (`ferry registries login`) or `FERRY_SHARED_REGISTRIES` names it: `host`
+ * or `host:port` as the registry part of an image reference would be written, lower-cased, with Docker
+ * Hub's aliases folded into `docker.io` (the registry `parseImageReference` gives). Undefined when `text`
+ * could not be the registry of any reference: a name without a dot or a port (other than `localhost` and
+ * Docker Hub's) would be read as a Docker Hub path, so a login for it could never be used.
+ */
+export function registryName(text: string): string | undefined {
+  if (typeof text !== 'string' || text.length === 0 || text.length > MAX_NAME_CHARS) return undefined;
+  if (!REGISTRY.test(text)) return undefined;
+  const port = text.match(/:([0-9]+)$/)?.[1];
+  if (port !== undefined && (Number(port) < 1 || Number(port) > 65535)) return undefined;
+  const name = text.toLowerCase();
+  if (['index.docker.io', 'registry-1.docker.io', 'registry.hub.docker.com', 'docker.io'].includes(name))
+    return DOCKER_HUB;
+  if (!(name.includes('.') || name.includes(':') || name === 'localhost' || name.startsWith('['))) return undefined;
+  return name;
 }
 
 /** The host:port the registry's API is served at (Docker Hub's API is not at docker.io itself). */

@@ -79,10 +79,11 @@ export function createLauncher(deps: LauncherDeps) {
       if (record) {
         if (!sandboxed || !deps.images) throw new FerryError('FERRY_IMAGE_NO_SANDBOX');
         // Held until the replica's cleanup: the cache never evicts an image a replica runs on.
-        // A built image comes from this node's cache or the image shelf; a pulled one also from its registry.
+        // A built image comes from this node's cache or the image shelf; a pulled one also from its registry,
+        // with the project's credentials. The build that recorded it proved the project may have it.
         pinned = record.built
           ? await deps.images.acquireBuilt(record.digest, record.reference)
-          : await deps.images.acquire(record.reference);
+          : await deps.images.acquire(record.reference, { projectId: build.projectId, recorded: true });
         view = await imageViews.acquire(pinned.digest, pinned.image.rootfs);
       }
       const image = record && view ? { record, rootfs: view.dir } : undefined;

@@ -430,6 +430,29 @@ const migrations: Record<string, Migration> = {
       await sql`create index runs_webhook_secret on runs (finished_at) where webhook_secret is not null`.execute(db);
     },
   },
+  '0017_registry_logins': {
+    async up(db: Kysely<unknown>) {
+      // A project's credentials for a private registry (images/registry-logins.ts, issue 43): its pulls send
+      // them, no other project's do. A table of their own, not rows of `secrets`, so that nothing that reads
+      // secrets (a replica's environment, the secrets list) can come across one; the password is ciphertext.
+      await db.schema
+        .createTable('registry_logins')
+        .addColumn('project_id', 'text', (c) => c.notNull().references('projects.id'))
+        .addColumn('registry', 'text', (c) => c.notNull())
+        .addColumn('username', 'text', (c) => c.notNull())
+        .addColumn('password', 'text', (c) => c.notNull())
+        .addColumn('created_at', 'text', (c) => c.notNull())
+        .addColumn('updated_at', 'text', (c) => c.notNull())
+        .addPrimaryKeyConstraint('registry_logins_pk', ['project_id', 'registry'])
+        .execute();
+      if (isPostgres(db)) {
+        const changes = ['project_id', 'registry', 'username', 'password', 'created_at', 'updated_at'].map(
+          (c) => sql`alter column ${sql.ref(c)} type text collate "C"`,
+        );
+        await sql`alter table registry_logins ${sql.join(changes)}`.execute(db);
+      }
+    },
+  },
 };
 
 /** Whether a migration runs on PostgreSQL (the adapter tells, on the migrator's transaction too). */

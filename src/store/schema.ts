@@ -189,6 +189,21 @@ export interface SecretsTable {
   updated_at: string;
 }
 
+/**
+ * A project's login for one registry (migration 0017, images/registry-logins.ts): what its pulls send there.
+ * Kept apart from `secrets`: never a replica's environment, never in a secrets list.
+ */
+export interface RegistryLoginsTable {
+  project_id: string;
+  /** As an image reference names it (`ghcr.io`, `127.0.0.1:5000`, `docker.io`), lower-cased. */
+  registry: string;
+  username: string;
+  /** AES-256-GCM ciphertext of the password (v1.iv.tag.data), bound to `<project>/registry:<registry>`. */
+  password: string;
+  created_at: string;
+  updated_at: string;
+}
+
 /** One `[[schedules]]` entry of an app's active build, with its state (migration 0013). */
 export interface SchedulesTable {
   app_id: string;
@@ -242,6 +257,7 @@ export interface Database {
   webhook_deliveries: WebhookDeliveriesTable;
   webhook_attempts: WebhookAttemptsTable;
   secrets: SecretsTable;
+  registry_logins: RegistryLoginsTable;
   volumes: VolumesTable;
   nodes: NodesTable;
   schedules: SchedulesTable;
