@@ -11,7 +11,7 @@
 #               for its password file, busybox-static for the base images they make, dpkg-dev's
 #               dpkg-scanpackages for the apt repository the apt test serves; glusterfs-server and
 #               glusterfs-client for the GlusterFS volume the shared-volumes test serves and mounts on
-#               loopback); run by .ci/run
+#               loopback; python3-pip and python3-venv for the Python client's offline build); run by .ci/run
 # Safe to run again; does nothing when everything is there. Never fails the caller: Ferry still runs
 # without these (`ferry doctor` says what is missing), and tests that need one say so.
 set -uo pipefail
@@ -53,6 +53,9 @@ if [ "${1:-}" != "--runtime" ]; then
   # (test/volumes-gluster.test.ts): glusterd and the gluster CLI, and the FUSE client.
   has glusterd || need+=(glusterfs-server)
   has mount.glusterfs || need+=(glusterfs-client)
+  # The Python client's test builds its wheel with pip, offline, and installs it into a fresh venv.
+  /usr/bin/python3 -c 'import pip' 2>/dev/null || need+=(python3-pip)
+  /usr/bin/python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 fi
 if [ ${#need[@]} -eq 0 ]; then
   echo "system packages: all present"
