@@ -8,94 +8,17 @@
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
 import fs from 'node:fs/promises';
-import net from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { promisify } from 'node:util';
 import { findPython } from '../src/runtimes/python/interpreter.js';
+import { CLIENT_TEST_APP } from './helpers/client-app.js';
+import { cuttingProxy } from './helpers/cutting-proxy.js';
 import { deployFiles, REPO_ROOT, startServer, type TestServer, tempDir } from './helpers/ferry.js';
 import { type Receiver, startReceiver } from './helpers/receiver.js';
 
 const run = promisify(execFile);
 const CLIENT = path.join(REPO_ROOT, 'clients', 'python');
-
-const APP = {
-  'ferry.toml': '[app]\nname = "pyclient"\n',
-  'main.ts': `
-export function run({ name = 'world' }: { name?: string }) {
-  console.log('greeting ' + name);
-  return { message: 'Hello, ' + name + '!' };
-}
-export function fail() {
-  throw new TypeError('broke on purpose');
-}
-export async function* count({ n = 5 }: { n?: number }) {
-  for (let i = 0; i < n; i++) {
-    yield { i };
-    await new Promise((r) => setTimeout(r, 100));
-  }
-}
-export async function slow() {
-  await new Promise((r) => setTimeout(r, 60_000));
-  return 'late';
-}
-`,
-};
-
-/**
- * A TCP proxy to Ferry that cuts the first stream connection once two items have passed (its requests
- * with Last-Event-ID go through whole), and counts the resumes it saw.
- */
-async function cuttingProxy(target: URL): Promise<{ url: string; resumes: () => number; close(): Promise<void> }> {
-  let cut = false;
-  let resumes = 0;
-  const sockets = new Set<net.Socket>();
-  const server = net.createServer((client) => {
-    const upstream = net.connect(Number(target.port), target.hostname);
-    sockets.add(client).add(upstream);
-    let request = '';
-    let isStream = false;
-    let items = 0;
-    client.on('data', (chunk: Buffer) => {
-      request += chunk.toString('latin1');
-      if (/accept: text\/event-stream/i.test(request)) isStream = true;
-      if (/last-event-id:/i.test(request) && !request.includes('\u0000counted')) {
-        resumes++;
-        request += '\u0000counted';
-      }
-      upstream.write(chunk);
-    });
-    upstream.on('data', (chunk: Buffer) => {
-      client.write(chunk);
-      if (isStream && !cut && !/last-event-id:/i.test(request)) {
-        items += (chunk.toString('latin1').match(/^data:/gm) ?? []).length;
-        if (items >= 2) {
-          cut = true;
-          client.destroy();
-          upstream.destroy();
-        }
-      }
-    });
-    for (const s of [client, upstream]) {
-      s.on('error', () => {});
-      s.on('close', () => {
-        client.destroy();
-        upstream.destroy();
-      });
-    }
-  });
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-  const { port } = server.address() as net.AddressInfo;
-  return {
-    url: `http://127.0.0.1:${port}`,
-    resumes: () => resumes,
-    close: () =>
-      new Promise<void>((resolve) => {
-        for (const s of sockets) s.destroy();
-        server.close(() => resolve());
-      }),
-  };
-}
 
 describe('the Python client (clients/python)', { timeout: 300_000 }, () => {
   let server: TestServer;
@@ -111,7 +34,7 @@ describe('the Python client (clients/python)', { timeout: 300_000 }, () => {
     work = await tempDir('ferry-pyclient-');
     server = await startServer({ env: { FERRY_WEBHOOK_ALLOW: '127.0.0.0/8' } });
     auth = await server.bootstrap();
-    await deployFiles(server, auth, 'pyclient', APP);
+    await deployFiles(server, auth, 'pyclient', CLIENT_TEST_APP('pyclient'));
     receiver = await startReceiver();
   });
   after(async () => {
