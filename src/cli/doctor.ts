@@ -6,11 +6,13 @@
  */
 
 import { execFile } from 'node:child_process';
+import path from 'node:path';
 import { resolveServerConfig } from '../config.js';
 import { type ImageHostReport, probeImageHost, readCacheUse } from '../images/host-tools.js';
 import { findPython } from '../runtimes/python/interpreter.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
+import { stagingPlace } from '../sandbox/views.js';
 import { probeVolumeSupport } from '../volumes/images.js';
 import { localVolumes, nodesWithoutMarker } from '../volumes/markers.js';
 import { localQuotaDirs, probeQuotaDirSupport } from '../volumes/quota-dirs.js';
@@ -40,6 +42,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
     caps,
     cluster.view?.nodes.map((n) => n.id),
   );
+  const staging = await stagingReport();
   if (options.json) {
     const { tools: _tools, userTools: _userTools, ...plan } = network;
     const report = {
@@ -47,6 +50,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
       network: plan,
       images,
       volumes,
+      staging,
       cluster: cluster.view ?? null,
       cluster_problem: cluster.problem ?? null,
     };
@@ -74,6 +78,7 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   lines.push(row('Network', network.description));
   lines.push(row('Python', python ?? 'no usable python3 (3.9+) found: Python apps cannot build or run'));
   lines.push(...imageLines(images).map((line, i) => row(i === 0 ? 'Images' : '', line)));
+  lines.push(row('Staging folder', describeStaging(staging)));
 
   lines.push(
     row(
@@ -285,6 +290,33 @@ async function volumesReport(caps: SandboxCapabilities, liveNodes: string[] | un
     /** Live nodes (as the server lists them) whose marker is missing here; [] when none or unknown. */
     not_shared_with: liveNodes ? await nodesWithoutMarker(dir, liveNodes) : [],
   };
+}
+
+type StagingReport = { dir: string; inside_data_folder: boolean } | { problem: string };
+
+/**
+ * Where sandboxes' folders (build views, build steps' stages, image unpacking) are staged for the data
+ * folder (sandbox/views.ts `stagingPlace`): nothing is made to find out.
+ */
+async function stagingReport(): Promise<StagingReport> {
+  let dataDir: string;
+  try {
+    dataDir = resolveServerConfig({}, process.env).dataDir;
+  } catch (err) {
+    return { problem: `the server settings are invalid: ${(err as Error).message}` };
+  }
+  try {
+    const place = await stagingPlace(dataDir);
+    return { dir: place.dir, inside_data_folder: place.inside };
+  } catch (err) {
+    return { problem: `the data folder ${path.resolve(dataDir)} cannot be read: ${(err as Error).message}` };
+  }
+}
+
+function describeStaging(staging: StagingReport): string {
+  if ('problem' in staging) return `unknown: ${staging.problem}`;
+  if (!staging.inside_data_folder) return `${staging.dir} (outside the data folder, on its filesystem)`;
+  return `${staging.dir} (inside the data folder: no folder outside it is on its filesystem; sandboxes' mountinfo shows paths from that filesystem's root)`;
 }
 
 function formatMiB(bytes: number): string {
