@@ -226,7 +226,11 @@ class BusyRetryingSqliteDriver implements Driver {
   }
 
   async rollbackTransaction(connection: DatabaseConnection): Promise<void> {
-    await connection.executeQuery(CompiledQuery.raw('rollback'));
+    // After some errors SQLite has rolled the transaction back itself (SQLITE_FULL, SQLITE_IOERR,
+    // SQLITE_NOMEM: sqlite.org/lang_transaction.html): a ROLLBACK then fails with "no transaction is
+    // active", and Kysely would throw that instead of the statement's own error, which says what happened
+    // (issue 43: a full disk answered 500 FERRY_INTERNAL instead of 507 FERRY_STORAGE_FULL).
+    if (this.#db.inTransaction) await connection.executeQuery(CompiledQuery.raw('rollback'));
   }
 
   async releaseConnection(): Promise<void> {
