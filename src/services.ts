@@ -391,7 +391,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   ticker.start();
   onClose(() => ticker.close());
-  const schedules = createScheduleService({ store, ticker });
+  const schedules = createScheduleService({ store, ticker, space: core.space });
   const builds = createBuildService({
     store,
     activation,

@@ -197,7 +197,11 @@ describe('FERRY_MIN_FREE_MIB stops intake before the disk is full', () => {
     // With a run listener: its load balancer asks it /readyz too.
     server = await startServer({ dataDir: disk.data, runPort: 0, env: { FERRY_MIN_FREE_MIB: '32' } });
     auth = await server.bootstrap();
-    await deployFiles(server, auth, 'echo', APP);
+    // A daily schedule, for `ferry schedules trigger` (a tick of its own would be skipped the same way).
+    await deployFiles(server, auth, 'echo', {
+      ...APP,
+      'ferry.toml': '[app]\nname = "echo"\n[[schedules]]\nname = "daily"\ncron = "0 3 * * *"\n',
+    });
   });
   after(async () => {
     await server?.close();
@@ -232,6 +236,11 @@ describe('FERRY_MIN_FREE_MIB stops intake before the disk is full', () => {
 
     assertStorageFull(await run('async', { n: 2 }), 'an async call under the threshold');
     assertStorageFull(await run('sync', { n: 3 }), 'a sync call under the threshold');
+    const trigger = await http(`${server!.url}/v2/projects/${auth.projectId}/apps/echo/schedules/daily/trigger`, {
+      method: 'POST',
+      token: auth.token,
+    });
+    assertStorageFull(trigger, 'a schedule triggered under the threshold');
     const upload = await http(`${server!.url}/v2/projects/${auth.projectId}/apps/echo/builds`, {
       method: 'POST',
       token: auth.token,
