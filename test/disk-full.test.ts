@@ -216,8 +216,9 @@ describe('FERRY_MIN_FREE_MIB stops intake before the disk is full', () => {
         body,
       });
     assert.deepEqual((await http(`${server!.url}/readyz`)).json, { status: 'ready' });
-    // Accepted before the disk fills: it must still end while intake is closed.
-    const slow = await run('async', { n: 1, ms: 3000 });
+    // Accepted before the disk fills: it must still end while intake is closed (15 s: far longer than
+    // filling the disk and the watch's next look take).
+    const slow = await run('async', { n: 1, ms: 15_000 });
     assert.equal(slow.status, 202, slow.text);
 
     await disk.fill(16 * MiB);
@@ -233,6 +234,10 @@ describe('FERRY_MIN_FREE_MIB stops intake before the disk is full', () => {
     const onRunPort = await http(`${server!.runUrl}/readyz`);
     assert.deepEqual([onRunPort.status, onRunPort.json], [503, { status: 'unavailable', reason: 'storage' }]);
     assert.equal((await http(`${server!.url}/healthz`)).status, 200, 'the process itself is healthy');
+    const during = await http(`${server!.url}/v2/projects/${auth.projectId}/apps/echo/runs/${slow.json.run_id}`, {
+      token: auth.token,
+    });
+    assert.ok(['queued', 'running'].includes(during.json.state), `accepted run already ${during.json.state}`);
 
     assertStorageFull(await run('async', { n: 2 }), 'an async call under the threshold');
     assertStorageFull(await run('sync', { n: 3 }), 'a sync call under the threshold');
