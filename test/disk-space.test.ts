@@ -9,13 +9,16 @@
 import assert from 'node:assert/strict';
 import { spawnSync } from 'node:child_process';
 import fs from 'node:fs/promises';
+import type { AddressInfo } from 'node:net';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { createDiskSpace, isStorageFull, type SpaceStats } from '../src/disk-space.js';
 import { FerryError } from '../src/errors.js';
 import { answer, workerErrorLine } from '../src/http/answer.js';
+import { createWorkerApi } from '../src/http/worker-api.js';
+import { createMetrics } from '../src/metrics.js';
 import { openSqliteStore } from '../src/store/sqlite.js';
-import { tempDir, waitFor } from './helpers/ferry.js';
+import { http, tempDir, waitFor } from './helpers/ferry.js';
 
 /** A tmpfs of `sizeMiB` mounted at a fresh folder; `fill()` takes all its room with one file. */
 async function smallDisk(sizeMiB: number) {
@@ -259,6 +262,33 @@ describe('the watch of the data folder’s free space (createDiskSpace)', () => 
       assert.equal(space.low, false);
     } finally {
       await disk.close();
+    }
+  });
+});
+
+describe('a worker’s internal listener answers /readyz too', () => {
+  it('503 naming storage while its data folder is low, 200 otherwise, without a cluster token', async () => {
+    const space = { low: false };
+    const api = createWorkerApi({
+      builds: {} as never,
+      storeHealth: async () => 'ok',
+      space,
+      invoker: {} as never,
+      auth: { verify: () => undefined } as never,
+      metrics: createMetrics({ node: 'disk-worker', role: 'worker' }),
+      refreshGauges: () => {},
+      logger: { error() {}, warn() {}, info() {}, debug() {} } as never,
+      maxBodyBytes: 1024,
+    });
+    await new Promise<void>((resolve) => api.server.listen(0, '127.0.0.1', resolve));
+    try {
+      const url = `http://127.0.0.1:${(api.server.address() as AddressInfo).port}/readyz`;
+      assert.deepEqual((await http(url)).json, { status: 'ready', role: 'worker' });
+      space.low = true;
+      const low = await http(url);
+      assert.deepEqual([low.status, low.json], [503, { status: 'unavailable', reason: 'storage' }]);
+    } finally {
+      await api.close();
     }
   });
 });
