@@ -207,6 +207,11 @@ export interface ServerConfig {
    */
   artifactsDir: string;
   /**
+   * `FERRY_MIN_FREE_MIB`: below this much free space in the data folder, new runs and uploads answer 507
+   * FERRY_STORAGE_FULL and `/readyz` 503, so that what was accepted can still end (disk-space.ts). 0: never.
+   */
+  minFreeMib: number;
+  /**
    * `FERRY_STORE_BUSY_TIMEOUT_MS`: how long a statement on the embedded SQLite store waits (off the event
    * loop) while another process holds a lock on the file, before the request answers 503 FERRY_STORE_BUSY.
    */
@@ -378,6 +383,7 @@ export const DEFAULTS = {
   volumeMaxMiB: 100 * 1024,
   volumesTotalMiB: 500 * 1024,
   storeBusyTimeoutMs: 5000,
+  minFreeMib: 64,
   maxUploadBytes: 256 * 1024 * 1024,
   maxBodyBytes: 10 * 1024 * 1024,
   logLevel: 'info',
@@ -516,6 +522,7 @@ export function resolveServerConfig(flags: ConfigFlags = {}, env: NodeJS.Process
     storeBusyTimeoutMs:
       intFrom(env.FERRY_STORE_BUSY_TIMEOUT_MS, 'FERRY_STORE_BUSY_TIMEOUT_MS', 0, 600_000) ??
       DEFAULTS.storeBusyTimeoutMs,
+    minFreeMib: intFrom(env.FERRY_MIN_FREE_MIB, 'FERRY_MIN_FREE_MIB', 0, 1024 * 1024) ?? DEFAULTS.minFreeMib,
     maxUploadBytes:
       intFrom(env.FERRY_MAX_UPLOAD_BYTES, 'FERRY_MAX_UPLOAD_BYTES', 1024, 16 * 1024 ** 3) ?? DEFAULTS.maxUploadBytes,
     maxBodyBytes: intFrom(env.FERRY_MAX_BODY_BYTES, 'FERRY_MAX_BODY_BYTES', 1024, 1024 ** 3) ?? DEFAULTS.maxBodyBytes,

@@ -30,6 +30,10 @@ export const ERRORS = {
     status: 503,
     message: 'The store is busy: another process holds a lock on the database; retry later',
   },
+  FERRY_STORAGE_FULL: {
+    status: 507,
+    message: 'The server is out of storage space: nothing was written; retry later',
+  },
 
   // Authentication and authorization
   FERRY_UNAUTHENTICATED: { status: 401, message: 'A bearer token is required' },

@@ -32,6 +32,7 @@ import { createCore } from './composition/core.js';
 import { createExecutor, NO_REPLICAS, prepareSandboxViews, type ReplicaView } from './composition/executor.js';
 import type { NodeRole, ServerConfig } from './config.js';
 import type { DataDir } from './data-dir.js';
+import type { DiskSpace } from './disk-space.js';
 import { FerryError } from './errors.js';
 import { createRegistryLogins, type RegistryLoginService } from './images/registry-logins.js';
 import type { Metrics } from './metrics.js';
@@ -138,6 +139,8 @@ export interface Services {
   listNodes(limit: number): Promise<NodeRow[]>;
   /** Whether the store answers within `timeoutMs` (`/healthz`). */
   storeHealth(timeoutMs: number): Promise<StoreHealth>;
+  /** The data folder's free space: under FERRY_MIN_FREE_MIB intake closes and `/readyz` says `storage`. */
+  space: DiskSpace;
   /** The projects' volumes: rows, their filesystem images and mounts, their files (src/volumes/). */
   volumes: Volumes;
   /** Apps' schedules as the routes use them (src/schedules/). */
@@ -380,6 +383,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     webhooks: core.webhooks,
     cancelWaitMs: (config.cancelGraceSeconds + 10) * 1000,
     secretsKey: core.secretsKey,
+    space: core.space,
   });
   // Schedules: every node looks for due ticks (one run per tick whichever looks first, schedules/ticker.ts).
   const ticker = createScheduleTicker({
@@ -399,7 +403,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
   });
   ticker.start();
   onClose(() => ticker.close());
-  const schedules = createScheduleService({ store, ticker });
+  const schedules = createScheduleService({ store, ticker, space: core.space });
   const builds = createBuildService({
     store,
     activation,
@@ -407,6 +411,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     artifacts,
     buildLog: core.buildLog,
     housekeeping,
+    space: core.space,
     upload: {
       tmpDir: dataDir.tmp,
       buildsDir: dataDir.builds,
@@ -436,6 +441,7 @@ export async function createServices(config: ServerConfig, logger: Logger): Prom
     accounts: createAccountService({ store, jwtKey: core.jwtKey, changes }),
     listNodes: (limit) => listNodes(store, limit),
     storeHealth: (timeoutMs) => probeStore(store, timeoutMs),
+    space: core.space,
     housekeeping,
     retention: retentionTimers.retention,
     config,

@@ -46,13 +46,35 @@ describe('build views', () => {
     assert.deepEqual((await fs.readdir(root)).sort(), ['data'], 'close removes the views');
   });
 
-  it('binds the build itself, and says why, when no folder outside the data directory is on its file system', async () => {
+  it('links the views in <data>/staging when no folder outside the data directory is on its file system', async () => {
+    const data = path.join(root, 'data');
+    const views = await createBuildViews({ buildsDir, candidates: [data, '/proc'], othersRead: true });
+    try {
+      assert.equal(views.reason, null);
+      const view = await views.viewOf('b1');
+      assert.equal(path.dirname(path.dirname(view)), path.join(data, 'staging'));
+      const original = await fs.stat(path.join(buildsDir, 'b1', 'out', 'deep', 'data.txt'));
+      assert.equal((await fs.stat(path.join(view, 'out', 'deep', 'data.txt'))).ino, original.ino, 'a hard link');
+      // Sandboxes' uids pass through the data directory and staging/ (never list them).
+      assert.equal((await fs.stat(data)).mode & 0o777, 0o711);
+      assert.equal((await fs.stat(path.join(data, 'staging'))).mode & 0o777, 0o711);
+    } finally {
+      await views.close();
+      await fs.rm(path.join(data, 'staging'), { recursive: true, force: true });
+      await fs.chmod(data, 0o700);
+    }
+  });
+
+  it('binds the build itself, and says why, when no folder outside the data directory is on its file system and <data>/staging cannot be made', async () => {
+    const blocked = path.join(root, 'data', 'staging');
+    await fs.writeFile(blocked, 'not a folder');
     const views = await createBuildViews({ buildsDir, candidates: [path.join(root, 'data'), '/proc'] });
     try {
       assert.match(String(views.reason), /bind build folders directly/);
       assert.equal(await views.viewOf('b1'), path.join(buildsDir, 'b1'));
     } finally {
       await views.close();
+      await fs.rm(blocked);
     }
   });
 

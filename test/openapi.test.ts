@@ -65,7 +65,19 @@ it('lists every /v2 route and the run endpoint', async () => {
       `${method} /v4/{project_id}/{app_name}/{function}`,
     );
   }
-  for (const p of Object.keys(doc.paths)) assert.match(p, /^\/v[24]\//);
+  // Besides the API, the one route a client is meant to call: readiness (issue 43).
+  for (const p of Object.keys(doc.paths)) assert.match(p, /^(\/v[24]\/|\/readyz$)/);
+});
+
+it('describes /readyz: no token, 200 ready, 503 naming the reason (storage among them)', async () => {
+  const ready = doc.paths['/readyz'].get;
+  assert.deepEqual(ready.security, []);
+  assert.deepEqual(Object.keys(ready.responses).sort(), ['200', '503']);
+  const reasons = JSON.stringify(ready.responses['503'].content['application/json'].schema);
+  for (const reason of ['store', 'store-busy', 'storage']) assert.ok(reasons.includes(`"${reason}"`), reason);
+  const live = await http(`${server.url}/readyz`);
+  assert.equal(live.status, 200);
+  assert.deepEqual(live.json, { status: 'ready' });
 });
 
 it('describes a function call: arguments, sync, async and stream answers, and every error status', async () => {
@@ -76,7 +88,7 @@ it('describes a function call: arguments, sync, async and stream answers, and ev
   assert.ok(run.responses['200'].content['application/json']);
   assert.ok(run.responses['200'].content['text/event-stream']);
   assert.deepEqual(run.responses['202'].content['application/json'].schema.required, ['run_id']);
-  for (const status of ['400', '401', '403', '404', '413', '415', '429', '500', '502', '503', '504']) {
+  for (const status of ['400', '401', '403', '404', '413', '415', '429', '500', '502', '503', '504', '507']) {
     assert.ok(run.responses[status], `POST /v4/.../{function} does not declare ${status}`);
   }
   const names = (run.parameters as Array<{ name: string; in: string }>).map((p) => `${p.in}:${p.name}`);
@@ -93,13 +105,15 @@ it('describes a function call: arguments, sync, async and stream answers, and ev
   }
 });
 
-it('declares 400, 401, 403 and 404 on every route, 413 where a body is read, 415 where it must be JSON or ZIP', async () => {
-  for (const [method, p, op] of operations()) {
+it('declares 400, 401, 403 and 404 on every API route, 413 and 507 where a body is read, 415 where it must be JSON or ZIP', async () => {
+  for (const [method, p, op] of operations().filter(([, path]) => path !== '/readyz')) {
     for (const status of ['400', '401', '403', '404']) {
       assert.ok(op.responses[status], `${method} ${p} does not declare ${status}`);
     }
     if (method !== 'GET' && method !== 'HEAD') {
       assert.ok(op.responses['413'], `${method} ${p} does not declare 413`);
+      // A write a full disk refuses (issue 43).
+      assert.ok(op.responses['507'], `${method} ${p} does not declare 507`);
       // Custom apps get any body forwarded as it is: only JSON routes refuse a type.
       if (p.startsWith('/v2/')) assert.ok(op.responses['415'], `${method} ${p} does not declare 415`);
     }

@@ -7,6 +7,7 @@
 import type { Readable } from 'node:stream';
 import { findApp } from '../apps/apps.js';
 import type { Housekeeping } from '../apps/housekeeping.js';
+import type { DiskSpace } from '../disk-space.js';
 import { FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
 import type { Build, BuildState } from '../store/schema.js';
@@ -29,10 +30,15 @@ export interface BuildServiceDeps {
   housekeeping: Pick<Housekeeping, 'deleteBuild'>;
   /** Where and how uploads are received (builds/upload.ts); `owner` unset on a gateway, which builds nothing. */
   upload: Omit<ReceiveBuildDeps, 'store' | 'artifacts'>;
+  /** The data folder's free space: while `low`, uploads are refused (507) before a byte is written (disk-space.ts). */
+  space?: Pick<DiskSpace, 'low' | 'intakeRefused'>;
 }
 
 export interface BuildService {
-  /** Receives an upload (the ZIP checked before anything is extracted) and queues the new pending build. */
+  /**
+   * Receives an upload (the ZIP checked before anything is extracted) and queues the new pending build;
+   * 507 FERRY_STORAGE_FULL while the data folder is low on space.
+   */
   deploy(projectId: string, appId: string, body: Readable): Promise<{ build: Build; view: BuildView }>;
   list(projectId: string, appId: string, page: { limit: number; before?: string | undefined }): Promise<BuildView[]>;
   /** One build, with the ferry.toml it was made with. */
@@ -57,6 +63,7 @@ export function createBuildService(deps: BuildServiceDeps): BuildService {
   const { store } = deps;
   return {
     async deploy(projectId, appId, body) {
+      if (deps.space?.low) throw deps.space.intakeRefused();
       const build = await receiveBuild({ store, artifacts: deps.artifacts, ...deps.upload }, projectId, appId, body);
       deps.pipeline.enqueue(build);
       return { build, view: viewBuild(build, false, null) };

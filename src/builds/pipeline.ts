@@ -144,6 +144,8 @@ export function createBuildPipeline(deps: BuildPipelineDeps): BuildPipeline {
           steps: {
             sandbox: { caps: deps.sandbox, network: deps.network },
             cacheDir: path.join(deps.cacheDir, 'image-steps'),
+            // The data folder, as build steps take it (sandbox/build-step.ts): the cache folder's parent.
+            dataDir: path.dirname(path.resolve(deps.cacheDir)),
             limits: {
               memoryMiB: limits.memoryMiB,
               maxProcesses: limits.maxProcesses,

@@ -1,17 +1,22 @@
 /**
- * `ferry doctor`: what this machine gives replicas (sandbox, user namespaces, memory limits, runtimes)
- * and what to install for the rest, and the cluster as the configured server sees it (when it can reach
+ * `ferry doctor`: what this machine gives replicas (sandbox, user namespaces, memory limits, runtimes),
+ * the data folder (its free space against FERRY_MIN_FREE_MIB, the staging folder sandboxes' folders come
+ * from) and what to install for the rest, and the cluster as the configured server sees it (when it can reach
  * one). It always exits 0: a missing sandbox is a warning, not a failure, because Ferry still runs (as
  * plain processes) without one; a server it cannot reach is a line of the report.
  */
 
 import { execFile } from 'node:child_process';
+import fs from 'node:fs/promises';
+import path from 'node:path';
 import { resolveServerConfig } from '../config.js';
+import { spaceOf } from '../disk-space.js';
 import { gpuReport } from '../gpus/report.js';
 import { type ImageHostReport, probeImageHost, readCacheUse } from '../images/host-tools.js';
 import { findPython } from '../runtimes/python/interpreter.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
+import { stagingPlace } from '../sandbox/views.js';
 import { probeVolumeSupport } from '../volumes/images.js';
 import { localVolumes, nodesWithoutMarker } from '../volumes/markers.js';
 import { localQuotaDirs, probeQuotaDirSupport } from '../volumes/quota-dirs.js';
@@ -42,6 +47,8 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
     caps,
     cluster.view?.nodes.map((n) => n.id),
   );
+  const staging = await stagingReport();
+  const storage = await storageReport();
   if (options.json) {
     const { tools: _tools, userTools: _userTools, ...plan } = network;
     const report = {
@@ -50,6 +57,8 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
       images,
       volumes,
       gpus: { inventory: gpus.inventory, smi: gpus.smi, warnings: gpus.warnings },
+      staging,
+      storage,
       cluster: cluster.view ?? null,
       cluster_problem: cluster.problem ?? null,
     };
@@ -77,6 +86,8 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
   lines.push(row('Network', network.description));
   lines.push(row('Python', python ?? 'no usable python3 (3.9+) found: Python apps cannot build or run'));
   lines.push(...imageLines(images).map((line, i) => row(i === 0 ? 'Images' : '', line)));
+  lines.push(row('Data folder', describeStorage(storage)));
+  lines.push(row('Staging folder', describeStaging(staging)));
 
   lines.push(
     row(
@@ -290,6 +301,67 @@ async function volumesReport(caps: SandboxCapabilities, liveNodes: string[] | un
     /** Live nodes (as the server lists them) whose marker is missing here; [] when none or unknown. */
     not_shared_with: liveNodes ? await nodesWithoutMarker(dir, liveNodes) : [],
   };
+}
+
+type StorageReport =
+  | { dir: string; free_bytes: number; total_bytes: number; min_free_bytes: number; low: boolean }
+  | { dir: string | null; problem: string };
+
+/** The data folder's free space, against FERRY_MIN_FREE_MIB (disk-space.ts: what `ferry serve` watches). */
+async function storageReport(): Promise<StorageReport> {
+  let config: ReturnType<typeof resolveServerConfig>;
+  try {
+    config = resolveServerConfig({}, process.env);
+  } catch (err) {
+    return { dir: null, problem: `the server settings are invalid: ${(err as Error).message}` };
+  }
+  const dir = path.resolve(config.dataDir);
+  try {
+    const { freeBytes, totalBytes } = spaceOf(await fs.statfs(dir));
+    const minFree = config.minFreeMib * 1024 * 1024;
+    return { dir, free_bytes: freeBytes, total_bytes: totalBytes, min_free_bytes: minFree, low: freeBytes < minFree };
+  } catch (err) {
+    return { dir, problem: `cannot be read: ${(err as Error).message}` };
+  }
+}
+
+function describeStorage(storage: StorageReport): string {
+  if ('problem' in storage) return `${storage.dir ?? 'unknown'}: ${storage.problem}`;
+  const gib = (bytes: number) => `${(bytes / 1024 ** 3).toFixed(1)} GiB`;
+  const threshold =
+    storage.min_free_bytes === 0
+      ? 'FERRY_MIN_FREE_MIB is 0: intake never stops for space'
+      : storage.low
+        ? `UNDER FERRY_MIN_FREE_MIB (${formatMiB(storage.min_free_bytes)}): new runs and uploads are refused (507)`
+        : `new runs and uploads stop under ${formatMiB(storage.min_free_bytes)} (FERRY_MIN_FREE_MIB)`;
+  return `${storage.dir}: ${formatMiB(storage.free_bytes)} free of ${gib(storage.total_bytes)}; ${threshold}`;
+}
+
+type StagingReport = { dir: string; inside_data_folder: boolean } | { problem: string };
+
+/**
+ * Where sandboxes' folders (build views, build steps' stages, image unpacking) are staged for the data
+ * folder (sandbox/views.ts `stagingPlace`): nothing is made to find out.
+ */
+async function stagingReport(): Promise<StagingReport> {
+  let dataDir: string;
+  try {
+    dataDir = resolveServerConfig({}, process.env).dataDir;
+  } catch (err) {
+    return { problem: `the server settings are invalid: ${(err as Error).message}` };
+  }
+  try {
+    const place = await stagingPlace(dataDir);
+    return { dir: place.dir, inside_data_folder: place.inside };
+  } catch (err) {
+    return { problem: `the data folder ${path.resolve(dataDir)} cannot be read: ${(err as Error).message}` };
+  }
+}
+
+function describeStaging(staging: StagingReport): string {
+  if ('problem' in staging) return `unknown: ${staging.problem}`;
+  if (!staging.inside_data_folder) return `${staging.dir} (outside the data folder, on its filesystem)`;
+  return `${staging.dir} (inside the data folder: no folder outside it is on its filesystem; sandboxes' mountinfo shows paths from that filesystem's root)`;
 }
 
 function formatMiB(bytes: number): string {

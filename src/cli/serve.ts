@@ -70,6 +70,7 @@ export async function serveCommand(options: ServeOptions): Promise<void> {
       ? createWorkerApi({
           builds: createWorkerBuilds(services.store),
           storeHealth: (timeoutMs) => services.storeHealth(timeoutMs),
+          space: services.space,
           invoker: services.invoker,
           auth: services.clusterAuth,
           callers: services.callers,

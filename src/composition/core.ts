@@ -21,6 +21,7 @@ import { type describeLoad, FERRY_VERSION } from '../cluster/node-info.js';
 import { createPgChangeFeed } from '../cluster/pg-change-feed.js';
 import type { NodeRole, ServerConfig } from '../config.js';
 import { type DataDir, loadOrCreateKey, prepareDataDir, prepareKeysDir } from '../data-dir.js';
+import { createDiskSpace, type DiskSpace } from '../disk-space.js';
 import { createEventBus, type EventBus } from '../events.js';
 import { createMetrics, type Metrics } from '../metrics.js';
 import { createRunRecorder, type RunRecorder } from '../runs/recorder.js';
@@ -34,6 +35,8 @@ export interface Core {
   logger: Logger;
   role: NodeRole;
   dataDir: DataDir;
+  /** The data folder's free space, looked at every second: under FERRY_MIN_FREE_MIB intake closes (disk-space.ts). */
+  space: DiskSpace;
   store: Store;
   jwtKey: Uint8Array;
   secretsKey: Uint8Array;
@@ -84,6 +87,15 @@ export async function createCore(config: ServerConfig, logger: Logger): Promise<
   const closers: Array<() => unknown> = [];
   const onClose = (close: () => unknown) => void closers.push(close);
   onClose(() => store.destroy());
+  // Looked at once before anything is served: a server starting on a nearly full disk refuses intake at once.
+  const space = createDiskSpace({
+    dir: dataDir.root,
+    minFreeBytes: config.minFreeMib * 1024 * 1024,
+    logger: logger.child({ component: 'storage' }),
+  });
+  await space.look();
+  space.start();
+  onClose(() => space.close());
   const keys = prepareKeysDir(config.keysDir);
   const jwtKey = loadOrCreateKey(path.join(keys, 'jwt.key'));
   const secretsKey = loadOrCreateKey(path.join(keys, 'secrets.key'));
@@ -146,6 +158,7 @@ export async function createCore(config: ServerConfig, logger: Logger): Promise<
     logger,
     role,
     dataDir,
+    space,
     store,
     jwtKey,
     secretsKey,

@@ -8,12 +8,15 @@
  *
  * What it maps: a FerryError keeps its code, status and headers; Fastify's own errors (validation, content
  * type, body size, bad JSON, bad URL) become the matching Ferry code; a store that cannot be reached is
- * 503 FERRY_STORE_UNAVAILABLE with Retry-After (also when a run's code wrapped it in FERRY_INTERNAL);
- * anything else is FERRY_INTERNAL, whose body says nothing about the cause (the caller logs it).
+ * 503 FERRY_STORE_UNAVAILABLE with Retry-After, and a write refused for lack of space (SQLITE_FULL,
+ * PostgreSQL's 53100, ENOSPC, EDQUOT: disk-space.ts) is 507 FERRY_STORAGE_FULL with Retry-After (both also
+ * when a run's code wrapped them in FERRY_INTERNAL); anything else is FERRY_INTERNAL, whose body says
+ * nothing about the cause (the caller logs it).
  */
 import { type ServerResponse, STATUS_CODES } from 'node:http';
 import type { Socket } from 'node:net';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
+import { isStorageFull, storageFull } from '../disk-space.js';
 import { type ErrorCode, FerryError } from '../errors.js';
 import { isStoreUnavailable } from '../store/index.js';
 import { acceptedType, bodyTooLarge, unsupportedMediaType } from './body-parsers.js';
@@ -35,16 +38,21 @@ const JSON_TYPE = 'application/json; charset=utf-8';
 /**
  * Maps any thrown value to a FerryError (internal errors become FERRY_INTERNAL). With the request, a 415
  * names the type the route takes and a 413 states the route's limit. A store that cannot be reached, even
- * when a run's code wrapped it in FERRY_INTERNAL, is FERRY_STORE_UNAVAILABLE.
+ * when a run's code wrapped it in FERRY_INTERNAL, is FERRY_STORE_UNAVAILABLE; a write refused for lack of
+ * space, likewise, FERRY_STORAGE_FULL.
  */
 export function toFerryError(err: unknown, request?: FastifyRequest): FerryError {
-  if (err instanceof FerryError && !(err.code === 'FERRY_INTERNAL' && isStoreUnavailable(err.cause))) return err;
+  if (err instanceof FerryError) {
+    if (err.code !== 'FERRY_INTERNAL') return err;
+    if (!isStoreUnavailable(err.cause) && !isStorageFull(err.cause)) return err;
+  }
   if (isStoreUnavailable(err)) {
     return new FerryError('FERRY_STORE_UNAVAILABLE', undefined, {
       cause: err,
       headers: { 'retry-after': STORE_RETRY_AFTER_S },
     });
   }
+  if (isStorageFull(err)) return storageFull(err);
   const fe = err as Partial<FastifyError> & { validation?: unknown; statusCode?: number };
   if (fe && typeof fe === 'object') {
     if (fe.validation)

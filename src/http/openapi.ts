@@ -3,7 +3,9 @@
  * adds what no single route schema says, so a generated client knows every status it can get:
  *
  * - the statuses every route answers through shared machinery (validation and bad URLs `400`, tokens `401`
- *   and `403`, an unknown project `404`; on routes that read a body, `413` and `415`);
+ *   and `403`, an unknown project `404`; on routes that read a body, `413` and `415`, and a full disk's
+ *   `507`);
+ * - `/readyz`, the one route outside /v2 and /v4 a client is meant to call;
  * - the run endpoint (`/v4`): a function call's arguments, its sync, async and streamed answers and every
  *   error, and a custom app's any-method routes. Its routes keep their own small validation schemas (the body
  *   is forwarded as the caller sent it), so its documentation schemas live here.
@@ -20,8 +22,9 @@ const PATH_ITEM_FIELDS = new Set(['summary', 'description', 'servers', 'paramete
 /** Statuses any route can answer, from hooks every route shares. */
 export function sharedStatuses(methods: readonly string[]): number[] {
   const statuses = [400, 401, 403, 404];
-  // Fastify reads a body for every method but GET and HEAD: a body can be too large or of the wrong type.
-  if (methods.some((m) => m !== 'GET' && m !== 'HEAD')) statuses.push(413, 415);
+  // Fastify reads a body for every method but GET and HEAD: a body can be too large or of the wrong type;
+  // and those methods write, which a full disk refuses (507 FERRY_STORAGE_FULL, disk-space.ts).
+  if (methods.some((m) => m !== 'GET' && m !== 'HEAD')) statuses.push(413, 415, 507);
   return statuses;
 }
 
@@ -79,7 +82,7 @@ const RunAccepted = Type.Object(
   { description: 'Async run stored; poll GET .../runs/{run_id}' },
 );
 
-const RUN_ERRORS = [400, 401, 403, 404, 405, 413, 415, 422, 429, 500, 502, 503, 504] as const;
+const RUN_ERRORS = [400, 401, 403, 404, 405, 413, 415, 422, 429, 500, 502, 503, 504, 507] as const;
 
 const functionCall = {
   summary: 'Run a function',
@@ -137,10 +140,38 @@ const customCall = (withFunction: boolean) => ({
   headers: RunHeaders,
   response: {
     202: RunAccepted,
-    ...errors(400, 401, 403, 404, 405, 413, 422, 429, 502, 503, 504),
+    ...errors(400, 401, 403, 404, 405, 413, 422, 429, 502, 503, 504, 507),
     default: { description: "The app server's response, as it answered (sandboxed: see the description)" },
   },
 });
+
+const Readiness = Type.Object({
+  status: Type.Union([Type.Literal('ready'), Type.Literal('unavailable')]),
+  reason: Type.Optional(
+    Type.Union([Type.Literal('store'), Type.Literal('store-busy'), Type.Literal('storage')], {
+      description:
+        '`store`: the store failed or cannot be reached; `store-busy`: it did not answer within a second; ' +
+        '`storage`: the data folder has less free space than FERRY_MIN_FREE_MIB (new runs and uploads answer 507)',
+    }),
+  ),
+});
+
+/** `/readyz`: documented (issue 43), unlike `/healthz` and `/metrics`, which are for operators' tools. */
+const readiness = {
+  summary: 'Whether to send this server new work',
+  description:
+    'For load balancers and orchestrators; needs no token (like `/healthz`). 200 when the store answers and ' +
+    'the data folder has at least FERRY_MIN_FREE_MIB free; 503 naming the reason otherwise. A `storage` 503 ' +
+    'is no reason to restart the server: reads and accepted runs go on, and it answers 200 again within ' +
+    'about 2 s of space coming back. See docs/operations.md, "Disk space".',
+  tags: ['system'],
+  operationId: 'readiness',
+  security: [],
+  response: {
+    200: { description: 'Ready', ...Readiness },
+    503: { description: 'Not ready: `reason` says why', ...Readiness },
+  },
+};
 
 function methodsOf(route: RouteOptions): string[] {
   return typeof route.method === 'string' ? [route.method] : [...route.method];
@@ -159,6 +190,7 @@ function describeRoute(schema: FastifySchema | undefined, url: string, route: Ro
     return methodsOf(route).includes('POST') ? functionCall : customCall(true);
   }
   if (url === '/v4/:project_id/:app_name') return customCall(false);
+  if (url === '/readyz') return readiness;
   return hidden;
 }
 

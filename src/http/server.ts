@@ -1,9 +1,9 @@
 /**
  * The HTTP servers. The public one: one Fastify instance and one port for the management API (`/v2`), the
- * run endpoint (`/v4`), the dashboard, `/healthz` and `/metrics`. The run listener (FERRY_RUN_PORT): the
- * run endpoint and `/healthz` only, so that tenants' apps can answer on an origin where no dashboard runs
- * (docs/operations.md, "Two origins"). `buildServer` does not listen, so tests can inject requests or
- * listen on port 0 themselves.
+ * run endpoint (`/v4`), the dashboard, `/healthz`, `/readyz` and `/metrics`. The run listener
+ * (FERRY_RUN_PORT): the run endpoint, `/healthz` and `/readyz` only, so that tenants' apps can answer on
+ * an origin where no dashboard runs (docs/operations.md, "Two origins"). `buildServer` does not listen,
+ * so tests can inject requests or listen on port 0 themselves.
  */
 import { createServer, type IncomingMessage, type Server } from 'node:http';
 import type { Socket } from 'node:net';
@@ -67,7 +67,7 @@ export interface ServerOptions {
   /**
    * `public` (default): every route, on the port that also serves the dashboard, so what a custom app
    * answers is sandboxed (custom-proxy.ts `APP_SANDBOX_CSP`). `run`: the run listener of FERRY_RUN_PORT,
-   * the run endpoint and `/healthz` only, where apps answer as they are.
+   * the run endpoint, `/healthz` and `/readyz` only, where apps answer as they are.
    */
   surface?: 'public' | 'run';
   /** Where the run endpoint is, as `GET /v2/projects/{project_id}` tells (default: from `config`). */

@@ -5,7 +5,7 @@
  * its webhook), and streams what happens back.
  *
  * Every call must carry a cluster token (cluster-auth.ts, signed with the shared keys directory's
- * `cluster.key`); anything else answers 401 FERRY_CLUSTER_UNAUTHENTICATED. `/healthz` and `/metrics` are
+ * `cluster.key`); anything else answers 401 FERRY_CLUSTER_UNAUTHENTICATED. `/healthz`, `/readyz` and `/metrics` are
  * open, as on a gateway, for load balancers and scrapers.
  *
  * The protocol (routes, the call line, the answer's lines, the session's tunnel) is cluster/protocol.ts,
@@ -28,6 +28,7 @@ import {
   WORKER_PATHS,
 } from '../cluster/protocol.js';
 import type { WorkerBuilds } from '../cluster/worker-builds.js';
+import type { DiskSpace } from '../disk-space.js';
 import { FerryError } from '../errors.js';
 import type { Metrics } from '../metrics.js';
 import type { Invoker } from '../runs/invoke.js';
@@ -41,6 +42,8 @@ export interface WorkerApiDeps {
   builds: WorkerBuilds;
   /** Whether the store answers within `timeoutMs` (`/healthz`). */
   storeHealth(timeoutMs: number): Promise<StoreHealth>;
+  /** The data folder's free space (`/readyz` says `storage` while it is under FERRY_MIN_FREE_MIB). */
+  space?: Pick<DiskSpace, 'low'>;
   invoker: Invoker;
   auth: ClusterAuth;
   /** Counts each call by app and calling gateway while it lasts (announced with the worker's load). */
@@ -82,6 +85,13 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
       const state = await deps.storeHealth(1000).catch(() => 'down' as const);
       const body = state === 'ok' || state === 'busy' ? { status: 'ok', role: 'worker' } : { status: 'unavailable' };
       sendJson(res, state === 'ok' || state === 'busy' ? 200 : 503, body);
+      return;
+    }
+    if (req.method === 'GET' && url === '/readyz') {
+      const state = await deps.storeHealth(1000).catch(() => 'down' as const);
+      if (state !== 'ok' && state !== 'busy') sendJson(res, 503, { status: 'unavailable', reason: 'store' });
+      else if (deps.space?.low) sendJson(res, 503, { status: 'unavailable', reason: 'storage' });
+      else sendJson(res, 200, { status: 'ready', role: 'worker' });
       return;
     }
     if (req.method === 'GET' && url === '/metrics') {

@@ -78,6 +78,8 @@ export interface PrepareBuildImageOptions {
     sandbox: { caps: SandboxCapabilities; network: SandboxNetwork };
     /** The node's image build cache (a folder per project inside). */
     cacheDir: string;
+    /** The data folder, whose staging root image builds' scratch roots are made in (image-builder.ts). */
+    dataDir?: string;
     limits: StepLimits;
   };
 }
@@ -144,6 +146,7 @@ export async function prepareBuildImage(options: PrepareBuildImageOptions): Prom
                 contextDir: options.sourceDir,
                 projectId: options.projectId,
                 cacheDir: options.steps.cacheDir,
+                ...(options.steps.dataDir ? { dataDir: options.steps.dataDir } : {}),
                 outDir: path.join(out, 'layout'),
                 sandbox: options.steps.sandbox,
                 limits: { ...options.steps.limits, timeoutMs: options.timeoutMs },

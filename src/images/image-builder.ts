@@ -93,6 +93,8 @@ export interface BuildImageOptions {
   projectId: string;
   /** The node's image build cache (`<data>/images/build-cache`): a folder per project inside. */
   cacheDir: string;
+  /** The data folder, whose staging root (sandbox/views.ts) holds scratch roots; unset (tests): `cacheDir`'s. */
+  dataDir?: string;
   /** Where the built image's OCI layout is written (made; tag `image`). */
   outDir: string;
   sandbox: { caps: SandboxCapabilities; network: SandboxNetwork };
@@ -453,7 +455,8 @@ class ImageBuild {
     this.ids = ids;
     this.mapRange = mapRange;
     this.idSlot = slot;
-    const root = (await stagingRoot(path.resolve(this.o.cacheDir), mapRange)) ?? path.join(this.o.cacheDir, 'scratch');
+    const { dataDir, cacheDir } = this.o;
+    const root = (await stagingRoot(dataDir ?? cacheDir, mapRange, !!dataDir)) ?? path.join(cacheDir, 'scratch');
     await fs.mkdir(root, { recursive: true });
     this.scratch = await fs.mkdtemp(path.join(root, 'imagebuild-'));
     await fs.chmod(this.scratch, mapRange ? 0o711 : 0o700);

@@ -432,11 +432,12 @@ async function unpackForReplicas(
     let root = rootfs;
     if (mapRange) {
       // The unpacker's uid must reach the folder it binds, and the cache is inside the data folder (0700):
-      // it fills a folder of the staging root (outside the data folder, on its filesystem), moved in after.
+      // it fills a folder of the staging root (outside the data folder on its filesystem, else
+      // `<data>/staging`: sandbox/views.ts), moved in after.
       const stagingParent = await stagingRoot(dataDir, true);
       if (!stagingParent) {
         throw new Error(
-          `no folder outside the data directory ${dataDir} on its filesystem to unpack images in as an unprivileged uid`,
+          `no staging folder on the filesystem of the data directory ${dataDir} to unpack images in as an unprivileged uid`,
         );
       }
       staging = await fs.mkdtemp(path.join(stagingParent, 'unpack-'));

@@ -12,6 +12,7 @@
 import { findApp } from '../apps/apps.js';
 import type { Authenticator } from '../auth/authenticate.js';
 import type { ChangeFeed } from '../cluster/change-feed.js';
+import type { DiskSpace } from '../disk-space.js';
 import { FerryError } from '../errors.js';
 import { uuidv7 } from '../ids.js';
 import type { PoolBuild } from '../replicas/pool.js';
@@ -89,6 +90,12 @@ export interface RunServiceDeps {
   cancelWaitMs: number;
   /** Encrypts webhook secrets per run (a retried run's secret is the old run's, under its own id). */
   secretsKey?: Uint8Array;
+  /**
+   * The data folder's free space (disk-space.ts): while it is `low`, new runs of every mode (calls, retries,
+   * schedules' ticks) are refused with 507 FERRY_STORAGE_FULL before anything is written, so that the runs
+   * accepted already keep the room to end. A flag read per call.
+   */
+  space?: Pick<DiskSpace, 'low' | 'intakeRefused'>;
 }
 
 /** A new async run as `commitAsync` takes it: `newRunRow`'s fields (the mode and owner it decides). */
@@ -112,7 +119,8 @@ export interface RunService {
   /**
    * The one admission rule of new async runs (calls, `runs retry`, schedules' ticks): resolves when this
    * node's backlog (FERRY_MAX_ASYNC_BACKLOG) and the project's (FERRY_MAX_ASYNC_BACKLOG_PER_PROJECT) have
-   * room for one more; throws 503 FERRY_ASYNC_BACKLOG_FULL or FERRY_PROJECT_BACKLOG_FULL (Retry-After: 5).
+   * room for one more; throws 503 FERRY_ASYNC_BACKLOG_FULL or FERRY_PROJECT_BACKLOG_FULL (Retry-After: 5),
+   * or 507 FERRY_STORAGE_FULL while the data folder is low on space (`space`).
    */
   admitAsync(projectId: string): Promise<void>;
   /**
@@ -199,7 +207,7 @@ export function uuidv7Floor(ms: number): string {
 }
 
 export function createRunService(deps: RunServiceDeps): RunService {
-  const { store, recorder, runTargets, auth, runQueue, runWaiters } = deps;
+  const { store, recorder, runTargets, auth, runQueue, runWaiters, space } = deps;
 
   async function replayKey(target: RunTarget, fn: string, idempotencyKey: string): Promise<string | undefined> {
     const { build } = target;
@@ -222,6 +230,7 @@ export function createRunService(deps: RunServiceDeps): RunService {
    * undefined when the count must be read first (then admitAsync); throws as admitAsync does.
    */
   function admitAsyncNow(projectId: string): true | undefined {
+    if (space?.low) throw space.intakeRefused();
     if (runQueue.backlog >= deps.maxAsyncBacklog) {
       throw new FerryError('FERRY_ASYNC_BACKLOG_FULL', undefined, { headers: { 'retry-after': '5' } });
     }
@@ -327,9 +336,10 @@ export function createRunService(deps: RunServiceDeps): RunService {
     admitAsync,
     commitAsync,
 
-    invoke: (request) => deps.invoker.invoke(request),
-    invokeHttp: (request) => deps.invoker.invokeHttp(request),
-    invokeSession: (...args) => deps.invoker.invokeSession(...args),
+    invoke: (request) => (space?.low ? Promise.reject(space.intakeRefused()) : deps.invoker.invoke(request)),
+    invokeHttp: (request) => (space?.low ? Promise.reject(space.intakeRefused()) : deps.invoker.invokeHttp(request)),
+    invokeSession: (...args) =>
+      space?.low ? Promise.reject(space.intakeRefused()) : deps.invoker.invokeSession(...args),
     note: (runId, line) => recorder.log(runId, 'system', line),
 
     async list(projectId, appId, query) {

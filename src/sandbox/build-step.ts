@@ -293,9 +293,10 @@ export async function runBuildStep(ctx: BuildStepContext, step: BuildStep): Prom
  * of the staging root, and the source is mirrored there as hard links, as replicas' views are. Mountinfo
  * then names `<tmp>/ferry-view-<random>/step-<random>/...` only. When Ferry is root the step also gets a
  * sandbox uid of its own (sandbox/identity.ts): its writable folders are handed to that uid and the
- * source made readable by others, and the folders bwrap opens must be searchable by it. Without a
- * staging root (no folder outside the data directory on its filesystem) a step binds the folders
- * themselves, except as root, where that is refused.
+ * source made readable by others, and the folders bwrap opens must be searchable by it. The staging root
+ * is in `<data dir>/staging` when no folder outside the data directory is on its filesystem (views.ts);
+ * without any (not even that could be made) a step binds the folders themselves, except as root, where
+ * that is refused.
  */
 class StepStage {
   readonly writable: string[] = [];
@@ -319,7 +320,7 @@ class StepStage {
     if (!root) {
       if (identity) {
         throw new Error(
-          'Ferry runs as root, and build steps run as an unprivileged uid that needs a staging folder outside the data directory on its filesystem (the system temporary folder or the data directory’s parent): none could be made',
+          'Ferry runs as root, and build steps run as an unprivileged uid that needs a staging folder on the data directory’s filesystem that it can reach (the system temporary folder, the data directory’s parent, or <data directory>/staging): none could be made',
         );
       }
       const stage = new StepStage(

@@ -500,7 +500,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
       // be able to reach what it binds. Said here, not as bwrap's terse error in the replica's stderr.
       if (await unreachableByOthers(buildDir)) {
         // Not a server's view (tests, tools): the build is mirrored for this launch where the uid can reach it.
-        const root = await stagingRoot(buildDir, true);
+        const root = await stagingRoot(buildDir, true, false);
         if (root) {
           launchView = await fs.mkdtemp(path.join(root, 'launch-'));
           await fs.chmod(launchView, 0o711);

@@ -7,8 +7,16 @@
  * Ferry's data directory, keys and database are. The view's path (`/tmp/ferry-view-<random>/<build id>`)
  * tells nothing. Hard links cost no copy of the data (a few ms for a few thousand files, once per build
  * and server) but need the view on the same filesystem as the data directory: the view folder is made in
- * the system's temporary folder, or else beside the data directory, whichever is on its filesystem. Where
- * neither is, or links are refused, replicas bind the build folder itself and `reason` says so.
+ * the system's temporary folder, or else beside the data directory, whichever is on its filesystem.
+ *
+ * Where neither is (the data directory is the root of a filesystem of its own: a disk mounted there, the
+ * usual production layout), the view folder is made in `<data dir>/staging` (INSIDE_STAGING). Its path in
+ * mountinfo is then relative to that filesystem's root, `/staging/ferry-view-<random>/<build id>`, which
+ * says nothing of where the data directory is on the host, only that it is a filesystem of its own. When
+ * sandboxes run as other uids (Ferry is root), the data directory becomes 0711 and `staging/` 0711, so that
+ * bwrap, as the sandbox's uid, can pass through them (never list them) to what it binds; everything else in
+ * the data directory keeps its own mode (keys/, builds/, the database: 0700 or 0600). Where that cannot be
+ * made either, or links are refused, replicas bind the build folder itself and `reason` says so.
  *
  * API:
  *   const views = await createBuildViews({ buildsDir });
@@ -130,52 +138,130 @@ async function sweepDeadViews(parents: string[], own: string | null): Promise<nu
   return removed;
 }
 
+/** The folder inside the data directory where views and stages go when no folder outside it can hold them. */
+export const INSIDE_STAGING = 'staging';
+
+/** Where a views folder for `dataDir` is looked for outside it: the system's temporary folder, then its parent. */
+export function stagingCandidates(dataDir: string): string[] {
+  return [os.tmpdir(), path.dirname(path.resolve(dataDir))];
+}
+
+/** Where this data directory's views and stages go (`ferry doctor`), made or not: see `stagingPlace`. */
+export interface StagingPlace {
+  /** The folder the `ferry-view-*` folders are made in. */
+  dir: string;
+  /** `<data dir>/staging`: no folder outside the data directory is on its filesystem. */
+  inside: boolean;
+}
+
+/**
+ * The first of `candidates` that is on the data directory's filesystem, outside it and writable, else
+ * `<data dir>/staging`: where makeViewsRoot puts views. Makes nothing (for `ferry doctor`).
+ */
+export async function stagingPlace(dataDir: string, candidates = stagingCandidates(dataDir)): Promise<StagingPlace> {
+  const data = path.resolve(dataDir);
+  const device = (await fs.stat(data)).dev;
+  for (const parent of candidates) {
+    if (!(await usableOutside(data, device, parent))) continue;
+    try {
+      await fs.access(parent, fs.constants.W_OK | fs.constants.X_OK);
+      return { dir: path.resolve(parent), inside: false };
+    } catch {
+      // Not writable by this user: the next one.
+    }
+  }
+  return { dir: path.join(data, INSIDE_STAGING), inside: true };
+}
+
+/** Whether `parent` is a folder on the data directory's filesystem (`device`) and outside it. */
+async function usableOutside(dataDir: string, device: number, parent: string): Promise<boolean> {
+  const stat = await fs.stat(parent).catch(() => null);
+  if (!stat?.isDirectory() || stat.dev !== device) return false;
+  // Not inside the data directory: that is the path the view hides.
+  const resolved = path.resolve(parent);
+  return !(resolved.startsWith(`${dataDir}/`) || resolved === dataDir);
+}
+
 /**
  * Makes a `ferry-view-*` folder of this server in the first of `candidates` on the data directory's
- * filesystem and outside it, or returns null. `othersRead`: sandboxes run as other uids than the server
- * (Ferry is root, sandbox/identity.ts), so the folder is searchable (0711: entered, never listed).
+ * filesystem and outside it; when there is none and `inside` is not false, in `<data dir>/staging` (see the
+ * top of this file); else returns null. `othersRead`: sandboxes run as other uids than the server (Ferry
+ * is root, sandbox/identity.ts), so the folder is searchable (0711: entered, never listed).
  */
 export async function makeViewsRoot(options: {
   dataDir: string;
   candidates: string[];
   othersRead: boolean;
+  /** Whether `<data dir>/staging` may hold it when no candidate can (default true). */
+  inside?: boolean;
 }): Promise<string | null> {
   const dataDir = path.resolve(options.dataDir);
   const device = (await fs.stat(dataDir)).dev;
   for (const parent of options.candidates) {
-    const stat = await fs.stat(parent).catch(() => null);
-    if (!stat || stat.dev !== device) continue;
-    // Not inside the data directory: that is the path the view hides.
-    if (path.resolve(parent).startsWith(`${dataDir}/`) || path.resolve(parent) === dataDir) continue;
-    let root: string | null = null;
-    try {
-      root = await fs.mkdtemp(path.join(parent, 'ferry-view-'));
-      await fs.chmod(root, options.othersRead ? 0o711 : 0o700);
-      const owner: Owner = { pid: process.pid, start: await startTimeOf(process.pid) };
-      await fs.writeFile(path.join(root, OWNER_FILE), JSON.stringify(owner), { mode: 0o600 });
-      return root;
-    } catch {
-      if (root) await fs.rm(root, { recursive: true, force: true }).catch(() => {});
-    }
+    if (!(await usableOutside(dataDir, device, parent))) continue;
+    const root = await makeRootIn(parent, options.othersRead);
+    if (root) return root;
   }
-  return null;
+  if (options.inside === false) return null;
+  const inside = await prepareInsideStaging(dataDir, options.othersRead).catch(() => null);
+  return inside ? makeRootIn(inside, options.othersRead) : null;
+}
+
+/** A new `ferry-view-*` folder in `parent`, naming this process in `.owner`; null when it cannot be made. */
+async function makeRootIn(parent: string, othersRead: boolean): Promise<string | null> {
+  let root: string | null = null;
+  try {
+    root = await fs.mkdtemp(path.join(parent, 'ferry-view-'));
+    await fs.chmod(root, othersRead ? 0o711 : 0o700);
+    const owner: Owner = { pid: process.pid, start: await startTimeOf(process.pid) };
+    await fs.writeFile(path.join(root, OWNER_FILE), JSON.stringify(owner), { mode: 0o600 });
+    return root;
+  } catch {
+    if (root) await fs.rm(root, { recursive: true, force: true }).catch(() => {});
+    return null;
+  }
+}
+
+/**
+ * `<data dir>/staging`, made when missing: a real folder of this user (never followed if a link), 0711
+ * when sandboxes run as other uids, with the data directory then 0711 too (searchable by them on the way,
+ * never listed; its other folders and files keep their own modes). Throws when it cannot be had.
+ */
+async function prepareInsideStaging(dataDir: string, othersRead: boolean): Promise<string> {
+  const dir = path.join(dataDir, INSIDE_STAGING);
+  await fs.mkdir(dir, { mode: 0o700 }).catch((err: NodeJS.ErrnoException) => {
+    if (err.code !== 'EEXIST') throw err;
+  });
+  const stat = await fs.lstat(dir);
+  const uid = process.getuid?.();
+  if (!stat.isDirectory() || (uid !== undefined && stat.uid !== uid)) {
+    throw new Error(`${dir} is not a folder of this user`);
+  }
+  const mode = othersRead ? 0o711 : 0o700;
+  if ((stat.mode & 0o7777) !== mode) await fs.chmod(dir, mode);
+  if (othersRead) {
+    // Search only: a sandbox uid passes through to staging/ (and only there: everything else is 0700).
+    const data = await fs.stat(dataDir);
+    if ((data.mode & 0o7777) !== 0o711) await fs.chmod(dataDir, 0o711);
+  }
+  return dir;
 }
 
 const stagingRoots = new Map<string, Promise<string | null>>();
 
 /**
- * This process's `ferry-view-*` folder for `dataDir` (made once, in the system's temporary folder or
- * beside `dataDir`), for what is bound into sandboxes outside a server's views: build steps' folders
- * (sandbox/build-step.ts) and the build folder of a launch that bwrap, as a sandbox uid, cannot reach. Removed
- * by the sweep of the next server that starts after this process has gone.
+ * This process's `ferry-view-*` folder for the data directory `dataDir` (made once, in the system's
+ * temporary folder or beside `dataDir`, else in `<dataDir>/staging`), for what is bound into sandboxes
+ * outside a server's views: build steps' folders (sandbox/build-step.ts), image unpacking and image builds
+ * (images/), and the build folder of a launch that bwrap, as a sandbox uid, cannot reach (`inside` false:
+ * that folder is not a data directory, nothing is to be made in it). Removed by the sweep of the next
+ * server that starts after this process has gone.
  */
-export function stagingRoot(dataDir: string, othersRead: boolean): Promise<string | null> {
-  const key = `${path.resolve(dataDir)}\0${othersRead}`;
+export function stagingRoot(dataDir: string, othersRead: boolean, inside = true): Promise<string | null> {
+  const key = `${path.resolve(dataDir)}\0${othersRead}\0${inside}`;
   let root = stagingRoots.get(key);
   if (!root) {
-    root = makeViewsRoot({ dataDir, candidates: [os.tmpdir(), path.dirname(path.resolve(dataDir))], othersRead }).catch(
-      () => null,
-    );
+    root = makeViewsRoot({ dataDir, candidates: stagingCandidates(dataDir), othersRead, inside }).catch(() => null);
     stagingRoots.set(key, root);
   }
   return root;
@@ -190,15 +276,15 @@ export async function createBuildViews(options: {
   const buildsDir = path.resolve(options.buildsDir);
   await fs.mkdir(buildsDir, { recursive: true });
   const dataDir = path.dirname(buildsDir);
-  const candidates = options.candidates ?? [os.tmpdir(), path.dirname(dataDir)];
+  const candidates = options.candidates ?? stagingCandidates(dataDir);
   const othersRead = options.othersRead ?? false;
   const root = await makeViewsRoot({ dataDir, candidates, othersRead });
   let reason: string | null = null;
   if (!root) {
-    reason = `no folder outside the data directory on its filesystem (tried ${candidates.join(', ')}): replicas bind build folders directly, so their path shows in /proc/self/mountinfo`;
+    reason = `no folder outside the data directory on its filesystem (tried ${candidates.join(', ')}), and none could be made in ${path.join(dataDir, INSIDE_STAGING)}: replicas bind build folders directly, so their path shows in /proc/self/mountinfo`;
   }
   // In the background: the server does not wait for a dead one's folders to go.
-  const swept = sweepDeadViews(candidates, root).catch(() => 0);
+  const swept = sweepDeadViews([...candidates, path.join(dataDir, INSIDE_STAGING)], root).catch(() => 0);
   const views = new Map<string, Promise<string>>();
   /** Warm slots made and not filled yet. */
   const slots = new Set<string>();

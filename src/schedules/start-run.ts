@@ -23,10 +23,13 @@ export function createScheduleRunStarter(deps: {
       try {
         await deps.runs.admitAsync(schedule.project_id);
       } catch (err) {
-        // A full backlog skips the tick (counted by the ticker), as it refuses a call.
+        // A full backlog skips the tick (counted by the ticker), as it refuses a call; so does a data
+        // folder low on space (disk-space.ts).
         if (
           err instanceof FerryError &&
-          (err.code === 'FERRY_ASYNC_BACKLOG_FULL' || err.code === 'FERRY_PROJECT_BACKLOG_FULL')
+          (err.code === 'FERRY_ASYNC_BACKLOG_FULL' ||
+            err.code === 'FERRY_PROJECT_BACKLOG_FULL' ||
+            err.code === 'FERRY_STORAGE_FULL')
         )
           return 'busy';
         throw err;

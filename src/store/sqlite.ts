@@ -18,6 +18,7 @@
  * probe and other requests go on meanwhile; code that needs statements to run with nothing in between
  * uses a transaction, as it must anyway with other processes on the file.
  */
+import fs from 'node:fs';
 import path from 'node:path';
 import SqliteDatabase from 'better-sqlite3';
 import {
@@ -68,6 +69,15 @@ export async function openSqliteStore(options: OpenSqliteStoreOptions): Promise<
   const busyTimeoutMs = options.busyTimeoutMs ?? DEFAULT_BUSY_TIMEOUT_MS;
   const file = path.join(options.dataDir, 'ferry.db');
   const sqlite = new SqliteDatabase(file);
+  // For Ferry's user alone, whatever the umask: the data directory may be searchable by the sandboxes'
+  // uids (sandbox/views.ts, `<data>/staging`). SQLite gives the -wal and -shm files the database's mode.
+  for (const one of [file, `${file}-wal`, `${file}-shm`]) {
+    try {
+      if ((fs.statSync(one).mode & 0o077) !== 0) fs.chmodSync(one, 0o600);
+    } catch {
+      // Not there yet (made with the database's mode), or not ours to change: left as it is.
+    }
+  }
   // Opening happens once, before the server listens: here SQLite may wait for a lock itself.
   sqlite.pragma(`busy_timeout = ${busyTimeoutMs}`);
   // WAL lets `ferry admin bootstrap` and the CLI read and write while `ferry serve` runs, and readers are
@@ -216,7 +226,11 @@ class BusyRetryingSqliteDriver implements Driver {
   }
 
   async rollbackTransaction(connection: DatabaseConnection): Promise<void> {
-    await connection.executeQuery(CompiledQuery.raw('rollback'));
+    // After some errors SQLite has rolled the transaction back itself (SQLITE_FULL, SQLITE_IOERR,
+    // SQLITE_NOMEM: sqlite.org/lang_transaction.html): a ROLLBACK then fails with "no transaction is
+    // active", and Kysely would throw that instead of the statement's own error, which says what happened
+    // (issue 43: a full disk answered 500 FERRY_INTERNAL instead of 507 FERRY_STORAGE_FULL).
+    if (this.#db.inTransaction) await connection.executeQuery(CompiledQuery.raw('rollback'));
   }
 
   async releaseConnection(): Promise<void> {
