@@ -220,9 +220,28 @@ export function confirmButton({ label, ariaLabel, question, confirmLabel, onConf
   return wrap;
 }
 
+/** Ferry's error codes (`FERRY_IMAGE_STEP_FAILED`) inside a text. */
+const ERROR_CODES = /\bFERRY_[A-Z0-9_]+\b/g;
+
+/**
+ * `text` with each of Ferry's error codes in a `<code class="error-code">`, which never breaks inside:
+ * the text around it may break anywhere it must (a long image reference), the code only before or after.
+ */
+export function coded(text) {
+  const out = [];
+  let at = 0;
+  for (const match of text.matchAll(ERROR_CODES)) {
+    if (match.index > at) out.push(text.slice(at, match.index));
+    out.push(h('code', { class: 'error-code' }, match[0]));
+    at = match.index + match[0].length;
+  }
+  if (at < text.length) out.push(text.slice(at));
+  return out;
+}
+
 export function errorText(err) {
   const message = err?.code ? `${err.message} (${err.code})` : String(err?.message ?? err);
-  return h('span', { class: 'error-text', role: 'alert' }, message);
+  return h('span', { class: 'error-text', role: 'alert' }, coded(message));
 }
 
 /** A full-width error box for a page that could not load. */
@@ -261,12 +280,17 @@ export function shortId(id) {
 }
 
 /** A definition list from [term, value] pairs; pairs with a null value are left out. */
+/**
+ * A list of facts, `[name, value]` each, in as many columns as fit; a fact that is null or undefined is
+ * left out. `[name, value, 'wide']` takes a whole row: for text that needs room (an error, attempts),
+ * which a narrow column would break into a word per line. Put wide facts last, so no column is left empty.
+ */
 export function facts(pairs) {
   return h(
     'dl',
     { class: 'facts' },
     pairs
       .filter(([, v]) => v !== null && v !== undefined)
-      .map(([k, v]) => h('div', {}, h('dt', {}, k), h('dd', {}, v))),
+      .map(([k, v, wide]) => h('div', { class: wide === 'wide' ? 'wide' : null }, h('dt', {}, k), h('dd', {}, v))),
   );
 }

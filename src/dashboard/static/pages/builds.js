@@ -3,6 +3,7 @@ import { api, streamEvents } from '../api.js';
 import { appHeader, appHref } from '../shared.js';
 import {
   announce,
+  coded,
   confirmButton,
   errorBox,
   errorText,
@@ -44,7 +45,11 @@ export async function renderBuilds(ctx) {
   let before = ctx.query.get('before') ?? '';
   let activeId = null;
 
-  /** Activate (roll back to) a ready build that is not the active one; delete one that is neither active nor being made. */
+  /**
+   * Activate (roll back to) a ready build that is not the active one; delete one that is neither active nor
+   * being made. Each in a slot of its own (style.css `.row-actions`), so every row's Delete lines up, with
+   * or without an Activate before it.
+   */
   function buildActions(b) {
     if (b.id === activeId) return '';
     const base = `/apps/${encodeURIComponent(appId)}/builds/${encodeURIComponent(b.id)}`;
@@ -62,24 +67,28 @@ export async function renderBuilds(ctx) {
           activate.after(errorText(err));
         }
       });
-      out.push(activate, ' ');
+      out.push(h('span', { class: 'slot-activate' }, activate));
     }
     if (FINAL.includes(b.state)) {
       out.push(
-        confirmButton({
-          label: 'Delete',
-          ariaLabel: `Delete build ${shortId(b.id)}`,
-          question: 'Delete this build and its files?',
-          confirmLabel: 'Delete the build',
-          async onConfirm() {
-            await api(base, { method: 'DELETE', signal: ctx.signal });
-            announce(`Build ${shortId(b.id)} deleted`);
-            await refresh();
-          },
-        }),
+        h(
+          'span',
+          { class: 'slot-delete' },
+          confirmButton({
+            label: 'Delete',
+            ariaLabel: `Delete build ${shortId(b.id)}`,
+            question: 'Delete this build and its files?',
+            confirmLabel: 'Delete the build',
+            async onConfirm() {
+              await api(base, { method: 'DELETE', signal: ctx.signal });
+              announce(`Build ${shortId(b.id)} deleted`);
+              await refresh();
+            },
+          }),
+        ),
       );
     }
-    return out;
+    return out.length === 0 ? '' : h('div', { class: 'row-actions' }, out);
   }
 
   async function refresh() {
@@ -108,8 +117,12 @@ export async function renderBuilds(ctx) {
         h('td', { class: 'num' }, formatBytes(b.archive_bytes)),
         h('td', {}, timeEl(b.created_at)),
         h('td', { class: 'num' }, formatDuration(buildDuration(b))),
-        h('td', { class: 'build-error' }, b.error ? h('span', { class: 'error-text', title: b.error }, b.error) : ''),
-        h('td', { class: 'actions' }, buildActions(b)),
+        h(
+          'td',
+          { class: 'build-error' },
+          b.error ? h('span', { class: 'error-text', title: b.error }, coded(b.error)) : '',
+        ),
+        h('td', { class: 'build-actions' }, buildActions(b)),
       ),
     );
     if (rows.length === 0) rows.push(h('tr', {}, h('td', { colspan: '9', class: 'empty-row' }, 'No builds.')));
@@ -216,7 +229,7 @@ export async function renderBuild(ctx) {
         ['Created', timeEl(build.created_at)],
         ['Duration', formatDuration(buildDuration(build))],
         ['Archive', `${build.file_count} files, ${formatBytes(build.archive_bytes)}`],
-        ['Error', build.error ? h('span', { class: 'error-text' }, build.error) : null],
+        ['Error', build.error ? h('span', { class: 'error-text' }, coded(build.error)) : null, 'wide'],
       ]),
     );
     toml.replaceChildren(shown(build.config_toml ?? ''));

@@ -21,24 +21,27 @@ function nodeRow(node, answering) {
     node.apps.length > 0
       ? node.apps.map((a) => `${a.app_id} (${a.replicas_ready + a.replicas_starting})`).join(', ')
       : '—';
-  return h(
-    'tr',
-    { 'data-node': node.id },
+  const cells = [
     h(
       'td',
-      { title: node.hostname && node.pid ? `${node.hostname}, pid ${node.pid}` : null },
+      { class: 'node', title: node.hostname && node.pid ? `${node.hostname}, pid ${node.pid}` : null },
       h('code', {}, node.id),
       answering ? h('span', { class: 'hint' }, ' (this page)') : null,
     ),
     h('td', {}, node.role ?? '—'),
     h('td', {}, node.version ?? '—'),
-    h('td', {}, node.url ? h('code', {}, node.url) : '—'),
+    h('td', { class: 'address' }, node.url ? h('code', {}, node.url) : '—'),
     num(load?.runs_in_flight),
     num(load?.async_backlog),
     h('td', {}, replicas),
-    h('td', { class: 'break' }, apps),
+    h('td', { class: 'apps' }, apps),
     h('td', {}, timeEl(node.started_at)),
-  );
+  ];
+  // Each value under its column's name where the table becomes one card per node (narrow screens).
+  cells.forEach((cell, i) => {
+    cell.setAttribute('data-label', HEAD[i]);
+  });
+  return h('tr', { 'data-node': node.id }, cells);
 }
 
 /** The section and its refresh; the page calls `refresh` on its own timer. */

@@ -4,6 +4,7 @@ import { api } from '../api.js';
 import { appHeader, appHref } from '../shared.js';
 import {
   announce,
+  coded,
   confirmButton,
   errorBox,
   errorText,
@@ -258,7 +259,7 @@ function webhookSection(ctx, appId, run, reload) {
                     ),
               ),
               h('td', { class: 'num' }, formatDuration(a.duration_ms)),
-              h('td', { class: 'break' }, a.error ?? ''),
+              h('td', { class: 'break' }, coded(a.error ?? '')),
             ),
           ),
     );
@@ -355,7 +356,6 @@ export async function renderRun(ctx) {
             ? h('a', { href: appHref(appId, 'builds', `/${run.build_id}`), class: 'mono' }, shortId(run.build_id))
             : '—',
         ],
-        ['Reason', run.reason],
         [
           'Started by',
           run.trigger === 'schedule' && run.schedule
@@ -364,13 +364,18 @@ export async function renderRun(ctx) {
               ? h('a', { href: appHref(appId, 'runs', `/${run.retry_of}`) }, `retry of ${shortId(run.retry_of)}`)
               : null,
         ],
+        ['Next attempt', run.next_attempt_at],
+        // Last, each on a row of its own: codes need more room than a column gives.
+        ['Reason', run.reason ? coded(run.reason) : null, 'wide'],
         [
           'Attempts',
           run.attempt_history?.length
-            ? `${run.attempt_history.map((a) => `${a.attempt}: ${a.state}${a.error_code ? ` (${a.error_code})` : ''}`).join(', ')}${run.dead ? ' — dead: no attempt left' : ''}`
+            ? coded(
+                `${run.attempt_history.map((a) => `${a.attempt}: ${a.state}${a.error_code ? ` (${a.error_code})` : ''}`).join(', ')}${run.dead ? ' — dead: no attempt left' : ''}`,
+              )
             : null,
+          'wide',
         ],
-        ['Next attempt', run.next_attempt_at],
       ]),
       h('section', { 'aria-labelledby': 'run-timeline' }, h('h2', { id: 'run-timeline' }, 'Timeline'), timeline(run)),
     );
@@ -379,7 +384,7 @@ export async function renderRun(ctx) {
           'section',
           { 'aria-labelledby': 'run-error' },
           h('h2', { id: 'run-error' }, 'Error'),
-          h('p', { class: 'error-text mono' }, run.error.code),
+          h('p', { class: 'error-text' }, coded(run.error.code)),
           h('pre', { class: 'code error', tabindex: '0', 'aria-label': 'Error message' }, run.error.message),
         )
       : h(
