@@ -93,6 +93,7 @@ function fakeReplicas(build: PoolBuild): Fake {
   };
   const slot = (coldStart: boolean): Slot => ({
     replica: replica as unknown as Slot['replica'],
+    build,
     coldStart,
     release(options) {
       fake.events.push(options?.timedOut ? 'release:timedOut' : 'release');

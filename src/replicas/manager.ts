@@ -1,6 +1,11 @@
 /**
  * All replica pools of the server: one current pool per app (for its active build) plus older pools that
  * drain after a redeploy. Reaps idle replicas on a timer and keeps `min_replicas` running.
+ *
+ * A build switch hands the runs waiting in the old pool to the new one (pool.ts `drain`), and the same
+ * timer tends every pool (`tend`): runs waiting in a draining pool go to the app's current pool once it has
+ * one, and runs waiting with no replica ready or starting for them get one. So a run this node holds waits
+ * at most about a second (`reapEveryMs`) with nothing coming for it (issue 43).
  */
 import type { Logger } from 'pino';
 import { type AppConfig, withScalingOverride } from '../apps/app-config.js';
@@ -81,6 +86,7 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
   const draining = new Set<ReplicaPool>();
 
   const cap = deps.maxReplicas ?? 0;
+  const keyOf = (build: PoolBuild) => `${build.projectId}/${build.appId}`;
   const liveTotal = (): number => {
     let n = 0;
     for (const p of current.values()) n += p.liveReplicas;
@@ -95,6 +101,8 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
     rescaling = true;
     try {
       for (const p of current.values()) p.rescale();
+      // A draining pool may still serve runs it had waiting (its app was deleted: no pool to hand them to).
+      for (const p of draining) p.rescale();
     } finally {
       rescaling = false;
     }
@@ -157,7 +165,7 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
   function pool(build: PoolBuild): ReplicaPool {
     if (removed.has(build.buildId))
       throw new FerryError('FERRY_APP_NOT_FOUND', `No app "${build.appId}" in this project`);
-    const key = `${build.projectId}/${build.appId}`;
+    const key = keyOf(build);
     const existing = current.get(key);
     if (existing) {
       if (existing.build.buildId === build.buildId) return existing;
@@ -169,9 +177,21 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
     return switchTo(build, existing);
   }
 
-  /** A new pool for `build` (its replicas start as needed); the old one drains: its runs finish first. */
+  /**
+   * The pool that takes the runs waiting in `old` when it drains: `next`, the app's current pool, when its
+   * replicas take the same calls (a function call never goes to a custom server, nor an HTTP request to a
+   * cortex bootstrap); else none, and `old` serves them itself.
+   */
+  function successorOf(old: ReplicaPool, next: ReplicaPool | undefined): ReplicaPool | undefined {
+    return next && runtimeOf(next.build).calls === runtimeOf(old.build).calls ? next : undefined;
+  }
+
+  /**
+   * A new pool for `build` (its replicas start as needed); the old one drains: its runs finish first, and the
+   * runs waiting in it for a replica go to the new pool at once.
+   */
   function switchTo(build: PoolBuild, existing: ReplicaPool | undefined): ReplicaPool {
-    const key = `${build.projectId}/${build.appId}`;
+    const key = keyOf(build);
     const fresh = makePool(build);
     current.set(key, fresh);
     if (existing) {
@@ -181,7 +201,7 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
           ? 'replacing replicas for the new replica_concurrency'
           : 'switching to the new build',
       );
-      existing.drain();
+      existing.drain(successorOf(existing, fresh));
       draining.add(existing);
     }
     return fresh;
@@ -203,7 +223,7 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
 
   /** Drains the app's pool if the build it runs is no longer in the store (deleted, alone or with its app). */
   function retire(p: ReplicaPool): void {
-    const key = `${p.build.projectId}/${p.build.appId}`;
+    const key = keyOf(p.build);
     if (current.get(key) !== p) return;
     if (removed.size >= 10_000) removed.clear();
     removed.add(p.build.buildId);
@@ -246,10 +266,14 @@ export function createReplicaManager(deps: ReplicaManagerDeps): ReplicaManager {
   verifyTimer.unref();
 
   const timer = setInterval(() => {
-    for (const p of current.values()) p.reapIdle();
+    for (const p of current.values()) {
+      p.reapIdle();
+      p.tend();
+    }
     for (const p of draining) {
       p.reapIdle();
-      if (p.replicas.size === 0 && p.queueDepth === 0) {
+      p.tend(successorOf(p, current.get(keyOf(p.build))));
+      if (p.replicas.size === 0 && p.liveReplicas === 0 && p.queueDepth === 0) {
         draining.delete(p);
         deps.onDrained?.(p.build.buildId);
       }

@@ -4,9 +4,15 @@
  * A run takes a slot (a replica with fewer than `replica_concurrency` runs in flight, the least busy first).
  * When there is none, it waits in a bounded FIFO queue, and the pool starts replicas while runs wait and
  * fewer than `max_replicas` exist. Idle replicas above `min_replicas` stop after `cooldown` seconds. A
- * draining pool (its build was replaced) takes no new runs; its replicas stop once their runs finish. A
  * replica whose run timed out stops at once, cutting its other runs (a spinning function must not keep
  * its CPU for another grace period).
+ *
+ * A draining pool (its build was replaced, or its app deleted) takes no new runs, and its replicas stop once
+ * their runs finish. A run already waiting in it is never left behind (issue 43): it goes to the pool of
+ * the app's new build (`drain(successor)`), or, when there is none, is served here first, by a replica
+ * started for it if none is left; a replica is stopped only when no run waits. The manager's `tend`, every
+ * second, is the check behind that rule: runs waiting with no replica ready, starting or allowed to start
+ * get one (or go to the app's current pool), and the log says so.
  */
 import type { Logger } from 'pino';
 import type { AppConfig } from '../apps/app-config.js';
@@ -24,6 +30,11 @@ export interface PoolBuild {
 
 export interface Slot {
   replica: Replica;
+  /**
+   * The build of the replica's pool: the one that runs the call. Not always the build the run asked for:
+   * a run waiting when its app's build changed is served by the new build's pool.
+   */
+  build: PoolBuild;
   /** True when no replica was ready when the run asked: it waited for one to start. */
   coldStart: boolean;
   /**
@@ -70,6 +81,8 @@ const RESTART_BACKOFF_MS = { first: 500, max: 30_000 };
 const STABLE_AFTER_MS = 60_000;
 
 interface Waiter {
+  /** The pool whose queue holds it now (it moves with a hand-over). */
+  pool: ReplicaPool;
   resolve(slot: Slot): void;
   reject(err: unknown): void;
   coldStart: boolean;
@@ -89,6 +102,8 @@ export class ReplicaPool {
   private launching = 0;
   /** Crashes and failed starts in a row (reset by a replica that becomes ready and stays up). */
   private failuresInRow = 0;
+  /** close() was called: nothing starts any more. */
+  private closed = false;
   private restartTimer: NodeJS.Timeout | undefined;
   /** ensureMinimum() stopped short at the node's cap: rescale() tries again when another replica stops. */
   private minimumHeldByCap = false;
@@ -148,8 +163,7 @@ export class ReplicaPool {
 
   /** Another pool started or stopped a replica (the node's cap may have room): the minimum, then waiting runs. */
   rescale(): void {
-    if (this.draining) return;
-    if (this.minimumHeldByCap) this.ensureMinimum();
+    if (this.minimumHeldByCap && !this.draining) this.ensureMinimum();
     if (this.waiters.length > 0) this.scale();
   }
 
@@ -183,6 +197,7 @@ export class ReplicaPool {
     let released = false;
     return {
       replica,
+      build: this.current,
       coldStart,
       release: (options) => {
         if (released) return;
@@ -190,7 +205,7 @@ export class ReplicaPool {
         replica.inflight -= 1;
         replica.lastUsed = Date.now();
         if (options?.timedOut) this.killTimedOut(replica, options.reason);
-        else if (this.draining && replica.inflight === 0) void this.stopReplica(replica);
+        // A draining pool's replica serves the runs waiting here first; dispatch stops it when none is left.
         this.dispatch();
       },
     };
@@ -229,13 +244,15 @@ export class ReplicaPool {
     return new Promise<Slot>((resolve, reject) => {
       const coldStart = ![...this.replicas].some((r) => r.state === 'ready');
       const waiter: Waiter = {
+        pool: this,
         resolve,
         reject,
         coldStart,
         signal,
         onAbort: () => {
-          const i = this.waiters.indexOf(waiter);
-          if (i >= 0) this.waiters.splice(i, 1);
+          const { waiters } = waiter.pool;
+          const i = waiters.indexOf(waiter);
+          if (i >= 0) waiters.splice(i, 1);
           reject(signal?.reason ?? new Error('aborted'));
         },
       };
@@ -262,6 +279,9 @@ export class ReplicaPool {
 
   /** Starts replicas while runs wait for capacity that starting replicas will not provide. */
   private scale(): void {
+    if (this.closed) return;
+    // A draining pool grows no more: its waiting runs get a replica only when it has none left.
+    if (this.draining && this.live() > 0) return;
     const starting = this.launching + [...this.replicas].filter((r) => r.state === 'starting').length;
     let capacityComing = starting * this.scaling.replica_concurrency;
     while (
@@ -338,8 +358,8 @@ export class ReplicaPool {
     this.deps.onChange?.();
     if (exit.reason === 'stopped') {
       this.deps.onEvent?.(replica.id, `replica stopped (${describeExit(exit)})`);
-      if (this.draining) return;
-      // A replica stopped after a timed-out run: keep the minimum, and serve runs that wait.
+      // A replica stopped after a timed-out run: keep the minimum (not for a draining pool), and serve runs
+      // that wait (a draining pool's too, until none is left).
       this.ensureMinimum();
       this.scale();
       return;
@@ -352,10 +372,11 @@ export class ReplicaPool {
       { replica: replica.id, app: this.build.appId, reason: exit.reason, detail: describeExit(exit) },
       `replica ${what}; it will be replaced`,
     );
-    if (this.draining) return;
-    // Runs waiting now get a replica at once; the standing minimum comes back after a growing back-off, so a
-    // server that keeps crashing is not restarted in a tight loop.
+    // Runs waiting now get a replica at once (in a draining pool too, until none is left); the standing
+    // minimum comes back after a growing back-off, so a server that keeps crashing is not restarted in a
+    // tight loop.
     if (this.startFailures < 3) this.scale();
+    if (this.draining) return;
     const live = this.live();
     const restart = live < this.minReplicas;
     this.deps.onEvent?.(
@@ -409,16 +430,66 @@ export class ReplicaPool {
     for (const r of this.retired) if (r.inflight === 0) void this.stopReplica(r);
   }
 
-  /** Takes no new runs; replicas stop when their runs (and the runs already queued here) are done. */
-  drain(): void {
+  /**
+   * Takes no new runs; replicas stop when their runs are done. The runs waiting here go to `successor`
+   * (the pool of the app's new build) now; with none, they are served here first, by a replica started for
+   * them if none is left (the module comment says why).
+   */
+  drain(successor?: ReplicaPool): void {
     this.draining = true;
     clearTimeout(this.restartTimer);
+    if (successor) this.handOver(successor);
     this.dispatch();
+    this.scale();
+  }
+
+  /**
+   * The manager's check (every second) that the runs waiting here are being served. A draining pool hands
+   * them to `successor`, the app's current pool, when it has one now (a later call made it); any pool
+   * starts a replica for runs that have none ready, starting or allowed to start (a start held by the
+   * node's cap, or by the app's replicas on other workers, is tried again here). A run that waited with no
+   * replica at all, none coming, is a missed wake-up: the log says so.
+   */
+  tend(successor?: ReplicaPool): void {
+    if (this.waiters.length === 0 || this.closed) return;
+    if (this.draining && successor && successor !== this && !successor.draining) {
+      this.handOver(successor);
+      return;
+    }
+    this.dispatch();
+    if (this.waiters.length === 0) return;
+    const none = this.live() === 0;
+    this.scale();
+    if (none && this.live() > 0) {
+      this.deps.logger.warn(
+        { app: this.build.appId, build: this.build.buildId, waiting: this.waiters.length },
+        'runs waited with no replica starting for them; starting one',
+      );
+    }
+  }
+
+  /** Moves the runs waiting here to `to`, ahead of its own: they have waited longer. */
+  private handOver(to: ReplicaPool): void {
+    if (this.waiters.length === 0 || to === this || to.draining) return;
+    const moved = this.waiters.splice(0);
+    const cold = ![...to.replicas].some((r) => r.state === 'ready');
+    for (const waiter of moved) {
+      waiter.pool = to;
+      waiter.coldStart ||= cold;
+    }
+    to.waiters.unshift(...moved);
+    this.deps.logger.info(
+      { app: this.build.appId, from: this.build.buildId, to: to.build.buildId, runs: moved.length },
+      'runs waiting for the replaced build go to the new one',
+    );
+    to.scale();
+    to.dispatch();
   }
 
   /** Stops every replica (server shutdown): runs in flight get the grace period. */
   async close(graceMs?: number): Promise<void> {
     this.draining = true;
+    this.closed = true;
     clearTimeout(this.restartTimer);
     this.failWaiters(
       new FerryError('FERRY_NO_READY_BUILD', 'The server is stopping', { headers: { 'retry-after': '5' } }),

@@ -323,7 +323,8 @@ export function createInvoker(deps: InvokerDeps): LocalInvoker {
     };
     const cancelSlot = cancels.add(runId, stop);
     try {
-      // During a redeploy the manager may hand out the newer build's pool: record the build that really ran.
+      // During a redeploy the manager may hand out the newer build's pool, or hand a run waiting in the old
+      // one to the new one: the slot's build is the build that really runs it, and is recorded.
       const pool = deps.replicas.pool(build);
       // A free slot is taken without a Promise; waiting for one needs an AbortSignal (made only then).
       slot = pool.tryAcquire() ?? (await pool.acquire(run.signal));
@@ -341,7 +342,7 @@ export function createInvoker(deps: InvokerDeps): LocalInvoker {
       started = Date.now();
       recorder.update(runId, {
         state: 'running',
-        build_id: pool.build.buildId,
+        build_id: slot.build.buildId,
         started_at: isoTime(started),
         cold_start: coldStart ? 1 : 0,
       });

@@ -373,6 +373,49 @@ export async function claimDueDeliveries(
     .execute();
 }
 
+/** A delivery the store says `owner` is sending, and when it was claimed (its `updated_at`). */
+export interface HeldDelivery {
+  run_id: string;
+  updated_at: string;
+}
+
+/** The deliveries `owner` holds `sending` (webhooks/deliverer.ts compares them with its attempts in flight). */
+export function heldDeliveries(db: Db, owner: string): Promise<HeldDelivery[]> {
+  return db
+    .selectFrom('webhook_deliveries')
+    .select(['run_id', 'updated_at'])
+    .where('state', '=', 'sending')
+    .where('owner', '=', owner)
+    .execute();
+}
+
+/**
+ * Lets go of deliveries `owner` holds `sending` but is not sending (their claim's answer was lost): pending
+ * again, due `now`, attempts unchanged (no attempt was made). Each only while it is still the one that was
+ * read, claimed at the same `updated_at`: a delivery sent and claimed again since is left alone. Returns how
+ * many were let go.
+ */
+export async function releaseHeldDeliveries(
+  db: Db,
+  owner: string,
+  held: readonly HeldDelivery[],
+  now: string,
+): Promise<number> {
+  let released = 0;
+  for (const d of held) {
+    const result = await db
+      .updateTable('webhook_deliveries')
+      .set({ state: 'pending', owner: null, next_attempt_at: now, updated_at: now })
+      .where('run_id', '=', d.run_id)
+      .where('state', '=', 'sending')
+      .where('owner', '=', owner)
+      .where('updated_at', '=', d.updated_at)
+      .executeTakeFirst();
+    released += Number(result.numUpdatedRows);
+  }
+  return released;
+}
+
 /** Starts building a pending build this node holds: `pending` → `building`. False when it is not one. */
 export async function startBuild(db: Db, owner: string, buildId: string, startedAt: string): Promise<boolean> {
   const result = await db

@@ -16,6 +16,13 @@
  * receivers are idempotent). The attempt that was cut short is not recorded and does not count towards
  * the 3 attempts.
  *
+ * A live node can hold a row it is not sending, too: a claim that committed while the store went away
+ * before its answer came back (issue 43). Recovery leaves a live node's rows alone, so the node's own
+ * held-deliveries sweep finds them: a row the store says this node is sending, with no attempt in flight
+ * here and no claim of this node under way, at two sweeps in a row (`heldSweepMs` apart, 5 s by default),
+ * is let go (pending again, due now, its attempts unchanged) and the loop claims it again. A delivery held
+ * that way waits at most two sweeps once the store answers again (docs/operations.md).
+ *
  * Throughput: due rows are claimed in batches (one transaction), sent concurrently (up to
  * `concurrency`), and the outcomes of every attempt that finished since the last write are written in
  * one transaction. Connections to a receiver are kept alive between deliveries.
@@ -29,7 +36,7 @@ import { type Dispatcher, request } from 'undici';
 import { FerryError } from '../errors.js';
 import { nowIso, randomHex } from '../ids.js';
 import { findRun } from '../runs/runs.js';
-import { claimDueDeliveries } from '../store/claims.js';
+import { claimDueDeliveries, type HeldDelivery, heldDeliveries, releaseHeldDeliveries } from '../store/claims.js';
 import type { Store } from '../store/index.js';
 import { type AllowList, createGuardedAgent, parseAllowList } from './address-guard.js';
 import {
@@ -72,6 +79,11 @@ export interface WebhookDelivererOptions {
   concurrency?: number;
   /** The safety-net poll of the outbox, for rows written without `wake()`. Default 1 s. */
   pollIntervalMs?: number;
+  /**
+   * How often the held-deliveries sweep looks for rows this node holds `sending` with no attempt in flight
+   * (the module comment says why). Default 5 s.
+   */
+  heldSweepMs?: number;
   /** How often the secret purge runs. Default 1 hour. */
   purgeIntervalMs?: number;
   /** How long `close()` lets attempts in flight finish before cutting them short. Default 1 s. */
@@ -139,6 +151,7 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
   const concurrency = Math.max(1, options.concurrency ?? DEFAULT_CONCURRENCY);
   const pollMs = options.pollIntervalMs ?? 1_000;
   const purgeMs = options.purgeIntervalMs ?? 3600 * 1000;
+  const heldSweepMs = options.heldSweepMs ?? 5_000;
   const graceMs = options.closeGraceMs ?? 1_000;
   const owner = options.owner ?? `deliverer-${randomHex(6)}`;
   const agent: Dispatcher = createGuardedAgent({ allow, connectTimeoutMs: timeoutMs, lookup: options.lookup });
@@ -152,6 +165,12 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
   let kickScheduled = false;
   let timer: NodeJS.Timeout | undefined;
   let purgeTimer: NodeJS.Timeout | undefined;
+  let sweepTimer: NodeJS.Timeout | undefined;
+  /**
+   * Claims under way, by the `updated_at` they stamp on the rows they take: those rows are this node's and
+   * not in flight yet, so the held-deliveries sweep leaves them alone.
+   */
+  const claimsUnderWay = new Map<string, number>();
 
   function kick(): void {
     if (!started || closed || kickScheduled) return;
@@ -197,8 +216,17 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
     const free = concurrency - inFlight.size;
     // Full: the next finished attempt kicks the loop.
     if (free <= 0) return;
-    const jobs = await claim(free);
-    for (const job of jobs) launch(job);
+    const stamp = nowIso(clock);
+    claimsUnderWay.set(stamp, (claimsUnderWay.get(stamp) ?? 0) + 1);
+    let jobs: Job[];
+    try {
+      jobs = await claim(free, stamp);
+      for (const job of jobs) launch(job);
+    } finally {
+      const n = claimsUnderWay.get(stamp) ?? 1;
+      if (n <= 1) claimsUnderWay.delete(stamp);
+      else claimsUnderWay.set(stamp, n - 1);
+    }
     if (jobs.length === free) {
       again = true;
       return;
@@ -212,8 +240,8 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
     arm(Math.min(pollMs, due));
   }
 
-  async function claim(limit: number): Promise<Job[]> {
-    const claimed = await claimDueDeliveries(store, owner, nowIso(clock), limit);
+  async function claim(limit: number, now: string): Promise<Job[]> {
+    const claimed = await claimDueDeliveries(store, owner, now, limit);
     if (claimed.length === 0) return [];
     const ids = claimed.map((c) => c.run_id);
     const [secrets, last] = await Promise.all([
@@ -414,6 +442,40 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
     }
   }
 
+  /** Rows not in flight at the previous sweep, with the `updated_at` they had then. */
+  let suspects = new Map<string, string>();
+  let sweeping = false;
+
+  /** The held-deliveries sweep (see the module comment): rows this node holds `sending` and is not sending. */
+  async function sweepHeld(): Promise<void> {
+    if (sweeping || closed) return;
+    sweeping = true;
+    try {
+      const loose = (await heldDeliveries(store, owner)).filter(
+        (d) => !inFlight.has(d.run_id) && !claimsUnderWay.has(d.updated_at),
+      );
+      const confirmed = loose.filter((d) => suspects.get(d.run_id) === d.updated_at);
+      suspects = new Map(loose.map((d) => [d.run_id, d.updated_at]));
+      // Checked again right before: a row taken in flight since the read is left alone.
+      const release: HeldDelivery[] = confirmed.filter(
+        (d) => !inFlight.has(d.run_id) && !claimsUnderWay.has(d.updated_at),
+      );
+      if (release.length === 0 || closed) return;
+      const released = await releaseHeldDeliveries(store, owner, release, nowIso(clock));
+      for (const d of release) suspects.delete(d.run_id);
+      if (released === 0) return;
+      logger.warn(
+        { released, runs: release.map((d) => d.run_id).slice(0, 20) },
+        'webhook deliveries this node held in the store but not in flight (an answer of the store was lost): let go',
+      );
+      kick();
+    } catch (err) {
+      logger.debug({ err }, 'the held-deliveries sweep failed; trying again');
+    } finally {
+      sweeping = false;
+    }
+  }
+
   async function purgeSecrets(): Promise<number> {
     const cutoff = nowIso(() => clock() - SECRET_RETENTION_MS);
     const ended = await store
@@ -457,6 +519,8 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
       runPurge();
       purgeTimer = setInterval(runPurge, purgeMs);
       purgeTimer.unref();
+      sweepTimer = setInterval(() => void sweepHeld(), heldSweepMs);
+      sweepTimer.unref();
       void tick();
     },
 
@@ -508,6 +572,7 @@ export function createWebhookDeliverer(options: WebhookDelivererOptions): Webhoo
       closed = true;
       if (timer) clearTimeout(timer);
       if (purgeTimer) clearInterval(purgeTimer);
+      if (sweepTimer) clearInterval(sweepTimer);
       await ticking;
       const all = () => Promise.all([...inFlight.values()].map((f) => f.done));
       let graceTimer: NodeJS.Timeout | undefined;
