@@ -98,52 +98,38 @@ def prepare_metadata_for_build_wheel(metadata_directory, config_settings=None):
     return info
 
 
-def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+WHEEL_FILE = b"Wheel-Version: 1.0\nGenerator: ferry_build\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+
+
+def _write_wheel(wheel_directory, entries):
+    """Writes the wheel of ``entries`` (path, bytes) with its METADATA, WHEEL and RECORD; its file name."""
     _name, version, dist = _names()
     filename = "%s-%s-py3-none-any.whl" % (dist, version)
     info = "%s-%s.dist-info" % (dist, version)
-    records = []
+    entries = list(entries) + [(info + "/METADATA", _metadata().encode("utf-8")), (info + "/WHEEL", WHEEL_FILE)]
+    records = [_record_line(path, data) for path, data in entries] + [info + "/RECORD,,"]
+    entries.append((info + "/RECORD", ("\n".join(records) + "\n").encode("utf-8")))
     with zipfile.ZipFile(os.path.join(wheel_directory, filename), "w", zipfile.ZIP_DEFLATED) as wheel:
-
-        def add(path, data):
+        for path, data in entries:
             # A fixed date: the same sources make the same wheel.
             entry = zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0))
             entry.external_attr = 0o644 << 16
             wheel.writestr(entry, data, zipfile.ZIP_DEFLATED)
-            records.append(_record_line(path, data))
-
-        for full, rel in _package_files():
-            with open(full, "rb") as f:
-                add(rel, f.read())
-        add(info + "/METADATA", _metadata().encode("utf-8"))
-        add(
-            info + "/WHEEL",
-            b"Wheel-Version: 1.0\nGenerator: ferry_build\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        )
-        records.append(info + "/RECORD,,")
-        entry = zipfile.ZipInfo(info + "/RECORD", date_time=(2020, 1, 1, 0, 0, 0))
-        entry.external_attr = 0o644 << 16
-        wheel.writestr(entry, "\n".join(records) + "\n")
     return filename
+
+
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    files = []
+    for full, rel in _package_files():
+        with open(full, "rb") as f:
+            files.append((rel, f.read()))
+    return _write_wheel(wheel_directory, files)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
     """PEP 660: a wheel whose .pth file puts this folder on sys.path."""
-    _name, version, dist = _names()
-    filename = "%s-%s-py3-none-any.whl" % (dist, version)
-    info = "%s-%s.dist-info" % (dist, version)
-    records = []
-    with zipfile.ZipFile(os.path.join(wheel_directory, filename), "w", zipfile.ZIP_DEFLATED) as wheel:
-        for path, data in [
-            ("%s.pth" % dist, (ROOT + "\n").encode("utf-8")),
-            (info + "/METADATA", _metadata().encode("utf-8")),
-            (info + "/WHEEL", b"Wheel-Version: 1.0\nGenerator: ferry_build\nRoot-Is-Purelib: true\nTag: py3-none-any\n"),
-        ]:
-            wheel.writestr(path, data)
-            records.append(_record_line(path, data))
-        records.append(info + "/RECORD,,")
-        wheel.writestr(info + "/RECORD", "\n".join(records) + "\n")
-    return filename
+    _name, _version, dist = _names()
+    return _write_wheel(wheel_directory, [("%s.pth" % dist, (ROOT + "\n").encode("utf-8"))])
 
 
 def get_requires_for_build_editable(config_settings=None):
