@@ -135,7 +135,7 @@ function imageLines(images: ImagesReport): string[] {
   const mib = (bytes: number) => `${Math.round(bytes / 1024 / 1024)} MiB`;
   const lines = [
     `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? 'yes' : 'no'}` +
-      ' ([image] base images build and run; apt/run/dockerfile steps are built but not yet taken by deploys)',
+      ' ([image] base images, apt and run steps and Dockerfiles, built at deploy)',
   ];
   if (images.missing.length > 0) lines.push(`missing: ${images.missing.join('; ')}`);
   if (images.cache) {
