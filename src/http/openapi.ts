@@ -87,7 +87,8 @@ const functionCall = {
     'Calls the public function `function` of a cortex app with the JSON object of the body as its arguments ' +
     '(`Content-Type: application/json`, `text/plain` or none; an empty body is `{}`). Synchronous by default ' +
     '(200), `?async=true` answers 202 at once, `Accept: text/event-stream` streams what a generator yields. ' +
-    'Every response carries `X-Request-Id`, the run id. For a custom app, the request is forwarded to its ' +
+    'Every response carries `X-Request-Id`, the run id; an error names it as `run_id` only when the call became ' +
+    'a run (one refused before, with a 401, 404 or 415, is no run). For a custom app, the request is forwarded to its ' +
     'server instead and its response is answered as it is. See docs/api.md, "Run endpoint".',
   tags: ['run'],
   operationId: 'runFunction',

@@ -65,6 +65,13 @@ export interface RunRequestBase {
   webhookSecret?: string | undefined;
   /** Called once a replica slot is taken and the call begins (stream mode sends its headers then). */
   onStarted?: (() => void) | undefined;
+  /**
+   * Called once the run is recorded (its id names a run `GET …/runs/{id}` finds), before the invoke settles:
+   * the run endpoint answers an error with `run_id` only then. A local invoke records the run as it begins;
+   * a gateway's, once a worker took the call; a call refused before (no worker, a worker's refusal) has no
+   * run.
+   */
+  onRecorded?: (() => void) | undefined;
   /** No response_grace_period deadline (a WebSocket session lives as long as both sides want). */
   noDeadline?: boolean;
   /**
@@ -279,6 +286,7 @@ export function createInvoker(deps: InvokerDeps): LocalInvoker {
         recorder.log(runId, 'system', `input of ${input.bytes} bytes not stored (limit ${MAX_STORED_INPUT_BYTES})`);
       }
     }
+    request.onRecorded?.();
 
     const grace = build.config.scaling.response_grace_period * 1000;
     // One abort for the run: the caller going away, the deadline and a cancel all end the call through it.

@@ -1,7 +1,9 @@
 /**
  * The run endpoint, `POST /v4/{project_id}/{app_name}/{function}` (the spec's `.../run` calls `run`).
  *
- * Every response, errors included, carries `X-Request-Id`, equal to the run id. Authentication uses the
+ * Every response, errors included, carries `X-Request-Id`, equal to the run id; an error names the run in
+ * its body (`run_id`) only once the call became one (`request.runRecorded`): a call refused before, with
+ * a 401, 404 or 415, has no run to look up (issue 43). Authentication uses the
  * `run` scope unless the app's active build has `disable_auth = true`. The body is a JSON object whose
  * members are the function's arguments; it is forwarded to the replica as the caller sent it.
  */
@@ -27,6 +29,8 @@ import type { TypedServer } from '../typed-server.js';
 declare module 'fastify' {
   interface FastifyRequest {
     runId?: string;
+    /** The call was recorded as the run `runId` (RunRequestBase.onRecorded): its error answer names it. */
+    runRecorded?: boolean;
     runTarget?: RunTarget;
   }
 }
@@ -253,6 +257,9 @@ async function streamRun(
   const gone = new AbortController();
   const stop = () => gone.abort(new Error('client disconnected'));
   const connection = eventConnection(services, request, reply, call.runId, wantsStreamEvents(request));
+  const recorded = () => {
+    request.runRecorded = true;
+  };
   let stream: ReplayStream | undefined;
   const begin = (): ReplayStream => {
     if (stream) return stream;
@@ -277,6 +284,7 @@ async function streamRun(
       ...call,
       mode: 'stream',
       signal: gone.signal,
+      onRecorded: recorded,
       onStarted: () => void begin(),
       onItem: (item) => begin().push(eventText(item)),
       // While the caller's connection is full, the replica's answer waits (not read, not buffered here).
@@ -445,7 +453,12 @@ export function registerRunRoutes(app: TypedServer, services: RunRouteDeps, opti
           if (gone.signal.aborted && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
           throw err;
         };
-        const outcome = await services.runs.invoke({ ...common, signal: gone.signal, mode: 'sync' }).catch(orGone);
+        const recorded = () => {
+          request.runRecorded = true;
+        };
+        const outcome = await services.runs
+          .invoke({ ...common, signal: gone.signal, mode: 'sync', onRecorded: recorded })
+          .catch(orGone);
         // The result's JSON, made once by the invoker for the run record, is spliced into the envelope.
         const result = outcome.resultJson ?? JSON.stringify(outcome.result) ?? 'null';
         return reply
