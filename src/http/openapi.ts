@@ -45,7 +45,8 @@ const RunQuery = Type.Object({
       format: 'uri',
       maxLength: 2048,
       description:
-        'Absolute http(s) URL without a user name or password, at most 2048 characters, to POST the outcome to (see docs/webhooks.md)',
+        'Absolute http(s) URL without a user name or password, at most 2048 characters, to POST the outcome to; ' +
+        'a host that is an IP address in a blocked range FERRY_WEBHOOK_ALLOW does not open is refused (400) (see docs/webhooks.md)',
     }),
   ),
 });

@@ -17,6 +17,7 @@ import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { type CallParts, checkFunction, type RunService, type RunTarget } from '../../runs/run-service.js';
 import type { ReplayStream, StreamEndState, StreamReader, StreamReplay } from '../../runs/stream-replay.js';
 import { runtimeOf } from '../../runtimes/index.js';
+import { blockedReason, parseAllowList } from '../../webhooks/address-guard.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { parseWebhookUrl, WebhookUrlError } from '../../webhooks/webhook-url.js';
 import { errorEventData } from '../answer.js';
@@ -44,7 +45,7 @@ export interface RunRouteDeps extends CustomProxyDeps {
   runs: RunService;
   /** Streaming runs' events, kept for a reconnect (runs/stream-replay.ts). */
   streams: Pick<StreamReplay, 'open' | 'get'>;
-  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds' | 'streamBufferBytes'>;
+  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds' | 'streamBufferBytes' | 'webhookAllow'>;
 }
 
 const RunParams = Type.Object({
@@ -70,16 +71,24 @@ export function parseRunBody(raw: Buffer): RawJson {
   return { raw };
 }
 
-/** The `webhookEndpoint` query parameter, normalized (webhooks/webhook-url.ts has the rule), or undefined. */
-function parseWebhookEndpoint(value: unknown): string | undefined {
-  if (value === undefined) return undefined;
-  try {
-    return parseWebhookUrl(value);
-  } catch (err) {
-    if (err instanceof WebhookUrlError)
-      throw new FerryError('FERRY_WEBHOOK_URL_INVALID', `webhookEndpoint ${err.message}`);
-    throw err;
-  }
+/**
+ * The reader of the `webhookEndpoint` query parameter: normalized (webhooks/webhook-url.ts has the rule),
+ * or undefined. A literal address in a range this server's deliveries may not reach (FERRY_WEBHOOK_ALLOW)
+ * is refused now, as a bad URL, not accepted and failed at delivery (issue 43).
+ */
+function webhookEndpointReader(webhookAllow: string): (value: unknown) => string | undefined {
+  const allow = parseAllowList(webhookAllow);
+  const options = { blocked: (address: string) => blockedReason(address, allow) };
+  return function parseWebhookEndpoint(value) {
+    if (value === undefined) return undefined;
+    try {
+      return parseWebhookUrl(value, options);
+    } catch (err) {
+      if (err instanceof WebhookUrlError)
+        throw new FerryError('FERRY_WEBHOOK_URL_INVALID', `webhookEndpoint ${err.message}`);
+      throw err;
+    }
+  };
 }
 
 /** The `Idempotency-Key` header: up to 255 visible ASCII characters, or undefined when not sent. */
@@ -364,6 +373,7 @@ function resumeStream(
 
 /** `options`: whether custom apps' answers are sandboxed on this server (custom-proxy.ts, ProxyOptions). */
 export function registerRunRoutes(app: TypedServer, services: RunRouteDeps, options: ProxyOptions): void {
+  const parseWebhookEndpoint = webhookEndpointReader(services.config.webhookAllow);
   attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
     services.runs.resolveTarget(projectId, appName, authorization),
   );
