@@ -123,6 +123,14 @@ export async function slow() { await new Promise((r) => setTimeout(r, 5000)); re
       notes.some((l) => l.line === 'attempt 3 of 3 started'),
       JSON.stringify(logs.json.lines),
     );
+    // The app's first call: attempt 1 waited for its replica to start (the log says so), attempts 2 and 3
+    // took that replica warm. The record says the run waited too: a warm attempt does not take back what
+    // the log tells (issue 43: the record said `cold_start: false` beside "waited 397 ms").
+    assert.ok(
+      notes.some((l) => /^cold start: waited \d+ ms for a replica$/.test(l.line)),
+      JSON.stringify(notes),
+    );
+    assert.equal(run.cold_start, true);
   });
 
   it('a run that never succeeds ends dead after its last attempt', async () => {

@@ -347,12 +347,15 @@ export function createInvoker(deps: InvokerDeps): LocalInvoker {
       }
       coldStart = slot.coldStart;
       started = Date.now();
-      recorder.update(runId, {
-        state: 'running',
-        build_id: pool.build.buildId,
-        started_at: isoTime(started),
-        cold_start: coldStart ? 1 : 0,
-      });
+      // `cold_start` is the run's, over all its attempts, as its log is: set by an attempt that waited for a
+      // replica to start, never cleared by a later warm one (a new row starts at 0). Issue 43: a retried
+      // run's record said `false` while its log told of the first attempt's wait.
+      recorder.update(
+        runId,
+        coldStart
+          ? { state: 'running', build_id: pool.build.buildId, started_at: isoTime(started), cold_start: 1 }
+          : { state: 'running', build_id: pool.build.buildId, started_at: isoTime(started) },
+      );
       if (coldStart) recorder.log(runId, 'system', `cold start: waited ${started - created} ms for a replica`);
       request.onStarted?.();
 
