@@ -403,7 +403,8 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     assert.equal(await page.evaluate(() => navigator.clipboard.readText()), token);
     const row = page.locator('tr[data-name="ci-deploy"]');
     await row.waitFor();
-    assert.match((await row.textContent()) ?? '', /2030-01-31/);
+    // The expiry with its time, not only the day (issue 43): the form's day ends at 23:59 UTC.
+    assert.match((await row.textContent()) ?? '', /2030-01-31 23:59 UTC/);
     assert.match((await row.textContent()) ?? '', /manage, run/);
     assert.equal((await http(`${server.url}/v2/projects/${auth.projectId}`, { token })).status, 200);
     await assertLabelled('API keys');
