@@ -303,6 +303,11 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     assert.equal(await syncRow.getAttribute('data-state'), 'success');
     await page.locator(`tr[data-run-id="${ids.async}"][data-state="success"]`).waitFor({ timeout: PAGE_WAIT_MS });
     assert.equal((await asyncRow.locator('.state-success').textContent())?.trim(), 'success');
+    // What started each run and its attempts (issue 43).
+    for (const row of [syncRow, asyncRow]) {
+      assert.equal((await row.locator('td[data-label="Started by"]').textContent())?.trim(), 'call');
+      assert.equal((await row.locator('td[data-label="Attempts"]').textContent())?.trim(), '1');
+    }
     // Newest first.
     const order = await page
       .locator('tbody tr[data-run-id]')
