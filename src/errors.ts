@@ -236,6 +236,7 @@ export const ERRORS = {
     status: 409,
     message: 'The path is a folder where a file is needed, or a file where a folder is needed',
   },
+  FERRY_BUILD_DEPENDENCIES_FAILED: { status: 422, message: "The app's dependencies could not be installed" },
   FERRY_BUILD_VOLUME_MISSING: {
     status: 400,
     message: 'ferry.toml mounts a volume the project does not have: create it first (ferry volumes create)',

@@ -95,6 +95,12 @@ describe('answer: any error to {status, headers, body}', () => {
     assert.equal(answered.headers['x-request-id'], RUN);
   });
 
+  it('a call refused before it became a run: X-Request-Id only, no run_id (issue 43)', () => {
+    const answered = answer(new FerryError('FERRY_UNSUPPORTED_MEDIA_TYPE'), { requestId: RUN });
+    assert.deepEqual(Object.keys(JSON.parse(answered.body)), ['error']);
+    assert.equal(answered.headers['x-request-id'], RUN);
+  });
+
   it("an error's details are members of its error object", () => {
     const answered = answer(new FerryError('FERRY_FUNCTION_ERROR', 'TypeError: x', { details: { type: 'TypeError' } }));
     assert.deepEqual(JSON.parse(answered.body), {

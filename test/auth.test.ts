@@ -6,6 +6,7 @@
 import assert from 'node:assert/strict';
 import { randomBytes, randomUUID } from 'node:crypto';
 import { after, before, describe, it } from 'node:test';
+import { createSignInSession } from '../src/auth/sessions.js';
 import { signToken } from '../src/auth/tokens.js';
 import { helloApp } from './helpers/app-zip.js';
 import { http, startServer, type TestServer, waitFor } from './helpers/ferry.js';
@@ -188,5 +189,84 @@ describe('authentication', () => {
     assert.equal(res.json.error.code, 'FERRY_MISSING_SCOPE');
     res = await run(`Bearer ${other.token}`);
     assert.equal(res.status, 403);
+  });
+
+  it('a sign-in session (ferry admin login-link): manage only, no account of its own, ends with its account or at its expiry', async () => {
+    const { store, jwtKey } = server.services;
+    const owner = await server.bootstrap('sessions');
+    const accounts = async () =>
+      Number(
+        (
+          await store
+            .selectFrom('service_accounts')
+            .select((e) => e.fn.countAll().as('n'))
+            .executeTakeFirstOrThrow()
+        ).n,
+      );
+    const before = await accounts();
+    // 4 s of life, as for the expired token above: room for the first calls on a busy machine.
+    const expiresAt = Date.now() + 4_000;
+    const session = await createSignInSession(store, jwtKey, {
+      projectId: owner.projectId,
+      until: new Date(expiresAt),
+    });
+    assert.ok(session, 'the owner account takes sessions');
+    assert.equal(session.account.name, 'owner');
+    assert.equal(await accounts(), before, 'no account row is made, so none is left behind (issue 43)');
+    const listed = await server.inject(`/v2/projects/${owner.projectId}/service-accounts`, { token: owner.token });
+    assert.deepEqual(
+      listed.json.service_accounts.map((a: { name: string }) => a.name),
+      ['owner'],
+      'the API keys page lists the accounts, and a session is none',
+    );
+    const apps = `/v2/projects/${owner.projectId}/apps`;
+    assert.equal((await server.inject(apps, { token: session.token })).status, 200, 'it signs in (manage)');
+    const runCall = await http(`${server.url}/v4/${owner.projectId}/hello/run`, {
+      method: 'POST',
+      body: {},
+      token: session.token,
+    });
+    assert.equal(runCall.status, 403, runCall.text);
+    assert.equal(runCall.json.error.code, 'FERRY_MISSING_SCOPE');
+    await expectError(`/v2/projects/${projectId}/apps`, `Bearer ${session.token}`, 403, 'FERRY_FORBIDDEN_PROJECT');
+
+    // A session claims no more than its account has: one of a run-only account is refused.
+    const runner = await server.inject(`/v2/projects/${owner.projectId}/service-accounts`, {
+      method: 'POST',
+      token: owner.token,
+      body: { name: 'runner', scopes: ['run'] },
+    });
+    const stretched = await signToken(jwtKey, {
+      serviceAccountId: runner.json.id,
+      projectId: owner.projectId,
+      scopes: ['manage'],
+      tokenId: randomUUID(),
+      expiresAt: new Date(Date.now() + 3600_000),
+      session: true,
+    });
+    await expectError(apps, `Bearer ${stretched}`, 401, 'FERRY_TOKEN_INVALID');
+
+    // Its own expiry ends it (waiting longer never makes this pass wrongly).
+    await new Promise((r) => setTimeout(r, expiresAt + 1_100 - Date.now()));
+    await expectError(apps, `Bearer ${session.token}`, 401, 'FERRY_TOKEN_EXPIRED');
+
+    // Revoking its account ends it at once.
+    const later = await createSignInSession(store, jwtKey, {
+      projectId: owner.projectId,
+      until: new Date(Date.now() + 3600_000),
+    });
+    assert.ok(later);
+    assert.equal((await server.inject(apps, { token: later.token })).status, 200);
+    const revoked = await server.inject(`/v2/projects/${owner.projectId}/service-accounts/${later.account.id}`, {
+      method: 'DELETE',
+      token: owner.token,
+    });
+    assert.equal(revoked.status, 200, revoked.text);
+    await expectError(apps, `Bearer ${later.token}`, 401, 'FERRY_TOKEN_REVOKED');
+    // With no active manage account left, there is nothing for a session to belong to.
+    assert.equal(
+      await createSignInSession(store, jwtKey, { projectId: owner.projectId, until: new Date(Date.now() + 60_000) }),
+      undefined,
+    );
   });
 });

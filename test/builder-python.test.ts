@@ -19,6 +19,7 @@ import { createDefaultBuilders, selectBuilder } from '../src/runtimes/index.js';
 import { createPythonBuilder, requirementsImageSteps } from '../src/runtimes/python/builder.js';
 import { PYTHON_BOOTSTRAP } from '../src/runtimes/python/index.js';
 import { findPython } from '../src/runtimes/python/interpreter.js';
+import { pipFailure } from '../src/runtimes/python/pip-failure.js';
 import { requirementsLocalPaths, requirementsProblem } from '../src/runtimes/python/requirements.js';
 import { detectSandbox } from '../src/sandbox/launch.js';
 import {
@@ -447,16 +448,62 @@ describe('python builder: dependencies', () => {
     });
   });
 
-  it("fails when pip fails, with pip's output in the log", { timeout: TIMEOUT }, async () => {
+  it("fails when pip fails, coded, with pip's last lines in the error and its output in the log", {
+    timeout: TIMEOUT,
+  }, async () => {
     // A wheel the check lets through (it is inside the app) but that is not there.
     const ws = await depsWorkspace({ 'requirements.txt': './vendor/does_not_exist-1.0-py3-none-any.whl\n' });
     const outcome = await runBuild(ws);
-    assertFailed(outcome, /^pip install failed \(exit code [1-9]\d*\)$/);
+    const err = assertFailed(
+      outcome,
+      /^FERRY_BUILD_DEPENDENCIES_FAILED: pip install failed \(exit code [1-9]\d*\); pip's last lines:\nERROR: .*does_not_exist-1\.0/,
+    );
+    assert.match(err.message, /docs\/functions\.md#python \("Dependencies": ship wheels in the app\)/);
     assert.ok(
       outcome.lines.some((l) => l.startsWith('ERROR:') && l.includes('does_not_exist-1.0')),
       outcome.lines.join('\n'),
     );
     assert.ok(!outcome.lines.some((l) => l.startsWith('Public functions')), 'the build stopped at pip');
+  });
+
+  it('a requirement no index has, with no network: coded at once, not after pip retried (issue 43)', {
+    timeout: TIMEOUT,
+  }, async () => {
+    // The harness's build network is loopback only (FERRY_EGRESS=off): no index pip knows can answer.
+    const ws = await depsWorkspace({ 'requirements.txt': 'ferry-surely-not-a-package==9.9.9\n' });
+    const outcome = await runBuild(ws);
+    const err = assertFailed(outcome, /^FERRY_BUILD_DEPENDENCIES_FAILED: pip install failed \(exit code 1\); /);
+    assert.match(err.message, /\nERROR: No matching distribution found for ferry-surely-not-a-package==9\.9\.9\n/);
+    assert.match(err.message, /The build sandbox has no network \(loopback only: FERRY_EGRESS=off/);
+    assert.match(err.message, /See docs\/functions\.md#python/);
+    // Before, pip retried the unreachable index five times (12 s) before it said the same.
+    assert.ok(!outcome.lines.some((l) => /Retrying \(Retry\(/.test(l)), outcome.lines.join('\n'));
+  });
+
+  it("says what pip's failure most likely means where the build has a network", () => {
+    const unreachable = pipFailure(
+      'failed (exit code 1)',
+      [
+        "WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) after connection broken by 'NewConnectionError(...: Failed to establish a new connection: [Errno -3] Temporary failure in name resolution')': /simple/x/",
+        'ERROR: Could not find a version that satisfies the requirement x==1 (from versions: none)',
+        'ERROR: No matching distribution found for x==1',
+      ],
+      'veth',
+    );
+    assert.equal(unreachable.code, 'FERRY_BUILD_DEPENDENCIES_FAILED');
+    assert.match(
+      unreachable.message,
+      /pip's last lines:\nERROR: Could not find a version .*\nERROR: No matching distribution found for x==1\n/,
+    );
+    assert.doesNotMatch(unreachable.message, /WARNING/, "only pip's conclusion is quoted");
+    assert.match(unreachable.message, /pip could not reach the package index from the build sandbox/);
+    const missing = pipFailure('failed (exit code 1)', ['ERROR: No matching distribution found for x==1'], 'user');
+    assert.match(missing.message, /No index pip reaches has a wheel of that requirement/);
+    const killed = pipFailure('was killed: it ran out of memory (the limit is 2048 MiB)', [], 'veth');
+    assert.match(
+      killed.message,
+      /^FERRY_BUILD_DEPENDENCIES_FAILED: pip install was killed: it ran out of memory \(the limit is 2048 MiB\)\. /,
+    );
   });
 
   it("gives pip a minimal environment, never the server's", { timeout: TIMEOUT }, async () => {
@@ -480,7 +527,8 @@ describe('python builder: dependencies', () => {
       const cache = sandboxed ? '/app/cache' : path.join(h.cacheDir, 'builds', 'b_test');
       assert.ok(
         outcome.lines.includes(
-          `args: -I -m pip install --no-input --disable-pip-version-check --no-cache-dir --timeout 15 --only-binary=:all: --target ${out}/site-packages -r requirements.txt`,
+          // --retries 0: the harness's build network is loopback only, where no index can answer (pip-failure.ts).
+          `args: -I -m pip install --no-input --disable-pip-version-check --no-cache-dir --timeout 15 --retries 0 --only-binary=:all: --target ${out}/site-packages -r requirements.txt`,
         ),
         log,
       );

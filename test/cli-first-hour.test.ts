@@ -130,13 +130,15 @@ describe('the CLI against a running server (issue 11)', { timeout: 300_000 }, ()
     assert.equal(bad.json.error.code, 'FERRY_TOKEN_INVALID');
   });
 
-  it('login-link signs in without another owner, and tokens list shows each account by name', async () => {
-    const owners = async () => {
+  it('login-link signs in without another owner (nor any account), and tokens list shows each account by name', async () => {
+    const accounts = async () => {
       const list = await cli(['tokens', 'list', '--json']);
       assert.equal(list.code, 0, list.stderr);
-      return (parseJson(list.stdout, 'tokens list') as Array<{ name: string }>).filter((a) => a.name === 'owner');
+      return parseJson(list.stdout, 'tokens list') as Array<{ name: string }>;
     };
+    const owners = async () => (await accounts()).filter((a) => a.name === 'owner');
     const before = (await owners()).length;
+    const allBefore = (await accounts()).length;
     const res = await runCli(['admin', 'login-link', '--data-dir', dataDir], { HOME: home });
     assert.equal(res.code, 0, res.stderr);
     const link = new RegExp(`  (${serve.url.replace(/[.]/g, '\\.')}/#token=(\\S+))\\n`).exec(res.stdout);
@@ -145,6 +147,9 @@ describe('the CLI against a running server (issue 11)', { timeout: 300_000 }, ()
     const project = await http(`${serve.url}/v2/projects/${projectId}`, { token });
     assert.equal(project.status, 200, 'the link signs in to the project (manage scope)');
     assert.equal((await owners()).length, before, 'no new owner account');
+    // A session of an owner account, not an account of its own: nothing is left behind (issue 43).
+    assert.match(res.stdout, /sign-in session \(scope manage, no account of its own\) of the service account "owner"/);
+    assert.equal((await accounts()).length, allBefore, 'no account at all');
 
     const json = await runCli(['admin', 'login-link', '--data-dir', dataDir, '--json'], { HOME: home });
     const out = parseJson(json.stdout, 'login-link --json') as { link: string; url: string; expires_at: string };
@@ -155,7 +160,7 @@ describe('the CLI against a running server (issue 11)', { timeout: 300_000 }, ()
 
     const table = await cli(['tokens', 'list']);
     assert.match(table.stdout, /^ID\s+NAME\s+SCOPES\s+STATUS\s+CREATED_AT\s/m);
-    assert.match(table.stdout, /\bsign-in link\s+manage\s+active\s/);
+    assert.doesNotMatch(table.stdout, /sign-in link/, 'sign-in links make no accounts');
     assert.match(table.stdout, /\bowner\s+manage,run\s+active\s/);
 
     const again = await runCli(['admin', 'bootstrap', '--data-dir', dataDir], { HOME: home });

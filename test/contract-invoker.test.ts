@@ -19,7 +19,8 @@
  * (client_disconnected); a build deleted since the call resolved it is 503 FERRY_NO_READY_BUILD with
  * Retry-After (the worker's check, cluster/worker-builds.ts; the launcher's, replicas/launcher.ts: the local
  * invoker answered 500 FERRY_INTERNAL, and the remote one dropped the worker's Retry-After, until this
- * suite found them). Each recorded alike (state, status, error code) in the store.
+ * suite found them). Each recorded alike (state, status, error code) in the store; `onRecorded` is called
+ * exactly when a run has the call's id (the run endpoint names a run in an error only then, issue 43).
  *
  * Where they differ on purpose (asserted per implementation):
  * - `cancel(runId)`: the local invoker cancels a run it performs (true); a gateway performs nothing, so its
@@ -203,8 +204,10 @@ function invokerContract(impl: InvokerImplementation): void {
     });
 
     it('answers a function that throws with FERRY_FUNCTION_ERROR, its type and message, and records a failure', async () => {
-      const req = request('fail', {});
+      let recorded = 0;
+      const req = request('fail', {}, { onRecorded: () => recorded++ });
       const err = await rejectsWithCode(opened.invoker.invoke(req), 'FERRY_FUNCTION_ERROR');
+      assert.equal(recorded, 1, 'told once that the run is recorded (the run endpoint then names it)');
       assert.equal(err.status, 500);
       assert.equal(err.details?.type, 'TypeError');
       assert.match(err.message, /bad input/);
@@ -226,12 +229,16 @@ function invokerContract(impl: InvokerImplementation): void {
 
     it('refuses a build that is not there any more (deleted since the call resolved it): 503 FERRY_NO_READY_BUILD', async () => {
       const gone: PoolBuild = { ...ground.build, appId: 'deleted', buildId: uuidv7() };
-      const err = await rejectsWithCode(
-        opened.invoker.invoke(request('hello', {}, { build: gone })),
-        'FERRY_NO_READY_BUILD',
-      );
+      let recorded = 0;
+      const req = request('hello', {}, { build: gone, onRecorded: () => recorded++ });
+      const err = await rejectsWithCode(opened.invoker.invoke(req), 'FERRY_NO_READY_BUILD');
       assert.equal(err.status, 503);
       assert.equal(err.headers['retry-after'], '1', 'the caller may try again (the app’s build as it is now)');
+      // Told it was recorded exactly when a run has its id (issue 43: no run id is handed out for none). The
+      // local invoker records every call it begins; a worker refuses this one before recording it.
+      await ground.recorder.flush(true);
+      const row = await ground.store.selectFrom('runs').select('id').where('id', '=', req.runId).executeTakeFirst();
+      assert.equal(recorded, row ? 1 : 0, `recorded: ${recorded}, row: ${JSON.stringify(row)}`);
     });
 
     it('answers a run past response_grace_period with FERRY_RUN_TIMEOUT, and records a timeout', async () => {

@@ -303,6 +303,11 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     assert.equal(await syncRow.getAttribute('data-state'), 'success');
     await page.locator(`tr[data-run-id="${ids.async}"][data-state="success"]`).waitFor({ timeout: PAGE_WAIT_MS });
     assert.equal((await asyncRow.locator('.state-success').textContent())?.trim(), 'success');
+    // What started each run and its attempts (issue 43).
+    for (const row of [syncRow, asyncRow]) {
+      assert.equal((await row.locator('td[data-label="Started by"]').textContent())?.trim(), 'call');
+      assert.equal((await row.locator('td[data-label="Attempts"]').textContent())?.trim(), '1');
+    }
     // Newest first.
     const order = await page
       .locator('tbody tr[data-run-id]')
@@ -403,7 +408,8 @@ export async function slow({ ms = 1500 }: { ms?: number } = {}): Promise<{ slept
     assert.equal(await page.evaluate(() => navigator.clipboard.readText()), token);
     const row = page.locator('tr[data-name="ci-deploy"]');
     await row.waitFor();
-    assert.match((await row.textContent()) ?? '', /2030-01-31/);
+    // The expiry with its time, not only the day (issue 43): the form's day ends at 23:59 UTC.
+    assert.match((await row.textContent()) ?? '', /2030-01-31 23:59 UTC/);
     assert.match((await row.textContent()) ?? '', /manage, run/);
     assert.equal((await http(`${server.url}/v2/projects/${auth.projectId}`, { token })).status, 200);
     await assertLabelled('API keys');

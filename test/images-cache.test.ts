@@ -160,6 +160,9 @@ describe('images: the node cache', () => {
     assert.equal(images.canBuild, images.canRun, 'builds need the sandbox only (Ferry writes the layers)');
     const text = await runCli(['doctor'], env);
     assert.match(text.stdout, /Images +can run: (yes|no); can build: (yes|no)/);
+    // Deploys take every kind of image step (issue 43): the report once said they did not.
+    assert.match(text.stdout, /\[image\] base images, apt and run steps and Dockerfiles, built at deploy/);
+    assert.doesNotMatch(text.stdout, /not yet taken by deploys/);
     assert.match(text.stdout, /cache: 1 unpacked, 3 MiB of 100 MiB/);
   });
 });

@@ -135,6 +135,31 @@ describe('images: [image] in ferry.toml', () => {
     assert.equal(JSON.parse(JSON.stringify(config)).image.baseText, '127.0.0.1:5000/x:1');
   });
 
+  it('takes a custom app on an image without a [runtime.custom] table: every key has its default (issue 43)', () => {
+    for (const image of ['[image]\ndockerfile = "Dockerfile"\n', '[image]\nbase = "127.0.0.1:5000/x:1"\n']) {
+      const config = parseAppConfig(`[app]\nname = "x"\nruntime = "custom"\n${image}`);
+      assert.deepEqual(
+        config.runtime.custom,
+        {
+          port: 8080,
+          port_given: false,
+          healthcheck_endpoint: '',
+          readycheck_endpoint: '',
+          start_timeout: 60,
+          healthcheck_interval: 10,
+          websocket_idle_timeout: 300,
+        },
+        "the same as an empty [runtime.custom]: the image's ENTRYPOINT/CMD and EXPOSE fill the rest",
+      );
+      assert.deepEqual(
+        config.runtime,
+        parseAppConfig(`[app]\nname = "x"\nruntime = "custom"\n${image}[runtime.custom]\n`).runtime,
+      );
+    }
+    // A cortex app still has no custom table filled in for it.
+    assert.deepEqual(parseAppConfig('[app]\nname = "x"\n[image]\nbase = "python"\n').runtime, {});
+  });
+
   it("answers the [image] table's own codes, naming the key; an entrypoint is required without an image", () => {
     const cases: Array<[string, string, RegExp, string]> = [
       [
@@ -150,6 +175,12 @@ describe('images: [image] in ferry.toml', () => {
         'FERRY_CONFIG_INVALID',
         /runtime\.custom\.entrypoint: is required/,
         'runtime.custom.entrypoint',
+      ],
+      [
+        'runtime = "custom"\n',
+        'FERRY_CONFIG_INVALID',
+        /runtime\.custom: is required when app\.runtime is "custom" \(without an \[image\]/,
+        'runtime.custom',
       ],
     ];
     for (const [rest, code, message, key] of cases) {

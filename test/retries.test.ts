@@ -123,6 +123,14 @@ export async function slow() { await new Promise((r) => setTimeout(r, 5000)); re
       notes.some((l) => l.line === 'attempt 3 of 3 started'),
       JSON.stringify(logs.json.lines),
     );
+    // The app's first call: attempt 1 waited for its replica to start (the log says so), attempts 2 and 3
+    // took that replica warm. The record says the run waited too: a warm attempt does not take back what
+    // the log tells (issue 43: the record said `cold_start: false` beside "waited 397 ms").
+    assert.ok(
+      notes.some((l) => /^cold start: waited \d+ ms for a replica$/.test(l.line)),
+      JSON.stringify(notes),
+    );
+    assert.equal(run.cold_start, true);
   });
 
   it('a run that never succeeds ends dead after its last attempt', async () => {
@@ -155,6 +163,47 @@ export async function slow() { await new Promise((r) => setTimeout(r, 5000)); re
     assert.deepEqual(
       (run.attempt_history as Attempt[]).map((a) => a.state),
       ['timeout'],
+    );
+  });
+
+  it('run lists show each run’s attempts and what started it: the CLI’s table and --json (issue 43)', async () => {
+    const res = await call('flaky', 'sometimes', { key: 'listed' });
+    assert.equal(res.status, 202, res.text);
+    const first = await settled('flaky', res.json.run_id);
+    assert.equal(first.attempts, 3);
+    const again = await http(`${server.url}/v2/projects/${auth.projectId}/apps/flaky/runs/${res.json.run_id}/retry`, {
+      method: 'POST',
+      token: auth.token,
+    });
+    assert.equal(again.status, 202, again.text);
+    const retried = await settled('flaky', again.json.run_id);
+    assert.equal(retried.trigger, 'retry');
+    const env = {
+      HOME: await tempDir('ferry-home-'),
+      FERRY_URL: server.url,
+      FERRY_TOKEN: auth.token,
+      FERRY_PROJECT: auth.projectId,
+    };
+    const table = await runCli(['runs', 'list', 'flaky'], env);
+    assert.equal(table.code, 0, table.stderr);
+    assert.match(table.stdout, /^RUN_ID\s+FUNCTION\s+MODE\s+TRIGGER\s+STATE\s+ATTEMPTS\s/m);
+    const rowOf = (id: string) => table.stdout.split('\n').find((line) => line.startsWith(id)) ?? '';
+    assert.match(rowOf(first.run_id), /\bsometimes\s+async\s+call\s+success\s+3\s/, table.stdout);
+    assert.match(
+      rowOf(retried.run_id),
+      new RegExp(`\\bsometimes\\s+async\\s+retry of ${first.run_id.slice(-12)}\\s+success\\s+1\\s`),
+      table.stdout,
+    );
+    const json = await runCli(['runs', 'list', 'flaky', '--json'], env);
+    const listed = JSON.parse(json.stdout) as Array<{ run_id: string; attempts: number; trigger: string }>;
+    assert.deepEqual(
+      listed
+        .filter((r) => r.run_id === first.run_id || r.run_id === retried.run_id)
+        .map((r) => [r.trigger, r.attempts]),
+      [
+        ['retry', 1],
+        ['call', 3],
+      ],
     );
   });
 

@@ -103,7 +103,7 @@ export async function die() { setTimeout(() => process.exit(7), 10); await new P
     assert.ok(!keys.includes('FERRY_DATA_DIR'));
   });
 
-  it('answers every error with a code, the run id and X-Request-Id', async () => {
+  it('answers every error with a code and X-Request-Id, and the run id only of a run that exists', async () => {
     const cases: Array<[string, Promise<Awaited<ReturnType<typeof run>>>, number, string]> = [
       [
         'bad json',
@@ -136,6 +136,34 @@ export async function die() { setTimeout(() => process.exit(7), 10); await new P
         'FERRY_UNAUTHENTICATED',
       ],
       ['unknown app', run('nope'), 404, 'FERRY_APP_NOT_FOUND'],
+      [
+        'a form body',
+        http(`${server.url}/v4/${auth.projectId}/basic/run`, {
+          method: 'POST',
+          token: auth.token,
+          body: Buffer.from('a=1'),
+          headers: { 'content-type': 'application/x-www-form-urlencoded' },
+        }),
+        415,
+        'FERRY_UNSUPPORTED_MEDIA_TYPE',
+      ],
+      [
+        'a form body, async',
+        http(`${server.url}/v4/${auth.projectId}/basic/run?async=true`, {
+          method: 'POST',
+          token: auth.token,
+          body: Buffer.from('a=1'),
+          headers: { 'content-type': 'application/x-www-form-urlencoded' },
+        }),
+        415,
+        'FERRY_UNSUPPORTED_MEDIA_TYPE',
+      ],
+      [
+        'unknown function, as a stream',
+        run('basic', 'missing', {}, { accept: 'text/event-stream' }),
+        404,
+        'FERRY_FUNCTION_NOT_FOUND',
+      ],
       ['unknown function', run('basic', 'missing'), 404, 'FERRY_FUNCTION_NOT_FOUND'],
       ['private function', run('basic', '_private'), 404, 'FERRY_FUNCTION_NOT_FOUND'],
       ['throws', run('basic', 'fail'), 500, 'FERRY_FUNCTION_ERROR'],
@@ -146,8 +174,22 @@ export async function die() { setTimeout(() => process.exit(7), 10); await new P
       const res = await pending;
       assert.equal(res.status, status, `${name}: ${res.text}`);
       assert.equal(res.json.error.code, code, name);
-      assert.match(res.headers.get('x-request-id') ?? '', /^[0-9a-f-]{36}$/, name);
-      if (status !== 401) assert.equal(res.json.run_id, res.headers.get('x-request-id'), name);
+      const requestId = res.headers.get('x-request-id') ?? '';
+      assert.match(requestId, /^[0-9a-f-]{36}$/, name);
+      // A run id handed out names a run that exists; a call refused before it became a run names none
+      // (issue 43: a 415 answered a run_id that GET …/runs/{id} did not know).
+      const became = status >= 500;
+      const lookup = await http(`${server.url}/v2/projects/${auth.projectId}/apps/basic/runs/${requestId}`, {
+        token: auth.token,
+      });
+      if (became) {
+        assert.equal(res.json.run_id, requestId, name);
+        assert.equal(lookup.status, 200, `${name}: ${lookup.text}`);
+        assert.equal(lookup.json.state, 'failure', name);
+      } else {
+        assert.equal(res.json.run_id, undefined, `${name}: ${res.text}`);
+        assert.equal(lookup.status, 404, `${name}: ${lookup.text}`);
+      }
     }
   });
 

@@ -59,9 +59,10 @@ describe('ferry volumes (CLI)', () => {
   let server: ServeProcess;
   let env: NodeJS.ProcessEnv;
   let work: string;
+  let dataDir: string;
 
   before(async () => {
-    const dataDir = await tempDir('ferry-volcli-data-');
+    dataDir = await tempDir('ferry-volcli-data-');
     server = await spawnServe(dataDir);
     const boot = await runCli(['admin', 'bootstrap', '--data-dir', dataDir, '--json'], {});
     assert.equal(boot.code, 0, boot.stderr);
@@ -91,6 +92,51 @@ describe('ferry volumes (CLI)', () => {
     assert.ok(volumes[0].used_bytes >= 0);
     const table = await runCli(['volumes', 'list'], env);
     assert.match(table.stdout, /weights\s+1\.2 GiB/);
+  });
+
+  it('ferry doctor shows the use `ferry volumes list` shows, read by the same function (issue 43)', async () => {
+    const src = path.join(work, 'probe');
+    await fs.mkdir(src, { recursive: true });
+    await fs.writeFile(path.join(src, 'data.bin'), randomBytes(5 * MIB));
+    const up = await runCli(['volumes', 'cp', src, 'weights:/', '--json'], env);
+    assert.equal(up.code, 0, up.stderr);
+    const listed = async () => {
+      const list = await runCli(['volumes', 'list', '--json'], env);
+      assert.equal(list.code, 0, list.stderr);
+      return JSON.parse(list.stdout)[0].used_bytes as number;
+    };
+    const before = await listed();
+    // The doctor reads the data folder offline (the server mounted the image, so it reads it where it is).
+    const doctor = await runCli(['doctor', '--json'], { ...env, FERRY_DATA_DIR: dataDir });
+    assert.equal(doctor.code, 0, doctor.stderr);
+    const after = await listed();
+    const [volume] = JSON.parse(doctor.stdout).volumes.volumes as Array<{
+      name: string;
+      used_bytes: number | null;
+      allocated_bytes: number | null;
+      mounted_here: boolean;
+    }>;
+    assert.equal(volume?.name, 'weights');
+    assert.equal(volume.mounted_here, true);
+    assert.ok(before >= 5 * MIB, `${before}`);
+    // Before, the doctor gave the image's allocated blocks (metadata and journal too): 68.4 MiB against 60.0.
+    assert.ok(
+      volume.used_bytes === before || volume.used_bytes === after,
+      `doctor ${volume.used_bytes}, volumes list ${before} then ${after}`,
+    );
+    assert.equal(typeof volume.allocated_bytes, 'number', 'the image’s size on disk is still told, apart');
+    const text = await runCli(['doctor'], { ...env, FERRY_DATA_DIR: dataDir });
+    const line =
+      /\/weights: ([\d.]+) MiB used of 1200\.0 MiB \(the image takes [\d.]+ MiB on disk\), mounted here/.exec(
+        text.stdout,
+      );
+    assert.ok(line, text.stdout);
+    assert.ok(
+      [before, after].some((used) => (used / MIB).toFixed(1) === line[1]),
+      `doctor says ${line[1]} MiB, volumes list ${before} then ${after} bytes`,
+    );
+    const rm = await runCli(['volumes', 'rm', 'weights:/probe', '-r', '--json'], env);
+    assert.equal(rm.code, 0, rm.stderr);
   });
 
   it('copies a folder with a 1 GiB file up and down, streamed (CLI and server under 200 MiB)', async () => {

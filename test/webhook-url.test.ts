@@ -5,13 +5,15 @@
  * FERRY_WEBHOOK_URL_INVALID`, nothing stored), a schedule's `webhook` in ferry.toml at upload (`400
  * FERRY_CONFIG_INVALID` naming the key) and in `ferry deploy`, which refuses before it uploads. A good URL
  * is stored the same way (normalized) by a run and by a schedule. No answer repeats the URL's password.
- * Which addresses a delivery may reach is not part of this rule (the server checks it at delivery).
+ * Which addresses a delivery may reach is the server's setting: the run endpoint refuses a literal address
+ * in a blocked range at intake (issue 43), and a name is checked at delivery, on what it resolves to then.
  */
 import assert from 'node:assert/strict';
 import fs from 'node:fs/promises';
 import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { parseAppConfig } from '../src/apps/app-config.js';
+import { blockedReason, parseAllowList } from '../src/webhooks/address-guard.js';
 import { MAX_WEBHOOK_URL_LENGTH, parseWebhookUrl } from '../src/webhooks/webhook-url.js';
 import { zipFiles } from './helpers/app-zip.js';
 import { deployFiles, http, runCli, startServer, type TestServer, tempDir } from './helpers/ferry.js';
@@ -146,6 +148,44 @@ describe('one rule for every webhook URL', () => {
     }
     const app = await http(`${server.url}/v2/projects/${auth.projectId}/apps/hooked-cli`, { token: auth.token });
     assert.equal(app.status, 404, 'nothing was uploaded');
+  });
+
+  it('the run endpoint refuses a literal address in a blocked range at intake, naming FERRY_WEBHOOK_ALLOW (issue 43)', async () => {
+    // Before, each was answered 202 (or 200) and its delivery failed later, out of the caller's sight.
+    const blocked: ReadonlyArray<readonly [string, RegExp]> = [
+      ['http://127.0.0.1:9/hook', /127\.0\.0\.1 is loopback/],
+      ['http://2130706433:9/hook', /127\.0\.0\.1 is loopback/], // URL writes it as 127.0.0.1
+      ['http://[::1]:9/hook', /::1 is loopback/],
+      ['http://[::ffff:10.0.0.1]/hook', /::ffff:a00:1 is private/],
+      ['https://169.254.169.254/latest/meta-data/', /is cloud metadata/],
+      ['http://192.168.1.20:8080/', /is private/],
+    ];
+    const before = await countRuns();
+    for (const [url, says] of blocked) {
+      for (const [app, rest] of [
+        ['cortex', '/run'],
+        ['cortex', '/run?async=true'],
+        ['custom', '/hook/path'],
+        ['custom', '/hook/path?async=true'],
+      ] as const) {
+        const res = await callWith(app, rest, url);
+        assert.equal(res.status, 400, `${url} on ${app}${rest}: ${res.text}`);
+        assert.equal(res.json.error.code, 'FERRY_WEBHOOK_URL_INVALID', `${url} on ${app}${rest}`);
+        assert.match(res.json.error.message, /^webhookEndpoint must not be an address in a blocked range: /);
+        assert.match(res.json.error.message, says, `${url} on ${app}${rest}`);
+        assert.match(res.json.error.message, /FERRY_WEBHOOK_ALLOW/, 'the refusal names the setting');
+      }
+    }
+    assert.equal(await countRuns(), before, 'no run was stored');
+
+    // Allowed ranges pass the same check, and a name is still judged at delivery only (what it resolves to then).
+    const loopbackAllowed = parseAllowList('127.0.0.0/8');
+    assert.equal(
+      parseWebhookUrl('http://127.0.0.1:9/hook', { blocked: (a) => blockedReason(a, loopbackAllowed) }),
+      'http://127.0.0.1:9/hook',
+    );
+    const named = await callWith('cortex', '/run?async=true', 'http://localhost:9/hook');
+    assert.equal(named.status, 202, named.text);
   });
 
   it('a good URL is stored the same way by a run and by a schedule', async () => {

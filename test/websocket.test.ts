@@ -56,7 +56,10 @@ function closed(ws: WebSocket, ms: number): Promise<{ code: number; at: number }
 }
 
 /** A raw upgrade request, for the refusals: resolves with the HTTP status and body the server answered. */
-function rawUpgrade(url: string, headers: Record<string, string> = {}): Promise<{ status: number; body: string }> {
+function rawUpgrade(
+  url: string,
+  headers: Record<string, string> = {},
+): Promise<{ status: number; body: string; requestId?: string }> {
   return new Promise((resolve, reject) => {
     const req = http.request(url, {
       headers: {
@@ -76,7 +79,9 @@ function rawUpgrade(url: string, headers: Record<string, string> = {}): Promise<
       res.on('data', (c: Buffer) => {
         body += c.toString('utf8');
       });
-      res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
+      res.on('end', () =>
+        resolve({ status: res.statusCode ?? 0, body, requestId: res.headers['x-request-id'] as string | undefined }),
+      );
     });
     req.on('error', reject);
     req.setTimeout(15_000, () => req.destroy(new Error('timed out')));
@@ -143,7 +148,9 @@ describe('websockets', () => {
     const hookError = JSON.parse(hook.body);
     assert.equal(hookError.error.code, 'FERRY_WEBSOCKET_WEBHOOK');
     assert.match(hookError.error.message, /HTTP requests only/);
-    assert.ok(hookError.run_id);
+    // Refused before any run existed: the request has its id, and no run is named (issue 43).
+    assert.equal(hookError.run_id, undefined);
+    assert.match(hook.requestId ?? '', /^[0-9a-f-]{36}$/);
 
     const asyncCall = await rawUpgrade(httpUrl('custom-websocket', '/?async=true'), bearer);
     assert.equal(asyncCall.status, 400);

@@ -341,9 +341,6 @@ function explain(errors: ValidationError[]): [string, string] {
 
 function withDefaults(raw: RawConfig): AppConfig {
   const runtime = raw.app.runtime ?? 'cortex';
-  if (runtime === 'custom' && !raw.runtime?.custom) {
-    throw new AppConfigError('ferry.toml: runtime.custom: is required when app.runtime is "custom"', 'runtime.custom');
-  }
   if (runtime === 'cortex' && raw.runtime?.custom) {
     throw new AppConfigError(
       'ferry.toml: runtime.custom: is only allowed when app.runtime is "custom"',
@@ -362,6 +359,12 @@ function withDefaults(raw: RawConfig): AppConfig {
       throw new AppConfigError(err.message, key, err.code);
     }
     throw err;
+  }
+  if (runtime === 'custom' && !raw.runtime?.custom && !image) {
+    throw new AppConfigError(
+      'ferry.toml: runtime.custom: is required when app.runtime is "custom" (without an [image], whose ENTRYPOINT/CMD would run)',
+      'runtime.custom',
+    );
   }
   if (runtime === 'custom' && raw.runtime?.custom?.entrypoint === undefined && !image) {
     throw new AppConfigError(
@@ -382,7 +385,10 @@ function withDefaults(raw: RawConfig): AppConfig {
       'scaling.min_replicas',
     );
   }
-  const custom = raw.runtime?.custom;
+  // With an [image] every key of [runtime.custom] has a default (the image's ENTRYPOINT/CMD and EXPOSE),
+  // so the table may be left out: it reads as an empty one, and every reader finds it filled in.
+  const custom: Static<typeof CustomSection> | undefined =
+    raw.runtime?.custom ?? (runtime === 'custom' ? {} : undefined);
   const volumes: VolumeMount[] = [];
   for (const [i, v] of (raw.volumes ?? []).entries()) {
     const problem = mountProblem(v.mount);

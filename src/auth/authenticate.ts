@@ -1,6 +1,8 @@
 /**
  * The check every authenticated request goes through: bearer token → signature and expiry → not revoked
  * (looked up by token id, so revocation is immediate) → the path's project is the token's → the scope.
+ * A sign-in session's token (auth/sessions.ts) is looked up by its account instead: it holds while that
+ * account does (not revoked, not expired, the scopes it has), so revoking the account ends its sessions.
  */
 import { FerryError } from '../errors.js';
 import type { Store } from '../store/index.js';
@@ -68,12 +70,16 @@ export function createAuthenticator(deps: { store: Store; key: Uint8Array }): Au
       const claims = await verifyToken(key, token);
       const account = await store
         .selectFrom('service_accounts')
-        .select(['id', 'project_id', 'revoked_at', 'expires_at', 'token_hash'])
-        .where('token_id', '=', claims.tokenId)
+        .select(['id', 'project_id', 'scopes', 'revoked_at', 'expires_at', 'token_hash'])
+        .where(claims.session ? 'id' : 'token_id', '=', claims.session ? claims.serviceAccountId : claims.tokenId)
         .executeTakeFirst();
-      if (!account || account.id !== claims.serviceAccountId || account.token_hash !== hashToken(token)) {
-        throw new FerryError('FERRY_TOKEN_INVALID');
-      }
+      const genuine =
+        account !== undefined &&
+        account.id === claims.serviceAccountId &&
+        (claims.session
+          ? account.project_id === claims.projectId && claims.scopes.every((s) => account.scopes.split(' ').includes(s))
+          : account.token_hash === hashToken(token));
+      if (!account || !genuine) throw new FerryError('FERRY_TOKEN_INVALID');
       if (account.revoked_at !== null) throw new FerryError('FERRY_TOKEN_REVOKED');
       if (Date.parse(account.expires_at) <= Date.now()) throw new FerryError('FERRY_TOKEN_EXPIRED');
       if (claims.projectId !== projectId) {

@@ -3,6 +3,8 @@
  *
  * Claims: `sub` service account id, `prj` project id, `scp` scopes, `jti` token id, `iat`, `exp`, `iss`.
  * Only the `jti` and a SHA-256 of the token are stored, so a leaked database does not leak tokens.
+ * A sign-in link's token (auth/sessions.ts) adds `ses: true`: a short-lived session of the account `sub`,
+ * not its one token; nothing of it is stored.
  */
 import { createHash } from 'node:crypto';
 import { errors as joseErrors, jwtVerify, SignJWT } from 'jose';
@@ -19,11 +21,13 @@ export interface TokenClaims {
   scopes: Scope[];
   tokenId: string;
   expiresAt: Date;
+  /** A sign-in session of the account (auth/sessions.ts), not the account's own token. */
+  session?: boolean;
 }
 
 /** Signs a token for a service account. */
 export async function signToken(key: Uint8Array, claims: TokenClaims): Promise<string> {
-  return new SignJWT({ prj: claims.projectId, scp: claims.scopes })
+  return new SignJWT({ prj: claims.projectId, scp: claims.scopes, ...(claims.session ? { ses: true } : {}) })
     .setProtectedHeader({ alg: 'HS256', typ: 'JWT' })
     .setIssuer(ISSUER)
     .setSubject(claims.serviceAccountId)
@@ -48,7 +52,7 @@ export async function verifyToken(key: Uint8Array, token: string): Promise<Token
     if (err instanceof joseErrors.JWSSignatureVerificationFailed) throw new FerryError('FERRY_TOKEN_INVALID', FOREIGN);
     throw new FerryError('FERRY_TOKEN_INVALID');
   }
-  const { sub, prj, scp, jti, exp } = payload;
+  const { sub, prj, scp, jti, exp, ses } = payload;
   if (
     typeof sub !== 'string' ||
     typeof prj !== 'string' ||
@@ -65,6 +69,7 @@ export async function verifyToken(key: Uint8Array, token: string): Promise<Token
     scopes: scp as Scope[],
     tokenId: jti,
     expiresAt: new Date(exp * 1000),
+    ...(ses === true ? { session: true } : {}),
   };
 }
 

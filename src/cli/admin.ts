@@ -4,22 +4,21 @@
  *
  * `bootstrap` creates the project when it does not exist and a new owner service account with both scopes,
  * and prints its token once. `login-link` prints a dashboard sign-in link for an existing project without
- * making another owner: its token belongs to a short-lived service account of its own ("sign-in link",
- * manage scope only), since every account has exactly one token.
+ * making another owner, nor any account: its token is a short-lived session (manage scope only) of the
+ * project's active manage account (auth/sessions.ts), and nothing of it is stored.
  *
  * Both print the address of the server running on the data directory (from its `server.json`), so the
  * `export FERRY_URL=` line and the link work whatever port it listens on.
  */
 import path from 'node:path';
-import { bootstrapProject, createServiceAccount, listServiceAccounts } from '../auth/service-accounts.js';
+import { bootstrapProject, listServiceAccounts } from '../auth/service-accounts.js';
+import { createSignInSession } from '../auth/sessions.js';
 import { resolveServerConfig, type ServerConfig } from '../config.js';
 import { loadOrCreateKey, prepareDataDir, prepareKeysDir, readServerRecord } from '../data-dir.js';
 import { openStore, type Store } from '../store/index.js';
 import { CliError, printJson } from './client.js';
 
 const PROJECT_NAME = /^[a-z0-9][a-z0-9-]{0,62}$/;
-/** The name of the accounts `login-link` makes, so `ferry tokens list` tells them from owners. */
-export const LOGIN_LINK_ACCOUNT = 'sign-in link';
 
 interface ServerAddressOptions {
   dataDir?: string;
@@ -180,12 +179,16 @@ export async function loginLinkCommand(options: LoginLinkOptions): Promise<void>
         `No project named ${options.projectName} in ${root}. Create it with \`ferry admin bootstrap --data-dir ${root}\`.`,
       );
     }
-    const { account, token } = await createServiceAccount(store, key, {
+    const session = await createSignInSession(store, key, {
       projectId: project.id,
-      name: LOGIN_LINK_ACCOUNT,
-      scopes: ['manage'],
-      expiresAt: new Date(Date.now() + minutes * 60_000),
+      until: new Date(Date.now() + minutes * 60_000),
     });
+    if (!session) {
+      throw new CliError(
+        `Project ${project.name} has no active service account with the manage scope for a sign-in session to belong to. Make an owner with \`ferry admin bootstrap --data-dir ${root} --project-name ${project.name}\`.`,
+      );
+    }
+    const { account, token, expiresAt } = session;
     const address = serverAddress(options, config);
     const link = signInLink(address.url, token);
     if (options.json) {
@@ -194,7 +197,7 @@ export async function loginLinkCommand(options: LoginLinkOptions): Promise<void>
         service_account_id: account.id,
         url: address.url,
         link,
-        expires_at: account.expires_at,
+        expires_at: expiresAt,
       });
       return;
     }
@@ -202,7 +205,7 @@ export async function loginLinkCommand(options: LoginLinkOptions): Promise<void>
       [
         serverLine(address, root),
         `Sign in to the dashboard of project ${project.name} (${project.id}) with this link; keep it private.`,
-        `It holds a token of the service account "${account.name}" (${account.id}), scope manage, valid until ${account.expires_at}:`,
+        `It holds a sign-in session (scope manage, no account of its own) of the service account "${account.name}" (${account.id}), valid until ${expiresAt}; revoking that account ends it sooner:`,
         `  ${link}`,
         '',
       ].join('\n'),

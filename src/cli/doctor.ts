@@ -17,9 +17,10 @@ import { findPython } from '../runtimes/python/interpreter.js';
 import { type NetworkPlan, planSandboxNetwork } from '../sandbox/choose-network.js';
 import { probeSandbox, type SandboxCapabilities } from '../sandbox/launch.js';
 import { stagingPlace } from '../sandbox/views.js';
+import { imageBackend, peekVolumeUse } from '../volumes/backend.js';
 import { probeVolumeSupport } from '../volumes/images.js';
 import { localVolumes, nodesWithoutMarker } from '../volumes/markers.js';
-import { localQuotaDirs, probeQuotaDirSupport } from '../volumes/quota-dirs.js';
+import { localQuotaDirs, probeQuotaDirSupport, quotaDirBackend } from '../volumes/quota-dirs.js';
 import { clusterLines, readCluster } from './cluster.js';
 
 export interface DoctorOptions {
@@ -98,11 +99,15 @@ export async function doctorCommand(options: DoctorOptions): Promise<void> {
     ),
   );
   for (const v of volumes.volumes) {
+    const size = v.size_bytes === null ? '' : ` of ${formatMiB(v.size_bytes)}`;
     const use =
-      v.allocated_bytes === null || v.size_bytes === null
-        ? 'use unknown (its quota cannot be read)'
-        : `${formatMiB(v.allocated_bytes)} used of ${formatMiB(v.size_bytes)}`;
-    lines.push(row('', `${v.project_id}/${v.name}: ${use}${v.mounted_here ? ', mounted here' : ''}`));
+      v.used_bytes !== null
+        ? `${formatMiB(v.used_bytes)} used${size}`
+        : volumes.backend === 'quota-dir'
+          ? 'use unknown (its quota cannot be read)'
+          : `use unknown here (not mounted on this machine; \`ferry volumes list\` asks the server)${v.size_bytes === null ? '' : `, size ${formatMiB(v.size_bytes)}`}`;
+    const disk = v.allocated_bytes === null ? '' : ` (the image takes ${formatMiB(v.allocated_bytes)} on disk)`;
+    lines.push(row('', `${v.project_id}/${v.name}: ${use}${disk}${v.mounted_here ? ', mounted here' : ''}`));
   }
   lines.push(...gpus.lines.map((line, i) => row(i === 0 ? 'GPUs' : '', line)));
   const warnings = sandboxWarnings(caps);
@@ -151,7 +156,7 @@ function imageLines(images: ImagesReport): string[] {
   const mib = (bytes: number) => `${Math.round(bytes / 1024 / 1024)} MiB`;
   const lines = [
     `can run: ${images.canRun ? 'yes' : 'no'}; can build: ${images.canBuild ? 'yes' : 'no'}` +
-      ' ([image] base images build and run; apt/run/dockerfile steps are built but not yet taken by deploys)',
+      ' ([image] base images, apt and run steps and Dockerfiles, built at deploy)',
   ];
   if (images.missing.length > 0) lines.push(`missing: ${images.missing.join('; ')}`);
   if (images.cache) {
@@ -261,18 +266,39 @@ function commandVersion(command: string, args: string[]): Promise<string | null>
   });
 }
 
-/** Volumes on this node: the mechanism, the images in FERRY_VOLUMES_DIR, and whether every live node shares it. */
+/** A volume as the doctor reports it. */
+interface VolumeLine {
+  project_id: string;
+  name: string;
+  size_bytes: number | null;
+  /** Its use, read as the server reads it (volumes/backend.ts `peekVolumeUse`); null when not readable here. */
+  used_bytes: number | null;
+  /** An image's allocated blocks on the host's disk; null for a quota-dir volume. */
+  allocated_bytes: number | null;
+  mounted_here: boolean;
+}
+
+/**
+ * Volumes on this node: the mechanism, the volumes in FERRY_VOLUMES_DIR with their use (the figure
+ * `ferry volumes list` shows, by the same function), and whether every live node shares the folder.
+ */
 async function volumesReport(caps: SandboxCapabilities, liveNodes: string[] | undefined) {
   const { volumesDir: dir, volumesBackend: backend } = resolveServerConfig({}, process.env);
+  const ref = (v: { project_id: string; name: string }) => ({ projectId: v.project_id, name: v.name, quotaId: null });
   if (backend === 'quota-dir') {
     const support = await probeQuotaDirSupport(dir, caps.bwrap !== null, false);
-    const volumes = (await localQuotaDirs(dir, support.quota)).map((v) => ({
-      project_id: v.project_id,
-      name: v.name,
-      size_bytes: v.size_bytes,
-      allocated_bytes: v.used_bytes,
-      mounted_here: false,
-    }));
+    const quotaDirs = quotaDirBackend(dir, support);
+    const volumes: VolumeLine[] = [];
+    for (const v of await localQuotaDirs(dir, support.quota)) {
+      volumes.push({
+        project_id: v.project_id,
+        name: v.name,
+        size_bytes: v.size_bytes,
+        used_bytes: (await peekVolumeUse(quotaDirs, ref(v)))?.used_bytes ?? null,
+        allocated_bytes: null,
+        mounted_here: false,
+      });
+    }
     return {
       available: support.available,
       reasons: support.reasons,
@@ -284,13 +310,13 @@ async function volumesReport(caps: SandboxCapabilities, liveNodes: string[] | un
     };
   }
   const support = await probeVolumeSupport(caps.bwrap !== null);
-  const volumes: Array<{
-    project_id: string;
-    name: string;
-    size_bytes: number | null;
-    allocated_bytes: number | null;
-    mounted_here: boolean;
-  }> = await localVolumes(dir);
+  const images = imageBackend(dir, support);
+  const volumes: VolumeLine[] = [];
+  for (const v of await localVolumes(dir)) {
+    // Read only where it is mounted already: the doctor mounts nothing.
+    const used = v.mounted_here ? ((await peekVolumeUse(images, ref(v)))?.used_bytes ?? null) : null;
+    volumes.push({ ...v, used_bytes: used });
+  }
   return {
     available: support.available,
     reasons: support.reasons,

@@ -136,7 +136,7 @@ export function createProgram(): Command {
     admin
       .command('login-link')
       .description(
-        'print a dashboard sign-in link for an existing project, without making another owner (a short-lived manage token)',
+        'print a dashboard sign-in link for an existing project, without making another owner or account (a short-lived manage session of its owner)',
       )
       .addOption(dataDirOption())
       .addOption(databaseUrlOption())

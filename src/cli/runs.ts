@@ -80,17 +80,23 @@ export async function runsListCommand(
       function: String(r.function),
       mode: String(r.mode),
       state: r.dead ? `${String(r.state)} (dead)` : String(r.state),
-      trigger:
-        r.trigger === 'schedule'
-          ? `schedule ${(r.schedule as { name: string } | null)?.name ?? ''}`
-          : String(r.trigger ?? 'call'),
+      trigger: startedBy(r),
+      // Starts so far: more than 1 for a run its app's [retries] (or retry_interrupted) tried again.
+      attempts: Number(r.attempts ?? 0),
       status: r.status_code === null ? null : Number(r.status_code),
       ms: r.run_time_ms === null ? null : Number(r.run_time_ms),
       cold: r.cold_start ? 'yes' : '',
       created_at: String(r.created_at),
     })),
-    ['run_id', 'function', 'mode', 'trigger', 'state', 'status', 'ms', 'cold', 'created_at'],
+    ['run_id', 'function', 'mode', 'trigger', 'state', 'attempts', 'status', 'ms', 'cold', 'created_at'],
   );
+}
+
+/** What started a run, as the list shows it: `call`, `schedule <name>`, or `retry of <the run's short id>`. */
+function startedBy(r: Record<string, unknown>): string {
+  if (r.trigger === 'schedule') return `schedule ${(r.schedule as { name: string } | null)?.name ?? ''}`.trim();
+  if (r.trigger === 'retry') return typeof r.retry_of === 'string' ? `retry of ${r.retry_of.slice(-12)}` : 'retry';
+  return 'call';
 }
 
 /**

@@ -4,7 +4,8 @@
  * writers put that answer on each kind of connection Ferry has: a Fastify reply, a raw Node response (the
  * run endpoint's fast path, the custom-runtime proxy, the worker API), a socket that asked to upgrade or
  * that Node's HTTP parser refused, a server-sent event, and a line of the worker protocol. No other module
- * builds the envelope `{"error": {"code", "message", …}}` (with `run_id` on the run endpoint).
+ * builds the envelope `{"error": {"code", "message", …}}` (with `run_id` when the run endpoint's call
+ * became a run).
  *
  * What it maps: a FerryError keeps its code, status and headers; Fastify's own errors (validation, content
  * type, body size, bad JSON, bad URL) become the matching Ferry code; a store that cannot be reached is
@@ -83,7 +84,10 @@ export type ErrorObject = { code: ErrorCode; message: string } & Record<string, 
 /** The body of every error answer. */
 export interface ErrorEnvelope {
   error: ErrorObject;
-  /** The run endpoint's errors: the run's id, as its `X-Request-Id`. */
+  /**
+   * The run endpoint's errors of a call that became a run (recorded: `GET …/runs/{run_id}` finds it): its
+   * id, as the response's `X-Request-Id`. A call refused before any run existed has none.
+   */
   run_id?: string;
 }
 
@@ -92,7 +96,7 @@ export interface ErrorAnswer {
   /** The error answered (its code for logs and metrics). */
   error: FerryError;
   status: number;
-  /** The error's own headers (such as Retry-After), the content type, and `x-request-id` on a run. */
+  /** The error's own headers (such as Retry-After), the content type, and `x-request-id` on the run endpoint. */
   headers: Record<string, string>;
   /** The envelope as JSON. */
   body: string;
@@ -104,24 +108,25 @@ export function errorObject(ferry: FerryError): ErrorObject {
 }
 
 /**
- * The answer to anything thrown: see the module comment. `runId` (the run endpoint) adds `run_id` to the
- * body and `x-request-id` to the headers; `request` lets Fastify's content-type and size errors name what
- * the route takes.
+ * The answer to anything thrown: see the module comment. On the run endpoint, `requestId` is the call's id,
+ * answered as `x-request-id` whatever happened; `runId`, given only once the call became a run (recorded:
+ * `GET …/runs/{id}` finds it), adds `run_id` to the body as well. A call refused before any run existed
+ * (401, 404, 415, …) so never names a run that does not exist (issue 43), and still has its request id for
+ * the logs. `request` lets Fastify's content-type and size errors name what the route takes.
  *
  * @example
  *   const { status, headers, body } = answer(new FerryError('FERRY_APP_NOT_FOUND'));
  */
 export function answer(
   err: unknown,
-  options: { runId?: string | undefined; request?: FastifyRequest } = {},
+  options: { requestId?: string | undefined; runId?: string | undefined; request?: FastifyRequest } = {},
 ): ErrorAnswer {
   const ferry = toFerryError(err, options.request);
   const envelope: ErrorEnvelope = { error: errorObject(ferry) };
   const headers: Record<string, string> = { ...ferry.headers, 'content-type': JSON_TYPE };
-  if (options.runId !== undefined) {
-    envelope.run_id = options.runId;
-    headers['x-request-id'] = options.runId;
-  }
+  const requestId = options.runId ?? options.requestId;
+  if (requestId !== undefined) headers['x-request-id'] = requestId;
+  if (options.runId !== undefined) envelope.run_id = options.runId;
   return { error: ferry, status: ferry.status, headers, body: JSON.stringify(envelope) };
 }
 

@@ -239,6 +239,7 @@ export async function proxyHttp(
   res.on('close', () => {
     if (!res.writableFinished) gone.abort(new Error('client disconnected'));
   });
+  let recorded = false;
   try {
     await services.runs.invokeHttp({
       runId,
@@ -249,6 +250,9 @@ export async function proxyHttp(
       webhookUrl,
       webhookSecret,
       http: { method, path: split.path, headers, body: hasBody(req) ? req : null },
+      onRecorded() {
+        recorded = true;
+      },
       onResponse(head) {
         res.writeHead(head.statusCode, responseHeaders(head, runId, options.sandboxApps));
         // The head goes out now, not with the first body chunk: an SSE client sees the stream open.
@@ -259,14 +263,17 @@ export async function proxyHttp(
     });
     if (!res.writableEnded) res.end();
   } catch (err) {
-    failResponse(res, runId, err);
+    failResponse(res, runId, err, recorded);
   }
   return undefined;
 }
 
-/** Answers a JSON error when nothing was sent yet; otherwise cuts the response (the caller sees it break). */
-function failResponse(res: ServerResponse, runId: string, err: unknown): void {
-  writeAnswer(res, answer(err, { runId }));
+/**
+ * Answers a JSON error when nothing was sent yet; otherwise cuts the response (the caller sees it break).
+ * `recorded`: the call became the run `runId` (RunRequestBase.onRecorded), which the answer then names.
+ */
+function failResponse(res: ServerResponse, runId: string, err: unknown, recorded: boolean): void {
+  writeAnswer(res, answer(err, recorded ? { runId } : { requestId: runId }));
 }
 
 // ---- WebSockets ----
@@ -274,9 +281,12 @@ function failResponse(res: ServerResponse, runId: string, err: unknown): void {
 const WS_KEEP = new Set(['upgrade', 'connection']);
 const WS_PARAMS = new Set([...FERRY_PARAMS, 'access_token']);
 
-/** Writes an HTTP error answer on a socket that asked to upgrade, and closes it. */
-export function refuseUpgrade(socket: Socket, runId: string, err: unknown): void {
-  refuseOnSocket(socket, answer(err, { runId }));
+/**
+ * Writes an HTTP error answer on a socket that asked to upgrade, and closes it. `recorded`: the call became
+ * the run `runId`, which the answer then names.
+ */
+export function refuseUpgrade(socket: Socket, runId: string, err: unknown, recorded = false): void {
+  refuseOnSocket(socket, answer(err, recorded ? { runId } : { requestId: runId }));
 }
 
 /**
@@ -290,14 +300,21 @@ export function attachWebSocketProxy(
 ): void {
   server.on('upgrade', (req: IncomingMessage, socket: Socket, head: Buffer) => {
     const runId = uuidv7();
+    const call = { recorded: false };
     socket.on('error', () => socket.destroy());
-    void upgrade(req, socket, head, runId).catch((err: unknown) => {
+    void upgrade(req, socket, head, runId, call).catch((err: unknown) => {
       if (!(err instanceof FerryError)) services.logger.error({ err, runId }, 'WebSocket proxy failed');
-      if (!socket.destroyed) refuseUpgrade(socket, runId, err);
+      if (!socket.destroyed) refuseUpgrade(socket, runId, err, call.recorded);
     });
   });
 
-  async function upgrade(req: IncomingMessage, socket: Socket, head: Buffer, runId: string): Promise<void> {
+  async function upgrade(
+    req: IncomingMessage,
+    socket: Socket,
+    head: Buffer,
+    runId: string,
+    call: { recorded: boolean },
+  ): Promise<void> {
     const split = splitRunUrl(req.url ?? '/', WS_PARAMS);
     if (!split) throw new FerryError('FERRY_ROUTE_NOT_FOUND');
     if (String(req.headers.upgrade ?? '').toLowerCase() !== 'websocket' || !req.headers['sec-websocket-key']) {
@@ -327,6 +344,9 @@ export function attachWebSocketProxy(
           mode: 'stream',
           signal: gone.signal,
           noDeadline: true,
+          onRecorded: () => {
+            call.recorded = true;
+          },
         },
         (replica, signal) =>
           tunnel(socket, replica, signal, {

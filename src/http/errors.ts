@@ -19,8 +19,9 @@ export function logError(log: FastifyBaseLogger, ferry: FerryError, err: unknown
 
 /** Fastify's error handler: every route's error, answered by http/answer.ts. */
 export function errorHandler(err: unknown, request: FastifyRequest, reply: FastifyReply): void {
+  // The run endpoint's call: its id always, as X-Request-Id; as `run_id` only once it became a run.
   const runId = request.runId || undefined;
-  const answered = answer(err, { runId, request });
+  const answered = answer(err, { requestId: runId, runId: request.runRecorded ? runId : undefined, request });
   logError(request.log, answered.error, err, runId);
   // Refused before its body was read (an upload past a volume's size, a body too large): see drainRefused.
   if (!request.raw.complete && !drainRefused(request.raw)) reply.header('connection', 'close');

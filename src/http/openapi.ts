@@ -48,7 +48,8 @@ const RunQuery = Type.Object({
       format: 'uri',
       maxLength: 2048,
       description:
-        'Absolute http(s) URL without a user name or password, at most 2048 characters, to POST the outcome to (see docs/webhooks.md)',
+        'Absolute http(s) URL without a user name or password, at most 2048 characters, to POST the outcome to; ' +
+        'a host that is an IP address in a blocked range FERRY_WEBHOOK_ALLOW does not open is refused (400) (see docs/webhooks.md)',
     }),
   ),
 });
@@ -90,7 +91,8 @@ const functionCall = {
     'Calls the public function `function` of a cortex app with the JSON object of the body as its arguments ' +
     '(`Content-Type: application/json`, `text/plain` or none; an empty body is `{}`). Synchronous by default ' +
     '(200), `?async=true` answers 202 at once, `Accept: text/event-stream` streams what a generator yields. ' +
-    'Every response carries `X-Request-Id`, the run id. For a custom app, the request is forwarded to its ' +
+    'Every response carries `X-Request-Id`, the run id; an error names it as `run_id` only when the call became ' +
+    'a run (one refused before, with a 401, 404 or 415, is no run). For a custom app, the request is forwarded to its ' +
     'server instead and its response is answered as it is. See docs/api.md, "Run endpoint".',
   tags: ['run'],
   operationId: 'runFunction',

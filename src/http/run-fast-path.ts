@@ -88,8 +88,9 @@ export function createRunFastPath(
     res.end(body);
   }
 
-  function fail(req: IncomingMessage, res: ServerResponse, err: unknown, runId: string): void {
-    const answered = errorAnswer(err, { runId });
+  /** `recorded`: the call became a run (see RunRequestBase.onRecorded), which its answer then names. */
+  function fail(req: IncomingMessage, res: ServerResponse, err: unknown, runId: string, recorded: boolean): void {
+    const answered = errorAnswer(err, recorded ? { runId } : { requestId: runId });
     logError(services.logger, answered.error, err, runId);
     if (!res.headersSent) writeAnswer(res, answered);
     // A body the caller is still sending (refused before it was read): read and dropped, as for every route
@@ -105,6 +106,8 @@ export function createRunFastPath(
     begun: bigint,
   ): Promise<void> {
     const runId = uuidv7();
+    // Until the invoker records the run, an error names the request only (no run has its id).
+    let recorded = false;
     const [, projectId, appName, fn] = match as unknown as [string, string, string, string];
     // The run's one abort (run-abort.ts): the caller hanging up stops the run.
     const run = new RunAbort();
@@ -147,6 +150,9 @@ export function createRunFastPath(
           webhookSecret: undefined,
           abort: run,
           mode: 'sync',
+          onRecorded: () => {
+            recorded = true;
+          },
         })
         .catch((err: unknown) => {
           if (run.reason === CLIENT_GONE && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
@@ -156,7 +162,7 @@ export function createRunFastPath(
       const result = outcome.resultJson ?? JSON.stringify(outcome.result) ?? 'null';
       answer(res, 200, `{"run_id":"${runId}","result":${result},"run_time_ms":${outcome.runTimeMs}}`, runId);
     } catch (err) {
-      fail(req, res, err, runId);
+      fail(req, res, err, runId, recorded);
     }
   }
 

@@ -6,7 +6,12 @@ import { Type } from 'typebox';
 
 export const ErrorBody = Type.Object(
   {
-    run_id: Type.Optional(Type.String()),
+    run_id: Type.Optional(
+      Type.String({
+        description:
+          'The run endpoint: the run the call became (equal to X-Request-Id); absent when the call was refused before any run existed',
+      }),
+    ),
     error: Type.Object({ code: Type.String(), message: Type.String() }),
   },
   { description: 'Every error answered by Ferry; the codes are listed in docs/errors.md' },

@@ -248,30 +248,42 @@ export function createWorkerApi(deps: WorkerApiDeps): WorkerApi {
     }
     const runId = meta?.runId ?? 'unknown';
     const caller = deps.auth.verify(req.headers.authorization);
+    // The gateway relays a refusal as it is: it names the run (`run_id`) only once one was recorded.
     if (!caller) {
-      refuseOnSocket(socket, answer(new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'), { runId }));
+      refuseOnSocket(socket, answer(new FerryError('FERRY_CLUSTER_UNAUTHENTICATED'), { requestId: runId }));
       return;
     }
     if (req.url !== WORKER_PATHS.session || !meta) {
-      refuseOnSocket(socket, answer(new FerryError('FERRY_VALIDATION', 'not a session call'), { runId }));
+      refuseOnSocket(socket, answer(new FerryError('FERRY_VALIDATION', 'not a session call'), { requestId: runId }));
       return;
     }
     const leave = deps.callers?.enter(`${meta.projectId}/${meta.appId}`, caller.nodeId);
     socket.once('close', () => leave?.());
-    void session(meta, socket, head).catch((err: unknown) => {
+    const call = { recorded: false };
+    void session(meta, socket, head, call).catch((err: unknown) => {
       if (!(err instanceof FerryError)) logger.error({ err, runId }, 'internal session failed');
-      if (!socket.destroyed) refuseOnSocket(socket, answer(err, { runId }));
+      if (!socket.destroyed) refuseOnSocket(socket, answer(err, call.recorded ? { runId } : { requestId: runId }));
     });
   });
 
-  async function session(meta: CallMeta, socket: Socket, head: Buffer): Promise<void> {
+  async function session(meta: CallMeta, socket: Socket, head: Buffer, call: { recorded: boolean }): Promise<void> {
     const build = await builds.get(meta);
     const gone = new AbortController();
     socket.once('close', () => gone.abort(new Error('gateway went away')));
     let answered = false;
     await deps.invoker
       .invokeSession(
-        { runId: meta.runId, build, fn: meta.fn, mode: 'stream', signal: gone.signal, noDeadline: true },
+        {
+          runId: meta.runId,
+          build,
+          fn: meta.fn,
+          mode: 'stream',
+          signal: gone.signal,
+          noDeadline: true,
+          onRecorded: () => {
+            call.recorded = true;
+          },
+        },
         // What the gateway sent after the tunnel's own head: the caller's request, then its bytes.
         (replica, signal) =>
           tunnel(socket, replica, signal, {

@@ -5,7 +5,7 @@
  * (`ImageBuildError`, `CODE: step: cause`). The steps themselves are image-builder.ts's `buildImage`,
  * called by images/build-image.ts.
  */
-import { BuildFailedError } from '../builds/build-failed.js';
+import { CodedBuildError } from '../builds/build-failed.js';
 import type { ErrorCode } from '../errors.js';
 import type { ImageSpec } from './image-spec.js';
 
@@ -13,13 +13,11 @@ import type { ImageSpec } from './image-spec.js';
  * A failure of an image build: a coded build failure whose message is `CODE: step: cause`, as the build
  * log and `builds.error` show it.
  */
-export class ImageBuildError extends BuildFailedError {
-  readonly code: ErrorCode;
+export class ImageBuildError extends CodedBuildError {
   readonly step: string;
   constructor(code: ErrorCode, step: string, cause: string, options?: { cause?: unknown }) {
-    super(`${code}: ${step}: ${cause}`, options);
+    super(code, `${step}: ${cause}`, options);
     this.name = 'ImageBuildError';
-    this.code = code;
     this.step = step;
   }
 }

@@ -65,6 +65,13 @@ export interface RunRequestBase {
   webhookSecret?: string | undefined;
   /** Called once a replica slot is taken and the call begins (stream mode sends its headers then). */
   onStarted?: (() => void) | undefined;
+  /**
+   * Called once the run is recorded (its id names a run `GET …/runs/{id}` finds), before the invoke settles:
+   * the run endpoint answers an error with `run_id` only then. A local invoke records the run as it begins;
+   * a gateway's, once a worker took the call; a call refused before (no worker, a worker's refusal) has no
+   * run.
+   */
+  onRecorded?: (() => void) | undefined;
   /** No response_grace_period deadline (a WebSocket session lives as long as both sides want). */
   noDeadline?: boolean;
   /**
@@ -279,6 +286,7 @@ export function createInvoker(deps: InvokerDeps): LocalInvoker {
         recorder.log(runId, 'system', `input of ${input.bytes} bytes not stored (limit ${MAX_STORED_INPUT_BYTES})`);
       }
     }
+    request.onRecorded?.();
 
     const grace = build.config.scaling.response_grace_period * 1000;
     // One abort for the run: the caller going away, the deadline and a cancel all end the call through it.
@@ -340,12 +348,15 @@ export function createInvoker(deps: InvokerDeps): LocalInvoker {
       }
       coldStart = slot.coldStart;
       started = Date.now();
-      recorder.update(runId, {
-        state: 'running',
-        build_id: slot.build.buildId,
-        started_at: isoTime(started),
-        cold_start: coldStart ? 1 : 0,
-      });
+      // `cold_start` is the run's, over all its attempts, as its log is: set by an attempt that waited for a
+      // replica to start, never cleared by a later warm one (a new row starts at 0). Issue 43: a retried
+      // run's record said `false` while its log told of the first attempt's wait.
+      recorder.update(
+        runId,
+        coldStart
+          ? { state: 'running', build_id: slot.build.buildId, started_at: isoTime(started), cold_start: 1 }
+          : { state: 'running', build_id: slot.build.buildId, started_at: isoTime(started) },
+      );
       if (coldStart) recorder.log(runId, 'system', `cold start: waited ${started - created} ms for a replica`);
       request.onStarted?.();
 

@@ -195,6 +195,8 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
       const body = Buffer.concat([callLine(metaOf(request)), request.body]);
       return dispatch(request, async (worker) => {
         const res = await post(worker, WORKER_PATHS.invoke, body, request.signal);
+        // The worker answers 200 only once its invoker took the call, which records the run first.
+        request.onRecorded?.();
         try {
           // A sync call's answer is one line: read it whole, without the line splitter's iterator.
           const events = request.mode === 'stream' ? lines(res.body) : oneLine(res.body);
@@ -242,6 +244,8 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
           Readable.from(bodyOf(line, http.body), { objectMode: false }),
           request.signal,
         );
+        // As for `invoke`: a 200 comes once the worker's invoker took the call, which records the run.
+        request.onRecorded?.();
         let statusCode = 0;
         let sink: HttpBodySink | undefined;
         let pending: Buffer = Buffer.alloc(0);
@@ -281,6 +285,8 @@ export function createRemoteInvoker(deps: RemoteInvokerDeps): RemoteInvoker {
     },
 
     invokeSession(given, session) {
+      // Never `onRecorded` here: the tunnel is open before the worker says anything, and a worker's answer
+      // that refuses the session is relayed to the caller as the worker wrote it (with its run_id, if any).
       const request = withSignal(given);
       const meta = metaOf(request);
       const started = Date.now();

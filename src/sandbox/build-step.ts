@@ -185,10 +185,9 @@ export async function runBuildStep(ctx: BuildStepContext, step: BuildStep): Prom
         lease.netnsPath === null ? 'isolated' : 'host',
         caps.identity !== null,
         stage.imageRoot !== null ? { rootfs: stage.imageRoot, files: [] } : undefined,
+        // Its private /tmp, mounted before every bind (baseBwrapArgs says why).
+        memoryBytes,
       )),
-      ...(caps.bwrapFeatures.tmpfsSize ? ['--size', String(memoryBytes)] : []),
-      '--tmpfs',
-      '/tmp',
       '--ro-bind',
       stage.source,
       STEP_SOURCE_DIR,

@@ -338,13 +338,7 @@ async function probeBwrap(env: NodeJS.ProcessEnv, caps: SandboxCapabilities): Pr
     return null;
   }
   const truePath = (await findExecutable('true', WRAPPER_ENV)) ?? '/bin/true';
-  const args = [
-    ...(await baseBwrapArgs(caps.bwrapFeatures, 'host', caps.identity !== null)),
-    '--tmpfs',
-    '/tmp',
-    '--',
-    truePath,
-  ];
+  const args = [...(await baseBwrapArgs(caps.bwrapFeatures, 'host', caps.identity !== null)), '--', truePath];
   // As root, the probe starts bwrap the way every sandbox is started: as an unprivileged sandbox uid.
   const probeUid = caps.identity ? acquireSandboxUid(caps.identity) : null;
   const [probeFile, ...probeArgs] =
@@ -463,6 +457,7 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
         typeof network === 'object' ? (netnsPath ? 'host' : 'isolated') : network,
         caps.identity !== null,
         launch.image,
+        memoryBytes,
       )),
       ...(typeof network === 'object' && network.resolvConf
         ? await resolvConfArgs(FIRST_FILE_FD + launch.runtimeFiles.length, launch.image?.rootfs)
@@ -473,9 +468,6 @@ export async function prepareLaunch(launch: ReplicaLaunch, caps: SandboxCapabili
       '/dev/shm',
       '--remount-ro',
       '/dev',
-      ...size(memoryBytes),
-      '--tmpfs',
-      '/tmp',
       ...size(SOCKET_TMPFS_BYTES),
       '--tmpfs',
       SANDBOX_SOCKET_DIR,
@@ -797,7 +789,12 @@ export async function resolvConfArgs(fd: number, imageRoot?: string): Promise<st
   return ['--ro-bind-data', String(fd), target];
 }
 
-/** Everything but the replica's own folders: namespaces, the system folders, and /etc's masked entries. */
+/**
+ * Everything but the replica's own folders: namespaces, the private `/tmp`, the system folders, and /etc's
+ * masked entries. bwrap mounts in the order it is told, so `/tmp` comes first: a bind under /tmp (a Node
+ * installed there, whose folder is bound at its own path) made before it would be hidden by it, and
+ * `execvp /tmp/.../node: No such file or directory` was all a build step said (issue 43).
+ */
 export async function baseBwrapArgs(
   features: SandboxCapabilities['bwrapFeatures'],
   network: 'host' | 'isolated',
@@ -805,6 +802,8 @@ export async function baseBwrapArgs(
   ownUid = false,
   /** An image's root instead of the host's system folders. */
   image?: Pick<ImageRoot, 'rootfs' | 'files'>,
+  /** The size of the `/tmp` tmpfs (where bwrap takes `--size`), or undefined for bwrap's default. */
+  tmpBytes?: number,
 ): Promise<string[]> {
   const args = [
     '--unshare-all',
@@ -819,6 +818,9 @@ export async function baseBwrapArgs(
     '--new-session',
     '--cap-drop',
     'ALL',
+    ...(features.tmpfsSize && tmpBytes !== undefined ? ['--size', String(tmpBytes)] : []),
+    '--tmpfs',
+    '/tmp',
   ];
   if (image) {
     args.push(...(await imageRootArgs(image)));

@@ -37,7 +37,11 @@ export interface LocalVolume {
   project_id: string;
   name: string;
   size_bytes: number;
-  /** Disk the image takes now: the bytes written in the volume, with the filesystem's own metadata. */
+  /**
+   * Disk the image takes on the host now: its allocated blocks, the filesystem's own metadata and journal
+   * included, and blocks of deleted files until they are discarded. Not the volume's use (which its bound
+   * counts: backend.ts `peekVolumeUse`).
+   */
   allocated_bytes: number;
   mounted_here: boolean;
 }

@@ -27,7 +27,7 @@ import { FerryError } from '../errors.js';
 import { nowIso } from '../ids.js';
 import { lockBudget } from '../store/budget-lock.js';
 import type { Store } from '../store/index.js';
-import { imageBackend, type VolumeBackend, type VolumeRef } from './backend.js';
+import { imageBackend, peekVolumeUse, type VolumeBackend, type VolumeRef } from './backend.js';
 import {
   MIN_VOLUME_MIB,
   probeVolumeSupport,
@@ -412,14 +412,7 @@ export async function createVolumes(deps: VolumesDeps): Promise<Volumes> {
         let used: number | null = null;
         if (support.available && (_backend ?? 'image') === kind) {
           const ref = refOf({ ...r, backend: _backend, quota_id: _quotaId });
-          const root = await backend.peekRoot(ref);
-          if (root) {
-            used = await backend.usage(ref, root).then(
-              (u) => u.used_bytes,
-              () => null,
-            );
-            await root.close();
-          }
+          used = (await peekVolumeUse(backend, ref))?.used_bytes ?? null;
         }
         out.push({ ...r, used_bytes: used });
       }

@@ -8,9 +8,13 @@
  * plain text in the run record, the schedule list and the logs. A receiver authenticates deliveries by
  * their signature (`X-Webhook-Secret` on a run call) instead.
  *
- * Which addresses a delivery may reach is not decided here: that is the server's setting
- * (`FERRY_WEBHOOK_ALLOW`), checked at connect time by `address-guard.ts`, and the CLI cannot know it.
- * This module imports nothing, so any layer may use it.
+ * Which addresses a delivery may reach is the server's setting (`FERRY_WEBHOOK_ALLOW`), which the CLI
+ * cannot know: the server passes its check in (`blocked`, address-guard.ts `blockedReason`), and then a URL
+ * whose host is a literal address in a blocked range is refused here, at intake, like any other bad URL,
+ * rather than taken with a 202 and failed at delivery (issue 43). A host name is still checked only at
+ * connect time (`address-guard.ts`), on what it resolves to then: resolving it here would prove nothing
+ * about delivery (DNS rebinding) and would make intake wait on DNS. This module imports nothing, so any
+ * layer may use it.
  */
 
 /** The longest webhook URL taken, as given and as stored. */
@@ -24,14 +28,23 @@ export class WebhookUrlError extends Error {
   }
 }
 
+export interface WebhookUrlOptions {
+  /**
+   * The server's address rule: why a delivery may not reach this IP address (the kind of range it is in),
+   * or undefined when it may. Given, a URL whose host is a literal address is checked with it.
+   */
+  blocked?: ((address: string) => string | undefined) | undefined;
+}
+
 /**
  * Checks a webhook URL and returns it normalized (as `URL` writes it, which is what is stored and
  * delivered to); throws a `WebhookUrlError` saying what is wrong.
  *
  * @example parseWebhookUrl('https://example.com/hook') // 'https://example.com/hook'
  * @example parseWebhookUrl('https://user:secret@example.com/hook') // throws: no user name or password
+ * @example parseWebhookUrl('http://127.0.0.1:9/', { blocked }) // throws: in a blocked range (loopback)
  */
-export function parseWebhookUrl(value: unknown): string {
+export function parseWebhookUrl(value: unknown, options: WebhookUrlOptions = {}): string {
   const absolute = 'must be an absolute http:// or https:// URL';
   if (typeof value !== 'string' || value === '') throw new WebhookUrlError(absolute);
   if (value.length > MAX_WEBHOOK_URL_LENGTH) {
@@ -47,10 +60,26 @@ export function parseWebhookUrl(value: unknown): string {
   if (url.username !== '' || url.password !== '') {
     throw new WebhookUrlError('must not carry a user name or password');
   }
+  const address = literalAddress(url.hostname);
+  const why = address !== undefined ? options.blocked?.(address) : undefined;
+  if (why !== undefined) {
+    throw new WebhookUrlError(
+      `must not be an address in a blocked range: ${address} is ${why}; the server's operator can allow it with FERRY_WEBHOOK_ALLOW`,
+    );
+  }
   const normalized = url.toString();
   // Percent-encoding can lengthen a URL: the limit holds for what is stored too.
   if (normalized.length > MAX_WEBHOOK_URL_LENGTH) {
     throw new WebhookUrlError(`must be at most ${MAX_WEBHOOK_URL_LENGTH} characters`);
   }
   return normalized;
+}
+
+/**
+ * The IP address a URL's host is, or undefined for a name. `URL` has already written every IPv4 form
+ * (`0x7f.1`, `2130706433`) as four decimal numbers and an IPv6 address in brackets.
+ */
+function literalAddress(hostname: string): string | undefined {
+  if (hostname.startsWith('[') && hostname.endsWith(']')) return hostname.slice(1, -1);
+  return /^\d{1,3}(\.\d{1,3}){3}$/.test(hostname) ? hostname : undefined;
 }

@@ -98,6 +98,17 @@ export function formatTime(iso) {
   return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
 }
 
+/**
+ * A time in UTC to the minute, `2030-01-31 23:59 UTC`: for expiries, which the API keys form sets as UTC
+ * days, and which a short-lived token (an hour) needs to the minute, not only to the day.
+ */
+export function formatUtcTime(iso) {
+  if (!iso) return '—';
+  const d = new Date(iso);
+  if (Number.isNaN(d.getTime())) return String(iso);
+  return `${d.toISOString().slice(0, 16).replace('T', ' ')} UTC`;
+}
+
 export function formatDate(iso) {
   return iso ? formatTime(iso).slice(0, 10) : '—';
 }

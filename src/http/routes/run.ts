@@ -1,7 +1,9 @@
 /**
  * The run endpoint, `POST /v4/{project_id}/{app_name}/{function}` (the spec's `.../run` calls `run`).
  *
- * Every response, errors included, carries `X-Request-Id`, equal to the run id. Authentication uses the
+ * Every response, errors included, carries `X-Request-Id`, equal to the run id; an error names the run in
+ * its body (`run_id`) only once the call became one (`request.runRecorded`): a call refused before, with
+ * a 401, 404 or 415, has no run to look up (issue 43). Authentication uses the
  * `run` scope unless the app's active build has `disable_auth = true`. The body is a JSON object whose
  * members are the function's arguments; it is forwarded to the replica as the caller sent it.
  */
@@ -15,6 +17,7 @@ import { MAX_STORED_INPUT_BYTES } from '../../runs/invoke.js';
 import { type CallParts, checkFunction, type RunService, type RunTarget } from '../../runs/run-service.js';
 import type { ReplayStream, StreamEndState, StreamReader, StreamReplay } from '../../runs/stream-replay.js';
 import { runtimeOf } from '../../runtimes/index.js';
+import { blockedReason, parseAllowList } from '../../webhooks/address-guard.js';
 import { webhookSecretOf } from '../../webhooks/secret.js';
 import { parseWebhookUrl, WebhookUrlError } from '../../webhooks/webhook-url.js';
 import { errorEventData } from '../answer.js';
@@ -27,6 +30,8 @@ import type { TypedServer } from '../typed-server.js';
 declare module 'fastify' {
   interface FastifyRequest {
     runId?: string;
+    /** The call was recorded as the run `runId` (RunRequestBase.onRecorded): its error answer names it. */
+    runRecorded?: boolean;
     runTarget?: RunTarget;
   }
 }
@@ -40,7 +45,7 @@ export interface RunRouteDeps extends CustomProxyDeps {
   runs: RunService;
   /** Streaming runs' events, kept for a reconnect (runs/stream-replay.ts). */
   streams: Pick<StreamReplay, 'open' | 'get'>;
-  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds' | 'streamBufferBytes'>;
+  config: Pick<ServerConfig, 'maxBodyBytes' | 'callerStallSeconds' | 'streamBufferBytes' | 'webhookAllow'>;
 }
 
 const RunParams = Type.Object({
@@ -66,16 +71,24 @@ export function parseRunBody(raw: Buffer): RawJson {
   return { raw };
 }
 
-/** The `webhookEndpoint` query parameter, normalized (webhooks/webhook-url.ts has the rule), or undefined. */
-function parseWebhookEndpoint(value: unknown): string | undefined {
-  if (value === undefined) return undefined;
-  try {
-    return parseWebhookUrl(value);
-  } catch (err) {
-    if (err instanceof WebhookUrlError)
-      throw new FerryError('FERRY_WEBHOOK_URL_INVALID', `webhookEndpoint ${err.message}`);
-    throw err;
-  }
+/**
+ * The reader of the `webhookEndpoint` query parameter: normalized (webhooks/webhook-url.ts has the rule),
+ * or undefined. A literal address in a range this server's deliveries may not reach (FERRY_WEBHOOK_ALLOW)
+ * is refused now, as a bad URL, not accepted and failed at delivery (issue 43).
+ */
+function webhookEndpointReader(webhookAllow: string): (value: unknown) => string | undefined {
+  const allow = parseAllowList(webhookAllow);
+  const options = { blocked: (address: string) => blockedReason(address, allow) };
+  return function parseWebhookEndpoint(value) {
+    if (value === undefined) return undefined;
+    try {
+      return parseWebhookUrl(value, options);
+    } catch (err) {
+      if (err instanceof WebhookUrlError)
+        throw new FerryError('FERRY_WEBHOOK_URL_INVALID', `webhookEndpoint ${err.message}`);
+      throw err;
+    }
+  };
 }
 
 /** The `Idempotency-Key` header: up to 255 visible ASCII characters, or undefined when not sent. */
@@ -253,6 +266,9 @@ async function streamRun(
   const gone = new AbortController();
   const stop = () => gone.abort(new Error('client disconnected'));
   const connection = eventConnection(services, request, reply, call.runId, wantsStreamEvents(request));
+  const recorded = () => {
+    request.runRecorded = true;
+  };
   let stream: ReplayStream | undefined;
   const begin = (): ReplayStream => {
     if (stream) return stream;
@@ -277,6 +293,7 @@ async function streamRun(
       ...call,
       mode: 'stream',
       signal: gone.signal,
+      onRecorded: recorded,
       onStarted: () => void begin(),
       onItem: (item) => begin().push(eventText(item)),
       // While the caller's connection is full, the replica's answer waits (not read, not buffered here).
@@ -356,6 +373,7 @@ function resumeStream(
 
 /** `options`: whether custom apps' answers are sandboxed on this server (custom-proxy.ts, ProxyOptions). */
 export function registerRunRoutes(app: TypedServer, services: RunRouteDeps, options: ProxyOptions): void {
+  const parseWebhookEndpoint = webhookEndpointReader(services.config.webhookAllow);
   attachWebSocketProxy(app.server, services, (projectId, appName, authorization) =>
     services.runs.resolveTarget(projectId, appName, authorization),
   );
@@ -445,7 +463,12 @@ export function registerRunRoutes(app: TypedServer, services: RunRouteDeps, opti
           if (gone.signal.aborted && !(err instanceof FerryError)) throw new FerryError('FERRY_CLIENT_GONE');
           throw err;
         };
-        const outcome = await services.runs.invoke({ ...common, signal: gone.signal, mode: 'sync' }).catch(orGone);
+        const recorded = () => {
+          request.runRecorded = true;
+        };
+        const outcome = await services.runs
+          .invoke({ ...common, signal: gone.signal, mode: 'sync', onRecorded: recorded })
+          .catch(orGone);
         // The result's JSON, made once by the invoker for the run record, is spliced into the envelope.
         const result = outcome.resultJson ?? JSON.stringify(outcome.result) ?? 'null';
         return reply

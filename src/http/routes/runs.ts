@@ -28,7 +28,9 @@ const Run = Type.Object({
   mode: RunMode,
   state: RunState,
   status_code: Nullable(Type.Integer()),
-  cold_start: Type.Boolean({ description: 'The run waited for a replica to start' }),
+  cold_start: Type.Boolean({
+    description: 'The run (in any of its attempts) waited for a replica to start; its log says how long',
+  }),
   created_at: Type.String({ format: 'date-time' }),
   started_at: Nullable(Type.String({ format: 'date-time' })),
   finished_at: Nullable(Type.String({ format: 'date-time' })),

@@ -22,6 +22,7 @@ import { isFile, PROXY_ENV, throwIfAborted } from '../../builds/run-child.js';
 import { ImageBuildError, type ImplicitStep } from '../../images/image-steps.js';
 import { describeStepExit, runBuildStep, stepPaths, toolMounts } from '../../sandbox/build-step.js';
 import { findImagePython, findPython } from './interpreter.js';
+import { PIP_TAIL_LINES, pipFailure, pipRetryOptions } from './pip-failure.js';
 import { requirementsLocalPaths, requirementsProblem } from './requirements.js';
 
 export const PYTHON_ENTRY = 'main.py';
@@ -454,6 +455,8 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     '--no-cache-dir',
     '--timeout',
     String(PIP_TIMEOUT_SECONDS),
+    // No retries of an index no connection can reach (pip-failure.ts).
+    ...pipRetryOptions(ctx.sandbox.network.mode),
     // Wheels only: a source package's build code would run as part of the build. (It would run in the
     // sandbox, but wheels keep builds predictable; see requirements.ts.)
     '--only-binary=:all:',
@@ -478,6 +481,8 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     if (value !== undefined) env[name] = value;
   }
   const started = Date.now();
+  // The end of pip's output, for the error (its conclusion is there).
+  const tail: string[] = [];
   // The working folder is the app folder, as the sandbox shows it read-only, so `./wheels/x.whl` lines
   // in requirements.txt resolve; -I keeps it off sys.path.
   const exit = await runBuildStep(ctx, {
@@ -486,8 +491,14 @@ async function installRequirements(ctx: BuildContext, python: string): Promise<v
     env,
     cwd: paths.source,
     readOnly: toolMounts(paths, python),
-    onLine: (_stream, line) => ctx.log(line),
+    onLine: (_stream, line) => {
+      ctx.log(line);
+      tail.push(line);
+      if (tail.length > PIP_TAIL_LINES) tail.shift();
+    },
   });
-  if (exit.code !== 0) throw new BuildFailedError(`pip install ${describeStepExit(exit, ctx.sandbox.limits)}`);
+  if (exit.code !== 0) {
+    throw pipFailure(describeStepExit(exit, ctx.sandbox.limits), tail, ctx.sandbox.network.mode);
+  }
   ctx.log(`pip install finished in ${((Date.now() - started) / 1000).toFixed(1)} s`);
 }

@@ -8,6 +8,7 @@ import {
   errorBox,
   errorText,
   formatDate,
+  formatUtcTime,
   h,
   replaceKeepingFocus,
   tableEl,
@@ -116,7 +117,7 @@ export async function renderKeys(ctx) {
         h(
           'td',
           {},
-          h('time', { datetime: a.expires_at, title: a.expires_at }, formatDate(a.expires_at)),
+          h('time', { datetime: a.expires_at, title: a.expires_at }, formatUtcTime(a.expires_at)),
           a.expired ? h('span', { class: 'hint' }, ' (expired)') : null,
         ),
         h('td', {}, a.last_used_at ? timeEl(a.last_used_at) : 'never'),
@@ -210,7 +211,7 @@ export async function renderKeys(ctx) {
       h(
         'p',
         { class: 'hint' },
-        `Scopes ${account.scopes.join(', ')}; expires ${formatDate(account.expires_at)}. Project ${session.projectId}.`,
+        `Scopes ${account.scopes.join(', ')}; expires ${formatUtcTime(account.expires_at)}. Project ${session.projectId}.`,
       ),
     );
     created.replaceChildren(panel);

@@ -47,6 +47,13 @@ function select(id, label, values, current) {
   );
 }
 
+/** What started a run, in the runs table: a call, a schedule (its name), or `runs retry` of another run. */
+function startedBy(run) {
+  if (run.trigger === 'schedule') return run.schedule ? `schedule ${run.schedule.name}` : 'schedule';
+  if (run.trigger === 'retry') return run.retry_of ? `retry of ${shortId(run.retry_of)}` : 'retry';
+  return 'call';
+}
+
 export async function renderRuns(ctx) {
   const appId = ctx.params[0];
   ctx.setTitle(`Runs of ${appId}`);
@@ -77,7 +84,7 @@ export async function renderRuns(ctx) {
     problem,
     tableEl({
       caption: `Runs of ${appId}, newest first`,
-      head: ['Run', 'Function', 'Mode', 'State', 'Status', 'Duration', 'Cold start', 'Time'],
+      head: ['Run', 'Function', 'Mode', 'Started by', 'State', 'Attempts', 'Status', 'Duration', 'Cold start', 'Time'],
       body,
       className: 'runs',
     }),
@@ -110,7 +117,10 @@ export async function renderRuns(ctx) {
       ),
       h('td', { class: 'mono', 'data-label': 'Function' }, run.function),
       h('td', { 'data-label': 'Mode' }, modeBadge(run.mode)),
+      h('td', { 'data-label': 'Started by', class: 'started-by' }, startedBy(run)),
       h('td', { 'data-label': 'State' }, stateBadge(run.state)),
+      // Starts so far: more than 1 for a run its app's [retries] (or retry_interrupted) tried again.
+      h('td', { class: 'num', 'data-label': 'Attempts' }, String(run.attempts ?? 0)),
       h('td', { class: 'num', 'data-label': 'Status' }, run.status_code === null ? '—' : String(run.status_code)),
       h('td', { class: 'num', 'data-label': 'Duration' }, formatDuration(runDuration(run))),
       h('td', { 'data-label': 'Cold start' }, run.cold_start ? h('span', { class: 'badge cold' }, 'cold') : '—'),
@@ -127,7 +137,7 @@ export async function renderRuns(ctx) {
     const rows = res.runs.map((run) => row(run, seen !== null && !seen.has(run.run_id)));
     seen = new Set(res.runs.map((r) => r.run_id));
     if (rows.length === 0) {
-      rows.push(h('tr', {}, h('td', { colspan: '8', class: 'empty-row' }, 'No runs match.')));
+      rows.push(h('tr', {}, h('td', { colspan: '10', class: 'empty-row' }, 'No runs match.')));
     }
     replaceKeepingFocus(body, rows);
     updated.textContent = `Updated ${formatTime(new Date().toISOString()).slice(11)}`;
