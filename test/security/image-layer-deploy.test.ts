@@ -113,6 +113,8 @@ describe('security: hostile images deployed end to end leave the host alone', { 
   });
 
   it("a Dockerfile's RUN lines that swap a 0777 folder for a link to the host chmod nothing of the host", async () => {
+    // A canary of its own: on the old code the base image's case emptied the first one.
+    const canary = await makeCanary(path.join(work, 'canary-dockerfile'));
     const before = await canaryState(canary);
     const dockerfile = [
       `FROM ${base}`,
