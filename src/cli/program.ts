@@ -235,10 +235,36 @@ export function createProgram(): Command {
 
   program
     .command('run <app> [function]')
-    .description('call a function synchronously (default function: run) and print its result')
-    .option('-d, --data <json>', 'the arguments, as a JSON object', '{}')
+    .description('call a function (default: run) and print its result; --stream, --async, --webhook')
+    .option(
+      '-d, --data <json|@file|->',
+      'the arguments: a JSON object, @file to read it from a file, - from stdin',
+      '{}',
+    )
+    .option('--stream', "print each item's text as the function yields it, one line per item")
+    .option('--sse', 'with --stream: print the raw server-sent event lines')
+    .option('--async', 'start the run and print its id at once (with --json: the 202 body)')
+    .option('--wait', 'with --async: wait for the run to end and print its result')
+    .option('--webhook <url>', 'POST the result there; signed with FERRY_WEBHOOK_SECRET or --webhook-secret-stdin')
+    .option(
+      '--webhook-secret-stdin',
+      'read the webhook signing secret from standard input (never from the command line)',
+    )
+    .option('--idempotency-key <key>', 'with --async: a repeat with the same key answers the first run')
     .option('--json', 'print the whole response')
-    .action(lazy(() => import('./runs.js'), 'runCommand'));
+    .addHelpText(
+      'after',
+      `
+Examples:
+  $ ferry run hello -d '{"name":"Ada"}'
+  $ echo '{"name":"Ada"}' | ferry run hello -d -
+  $ ferry run counter count --stream
+  $ ferry run hello --async --wait
+  $ FERRY_WEBHOOK_SECRET=s3cret ferry run hello --async --webhook https://example.com/hook
+
+The exit code is 0 when the run succeeded, 1 when it failed, 2 for bad flags.`,
+    )
+    .action(lazy(() => import('./run-call.js'), 'runCommand'));
 
   const runs = program.command('runs').description('runs of an app');
   runs

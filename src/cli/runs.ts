@@ -1,61 +1,12 @@
 /**
- * `ferry run <app> [function] --data '{...}'` calls a function; `ferry runs list|get|logs` shows runs.
+ * `ferry runs list|get|logs|cancel|retry` shows and acts on runs (`ferry run`, the call itself: run-call.ts).
  */
-import { request } from 'undici';
 import { isFinalState } from '../runs/lifecycle.js';
 import { CliError, createClient, printJson, printTable } from './client.js';
 import { printLine, safeJson, safeText } from './terminal.js';
 
 interface Json {
   json?: boolean;
-}
-
-export async function runCommand(
-  app: string,
-  fn: string | undefined,
-  options: { data?: string; json?: boolean },
-): Promise<void> {
-  const client = createClient();
-  const data = options.data ?? '{}';
-  try {
-    const parsed = JSON.parse(data) as unknown;
-    if (parsed === null || typeof parsed !== 'object' || Array.isArray(parsed)) throw new Error('not an object');
-  } catch {
-    throw new CliError(`--data must be a JSON object, like '{"name": "Ferry"}'`, 2);
-  }
-  const url = `${client.url}/v4/${client.project}/${encodeURIComponent(app)}/${encodeURIComponent(fn ?? 'run')}`;
-  let res: Awaited<ReturnType<typeof request>>;
-  try {
-    res = await request(url, {
-      method: 'POST',
-      headers: { authorization: `Bearer ${client.token}`, 'content-type': 'application/json' },
-      body: data,
-      headersTimeout: 0,
-      bodyTimeout: 0,
-    });
-  } catch (err) {
-    throw new CliError(`Cannot reach Ferry at ${client.url}: ${(err as Error).message}`);
-  }
-  const text = await res.body.text();
-  const runId = res.headers['x-request-id'];
-  let body: { result?: unknown; run_time_ms?: number; error?: { code: string; message: string } };
-  try {
-    body = JSON.parse(text) as typeof body;
-  } catch {
-    throw new CliError(`The server answered ${res.statusCode}: ${text.slice(0, 200)}`);
-  }
-  if (options.json) {
-    printJson(body);
-    if (res.statusCode >= 400) process.exitCode = 1;
-    return;
-  }
-  if (res.statusCode >= 400) {
-    throw new CliError(
-      `run ${String(runId)} failed: ${body.error?.message ?? text} (${body.error?.code ?? res.statusCode})`,
-    );
-  }
-  process.stdout.write(`${safeJson(JSON.stringify(body.result, null, 2))}\n`);
-  process.stderr.write(`run ${String(runId)} in ${body.run_time_ms} ms\n`);
 }
 
 export async function runsListCommand(
