@@ -13,21 +13,10 @@
  *   accepted (within a poll of the watch, a second; asserted with a generous bound).
  */
 import assert from 'node:assert/strict';
-import { spawnSync } from 'node:child_process';
-import fs from 'node:fs/promises';
-import path from 'node:path';
 import { after, before, describe, it } from 'node:test';
 import { zipFiles } from './helpers/app-zip.js';
-import {
-  deployFiles,
-  http,
-  type Response,
-  runCli,
-  startServer,
-  type TestServer,
-  tempDir,
-  waitFor,
-} from './helpers/ferry.js';
+import { deployFiles, http, type Response, runCli, startServer, type TestServer, waitFor } from './helpers/ferry.js';
+import { type SmallDisk, smallDisk } from './helpers/small-disk.js';
 
 const MiB = 1024 * 1024;
 const APP = {
@@ -35,63 +24,6 @@ const APP = {
   'main.ts':
     'export async function run({ n = 0, ms = 0 }) { await new Promise((r) => setTimeout(r, ms)); return { n }; }\n',
 };
-
-/** A data folder on a tmpfs of `sizeMiB` (`<mount>/data`), and a filler file beside it. */
-async function dataOnSmallDisk(sizeMiB: number) {
-  const root = await tempDir('ferry-disk-full-');
-  // The sandboxes' uids pass through on their way to the views beside the data folder.
-  await fs.chmod(root, 0o711);
-  const mount = path.join(root, 'mnt');
-  await fs.mkdir(mount);
-  const mounted = spawnSync('mount', ['-t', 'tmpfs', '-o', `size=${sizeMiB}m`, 'tmpfs', mount], { encoding: 'utf8' });
-  assert.equal(mounted.status, 0, `mount -t tmpfs failed: ${mounted.stderr}`);
-  const data = path.join(mount, 'data');
-  const filler = path.join(mount, 'filler');
-  const freeBytes = async () => {
-    const stats = await fs.statfs(mount);
-    return stats.bavail * stats.bsize;
-  };
-  return {
-    data,
-    freeBytes,
-    /** Fills the disk until `leaveBytes` are free (0: until the filesystem refuses a byte more). */
-    async fill(leaveBytes = 0): Promise<void> {
-      const handle = await fs.open(filler, 'a');
-      try {
-        if (leaveBytes > 0) {
-          const want = (await freeBytes()) - leaveBytes;
-          for (let written = 0; written < want; ) {
-            const n = Math.min(MiB, want - written);
-            await handle.write(Buffer.alloc(n, 1));
-            written += n;
-          }
-          return;
-        }
-        for (const size of [MiB, 4096, 512]) {
-          const piece = Buffer.alloc(size, 1);
-          for (;;) {
-            try {
-              await handle.write(piece);
-            } catch (err) {
-              if ((err as NodeJS.ErrnoException).code === 'ENOSPC') break;
-              throw err;
-            }
-          }
-        }
-      } finally {
-        await handle.close();
-      }
-    },
-    unfill: () => fs.rm(filler, { force: true }),
-    async close() {
-      for (let i = 0; i < 20 && spawnSync('umount', [mount]).status !== 0; i++) {
-        await new Promise((r) => setTimeout(r, 250));
-      }
-      if (spawnSync('mountpoint', ['-q', mount]).status === 0) spawnSync('umount', ['-l', mount]);
-      await fs.rm(root, { recursive: true, force: true });
-    },
-  };
-}
 
 /** Asserts a refusal for lack of space: 507, the code, Retry-After (and the run id on the run endpoint). */
 function assertStorageFull(res: Response, what: string): void {
@@ -101,13 +33,13 @@ function assertStorageFull(res: Response, what: string): void {
 }
 
 describe('a data folder that fills up, FERRY_MIN_FREE_MIB=0', () => {
-  let disk: Awaited<ReturnType<typeof dataOnSmallDisk>>;
+  let disk: SmallDisk;
   let server: TestServer | undefined;
   let auth: { projectId: string; token: string };
   const log: string[] = [];
 
   before(async () => {
-    disk = await dataOnSmallDisk(48);
+    disk = await smallDisk(48);
     server = await startServer({
       dataDir: disk.data,
       env: { FERRY_MIN_FREE_MIB: '0' },
@@ -190,12 +122,12 @@ describe('a data folder that fills up, FERRY_MIN_FREE_MIB=0', () => {
 });
 
 describe('FERRY_MIN_FREE_MIB stops intake before the disk is full', () => {
-  let disk: Awaited<ReturnType<typeof dataOnSmallDisk>>;
+  let disk: SmallDisk;
   let server: TestServer | undefined;
   let auth: { projectId: string; token: string };
 
   before(async () => {
-    disk = await dataOnSmallDisk(96);
+    disk = await smallDisk(96);
     // With a run listener: its load balancer asks it /readyz too.
     server = await startServer({ dataDir: disk.data, runPort: 0, env: { FERRY_MIN_FREE_MIB: '32' } });
     auth = await server.bootstrap();

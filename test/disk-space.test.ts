@@ -7,7 +7,6 @@
  * (the tests run as root), a statfs of the test's own for the watch's rules.
  */
 import assert from 'node:assert/strict';
-import { spawnSync } from 'node:child_process';
 import fs from 'node:fs/promises';
 import type { AddressInfo } from 'node:net';
 import path from 'node:path';
@@ -18,46 +17,11 @@ import { answer, workerErrorLine } from '../src/http/answer.js';
 import { createWorkerApi } from '../src/http/worker-api.js';
 import { createMetrics } from '../src/metrics.js';
 import { openSqliteStore } from '../src/store/sqlite.js';
-import { http, tempDir, waitFor } from './helpers/ferry.js';
-
-/** A tmpfs of `sizeMiB` mounted at a fresh folder; `fill()` takes all its room with one file. */
-async function smallDisk(sizeMiB: number) {
-  const root = await tempDir('ferry-disk-space-');
-  const mount = spawnSync('mount', ['-t', 'tmpfs', '-o', `size=${sizeMiB}m`, 'tmpfs', root], { encoding: 'utf8' });
-  assert.equal(mount.status, 0, `mount -t tmpfs failed: ${mount.stderr}`);
-  const filler = path.join(root, 'filler');
-  return {
-    root,
-    /** Writes 1 MiB pieces, then single pages, until the filesystem refuses (ENOSPC). */
-    async fill(): Promise<void> {
-      const handle = await fs.open(filler, 'a');
-      try {
-        for (const size of [1024 * 1024, 4096, 512]) {
-          const piece = Buffer.alloc(size, 1);
-          for (;;) {
-            try {
-              await handle.write(piece);
-            } catch (err) {
-              if ((err as NodeJS.ErrnoException).code === 'ENOSPC') break;
-              throw err;
-            }
-          }
-        }
-      } finally {
-        await handle.close();
-      }
-    },
-    unfill: () => fs.rm(filler, { force: true }),
-    async close() {
-      for (let i = 0; i < 20 && spawnSync('umount', [root]).status !== 0; i++)
-        await new Promise((r) => setTimeout(r, 250));
-      await fs.rm(root, { recursive: true, force: true });
-    },
-  };
-}
+import { http, waitFor } from './helpers/ferry.js';
+import { type SmallDisk, smallDisk } from './helpers/small-disk.js';
 
 describe('a write refused for lack of space is answered 507 FERRY_STORAGE_FULL', () => {
-  let disk: Awaited<ReturnType<typeof smallDisk>>;
+  let disk: SmallDisk;
   before(async () => {
     disk = await smallDisk(2);
   });
@@ -109,7 +73,7 @@ describe('a write refused for lack of space is answered 507 FERRY_STORAGE_FULL',
 });
 
 describe('the SQLite store keeps a transaction’s own error when SQLite rolled it back itself', () => {
-  let disk: Awaited<ReturnType<typeof smallDisk>>;
+  let disk: SmallDisk;
   before(async () => {
     disk = await smallDisk(8);
   });

@@ -44,6 +44,14 @@ function scheduleToml(app: string, webhook: string): string {
   return `[app]\nname = "${app}"\n[[schedules]]\nname = "tick"\ncron = "@daily"\nwebhook = ${JSON.stringify(webhook)}\n`;
 }
 
+/** Every way the run endpoint takes a webhookEndpoint: Cortex and custom apps, sync and async. */
+const RUN_ENDPOINTS = [
+  ['cortex', '/run'],
+  ['cortex', '/run?async=true'],
+  ['custom', '/hook/path'],
+  ['custom', '/hook/path?async=true'],
+] as const;
+
 describe('one rule for every webhook URL', () => {
   let server: TestServer;
   let auth: { projectId: string; token: string };
@@ -97,12 +105,7 @@ describe('one rule for every webhook URL', () => {
   it('the run endpoint refuses each bad webhookEndpoint, on Cortex calls and custom apps, storing nothing', async () => {
     const before = await countRuns();
     for (const [what, url, says] of BAD) {
-      for (const [app, rest] of [
-        ['cortex', '/run'],
-        ['cortex', '/run?async=true'],
-        ['custom', '/hook/path'],
-        ['custom', '/hook/path?async=true'],
-      ] as const) {
+      for (const [app, rest] of RUN_ENDPOINTS) {
         const res = await callWith(app, rest, url);
         assert.equal(res.status, 400, `${what} on ${app}${rest}: ${res.text}`);
         assert.equal(res.json.error.code, 'FERRY_WEBHOOK_URL_INVALID', `${what} on ${app}${rest}`);
@@ -162,12 +165,7 @@ describe('one rule for every webhook URL', () => {
     ];
     const before = await countRuns();
     for (const [url, says] of blocked) {
-      for (const [app, rest] of [
-        ['cortex', '/run'],
-        ['cortex', '/run?async=true'],
-        ['custom', '/hook/path'],
-        ['custom', '/hook/path?async=true'],
-      ] as const) {
+      for (const [app, rest] of RUN_ENDPOINTS) {
         const res = await callWith(app, rest, url);
         assert.equal(res.status, 400, `${url} on ${app}${rest}: ${res.text}`);
         assert.equal(res.json.error.code, 'FERRY_WEBHOOK_URL_INVALID', `${url} on ${app}${rest}`);
